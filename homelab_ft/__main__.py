@@ -1,0 +1,3 @@
+from homelab_ft.cli import main
+
+raise SystemExit(main())

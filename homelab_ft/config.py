@@ -1,0 +1,363 @@
+"""Recipes: YAML mapped onto frozen, validated dataclasses.
+
+Every default lives here, once, as a field with a docstring. Loading is strict: an unknown key
+names its dotted path and the nearest valid key, a wrong type or out-of-range value names the key
+and what it accepts. Nothing in the code base reads a recipe with `.get(key, default)`.
+
+pydantic does the type checking and coercion; this module adds the error messages a user can act
+on and the `section.key=value` command-line overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+from typing_extensions import Annotated
+
+from homelab_ft.errors import UserError
+
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+Method = Literal["auto", "qlora", "lora", "full"]
+Strategy = Literal["auto", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
+
+
+@dataclass(frozen=True, config=_STRICT)
+class ModelConfig:
+    path: str = "smollm2"
+    """A local Hugging Face model directory, a `.gguf` file, a hub id already in the local HF cache,
+    or `smollm2` for the embedded SmolLM2-135M-Instruct (converted once from its GGUF file)."""
+    tokenizer: str | None = None
+    """Tokenizer location when it differs from `path`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the trainable base weights. `auto`: bfloat16 on GPUs that support it, else float32
+    (CPU matmuls in bf16 are slow and lossy, so CPU runs train in fp32)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    trust_remote_code: bool = False
+    """Run Python code shipped with a model. Off by default: it executes files from the model dir."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class LoraConfig:
+    r: PositiveInt = 16
+    """Adapter rank."""
+    alpha: Annotated[float, Field(gt=0)] = 32.0
+    """Scaling numerator: the adapter output is multiplied by alpha / r (alpha / sqrt(r) with rsLoRA)."""
+    dropout: Fraction = 0.05
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    """`all-linear` (every linear layer except the LM head) or a list of module-name suffixes."""
+    use_dora: bool = False
+    """Weight-decomposed LoRA (Liu et al. 2024): slower steps, often better at low rank."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023), which keeps high ranks stable."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class QuantConfig:
+    bits: Literal[4, 8] = 4
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type; NF4 is the QLoRA paper's choice for normally distributed weights."""
+    double_quant: bool = True
+    """Quantize the per-block absmax constants too: saves ~0.37 bits/param (QLoRA paper, sec. 3)."""
+    compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Dtype the 4-bit weights are dequantized to for matmuls. `auto`: bf16 where supported, else fp32."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class SourceConfig:
+    path: str
+    """A file (JSONL, JSON, CSV, Parquet), a glob, a folder, a `save_to_disk` directory, or a hub
+    dataset id already in the local cache."""
+    format: Literal["auto", "chat", "alpaca", "sharegpt", "prompt_completion", "text"] = "auto"
+    split: str = "train"
+    """Split to read when the source has several (hub datasets, `DatasetDict` folders)."""
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    """Relative sampling weight when mixing sources: rows are repeated or subsampled to match."""
+    limit: PositiveInt | None = None
+    """Use at most this many rows of this source."""
+    fields: dict[str, str] = Field(default_factory=dict)
+    """Column renames from the format's names to yours, e.g. `{instruction: question, output: answer}`."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class DataConfig:
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="demo:train")])
+    """Training sources. `demo:train` / `demo:eval` are the dataset shipped for `make demo`."""
+    eval_sources: list[SourceConfig] = Field(default_factory=list)
+    """Held-out sources; when empty, `eval_fraction` of the training rows are held out instead."""
+    eval_fraction: Fraction = 0.0
+    max_length: PositiveInt = 512
+    """Tokens per sample (and per packed block)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    packing: bool = False
+    """Concatenate samples into `max_length` blocks; attention never crosses a sample boundary."""
+    train_on_inputs: bool = False
+    """Also put loss on prompts and user turns; by default only assistant turns are learned."""
+    system_prompt: str | None = None
+    """Inserted as the system turn of every sample that has none."""
+    drop_system_prompt: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template (inline, or a path to a file) that replaces the tokenizer's own."""
+    bad_rows: Literal["fail", "skip"] = "fail"
+    """`skip`: malformed rows are counted and left out instead of stopping the run."""
+    shuffle: bool = True
+    cache_dir: str | None = None
+    """Where tokenised data is cached; default: the `datasets` cache."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class TrainConfig:
+    seed: int = 42
+    max_steps: PositiveInt = 100
+    """Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples)."""
+    micro_batch_size: PositiveInt = 4
+    grad_accum_steps: PositiveInt = 1
+    lr: Annotated[float, Field(gt=0)] = 2e-4
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: NonNegInt = 0
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
+    """The schedule decays to `lr * min_lr_ratio` at `max_steps`."""
+    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    """8-bit and paged AdamW come from bitsandbytes and need a CUDA GPU."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward: ~30% slower steps, far less memory."""
+    eval_every: NonNegInt = 0
+    """Evaluate on the held-out split every N steps (0: only at the end, if there is a split)."""
+    eval_max_batches: PositiveInt | None = None
+    save_every: NonNegInt = 0
+    """Write a resumable checkpoint every N steps (0: only at the end)."""
+    keep_last: PositiveInt = 2
+    """Checkpoints to keep; older complete ones are deleted after a new one is written."""
+    log_every: PositiveInt = 1
+    resume: bool = False
+    """Continue from the newest complete checkpoint in the run directory."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: PositiveInt | None = None
+    """CPU threads per process (torch.set_num_threads); default: torch's choice."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class OutputConfig:
+    dir: str | None = None
+    """Run directory; default `runs/<recipe name>`."""
+    overwrite: bool = False
+    """Replace a run directory that holds another run. Without it such a directory is refused."""
+    tensorboard: bool = True
+
+
+@dataclass(frozen=True, config=_STRICT)
+class ClusterConfig:
+    nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = 1
+    """Processes per node: one per GPU (or, on CPU, worker processes)."""
+    vram_gib: Annotated[float, Field(gt=0)] | None = None
+    """Memory per GPU; default: detected on this machine."""
+    host_ram_gib: Annotated[float, Field(gt=0)] | None = None
+    """RAM per node; default: detected on this machine."""
+    intra_link: Literal["pcie", "nvlink"] = "pcie"
+    inter_link_gbit: Annotated[float, Field(gt=0)] = 1.0
+    """Ethernet speed between nodes in Gbit/s (1, 2.5, 10 ...)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """What the planner plans for; `cpu` plans host RAM as the device memory."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class ShardingConfig:
+    strategy: Strategy = "auto"
+    """FSDP2 strategy for multi-process runs; `auto` lets the planner pick."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host RAM (FSDP2 CPUOffloadPolicy)."""
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of gathered weights during compute; `auto`: the model dtype."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype gradients are reduced in; fp32 keeps small per-rank contributions from rounding away."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class PlannerConfig:
+    headroom: Fraction = 0.1
+    """Fraction of device memory kept free beyond the estimate (allocator spikes, other processes)."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class Recipe:
+    name: str = "run"
+    method: Method = "auto"
+    """`auto` lets the planner walk the ladder: qlora, then lora, then full sharded training."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    quant: QuantConfig = Field(default_factory=QuantConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    sharding: ShardingConfig = Field(default_factory=ShardingConfig)
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir) if self.output.dir else Path("runs") / self.name
+
+
+_RECIPE_ADAPTER = TypeAdapter(Recipe)
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a recipe file, apply `section.key=value` overrides, validate strictly."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe {path} not found; pass a YAML file such as recipes/smollm2-lora-cpu.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{path}:{where} is not valid YAML: {problem}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; save the recipe as UTF-8") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: a recipe is a mapping of sections (model:, data:, train: ...), got a {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    return recipe_from_dict(raw, overrides=overrides, source=str(path))
+
+
+def recipe_from_dict(raw: dict[str, Any], *, overrides=(), source: str = "recipe") -> Recipe:
+    raw = apply_overrides(raw, overrides)
+    try:
+        return _RECIPE_ADAPTER.validate_python(raw)
+    except ValidationError as err:
+        raise UserError(f"{source}: {_explain(err, raw)}") from None
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    """Plain data (for the run directory's resolved recipe and for JSON)."""
+    data = dataclasses.asdict(recipe)
+    data["train"]["betas"] = list(data["train"]["betas"])
+    return data
+
+
+def dump_recipe(recipe: Recipe, path: Path) -> None:
+    path.write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
+
+
+def apply_overrides(raw: dict[str, Any], overrides) -> dict[str, Any]:
+    """`train.lr=1e-4 data.packing=true` -> nested dict updates; values parsed as YAML scalars."""
+    raw = _deepcopy(raw)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} is not key=value; write e.g. train.lr=1e-4")
+        parts = key.strip().split(".")
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
+            node = child
+        try:
+            node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            node[parts[-1]] = value
+    return raw
+
+
+def _deepcopy(obj):
+    if isinstance(obj, dict):
+        return {k: _deepcopy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deepcopy(v) for v in obj]
+    return obj
+
+
+# --------------------------------------------------------------------------------------------
+# error messages
+
+
+_UNKNOWN = {"unexpected_keyword_argument", "extra_forbidden"}
+
+
+def _explain(err: ValidationError, raw: dict[str, Any]) -> str:
+    """Turn pydantic's first error into one line: dotted key, what was wrong, what to write."""
+    errors = err.errors()
+    # An unknown key explains a "missing" one next to it (`pth:` for `path:`), so report it first.
+    unknown = [e for e in errors if e["type"] in _UNKNOWN]
+    first = (unknown or errors)[0]
+    loc = [str(p) for p in first["loc"]]
+    dotted = _dotted(loc)
+    kind = first["type"]
+    if kind in _UNKNOWN:
+        valid = _valid_keys(loc[:-1])
+        hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
+        fix = f"did you mean {_dotted(loc[:-1] + [hint[0]])}?" if hint else f"valid keys: {', '.join(valid)}"
+        return f"unknown key {dotted}; {fix}"
+    if kind == "missing" or kind == "missing_argument":
+        return f"{dotted} is required"
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, dict) else "a mapping"
+    return f"{dotted} = {shown}: {first['msg'].lower()}"
+
+
+def _dotted(loc: list[str]) -> str:
+    out = ""
+    for part in loc:
+        if part.isdigit():
+            out += f"[{part}]"
+        elif "[" in part or "-" in part:  # pydantic's validator names: literal['x'], list[str], function-after
+            continue
+        else:
+            out += ("." if out else "") + part
+    return out or "<top level>"
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    """Field names of the dataclass that `loc` points into."""
+    cls: Any = Recipe
+    for part in loc:
+        if part.isdigit():
+            continue
+        hints = get_type_hints(cls, include_extras=False)
+        if part not in hints:
+            break
+        cls = _dataclass_in(hints[part])
+        if cls is None:
+            return []
+    return sorted(f.name for f in dataclasses.fields(cls))
+
+
+def _dataclass_in(annotation) -> Any:
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    origin = get_origin(annotation)
+    if origin is not None:
+        for arg in get_args(annotation):
+            found = _dataclass_in(arg)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,14 @@
+"""The one error type for user mistakes.
+
+Anything the user can fix (a recipe key, a path, a dataset row, a cluster flag) raises
+`UserError` with a message that says what to change. The CLI prints it on one line and exits 2;
+tracebacks are reserved for our own bugs.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input; the message names the file/key and the fix."""
+
+    exit_code = 2
