@@ -1,0 +1,161 @@
+"""Resumable checkpoints: one format for one process and for many.
+
+A checkpoint is a directory `checkpoints/step_000123/` holding
+- `state/`: model (trainable parameters only: the adapters for LoRA) and optimizer, written with
+  torch.distributed.checkpoint (DCP), where every rank writes only the shards it holds and a load
+  on another number of ranks reshards;
+- `adapter/`: for LoRA runs, the adapter as PEFT safetensors (what export and serving read);
+- `rng/rank_<r>.pt`: each rank's RNG states (dropout), read back with weights_only=True;
+- `trainer_state.json`: step, scheduler, data position, model identity. Written last.
+
+All of it is written under `.tmp-step_000123` and renamed when complete, so a crash mid-write
+leaves nothing that `latest()` would pick.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from homelab_ft.errors import UserError
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# Loading sets only the trainable tensors; strict=False lets the frozen base stay as loaded. A
+# trainable tensor missing from the checkpoint still fails: dcp.load refuses keys it cannot find.
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    step: int
+    scheduler: dict
+    sampler: dict
+    model_fingerprint: str
+    world_size: int
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint (temporary and incomplete directories are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return None
+    complete = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / "trainer_state.json").is_file()
+    ]
+    return max(complete)[1] if complete else None
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int) -> Path:
+    """Write a checkpoint for `state.step` on every rank; returns its final path."""
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f".tmp-step_{state.step:06d}"
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this very step
+        tmp.mkdir(parents=True)
+    _barrier()
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state")
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    save_adapter(model, tmp / "adapter")
+    _barrier()
+
+    if rank == 0:
+        # trainer_state.json last: its presence is what marks a checkpoint complete.
+        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=1))
+        if final.exists():  # a re-run of the same step after a resume from an earlier one
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(root, keep_last=keep_last)
+    _barrier()
+    return final
+
+
+def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerState:
+    """Restore model, optimizer and this rank's RNG from `path`; returns the trainer state."""
+    state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    if state.model_fingerprint != model_fingerprint:
+        raise UserError(
+            f"{path} was written for another model or method ({state.model_fingerprint}), "
+            f"not {model_fingerprint}; use a new output.dir or set output.overwrite=true"
+        )
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=path / "state")
+    set_state_dict(
+        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"], options=_LOAD_OPTIONS
+    )
+    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return state
+
+
+def save_adapter(model, out_dir: Path) -> None:
+    """For PEFT models, gather the adapter to rank 0 and write it in PEFT's own format."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
+    if not isinstance(inner, PeftModel):
+        return
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    )
+    if _rank() != 0:
+        return
+    prefix = "module." if inner is not model else ""
+    full = {k.removeprefix(prefix): v for k, v in full.items()}
+    adapter = get_peft_model_state_dict(inner, state_dict=full)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
+    inner.peft_config["default"].save_pretrained(out_dir)
+
+
+def _prune(root: Path, *, keep_last: int) -> None:
+    steps = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "trainer_state.json").is_file())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

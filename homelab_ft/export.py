@@ -1,0 +1,165 @@
+"""Export a run as a model that plain `transformers`, llama.cpp and other local runtimes load.
+
+Adapters are merged into a full-precision copy of the base, never into 4-bit weights (merging
+into NF4 re-quantizes the sum and throws away most of what the adapter learned). The export is
+written under a temporary name, checked by reloading it with `from_pretrained` and comparing its
+logits with the unmerged model, and only then renamed into place. Running it again for the same
+checkpoint does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_ft import checkpoint, modeling
+from homelab_ft.config import load_recipe
+from homelab_ft.errors import UserError
+
+META = "homelab_ft_export.json"
+FP32_TOLERANCE = 1e-4
+"""Max abs logit difference allowed between the merged export and base + adapter, in fp32."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    max_abs_diff: float | None
+    skipped: bool
+
+
+def run_info(run_dir: Path) -> dict:
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a homelab-ft run directory (no run.json); give the directory a train run wrote")
+    return json.loads(path.read_text())
+
+
+def export_run(
+    run_dir: Path, out_dir: Path, *, adapter_only: bool = False, dtype: str = "auto", overwrite: bool = False
+) -> ExportResult:
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    info = run_info(run_dir)
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    ckpt = checkpoint.latest(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
+    identity = {"checkpoint": str(ckpt.resolve()), "adapter_only": adapter_only, "dtype": dtype}
+    if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
+        print(f"{out_dir} already holds this export; nothing to do")
+        return ExportResult(out_dir, None, skipped=True)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
+
+    model_dir = modeling.resolve_model_dir(recipe.model.path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        if info["method"] in ("lora", "qlora") and adapter_only:
+            diff = _write_adapter(ckpt, model_dir, recipe, tmp)
+        elif info["method"] in ("lora", "qlora"):
+            diff = _write_merged(ckpt, model_dir, recipe, tmp, dtype=dtype)
+        else:
+            from homelab_ft.consolidate import consolidate_to_hf
+
+            diff = consolidate_to_hf(ckpt, model_dir, tmp)
+        (tmp / META).write_text(json.dumps({"source": identity, "method": info["method"], "max_abs_diff": diff}, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir, diff, skipped=False)
+
+
+def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe):
+    """Full-precision base + the checkpoint's adapter (whatever precision the run trained in)."""
+    import torch
+    from peft import PeftModel
+
+    base = modeling.load_model(recipe.model, model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    try:
+        return PeftModel.from_pretrained(base, ckpt / "adapter")
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UserError(
+            f"the adapter in {ckpt} does not fit the base {recipe.model.path} "
+            f"({str(err).splitlines()[0][:160]}); export it against the model it was trained on"
+        ) from None
+
+
+def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe)
+    peft_model.eval()
+    tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
+    probe = _probe_ids(tokenizer)
+    with torch.no_grad():
+        expected = peft_model(input_ids=probe).logits
+    merged = peft_model.merge_and_unload()
+    save_dtype = _save_dtype(dtype, model_dir)
+    merged.to(save_dtype)
+    merged.config.use_cache = True
+    # 5 GB shards: the size the Hub and llama.cpp's converter handle comfortably.
+    merged.save_pretrained(out, max_shard_size="5GB")
+    tokenizer.save_pretrained(out)
+    _write_runtime_notes(out)
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits
+    diff = float((got - expected).abs().max())
+    tolerance = FP32_TOLERANCE if save_dtype == torch.float32 else 0.05 * float(expected.abs().max())
+    if diff > tolerance:
+        raise RuntimeError(f"export check failed: merged logits differ from base + adapter by {diff:.2e} > {tolerance:.2e}")
+    print(f"export check: max |logit difference| merged vs base + adapter = {diff:.2e} ({save_dtype})")
+    return diff
+
+
+def _write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
+    """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
+    _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    shutil.copytree(ckpt / "adapter", out, dirs_exist_ok=True)
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = recipe.model.path
+    config_path.write_text(json.dumps(config, indent=2))
+    modeling.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
+    return None
+
+
+def _save_dtype(name: str, model_dir: Path):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    config = json.loads((model_dir / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype")  # the name differs across transformers versions
+    return getattr(torch, declared) if declared in ("float32", "bfloat16", "float16") else torch.float32
+
+
+def _probe_ids(tokenizer):
+    import torch
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+def _write_runtime_notes(out: Path) -> None:
+    (out / "RUNNING.md").write_text(
+        "# Running this model\n\n"
+        "transformers:\n\n"
+        "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        f"    model = AutoModelForCausalLM.from_pretrained('{out.name}')\n\n"
+        "llama.cpp (GGUF for llama.cpp, Ollama, LM Studio):\n\n"
+        f"    python convert_hf_to_gguf.py {out.name} --outfile model.gguf --outtype q8_0\n\n"
+        "homelab-ft:\n\n"
+        f"    homelab-ft generate {out.name} --prompt 'Hello'\n"
+    )

@@ -1,0 +1,71 @@
+"""What a run leaves behind for people to read: metrics.jsonl, TensorBoard events, a loss plot.
+
+Only the main rank writes; other ranks get a logger that does nothing, so the loop never branches
+on the rank to log.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, row["step"])
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop rows of steps after the checkpoint (they will be logged again)."""
+        if not self.enabled or not self.path.is_file():
+            return
+        rows = read_metrics(self.path)
+        kept = [r for r in rows if r["step"] <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: Path, out_png: Path) -> None:
+    """Training loss per step, and eval loss where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a headless training box
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean per trained token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)

