@@ -14,10 +14,12 @@ leaves nothing that `latest()` would pick.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +84,8 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     _barrier()
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state")
+    with _single_process_ok():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state")
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     save_adapter(model, tmp / "adapter")
@@ -109,7 +112,8 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
         )
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     target = {"model": model_sd, "optim": optim_sd}
-    dcp.load(target, checkpoint_id=path / "state")
+    with _single_process_ok():
+        dcp.load(target, checkpoint_id=path / "state")
     set_state_dict(
         model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"], options=_LOAD_OPTIONS
     )
@@ -140,6 +144,14 @@ def save_adapter(model, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
     inner.peft_config["default"].save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns on every single-process save/load; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _prune(root: Path, *, keep_last: int) -> None:

@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_demo(sub)
     _add_recipes(sub)
+    _add_data(sub)
     return parser
 
 
@@ -163,6 +164,29 @@ def _cmd_demo(args) -> int:
     from homelab_ft.demo import run_demo
 
     run_demo(run_dir=args.run_dir)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def _add_data(sub) -> None:
+    p = sub.add_parser("data", help="look at a recipe's data before training")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
+    q = data_sub.add_parser("inspect", help="rows, tokens, lengths, packing and one sample with its trained tokens")
+    q.add_argument("recipe", type=Path)
+    _overrides(q)
+    q.add_argument("--no-color", action="store_true", help="mark trained tokens with [[ ]] instead of colour")
+    q.set_defaults(func=_cmd_data_inspect)
+
+
+def _cmd_data_inspect(args) -> int:
+    from homelab_ft.config import load_recipe
+    from homelab_ft.data_inspect import inspect_recipe
+
+    recipe = load_recipe(args.recipe, list(args.overrides))
+    color = sys.stdout.isatty() and not args.no_color
+    print(inspect_recipe(recipe, base_dir=args.recipe.resolve().parent, color=color))
     return 0
 
 

@@ -60,14 +60,16 @@ def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainR
             recipe_procs_per_node=recipe.cluster.gpus_per_node,
             strategy=resolve_strategy(recipe, method),
         )
-    resume_from = prepare_run_dir(recipe, env=env)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-
+    # Every input is checked before the run directory is touched: a typo never costs a run.
+    resume_from = check_run_dir(recipe)
     model_dir = modeling.resolve_model_dir(recipe.model.path)
     tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
     data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
+    init_run_dir(recipe, env=env, resume_from=resume_from)
+
+    torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
     model = build_model(recipe, model_dir=model_dir, method=method, env=env)
     trainable, total = modeling.count_params(model)
     optimizer = steps.build_optimizer(model, cfg)
@@ -286,34 +288,38 @@ def _forward(model, mb: dict, device) -> torch.Tensor:
     return model(**inputs, use_cache=False).logits
 
 
-def prepare_run_dir(recipe: Recipe, *, env) -> Path | None:
-    """Refuse to mix runs; returns the checkpoint to resume from, if any.
-
-    Every rank checks (they all must fail alike), then the main rank writes, so no rank sees a
-    half-made directory.
-    """
+def check_run_dir(recipe: Recipe) -> Path | None:
+    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from."""
     run_dir = recipe.run_dir
     saved = run_dir / "recipe.yaml"
-    resume_from = None
     if recipe.train.resume:
-        resume_from = checkpoint.latest(run_dir)
         if saved.is_file():
             _check_same_model(load_recipe(saved), recipe, saved)
-    elif run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
+        return checkpoint.latest(run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
         raise UserError(
             f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
             "--overwrite, or choose another with --run-dir"
         )
+    return None
+
+
+def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
+    """Create (or, with overwrite, replace) the run directory once every input has been checked.
+
+    Every rank has run the same checks; the main rank writes between two barriers, so no rank
+    sees a half-made directory.
+    """
+    run_dir = recipe.run_dir
     _barrier(env)
     if env.is_main:
         if recipe.output.overwrite and not recipe.train.resume and run_dir.exists():
             shutil.rmtree(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, saved)
+        dump_recipe(recipe, run_dir / "recipe.yaml")
         if recipe.train.resume and resume_from is None:
             print(f"no complete checkpoint in {run_dir}; starting from step 0")
     _barrier(env)
-    return resume_from
 
 
 def _barrier(env) -> None:
