@@ -14,6 +14,19 @@ from homelab_ft.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run(argv)
+    from homelab_ft.launch import under_torchrun
+
+    if under_torchrun():
+        # FSDP2 processes on CPU can abort at interpreter exit after the process group is
+        # destroyed (see distributed.teardown); leave with the real exit code instead.
+        from homelab_ft.distributed import exit_now
+
+        exit_now(code)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     # Overrides may come after options (`train r.yaml --resume train.lr=1e-4`), which argparse's
     # positional handling alone does not allow.
@@ -43,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_recipes(sub)
     _add_data(sub)
+    _add_launch(sub)
     return parser
 
 
@@ -102,10 +116,46 @@ def _cmd_train(args) -> int:
         overrides.append("output.overwrite=true")
     recipe = load_recipe(args.recipe, overrides)
 
+    from homelab_ft import launch, planner
+
+    code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides)
+    if code is not None:
+        return code
+    plan = planner.plan_for_recipe(recipe)
+    if plan.chosen is None and recipe.method == "auto":
+        print(planner.format_plan(plan), file=sys.stderr)
+        raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
+    if plan.chosen is None:
+        print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
+              "numbers); trying anyway", file=sys.stderr)
+
     from homelab_ft import trainer
 
-    trainer.train(recipe, base_dir=args.recipe.resolve().parent)
+    trainer.train(recipe, plan=plan, base_dir=args.recipe.resolve().parent)
     return 0
+
+
+# --------------------------------------------------------------------------------------------- launch
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser("launch", help="print (or run over ssh) each node's torchrun command for a multi-node recipe")
+    p.add_argument("recipe")
+    _overrides(p)
+    p.add_argument("--hosts", type=Path, required=True, help="hostfile: one host per line, the head node first")
+    p.add_argument("--port", type=int, default=29500, help="rendezvous TCP port on the head node")
+    p.add_argument("--iface", help="network interface to use (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
+    p.add_argument("--workdir", help="directory of this checkout on every node (default: the current one)")
+    p.add_argument("--join-timeout", type=int, default=300, help="seconds to wait for all nodes to join")
+    p.add_argument("--run", action="store_true", help="start the commands over ssh instead of printing them")
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args) -> int:
+    from homelab_ft.launch import launch
+
+    return launch(args.hosts, args.recipe, list(args.overrides), port=args.port, iface=args.iface, run=args.run,
+                  workdir=args.workdir, join_timeout_s=args.join_timeout)
 
 
 # --------------------------------------------------------------------------------------------- export

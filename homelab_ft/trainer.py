@@ -34,22 +34,42 @@ class TrainResult:
     eval_loss: float | None
 
 
-def train(recipe: Recipe, *, method: str | None = None, base_dir: Path | None = None) -> TrainResult:
-    """Run `recipe` to `train.max_steps`; `method` is the resolved rung (default: the recipe's)."""
-    method = method or resolve_method(recipe)
+@dataclass(frozen=True)
+class Rung:
+    """How this run trains: the planner's choice where the recipe left it open."""
+
+    method: str
+    strategy: str
+    cpu_offload: bool
+
+
+def train(recipe: Recipe, *, plan=None, base_dir: Path | None = None) -> TrainResult:
+    """Run `recipe` to `train.max_steps`. `plan` (planner.Plan) resolves `auto` choices."""
+    rung = resolve_rung(recipe, plan)
     env = distributed.setup(device_pref=recipe.train.device)
     try:
-        return _train(recipe, env=env, method=method, base_dir=base_dir)
+        return _train(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
     finally:
         distributed.teardown(env)
 
 
-def resolve_method(recipe: Recipe) -> str:
-    """`auto` without a plan: LoRA, the rung that trains any model that loads in full precision."""
-    return "lora" if recipe.method == "auto" else recipe.method
+def resolve_rung(recipe: Recipe, plan=None) -> Rung:
+    """The recipe's explicit choices win; `auto` takes the plan's, else LoRA replicated per rank
+    (the rung that trains any model that loads in full precision)."""
+    chosen = plan.chosen if plan is not None else None
+    method = recipe.method if recipe.method != "auto" else (chosen.method if chosen else "lora")
+    if recipe.sharding.strategy != "auto":
+        strategy = recipe.sharding.strategy
+    elif chosen is not None and chosen.method == method:
+        strategy = chosen.strategy
+    else:
+        # adapters are small: replicate them, so only adapter gradients cross the network
+        strategy = "no_shard" if method in ("lora", "qlora") else "full_shard"
+    offload = recipe.sharding.cpu_offload or bool(chosen and chosen.method == method and chosen.cpu_offload)
+    return Rung(method=method, strategy=strategy, cpu_offload=offload)
 
 
-def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainResult:
+def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> TrainResult:
     cfg = recipe.train
     run_dir = recipe.run_dir
     if env.distributed:
@@ -58,7 +78,7 @@ def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainR
             num_nodes=env.num_nodes,
             recipe_nodes=recipe.cluster.nodes,
             recipe_procs_per_node=recipe.cluster.gpus_per_node,
-            strategy=resolve_strategy(recipe, method),
+            strategy=rung.strategy,
         )
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -68,9 +88,12 @@ def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainR
     tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
     data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
     init_run_dir(recipe, env=env, resume_from=resume_from)
+    if env.is_main and plan is not None:
+        (run_dir / "plan.json").write_text(plan.to_json())
+    method = rung.method
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-    model = build_model(recipe, model_dir=model_dir, method=method, env=env)
+    model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
     trainable, total = modeling.count_params(model)
     optimizer = steps.build_optimizer(model, cfg)
     scheduler = steps.build_scheduler(optimizer, cfg)
@@ -84,7 +107,8 @@ def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainR
     )
     fingerprint = f"{method}:{recipe.model.path}:{total}"
     if env.is_main:
-        info = {"method": method, "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
+        info = {"method": method, "strategy": rung.strategy, "cpu_offload": rung.cpu_offload,
+                "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
         (run_dir / "run.json").write_text(json.dumps(info, indent=1))
     logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
     start = 0
@@ -172,8 +196,9 @@ def _train(recipe: Recipe, *, env, method: str, base_dir: Path | None) -> TrainR
     return TrainResult(run_dir=run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
 
 
-def build_model(recipe: Recipe, *, model_dir: Path, method: str, env):
+def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     """Load the base for the rung, attach adapters, apply sharding when there are several ranks."""
+    method = rung.method
     dtype = modeling.resolve_dtype(recipe.model.dtype, env.device)
     cfg = recipe.train
     if method == "qlora":
@@ -188,11 +213,11 @@ def build_model(recipe: Recipe, *, model_dir: Path, method: str, env):
         )
         quant.after_load(model)
         model = quant.prepare_for_training(model, activation_checkpointing=cfg.activation_checkpointing)
-    elif env.world_size > 1 and resolve_strategy(recipe, method) != "no_shard":
-        return _build_sharded(recipe, model_dir=model_dir, method=method, env=env, dtype=dtype)
+    elif env.distributed and rung.strategy != "no_shard":
+        return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtype)
     else:
         model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=env.device)
-    sharded = env.world_size > 1
+    sharded = env.distributed
     if cfg.activation_checkpointing and not sharded and method != "qlora":
         model.activation_checkpointing_enable()
     if method in ("lora", "qlora"):
@@ -201,8 +226,8 @@ def build_model(recipe: Recipe, *, model_dir: Path, method: str, env):
         model = distributed.parallelize(
             model,
             env,
-            strategy=resolve_strategy(recipe, method),
-            cpu_offload=recipe.sharding.cpu_offload,
+            strategy=rung.strategy,
+            cpu_offload=rung.cpu_offload,
             param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
             reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
             activation_checkpointing=cfg.activation_checkpointing,
@@ -210,7 +235,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, method: str, env):
     return model
 
 
-def _build_sharded(recipe: Recipe, *, model_dir: Path, method: str, env, dtype):
+def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
     """FSDP: build on the meta device, shard, then load weights without a full copy per rank.
 
     Full fine-tunes read each rank's slices straight from the safetensors. LoRA takes rank 0's
@@ -220,7 +245,7 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, method: str, env, dtype):
 
     from homelab_ft import sharded_loading
 
-    lora = method == "lora"
+    lora = rung.method == "lora"
 
     def build():
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
@@ -240,20 +265,12 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, method: str, env, dtype):
         build=build,
         load_full=load_full if lora else None,
         model_dir=None if lora else model_dir,
-        strategy=resolve_strategy(recipe, method),
-        cpu_offload=recipe.sharding.cpu_offload,
+        strategy=rung.strategy,
+        cpu_offload=rung.cpu_offload,
         param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
         reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
         activation_checkpointing=recipe.train.activation_checkpointing,
     )
-
-
-def resolve_strategy(recipe: Recipe, method: str) -> str:
-    """`auto`: adapters are small, so LoRA/QLoRA replicate them (only adapter grads cross the
-    network); full fine-tunes shard everything."""
-    if recipe.sharding.strategy != "auto":
-        return recipe.sharding.strategy
-    return "no_shard" if method in ("lora", "qlora") else "full_shard"
 
 
 @torch.no_grad()

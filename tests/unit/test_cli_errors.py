@@ -60,7 +60,7 @@ def test_missing_model_path_and_gguf(capsys, tmp_path):
     err = run_cli(capsys, "train", recipe_file(tmp_path, {"model": {"path": str(tmp_path / "m.gguf")}}), "--run-dir", run)
     assert "GGUF file" in err and "m.gguf" in err
     err = run_cli(capsys, "train", recipe_file(tmp_path, {"model": {"path": "nobody/not-cached-model"}}), "--run-dir", run)
-    assert "not in the local Hugging Face cache" in err
+    assert "hf download nobody/not-cached-model" in err
     assert not run.exists()  # nothing is created for a run that cannot start
 
 
