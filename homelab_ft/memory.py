@@ -1,0 +1,410 @@
+"""The memory, network and time model behind the planner: pure arithmetic, no torch, no I/O.
+
+For one option (method x sharding strategy x CPU offload) on one cluster, `estimate` returns the
+bytes each device holds at peak, broken into the items that decide whether a run OOMs, the host
+RAM per node, the bytes each rank sends per optimizer step, and seconds of compute and
+communication per step. Every formula says where it comes from; docs/ladder.md walks through a
+worked example and bench/plan_vs_measured.py checks the model-state bytes against real runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from homelab_ft.shapes import ModelShape
+
+GiB = 1024**3
+
+# CUDA context + cuBLAS/cuDNN workspaces: ~0.5-0.8 GiB per process with torch 2.x on Ampere/Ada
+# (nvidia-smi after `torch.zeros(1, device="cuda")` and one bf16 matmul), plus ~0.5 GiB the caching
+# allocator holds in fragmented blocks during a training step. Spikes above that are what the
+# planner's headroom fraction is for.
+CUDA_OVERHEAD_BYTES = int(1.25 * GiB)
+# A CPU training process before any tensor: python + torch + transformers + peft resident set.
+CPU_PROCESS_BYTES = int(0.6 * GiB)
+# Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
+CUDA_HOST_PROCESS_BYTES = 2 * GiB
+
+# Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
+# cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives
+# ~50 GB/s per direction. Ethernet: link rate x 0.9 (TCP/IP framing; NCCL socket transport reaches
+# ~90% of line rate on large messages). CPU/gloo inside a machine: shared-memory copies, ~5 GB/s.
+LINK_BYTES_PER_S = {"pcie": 10e9, "nvlink": 50e9, "cpu": 5e9}
+ETHERNET_EFFICIENCY = 0.9
+# Host<->device copies of CPU offload: pinned-memory PCIe 4.0 x16 transfers reach ~12 GB/s.
+OFFLOAD_BYTES_PER_S = 12e9
+# torch's foreach AdamW on the CPU is memory-bound (~28 bytes read/written per fp32 parameter);
+# on a desktop with ~20 GB/s of usable bandwidth that is ~0.5e9 parameters per second.
+CPU_ADAM_PARAMS_PER_S = 0.5e9
+# QLoRA steps are ~1.3x slower than 16-bit LoRA: every matmul first dequantizes its NF4 weight
+# (QLoRA paper, appendix; bitsandbytes 0.4x benchmarks on Ampere).
+QLORA_SLOWDOWN = 1.3
+
+Method = Literal["qlora", "lora", "full"]
+Strategy = Literal["no_shard", "full_shard", "shard_grad_op", "hybrid_shard"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the plan is for: nodes x devices per node, memory, links, throughput."""
+
+    device: Literal["cuda", "cpu"]
+    nodes: int
+    gpus_per_node: int
+    """Processes per node: one per GPU, or CPU worker processes."""
+    device_bytes: int
+    """Memory per device; on `cpu`, each process's share of the node's RAM."""
+    host_ram_bytes: int
+    """RAM per node."""
+    intra_link: Literal["pcie", "nvlink"] = "pcie"
+    inter_link_gbit: float = 1.0
+    tflops: float = 40.0
+    """Sustained training throughput per device in TFLOPS (peak x utilisation; see hardware.py)."""
+    source: str = "recipe"
+    """Where the description came from (recipe, flags, detected), shown in the plan."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the recipe asks for; every default matches the recipe's (config.py)."""
+
+    method: Literal["auto", "qlora", "lora", "full"] = "auto"
+    strategy: Literal["auto", "no_shard", "full_shard", "shard_grad_op", "hybrid_shard"] = "auto"
+    cpu_offload: bool = False
+    """True forces offload. False forbids it when a strategy is named; with `auto` the planner may
+    still choose it when nothing else fits."""
+    seq_len: int = 512
+    micro_batch_size: int = 4
+    grad_accum_steps: int = 1
+    activation_checkpointing: bool = False
+    lora_r: int = 16
+    lora_dropout: float = 0.05
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    quant_bits: int = 4
+    double_quant: bool = True
+    quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    headroom: float = 0.1
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak bytes on one device, by item."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    gathered: int
+    """Unsharded parameters (and one block's gradients) FSDP holds while computing."""
+    overhead: int
+
+    @property
+    def model_state(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.logits + self.gathered + self.overhead
+
+
+@dataclass(frozen=True)
+class Estimate:
+    method: Method
+    strategy: Strategy
+    cpu_offload: bool
+    device: Memory
+    host_bytes: int
+    """Peak host RAM on the busiest node (node 0, which also loads the weights)."""
+    trainable_params: int
+    comm_bytes: int
+    """Bytes each rank sends per optimizer step."""
+    comm_s: float
+    compute_s: float
+    offload_s: float
+
+    @property
+    def step_s(self) -> float:
+        """FSDP prefetch overlaps collectives with compute; offload copies and the CPU optimizer
+        step are not overlapped."""
+        return max(self.compute_s, self.comm_s) + self.offload_s
+
+
+# --------------------------------------------------------------------------------------------
+# bytes per parameter
+
+
+def weight_bytes(request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per base weight: `auto` is bf16 on GPUs and fp32 on CPUs (config.ModelConfig.dtype)."""
+    if request.dtype == "auto":
+        return 2 if cluster.device == "cuda" else 4
+    return 4 if request.dtype == "float32" else 2
+
+
+def qlora_compute_bytes(request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes of QLoRA's non-quantized weights and activations: the compute dtype (`auto`: bf16 on
+    GPUs, fp32 on CPUs). fp16 counts as fp32: quant.prepare_for_training upcasts non-quantized
+    fp16 weights, since fp16's range overflows on LLM activation outliers."""
+    if request.quant_compute_dtype == "auto":
+        return 2 if cluster.device == "cuda" else 4
+    return 2 if request.quant_compute_dtype == "bfloat16" else 4
+
+
+def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, double_quant: bool) -> int:
+    """Bytes of one bitsandbytes-quantized nn.Linear weight, quantization constants included.
+
+    4-bit (bitsandbytes functional.quantize_4bit): two values per byte, one absmax per block of 64
+    values; fp32 absmax, or with double quantization (QLoRA sec. 3) uint8 absmax re-quantized in
+    blocks of 256 with fp32 second-level absmax plus one fp32 offset.
+    8-bit (LLM.int8, Linear8bitLt): one byte per value plus an fp32 scale per output row (SCB).
+    """
+    n = in_features * out_features
+    if bits == 8:
+        return n + 4 * out_features
+    blocks = math.ceil(n / 64)
+    if double_quant:
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
+    return math.ceil(n / 2) + 4 * blocks
+
+
+def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
+    """Adapter parameters of one block: r x (in + out) per targeted linear (A: r x in, B: out x r).
+
+    `all-linear` is PEFT's every nn.Linear except the LM head; MoE experts are nn.Parameters in
+    transformers 5 and are not reached by it.
+    """
+    block = shape.blocks[block_index]
+    return sum(request.lora_r * (lin.in_features + lin.out_features) for lin in _targeted(block, request))
+
+
+def _targeted(block, request: PlanRequest):
+    if "all-linear" in request.lora_targets:
+        return block.linears
+    return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in request.lora_targets))
+
+
+def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
+    return sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
+
+
+def base_weight_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
+    """(total bytes, largest block's bytes) of the unsharded base weights.
+
+    QLoRA: the blocks' linear weights quantized; every
+    other parameter (embeddings, norms, biases, LM head, MoE experts) in the compute dtype
+    (quant.prepare_for_training keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast).
+    """
+    if method != "qlora":
+        per_param = weight_bytes(request, cluster)
+        return shape.total_params * per_param, shape.max_block_params * per_param
+    other = qlora_compute_bytes(request, cluster)
+    block_bytes = []
+    for block in shape.blocks:
+        quantized = sum(
+            quantized_linear_bytes(lin.in_features, lin.out_features, bits=request.quant_bits, double_quant=request.double_quant)
+            for lin in block.linears
+        )
+        block_bytes.append(quantized + other * (block.params - block.linear_weight_params))
+    total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
+    return total, max(block_bytes)
+
+
+def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
+    """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
+    8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
+    if request.optimizer == "adamw":
+        return 2 * state_bytes
+    return 2 * (1 + 4 / 256)
+
+
+# --------------------------------------------------------------------------------------------
+# activations
+
+
+def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> int:
+    """Tensors autograd keeps for backward on one device, for one micro-batch.
+
+    Per block and token, in elements (HF Llama-style block with SDPA attention, which keeps no
+    seq x seq score matrix; after Korthikanti et al. 2022, "Reducing Activation Recomputation"):
+      6h     two RMSNorms: input (kept in fp32 by the HF norm = 2h in 16-bit units) + normed output
+      3q     attention output, its reshaped copy fed to o_proj, and q after RoPE
+      2kv    k and v after RoPE (kept by SDPA)
+      4i     MLP: gate output (for SiLU), SiLU output and up output (for the product), down input
+    LoRA adds, per targeted linear, its dropout's copy of the input plus a 1-byte mask (dropout > 0)
+    and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
+    one block recomputed in full during its backward.
+    """
+    tokens = request.seq_len * request.micro_batch_size
+    per_block = []
+    for block in shape.blocks:
+        q = shape.num_attention_heads * shape.head_dim
+        kv = shape.num_kv_heads * shape.head_dim
+        nbytes = (6 * shape.hidden_size + 3 * q + 2 * kv + 4 * block.mlp_width) * act_bytes
+        if method != "full":
+            targets = _targeted(block, request)
+            if request.lora_dropout > 0:
+                nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
+            nbytes += len(targets) * request.lora_r * act_bytes
+        per_block.append(nbytes)
+    if request.activation_checkpointing:
+        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
+    else:
+        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
+    return tokens * per_token
+
+
+def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
+    """The logits, vocab x tokens, are often the largest single item. Per token and vocab entry:
+    the LM head output (activation dtype); transformers' ForCausalLMLoss upcasts it to fp32
+    (loss_utils.py: `logits.float()`, a no-op in fp32); cross-entropy keeps its fp32 log-softmax
+    for backward, and backward allocates an fp32 gradient of the same size while that is alive.
+    Gemma 2's tanh soft-capping keeps one more fp32 copy."""
+    tokens = request.seq_len * request.micro_batch_size
+    per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
+    return tokens * shape.vocab_size * per_entry
+
+
+# --------------------------------------------------------------------------------------------
+# one option
+
+
+def shard_factor(strategy: Strategy, cluster: Cluster) -> int:
+    """Ranks a parameter is split over: all of them, or the GPUs of one node for HYBRID_SHARD."""
+    if strategy == "no_shard":
+        return 1
+    return cluster.gpus_per_node if strategy == "hybrid_shard" else cluster.world_size
+
+
+def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offload: bool,
+             request: PlanRequest, cluster: Cluster) -> Estimate:
+    """Peak memory per device, host RAM, traffic and time per step for one option."""
+    shards = shard_factor(strategy, cluster)
+    w_bytes = weight_bytes(request, cluster)
+    act_bytes = w_bytes if method != "qlora" else qlora_compute_bytes(request, cluster)
+    base_bytes, block_bytes = base_weight_bytes(shape, method, request, cluster)
+    if method == "full":
+        trainable, state_bytes = shape.total_params, w_bytes
+        root_bytes = shape.root_params * w_bytes
+    else:
+        # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
+        # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too.
+        trainable, state_bytes = adapter_params(shape, request), 4
+        root_bytes = shape.root_params * (qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes)
+        base_bytes += trainable * 4
+    weights = base_bytes / shards
+    gradients = trainable * state_bytes / shards
+    optimizer = trainable * optimizer_bytes_per_param(request, state_bytes) / shards
+
+    # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
+    # the reduce dtype for the reduce-scatter (full fine-tuning; adapter gradients are tiny).
+    block_grads = shape.max_block_params * (w_bytes + _reduce_bytes(request)) if method == "full" else 0
+    if shards == 1 and not cpu_offload:
+        gathered = 0
+    elif strategy == "shard_grad_op":
+        # reshard_after_forward=False: every block stays gathered from its forward to its backward.
+        gathered = base_bytes + block_grads
+    else:
+        # FSDP2 keeps the root module (embeddings, final norm, LM head) unsharded from its forward
+        # to its backward (the root is not resharded after forward) and holds the running block
+        # plus one prefetched block.
+        gathered = root_bytes + 2 * block_bytes + block_grads
+
+    resident = weights + gradients + optimizer
+    offloaded = resident if cpu_offload else 0
+    device = Memory(
+        weights=int(0 if cpu_offload else weights),
+        gradients=int(0 if cpu_offload else gradients),
+        optimizer=int(0 if cpu_offload else optimizer),
+        activations=activation_bytes(shape, method, request, act_bytes),
+        logits=logits_bytes(shape, request, act_bytes),
+        gathered=int(gathered),
+        overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
+    )
+    host = _host_bytes(device, offloaded=int(offloaded), base_bytes=base_bytes, shards=shards,
+                       cpu_offload=cpu_offload, cluster=cluster)
+    comm_bytes, comm_s = _communication(base_bytes, trainable, strategy=strategy, request=request, cluster=cluster)
+    return Estimate(
+        method=method, strategy=strategy, cpu_offload=cpu_offload, device=device, host_bytes=host,
+        trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
+        compute_s=_compute_s(shape, method, request, cluster),
+        offload_s=_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0,
+    )
+
+
+def _reduce_bytes(request: PlanRequest) -> int:
+    return 4 if request.reduce_dtype == "float32" else 2
+
+
+def _host_bytes(device: Memory, *, offloaded: int, base_bytes: int, shards: int, cpu_offload: bool,
+                cluster: Cluster) -> int:
+    """Host RAM on node 0. On a CPU 'device' this is every process's memory. On GPUs: the process
+    overhead, offloaded shards of every local rank, and, for sharded runs, one full copy of the
+    weights that rank 0 loads before broadcasting (sharded.py's rank-0 load, issue 4's first step;
+    single-device loads stream safetensors from the page cache straight to the GPU)."""
+    per_node = cluster.gpus_per_node
+    if cluster.device == "cpu":
+        return device.total * per_node
+    loading = base_bytes if (shards > 1 or cpu_offload) else 0
+    return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
+
+
+def _communication(base_bytes: int, trainable: int, *, strategy: Strategy, request: PlanRequest,
+                   cluster: Cluster) -> tuple[int, float]:
+    """Bytes each rank sends per optimizer step, and the seconds that takes.
+
+    Ring collectives: an all-gather or reduce-scatter of B bytes sends B x (N-1)/N per rank, an
+    all-reduce twice that. FULL_SHARD all-gathers the weights in forward and again in backward of
+    every micro-batch and reduce-scatters gradients once per step (no sync while accumulating):
+    with equal dtypes that is the familiar ~3 x parameter bytes x (N-1)/N. SHARD_GRAD_OP skips the
+    backward all-gather. DDP (no_shard) all-reduces the trainable gradients only: for LoRA/QLoRA
+    just the adapters. HYBRID_SHARD does FULL_SHARD inside a node and all-reduces each rank's
+    gradient shard across nodes, so only that crosses Ethernet. A ring that spans nodes runs at
+    the speed of its slowest hop, the Ethernet link.
+    """
+    n, g, nodes = cluster.world_size, cluster.gpus_per_node, cluster.nodes
+    grads = trainable * _reduce_bytes(request)
+    accum = request.grad_accum_steps
+    intra_bw = LINK_BYTES_PER_S["cpu" if cluster.device == "cpu" else cluster.intra_link]
+    inter_bw = cluster.inter_link_gbit * 1e9 / 8 * ETHERNET_EFFICIENCY
+    if n == 1:
+        return 0, 0.0
+    if strategy == "hybrid_shard":
+        intra = (2 * accum * base_bytes + grads) * (g - 1) / g
+        inter = 2 * grads / g * (nodes - 1) / nodes
+        return int(intra + inter), intra / intra_bw + inter / inter_bw
+    if strategy == "no_shard":
+        sent = 2 * grads * (n - 1) / n
+    elif strategy == "full_shard":
+        sent = (2 * accum * base_bytes + grads) * (n - 1) / n
+    else:
+        sent = (accum * base_bytes + grads) * (n - 1) / n
+    return int(sent), sent / (inter_bw if nodes > 1 else intra_bw)
+
+
+def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
+    """6 x params x tokens FLOPs for full fine-tuning (forward 2, backward 4; Kaplan et al. 2020);
+    4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
+    recomputes the forward. Params are the matmul ones a token passes through (blocks' active
+    parameters and the LM head; the embedding is a lookup). Attention's seq^2 term is left out:
+    below 8k tokens it adds < 10% for these models."""
+    matmul_params = shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
+    tokens = request.seq_len * request.micro_batch_size * request.grad_accum_steps
+    factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
+    seconds = factor * matmul_params * tokens / (cluster.tflops * 1e12)
+    return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+
+
+def _offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:
+    """CPU offload: the weight shard crosses PCIe for the forward and the backward all-gather of
+    every micro-batch, gradients come back once, and AdamW runs on the CPU."""
+    copies = 2 * request.grad_accum_steps * weight_shard_bytes + trainable_shard * w_bytes
+    return copies / OFFLOAD_BYTES_PER_S + trainable_shard / CPU_ADAM_PARAMS_PER_S

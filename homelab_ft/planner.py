@@ -1,0 +1,382 @@
+"""The decision ladder: which rung (QLoRA -> LoRA -> full sharded) and strategy a run uses, and why.
+
+`plan()` is pure: it evaluates every option (method x sharding strategy x CPU offload) with the
+memory/network model of memory.py, marks which fit the cluster with the recipe's headroom, and
+picks one:
+- `method: auto` walks the ladder in the seed's order, quantize first, then LoRA, then full
+  fine-tuning, and takes the first rung with an option that the request allows and that fits;
+- a named method keeps to that rung.
+Within a rung the fastest fitting option wins (estimated step time, then traffic, then memory), which is how
+full fine-tuning ends on the cheapest strategy for the link and how a slow link steers towards
+HYBRID_SHARD or adapter-only data parallelism. When nothing fits, the plan keeps the closest
+option and what would make something fit; the CLI prints that and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from homelab_ft.errors import UserError
+from homelab_ft.memory import Cluster, Estimate, GiB, Memory, PlanRequest, estimate
+from homelab_ft.shapes import ModelShape
+
+LADDER = ("qlora", "lora", "full")
+# quant.py refuses 4/8-bit when more than 10% of the block weights would stay unquantized (MoE
+# experts are 3-D parameters bitsandbytes does not touch); the planner marks the same case.
+MAX_UNQUANTIZABLE_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class Option:
+    method: str
+    strategy: str
+    cpu_offload: bool
+    memory: Memory
+    """Peak bytes per device, by item."""
+    host_bytes: int
+    trainable_params: int
+    comm_bytes: int
+    comm_s: float
+    compute_s: float
+    offload_s: float
+    step_s: float
+    budget_bytes: int
+    """Device memory minus headroom: what `memory.total` must stay under."""
+    host_budget_bytes: int
+    """Host RAM per node minus headroom (0 on a CPU 'device', where memory.total is host RAM)."""
+    allowed: bool
+    """The request (method, strategy, offload) permits this option."""
+    fits: bool
+    reason: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    config_source: str
+    """Where config.json came from (a path, GGUF metadata, or the bundled copy)."""
+    shape: ModelShape
+    cluster: Cluster
+    request: PlanRequest
+    options: tuple[Option, ...]
+    chosen: Option | None
+    closest: Option | None
+    """When nothing fits: the allowed option that comes nearest (smallest total / budget)."""
+    suggestions: tuple[str, ...]
+    """When nothing fits: changes that would make an option fit, each with its numbers."""
+    warnings: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen is not None
+
+    def to_dict(self) -> dict:
+        def option(o: Option | None):
+            if o is None:
+                return None
+            data = dataclasses.asdict(o)
+            data["memory"]["total"] = o.memory.total
+            return data
+
+        return {
+            "model": self.model,
+            "config_source": self.config_source,
+            "model_type": self.shape.model_type,
+            "total_params": self.shape.total_params,
+            "active_params": self.shape.active_params,
+            "cluster": dataclasses.asdict(self.cluster),
+            "request": dataclasses.asdict(self.request),
+            "fits": self.fits,
+            "chosen": option(self.chosen),
+            "closest": option(self.closest),
+            "suggestions": list(self.suggestions),
+            "warnings": list(self.warnings),
+            "options": [option(o) for o in self.options],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# --------------------------------------------------------------------------------------------
+# the decision
+
+
+def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: str = "", config_source: str = "") -> Plan:
+    """Evaluate every option, pick one by the ladder, explain the rest."""
+    validate(shape, request=request, cluster=cluster)
+    options = evaluate(shape, request=request, cluster=cluster)
+    chosen = choose(options, request=request)
+    closest, suggestions = None, ()
+    if chosen is None:
+        allowed = [o for o in options if o.allowed] or list(options)
+        closest = min(allowed, key=_pressure)
+        suggestions = what_would_fit(shape, request=request, cluster=cluster, closest=closest)
+    return Plan(model=model, config_source=config_source, shape=shape, cluster=cluster, request=request, options=options, chosen=chosen,
+                closest=closest, suggestions=suggestions, warnings=_warnings(shape, chosen, request, cluster))
+
+
+def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> None:
+    if request.seq_len > shape.max_position_embeddings:
+        raise UserError(
+            f"data.max_length={request.seq_len} is beyond the model's max_position_embeddings="
+            f"{shape.max_position_embeddings}; lower data.max_length"
+        )
+    if request.strategy == "hybrid_shard" and cluster.nodes < 2:
+        raise UserError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
+                        "it needs cluster.nodes >= 2; use full_shard on one node")
+
+
+def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
+    """Every option this cluster supports, with its estimate, whether it fits and why."""
+    budget = int(cluster.device_bytes * (1 - request.headroom))
+    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
+    out = []
+    for method in LADDER:
+        for strategy, offload in _strategies(cluster):
+            est = estimate(shape, method=method, strategy=strategy, cpu_offload=offload, request=request, cluster=cluster)
+            fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+            out.append(Option(
+                method=method, strategy=strategy, cpu_offload=offload, memory=est.device, host_bytes=est.host_bytes,
+                trainable_params=est.trainable_params, comm_bytes=est.comm_bytes, comm_s=est.comm_s,
+                compute_s=est.compute_s, offload_s=est.offload_s, step_s=est.step_s, budget_bytes=budget,
+                host_budget_bytes=host_budget if cluster.device == "cuda" else 0,
+                allowed=_allowed(method, strategy, offload, request=request, cluster=cluster), fits=fits, reason=reason,
+            ))
+    return tuple(out)
+
+
+def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | None:
+    rungs = LADDER if request.method == "auto" else (request.method,)
+    for rung in rungs:
+        candidates = [o for o in options if o.method == rung and o.allowed and o.fits]
+        if candidates:
+            # Equal step times (compute-bound) go to the option that moves fewer bytes: overlap of
+            # communication with compute is never perfect, and fewer collectives fail less.
+            return min(candidates, key=lambda o: (round(o.step_s, 3), o.comm_bytes, o.memory.total))
+    return None
+
+
+def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
+    """One device: plain, or FSDP2 on one rank to offload to the CPU. Several: DDP-style
+    replication, FULL_SHARD and SHARD_GRAD_OP (and HYBRID_SHARD across nodes with several GPUs
+    each), the sharded ones with and without offload. A CPU 'device' has nothing to offload to."""
+    offloads = (False,) if cluster.device == "cpu" else (False, True)
+    if cluster.world_size == 1:
+        return [("no_shard", False)] + [("full_shard", True)] * (cluster.device != "cpu")
+    sharded = ["full_shard", "shard_grad_op"]
+    if cluster.nodes > 1 and cluster.gpus_per_node > 1:
+        sharded.append("hybrid_shard")
+    return [("no_shard", False)] + [(s, off) for s in sharded for off in offloads]
+
+
+def _allowed(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> bool:
+    if request.method not in ("auto", method):
+        return False
+    if request.cpu_offload and not offload:
+        return False
+    if request.strategy == "auto":
+        return True
+    if cluster.world_size == 1 and not offload:
+        return True  # one device has no strategy to choose
+    return strategy == request.strategy and offload == request.cpu_offload
+
+
+def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int, request: PlanRequest,
+             cluster: Cluster) -> tuple[bool, str]:
+    device = "GPU" if cluster.device == "cuda" else "process"
+    name = f"{_method_label(est.method, request, cluster)} {est.strategy}{' +offload' if est.cpu_offload else ''}"
+    if est.method == "qlora" and _unquantizable_fraction(shape) > MAX_UNQUANTIZABLE_FRACTION:
+        share = _unquantizable_fraction(shape)
+        return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
+                       "cannot quantize (quant.py refuses); use lora or full")
+    limit = f"{_gib(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
+    total = est.device.total
+    if total > budget:
+        biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
+                      key=lambda k: getattr(est.device, k))
+        return False, (f"{name}: {_gib(total)} GiB per {device} > {limit} "
+                       f"(largest: {biggest} {_gib(getattr(est.device, biggest))} GiB)")
+    if cluster.device == "cuda" and est.host_bytes > host_budget:
+        return False, (f"{name}: host RAM {_gib(est.host_bytes)} GiB per node > "
+                       f"{_gib(cluster.host_ram_bytes)} GiB - {request.headroom:.0%} headroom")
+    return True, f"{name}: {_gib(total)} GiB per {device} <= {limit}"
+
+
+def _unquantizable_fraction(shape: ModelShape) -> float:
+    blocks = shape.block_params
+    return sum(b.num_blocks * (b.params - b.linear_weight_params) for b in shape.blocks) / blocks
+
+
+def _method_label(method: str, request: PlanRequest, cluster: Cluster) -> str:
+    if method == "qlora":
+        return "QLoRA nf4" if request.quant_bits == 4 else "QLoRA int8"
+    dtype = request.dtype if request.dtype != "auto" else ("bfloat16" if cluster.device == "cuda" else "float32")
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+    return f"{'LoRA' if method == 'lora' else 'full'} {short}"
+
+
+def _pressure(option: Option) -> float:
+    """How far over its limits an option is: the worse of device memory and (on GPUs) host RAM."""
+    device = option.memory.total / max(1, option.budget_bytes)
+    host = option.host_bytes / max(1, option.host_budget_bytes) if option.host_budget_bytes else 0.0
+    return max(device, host)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f}"
+
+
+# --------------------------------------------------------------------------------------------
+# when nothing fits, and warnings
+
+
+def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, closest: Option) -> tuple[str, ...]:
+    """Changes, one at a time, that make an allowed option fit, each with the option it gives."""
+    r, c = request, cluster
+    tries: list[tuple[str, PlanRequest, Cluster]] = []
+    if not r.activation_checkpointing:
+        tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
+    if r.micro_batch_size > 1:
+        accum = r.grad_accum_steps * r.micro_batch_size
+        tries.append((f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
+                      dataclasses.replace(r, micro_batch_size=1, grad_accum_steps=accum), c))
+    seq = r.seq_len // 2
+    while seq >= 128:
+        tries.append((f"data.max_length={seq}", dataclasses.replace(r, seq_len=seq), c))
+        seq //= 2
+    if c.device == "cuda" and not r.cpu_offload:
+        tries.append(("sharding.strategy=auto sharding.cpu_offload=true",
+                      dataclasses.replace(r, strategy="auto", cpu_offload=True), c))
+    if r.method in ("lora", "full"):
+        lighter = "qlora" if r.method == "lora" else "lora"
+        tries.append((f"method={lighter}", dataclasses.replace(r, method=lighter), c))
+    for more in (2, 4, 8):
+        if more > c.gpus_per_node and c.device == "cuda":
+            tries.append((f"--gpus {more}x{_gib(c.device_bytes)}GB", r, dataclasses.replace(c, gpus_per_node=more)))
+    if c.device == "cuda":
+        tries.append((f"--nodes {c.nodes * 2}", r, dataclasses.replace(c, nodes=c.nodes * 2)))
+
+    found: list[str] = []
+    shorter_found = False
+    for text, req, clu in tries:
+        if shorter_found and text.startswith("data.max_length"):
+            continue  # the longest sequence that fits is the useful one
+        option = choose(evaluate(shape, request=req, cluster=clu), request=req)
+        if option is not None:
+            found.append(f"{text}: {option.label} fits ({_gib(option.memory.total)} of {_gib(option.budget_bytes)} GiB)")
+            shorter_found = shorter_found or text.startswith("data.max_length")
+        if len(found) >= 4:
+            break
+    device_need = closest.memory.total / (1 - request.headroom)
+    if closest.host_budget_bytes and closest.host_bytes > closest.host_budget_bytes:
+        found.append(f"host RAM >= {_gib(closest.host_bytes / (1 - request.headroom))} GiB per node"
+                     + (f" and GPUs with >= {_gib(device_need)} GiB" if closest.memory.total > closest.budget_bytes else "")
+                     + f": {closest.label} would fit")
+    else:
+        what = "GPUs" if cluster.device == "cuda" else "host RAM per process"
+        found.append(f"{what} with >= {_gib(device_need)} GiB: {closest.label} would fit")
+    return tuple(dict.fromkeys(found))
+
+
+def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cluster: Cluster) -> tuple[str, ...]:
+    out = list(shape.notes)
+    if chosen is None:
+        return tuple(out)
+    if chosen.comm_s > chosen.compute_s and chosen.comm_s > 0:
+        link = (f"{cluster.inter_link_gbit:g} Gbit/s Ethernet" if cluster.nodes > 1
+                else cluster.intra_link if cluster.device == "cuda" else "gloo")
+        advice = ("hybrid_shard keeps weight traffic inside each node, and LoRA/QLoRA with no_shard "
+                  "(adapter-only data parallelism) sends only the adapter gradients"
+                  if chosen.method == "full" else "fewer, larger optimizer steps (grad_accum_steps) amortise it")
+        out.append(f"communication dominates: {chosen.comm_s:.1f} s/step ({_gib(chosen.comm_bytes)} GiB per rank over "
+                   f"{link}) vs {chosen.compute_s:.1f} s/step of compute; {advice}")
+    if chosen.cpu_offload:
+        out.append(f"CPU offload adds ~{chosen.offload_s:.1f} s/step (PCIe copies of the shards, AdamW on the CPU)")
+    if shape.is_moe and chosen.method != "full":
+        out.append("MoE: expert weights are 3-D parameters in transformers 5; all-linear LoRA trains attention "
+                   "(and shared-expert) layers only")
+    if request.optimizer != "adamw" and cluster.device == "cpu":
+        out.append(f"train.optimizer={request.optimizer} comes from bitsandbytes and needs a CUDA GPU")
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------------------------
+# from a recipe, and as text
+
+
+def request_from_recipe(recipe) -> PlanRequest:
+    """The planner's view of a `config.Recipe`."""
+    targets = recipe.lora.target_modules
+    return PlanRequest(
+        method=recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
+        seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
+        grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
+        lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout,
+        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
+        quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,
+        dtype=recipe.model.dtype, reduce_dtype=recipe.sharding.reduce_dtype, headroom=recipe.planner.headroom,
+    )
+
+
+def plan_for_recipe(recipe, *, cluster: Cluster | None = None) -> Plan:
+    """Read the model's config, describe the cluster (recipe, else detected), and plan."""
+    from homelab_ft import hardware
+    from homelab_ft.shapes import locate_config, model_shape
+
+    config, source = locate_config(recipe.model.path)
+    shape = model_shape(config)
+    if cluster is None:
+        cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect())
+    return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,
+                config_source=source)
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table: one row per option, the chosen one marked with `>`."""
+    s, c, r = p.shape, p.cluster, p.request
+    params = f"{s.total_params / 1e9:.2f}B params" + (f" ({s.active_params / 1e9:.2f}B active)" if s.is_moe else "")
+    device = (f"{c.gpus_per_node}x {_gib(c.device_bytes)} GiB GPU" if c.device == "cuda"
+              else f"CPU, {c.gpus_per_node} process(es), {_gib(c.device_bytes)} GiB RAM each")
+    links = ""
+    if c.gpus_per_node > 1 and c.device == "cuda":
+        links += f", {c.intra_link} inside a node"
+    if c.nodes > 1:
+        links += f", {c.inter_link_gbit:g} Gbit/s Ethernet between nodes"
+    lines = [
+        f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
+        f"cluster  {c.nodes} node(s) x {device}, host RAM {_gib(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
+        f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
+        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} headroom={r.headroom:.0%}",
+        "",
+        "  option                       weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
+    ]
+    for o in p.options:
+        m = o.memory
+        mark = ">" if o is p.chosen else " "
+        verdict = ("fits" if o.fits else "no") + ("" if o.allowed else " (not requested)")
+        lines.append(
+            f"{mark} {o.label:28s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
+            f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total):>6} "
+            f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.step_s:>7.2f}  {verdict}"
+        )
+    lines.append("  (GiB per device; host: GiB on node 0; step s: max(compute, comm) + offload)")
+    lines.append("")
+    if p.chosen is not None:
+        lines.append(f"chosen   {p.chosen.reason}")
+    else:
+        lines.append(f"nothing fits; closest: {p.closest.reason}" if p.closest else "nothing fits")
+        lines += [f"  would fit: {text}" for text in p.suggestions]
+    rejected = [o for o in p.options if o.allowed and not o.fits]
+    if p.chosen is not None and rejected:
+        lines.append("rejected " + rejected[0].reason)
+        lines += [f"         {o.reason}" for o in rejected[1:]]
+    lines += [f"warning  {w}" for w in p.warnings]
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""The planner: table-driven decisions on real configs, properties of the memory model, bad input,
+and the `plan` command (torch-free)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from homelab_ft.config import ClusterConfig
+from homelab_ft.errors import UserError
+from homelab_ft.hardware import (
+    Detected,
+    cluster_overrides,
+    detect,
+    parse_gpus,
+    parse_link,
+    parse_size,
+    resolve_cluster,
+)
+from homelab_ft.memory import Cluster, GiB, PlanRequest, estimate
+from homelab_ft.planner import LADDER, plan
+from homelab_ft.shapes import model_shape
+
+ROOT = Path(__file__).parent.parent.parent
+CONFIGS = ROOT / "tests" / "configs"
+
+
+def shape(name: str):
+    return model_shape(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+def gpus(count: int, vram_gib: float = 24, *, nodes: int = 1, link_gbit: float = 1.0, host_gib: float = 64) -> Cluster:
+    return Cluster(device="cuda", nodes=nodes, gpus_per_node=count, device_bytes=int(vram_gib * GiB),
+                   host_ram_bytes=int(host_gib * GiB), inter_link_gbit=link_gbit, tflops=40.0)
+
+
+# The QLoRA recipes' settings: 2k tokens, checkpointed activations.
+LONG = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
+
+DECISIONS = [
+    # model, request, cluster, (method, strategy, cpu_offload) chosen
+    ("llama-3-8b", LONG, gpus(1), ("qlora", "no_shard", False)),
+    ("llama-3.2-1b", dataclasses.replace(LONG, method="lora"), gpus(1), ("lora", "no_shard", False)),
+    ("llama-3.2-1b", dataclasses.replace(LONG, method="full"), gpus(1), ("full", "no_shard", False)),
+    ("llama-3-70b", LONG, gpus(2, host_gib=128), ("qlora", "full_shard", True)),
+    # slow Ethernet between two 2-GPU nodes: adapters only cross the wire
+    ("mistral-7b-v0.1", LONG, gpus(2, nodes=2), ("qlora", "no_shard", False)),
+    ("qwen2.5-7b", dataclasses.replace(LONG, method="lora"), gpus(2, nodes=2), ("lora", "no_shard", False)),
+]
+
+
+@pytest.mark.parametrize("name,request_,cluster,expected", DECISIONS, ids=[d[0] + "-" + d[1].method for d in DECISIONS])
+def test_decisions(name, request_, cluster, expected):
+    p = plan(shape(name), request=request_, cluster=cluster)
+    assert p.chosen is not None, [o.reason for o in p.options]
+    assert (p.chosen.method, p.chosen.strategy, p.chosen.cpu_offload) == expected
+    assert p.chosen.memory.total <= p.chosen.budget_bytes
+
+
+def test_8b_on_24gb_rejects_lora_with_numbers():
+    p = plan(shape("llama-3-8b"), request=dataclasses.replace(LONG, micro_batch_size=2), cluster=gpus(1))
+    assert p.chosen.method == "qlora"
+    lora = next(o for o in p.options if (o.method, o.strategy, o.cpu_offload) == ("lora", "no_shard", False))
+    assert not lora.fits
+    assert lora.reason.startswith("LoRA bf16 no_shard: ") and "GiB per GPU > 24.0 GiB - 10% headroom" in lora.reason
+    assert f"{lora.memory.total / GiB:.1f}" in lora.reason
+
+
+def test_1b_lora_and_full_both_fit_on_24gb():
+    p = plan(shape("llama-3.2-1b"), request=PlanRequest(), cluster=gpus(1))
+    fitting = {o.method for o in p.options if o.fits and o.strategy == "no_shard"}
+    assert {"lora", "full"} <= fitting
+
+
+def test_70b_on_two_24gb_needs_qlora_sharded_and_offloaded():
+    p = plan(shape("llama-3-70b"), request=LONG, cluster=gpus(2, host_gib=128))
+    fitting = [o for o in p.options if o.fits]
+    assert fitting and all(o.method == "qlora" and o.strategy != "no_shard" and o.cpu_offload for o in fitting)
+
+
+def test_7b_full_over_1gbit_warns_that_communication_dominates():
+    p = plan(shape("mistral-7b-v0.1"), request=dataclasses.replace(LONG, method="full"), cluster=gpus(1, nodes=4))
+    assert p.chosen is not None and p.chosen.method == "full"
+    assert p.chosen.comm_s > p.chosen.compute_s
+    assert any(w.startswith("communication dominates") and "hybrid_shard" in w for w in p.warnings)
+    fast = plan(shape("mistral-7b-v0.1"), request=dataclasses.replace(LONG, method="full"),
+                cluster=dataclasses.replace(gpus(1, nodes=4), inter_link_gbit=400.0))
+    assert not any(w.startswith("communication dominates") for w in fast.warnings)
+
+
+def test_fsdp_traffic_is_three_times_weights_with_equal_dtypes():
+    s = shape("llama-3.2-1b")
+    req = dataclasses.replace(LONG, reduce_dtype="bfloat16")
+    est = estimate(s, method="full", strategy="full_shard", cpu_offload=False, request=req, cluster=gpus(4))
+    assert est.comm_bytes == pytest.approx(3 * s.total_params * 2 * 3 / 4, rel=1e-6)
+    ddp = estimate(s, method="lora", strategy="no_shard", cpu_offload=False, request=req, cluster=gpus(4))
+    assert ddp.comm_bytes == pytest.approx(2 * ddp.trainable_params * 2 * 3 / 4, rel=1e-6)
+
+
+def test_mixtral_qlora_is_refused_for_unquantizable_experts():
+    p = plan(shape("mixtral-8x7b"), request=LONG, cluster=gpus(8, 80, host_gib=512))
+    qlora = [o for o in p.options if o.method == "qlora"]
+    assert qlora and not any(o.fits for o in qlora) and "expert" in qlora[0].reason
+    assert p.chosen is not None and p.chosen.method == "lora"
+
+
+def test_cpu_plan_uses_host_ram():
+    cluster = resolve_cluster(ClusterConfig(device="cpu", host_ram_gib=16),
+                              detected=Detected(0, None, None, 8 * GiB, 2))
+    assert cluster.device_bytes == 16 * GiB
+    p = plan(model_shape(json.loads((ROOT / "homelab_ft/assets/smollm2-135m-instruct.config.json").read_text())),
+             request=PlanRequest(method="lora"), cluster=cluster)
+    assert p.chosen is not None and p.chosen.label == "lora no_shard"
+    assert all(not o.cpu_offload for o in p.options)
+
+
+def test_nothing_fits_gives_closest_and_what_would_fit():
+    req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2)
+    p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
+    assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
+    assert p.closest.label == "lora no_shard"
+    for change in ("train.micro_batch_size=1", "sharding.cpu_offload=true", "method=qlora"):
+        assert any(s.startswith(change) or f" {change}" in s.split(":")[0] for s in p.suggestions), (change, p.suggestions)
+    need = next(s for s in p.suggestions if s.startswith("GPUs with >="))
+    assert f"{p.closest.memory.total / 0.9 / GiB:.1f} GiB" in need
+    data = json.loads(p.to_json())
+    assert data["fits"] is False and data["closest"]["memory"]["total"] == p.closest.memory.total
+
+
+# --------------------------------------------------------------------------------------------
+# properties
+
+MODELS = ["llama-3.2-1b", "llama-3-8b", "qwen3-8b", "gemma-2-9b", "phi-3-mini-4k", "qwen1.5-moe-a2.7b"]
+requests = st.builds(
+    PlanRequest,
+    seq_len=st.sampled_from([256, 512, 1024, 2048]),
+    micro_batch_size=st.integers(1, 8),
+    grad_accum_steps=st.integers(1, 4),
+    activation_checkpointing=st.booleans(),
+    optimizer=st.sampled_from(["adamw", "adamw_8bit"]),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(MODELS), request_=requests, vram=st.floats(8, 96), extra=st.floats(0, 96),
+       count=st.integers(1, 4))
+def test_more_vram_never_forces_a_heavier_rung(name, request_, vram, extra, count):
+    small = plan(shape(name), request=request_, cluster=gpus(count, vram))
+    big = plan(shape(name), request=request_, cluster=gpus(count, vram + extra))
+    if small.chosen is not None:
+        assert big.chosen is not None
+        assert LADDER.index(big.chosen.method) <= LADDER.index(small.chosen.method)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(MODELS), request_=requests, seq2=st.sampled_from([256, 512, 1024, 2048, 4096]),
+       mb2=st.integers(1, 8), count=st.integers(1, 4))
+def test_memory_grows_with_sequence_and_micro_batch(name, request_, seq2, mb2, count):
+    bigger = dataclasses.replace(request_, seq_len=max(seq2, request_.seq_len),
+                                 micro_batch_size=max(mb2, request_.micro_batch_size))
+    for a, b in zip(plan(shape(name), request=request_, cluster=gpus(count)).options,
+                    plan(shape(name), request=bigger, cluster=gpus(count)).options, strict=True):
+        assert b.memory.activations >= a.memory.activations and b.memory.logits >= a.memory.logits
+        assert b.memory.total >= a.memory.total
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(MODELS), request_=requests, method=st.sampled_from(LADDER), n=st.integers(1, 8),
+       more=st.integers(1, 8), offload=st.booleans())
+def test_more_gpus_never_raise_per_gpu_model_state_under_full_shard(name, request_, method, n, more, offload):
+    def state(count):
+        est = estimate(shape(name), method=method, strategy="full_shard", cpu_offload=offload, request=request_,
+                       cluster=gpus(count))
+        return est.device.model_state
+
+    assert state(n + more) <= state(n)
+
+
+# --------------------------------------------------------------------------------------------
+# bad input and cluster flags
+
+
+def test_bad_requests_and_flags():
+    with pytest.raises(UserError, match=r"data.max_length=9000 .*max_position_embeddings=8192"):
+        plan(shape("llama-3-8b"), request=PlanRequest(seq_len=9000), cluster=gpus(1))
+    with pytest.raises(UserError, match="hybrid_shard.*cluster.nodes >= 2"):
+        plan(shape("llama-3-8b"), request=PlanRequest(strategy="hybrid_shard"), cluster=gpus(2))
+    with pytest.raises(UserError, match="at least one GPU"):
+        parse_gpus("0x24GB")
+    for bad in ("24", "2x", "twox24GB", "2x24XB"):
+        with pytest.raises(UserError, match="--gpus"):
+            parse_gpus(bad)
+    with pytest.raises(UserError, match="not a size"):
+        parse_size("lots", flag="--host-ram")
+    with pytest.raises(UserError, match="--link"):
+        parse_link("fast")
+    with pytest.raises(UserError, match="no GPU detected"):
+        resolve_cluster(ClusterConfig(device="cuda"), detected=Detected(0, None, None, 8 * GiB, 2))
+
+
+def test_flag_parsing():
+    assert parse_gpus("2x24GB") == (2, 24 * GiB)
+    assert parse_size("512MB", flag="x") == 512 * 1024**2 and parse_size("1.5TiB", flag="x") == int(1.5 * 1024**4)
+    assert parse_link("2.5Gbit") == 2.5 and parse_link("10GbE") == 10 and parse_link("100Mbit") == 0.1
+    assert cluster_overrides(gpus="4x48GB", nodes=2, link="2.5Gbit", host_ram="64GB") == [
+        "cluster.device=cuda", "cluster.gpus_per_node=4", "cluster.vram_gib=48.0", "cluster.nodes=2",
+        "cluster.inter_link_gbit=2.5", "cluster.host_ram_gib=64.0"]
+    here = detect()
+    assert here.host_ram_bytes > 0 and here.cpu_cores >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# the command
+
+
+def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from homelab_ft.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+
+
+def test_plan_command_prints_every_shipped_recipe_without_torch():
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
+    assert recipes
+    for recipe in recipes:
+        out = _plan_cli(str(recipe))
+        assert out.returncode in (0, 2), (recipe, out.stderr)
+        assert "option" in out.stdout and ("chosen" in out.stdout or "nothing fits" in out.stdout), recipe
+
+
+def test_plan_command_json_flags_and_exit_codes(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"method: auto\nmodel:\n  path: {CONFIGS / 'llama-3-8b.json'}\n"
+                      "data:\n  max_length: 2048\ntrain:\n  micro_batch_size: 1\n  activation_checkpointing: true\n")
+    out = _plan_cli(str(recipe), "--gpus", "1x24GB", "--host-ram", "64GB", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["chosen"]["method"] == "qlora" and data["cluster"]["device_bytes"] == 24 * GiB
+
+    out = _plan_cli(str(recipe), "method=full", "sharding.strategy=no_shard", "--gpus", "1x24GB", "--host-ram", "64GB")
+    assert out.returncode == 2 and "nothing fits" in out.stdout and "would fit" in out.stdout
+
+    out = _plan_cli(str(recipe), "--gpus", "0x24GB")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--gpus" in out.stderr
+    out = _plan_cli(str(recipe), "data.max_length=100000", "--gpus", "1x24GB")
+    assert out.returncode == 2 and "max_position_embeddings" in out.stderr
