@@ -1,0 +1,333 @@
+"""Process group, device mesh and the one function that parallelizes a model.
+
+Everything that talks to `torch.distributed` lives here (and in `sharded_loading.py` for weight
+loading), so the training loop reads the same on one device and on many: it calls `setup`,
+`parallelize`, `all_reduce_sum`, `accumulation_sync` and `clip_grad_norm_`, and none of them does
+anything when there is one process.
+
+The engine is PyTorch's own FSDP2 (`fully_shard`) and, for adapter-only data parallelism,
+`DistributedDataParallel`; no collective or sharding scheme is written by hand here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from homelab_ft.errors import UserError
+
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
+"""FSDP1's names for the four ways to spread a model, kept because users know them."""
+
+_DEFERS_SYNC = "_homelab_ft_defers_grad_sync"
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job. One process without torchrun: rank 0 of 1."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    num_nodes: int
+    device: torch.device
+    backend: str | None
+    """`nccl` on CUDA, `gloo` on CPU, None when no process group was created."""
+    is_main: bool
+    """Rank 0: the only rank that logs, writes metrics and prints."""
+
+    @property
+    def distributed(self) -> bool:
+        return self.backend is not None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+def setup(*, device_pref: str = "auto", timeout_s: float = 300.0) -> DistEnv:
+    """Read torchrun's environment and create the process group (gloo on CPU, NCCL on CUDA).
+
+    Without torchrun's variables this is a single process: no process group, world size 1.
+    `timeout_s` bounds both the rendezvous and every later collective, so an unreachable master
+    address ends in a UserError instead of a silent hang.
+    """
+    world_size = _env_int("WORLD_SIZE") or 1
+    rank = _env_int("RANK") or 0
+    local_rank = _env_int("LOCAL_RANK") or 0
+    local_world = _env_int("LOCAL_WORLD_SIZE") or world_size
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but torch sees no CUDA GPU; use train.device=cpu or auto")
+    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1 and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return DistEnv(0, 0, 1, 1, device, None, True)
+    if world_size % local_world:
+        raise UserError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world}")
+    backend = "nccl" if use_cuda else "gloo"
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    try:
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if use_cuda else None,
+        )
+        # The first collective proves every rank is there; init alone can return before peers join.
+        dist.barrier()
+    except (RuntimeError, dist.DistError, TimeoutError) as err:
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"rank {rank} could not join the process group at {addr}:{port} within {timeout_s:.0f} s "
+            f"({first}); check that every node runs the same command, that the address is reachable "
+            f"and the port is open (see docs/multi-node.md)"
+        ) from None
+    return DistEnv(rank, local_rank, world_size, world_size // local_world, device, backend, rank == 0)
+
+
+def teardown(env: DistEnv) -> None:
+    """Destroy the process group. The caller should then leave with `os._exit(code)`.
+
+    With torch 2.13 on CPU, FSDP2 processes sometimes abort at interpreter exit after
+    `destroy_process_group()` ("terminate called without an active exception", measured here),
+    turning a finished run into a non-zero exit. `exit_now` below flushes and skips that teardown.
+    """
+    if env.distributed and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_now(code: int) -> None:
+    """Flush stdio and leave without running interpreter finalizers (see `teardown`)."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def check_cluster(*, world_size: int, num_nodes: int, recipe_nodes: int, recipe_procs_per_node: int,
+                  strategy: str) -> None:
+    """Pure checks of the launched job against the recipe's `cluster` and `sharding` sections."""
+    if strategy not in STRATEGIES:
+        raise UserError(f"sharding.strategy={strategy!r} does not exist; use one of {', '.join(STRATEGIES)}")
+    expected = recipe_nodes * recipe_procs_per_node
+    if world_size != expected:
+        raise UserError(
+            f"torchrun started {world_size} processes but the recipe's cluster says "
+            f"{recipe_nodes} node(s) x {recipe_procs_per_node} = {expected}; fix cluster.nodes / "
+            f"cluster.gpus_per_node or the torchrun --nnodes/--nproc-per-node flags"
+        )
+    if strategy == "hybrid_shard" and num_nodes < 2:
+        raise UserError(
+            "sharding.strategy=hybrid_shard replicates across nodes and needs cluster.nodes >= 2; "
+            "on one machine use full_shard"
+        )
+
+
+def build_mesh(env: DistEnv, *, strategy: str):
+    """A 1-D mesh over all ranks, or for hybrid_shard a 2-D (replicate across nodes, shard within).
+
+    HYBRID_SHARD keeps the per-step all-gathers on the fast links inside a node; only one gradient
+    all-reduce per step crosses the (slow, homelab Ethernet) network.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = env.device.type
+    if strategy == "hybrid_shard":
+        if env.num_nodes < 2:
+            raise UserError("sharding.strategy=hybrid_shard needs at least 2 nodes (cluster.nodes)")
+        per_node = env.world_size // env.num_nodes
+        return init_device_mesh(device_type, (env.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks, found by the class names in `_no_split_modules` (also under PEFT).
+
+    transformers lists the block class there for device-map splitting (`LlamaDecoderLayer`,
+    `Qwen2DecoderLayer`, `Gemma3DecoderLayer` ...), which is exactly the FSDP wrapping unit, so
+    no per-architecture table is needed.
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise UserError(
+            f"{type(model).__name__} declares no `_no_split_modules`, so its transformer blocks are "
+            f"unknown; this architecture cannot be sharded with FSDP (use a LoRA/QLoRA recipe on one GPU)"
+        )
+    return blocks
+
+
+def parallelize(
+    model: nn.Module,
+    env: DistEnv,
+    *,
+    strategy: str,
+    cpu_offload: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    activation_checkpointing: bool = False,
+) -> nn.Module:
+    """Apply activation checkpointing, then FSDP2 to every transformer block, then to the root.
+
+    full_shard:    parameters gathered before each block and freed after it, in forward and
+                   again in backward (reshard_after_forward=True): ~3 x params bytes moved per step.
+    shard_grad_op: gathered weights are kept from forward to backward (False): 2 x params bytes
+                   moved, more memory.
+    hybrid_shard:  full_shard inside each node, replicas across nodes (2-D mesh).
+    no_shard:      plain data parallelism (DistributedDataParallel) over the trainable parameters
+                   only; see `_replicate` for why not FSDP.
+
+    Gradients are averaged over ranks (FSDP's and DDP's default). The trainer therefore scales each
+    rank's loss by world_size / global_trained_tokens so the average is the exact global mean; a
+    custom divide factor would need ReduceOp.PREMUL_SUM, which gloo rejects.
+    Returns the model to train (the same object for FSDP, a DDP wrapper for no_shard).
+    """
+    if strategy not in STRATEGIES:
+        raise UserError(f"sharding.strategy={strategy!r} does not exist; use one of {', '.join(STRATEGIES)}")
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if strategy == "no_shard":
+        return _replicate(model, env, cpu_offload=cpu_offload)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = build_mesh(env, strategy=strategy)
+    # pin_memory needs a CUDA context; on CPU-only runs it raises, so pin only when a GPU computes.
+    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cpu_offload else OffloadPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard = strategy != "shard_grad_op"
+    blocks = transformer_blocks(model)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+    # The root unit holds embeddings, final norm and LM head; its weights are needed first in
+    # backward, so freeing them after forward would only be re-gathered at once (torchtitan does the same).
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    # Deferring the gradient reduce-scatter keeps a full unsharded gradient per rank until the last
+    # micro-batch: 4 B/param for a full fine-tune, the very memory FULL_SHARD exists to save. For
+    # adapters (typically < 2% trainable) it costs nothing worth keeping.
+    defer = strategy == "shard_grad_op" or trainable < 0.05 * total
+    setattr(model, _DEFERS_SYNC, defer)
+    return model
+
+
+def _replicate(model: nn.Module, env: DistEnv, *, cpu_offload: bool) -> nn.Module:
+    """NO_SHARD: DistributedDataParallel over the trainable parameters only.
+
+    Chosen over FSDP2 with a replicate mesh because DDP never touches the storage of parameters
+    it does not reduce: a bitsandbytes 4-bit base (`Params4bit`, uint8 storage with its quant
+    state on the side) stays as it is, whereas fully_shard turns every managed parameter into a
+    DTensor. Frozen parameters and buffers are excluded from DDP's initial broadcast too (every
+    rank loads identical base weights from disk), so the only traffic is one all-reduce of the
+    adapter gradients per step: a few MB instead of the model.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if cpu_offload:
+        raise UserError("sharding.cpu_offload needs a sharded strategy; with no_shard set it to false")
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    frozen += [name for name, _ in model.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    wrapped = DDP(model, device_ids=device_ids)
+    setattr(wrapped, _DEFERS_SYNC, True)
+    return wrapped
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward (non-reentrant, so it composes with FSDP2).
+
+    transformers' own switch is used rather than torch's checkpoint_wrapper: it keeps parameter
+    names unchanged (checkpoints and exports stay plain HF names) and is the same code path as a
+    single-device run.
+    """
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        raise UserError(f"{type(target).__name__} does not support activation checkpointing; "
+                        f"set train.activation_checkpointing=false")
+    target.activation_checkpointing_enable({"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def accumulation_sync(model: nn.Module, *, last_micro_batch: bool):
+    """Around one micro-batch's forward+backward: skip the gradient sync when it can wait.
+
+    Syncs are skipped on all but the last micro-batch for DDP, SHARD_GRAD_OP and adapters
+    (see `parallelize` for why FULL_SHARD of a full fine-tune reduce-scatters every micro-batch).
+    Numerically the same either way: the sum of reduced gradients equals the reduced sum.
+    """
+    defer = getattr(model, _DEFERS_SYNC, False) and not last_micro_batch
+    if not defer:
+        yield
+        return
+    if hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def all_reduce_sum(value: float | int | torch.Tensor, env: DistEnv) -> float:
+    """Sum a number over ranks (the global trained-token count); identity on one process."""
+    tensor = torch.as_tensor(value, dtype=torch.float64).reshape(())
+    if not env.distributed:
+        return float(tensor)
+    # NCCL reduces only CUDA tensors; gloo only CPU ones.
+    tensor = tensor.to(env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return float(tensor.cpu())
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, env: DistEnv) -> float:
+    """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping.
+
+    torch's get_total_norm gives, for sharded DTensor gradients, a DTensor whose value is still
+    partial per rank; `full_tensor()` reduces it over the mesh (HSDP: over the shard dimension
+    only; replicas hold equal gradients). With CPU offload on CUDA the local gradients sit in host
+    memory while NCCL reduces only device tensors, so the partial norm is moved to the device first.
+    `max_norm <= 0` only measures.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
+    if isinstance(total, DTensor):
+        local = total.to_local()
+        if local.device.type != total.device_mesh.device_type:
+            local = local.to(env.device)
+            total = DTensor.from_local(local, total.device_mesh, total.placements, run_check=False)
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(grads[0].device), foreach=None)
+    return float(total)
+
+
+def free_port() -> int:
+    """An unused TCP port on this machine (for a standalone torchrun's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,219 @@
+"""Starting the processes of a multi-process run: torchrun on one machine, or on several over ssh.
+
+The command-building functions are pure (lists of strings in, lists of strings out) and are what
+the unit tests check; only `reexec_under_torchrun` and `run_over_ssh` start processes.
+
+We launch with torchrun (`python -m torch.distributed.run`), never `accelerate launch`: on CPU
+the latter silently trains every process alone instead of sharding (measured with accelerate 1.15).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from homelab_ft.errors import UserError
+
+_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+
+DEFAULT_PORT = 29500
+"""torchrun's own default rendezvous port; open it (TCP) between the nodes."""
+
+
+@dataclass(frozen=True)
+class Host:
+    address: str
+    """What ssh connects to: `host`, `user@host` or an ssh config alias."""
+    rdzv_address: str
+    """The address the other nodes reach this one at (the host part, without `user@`)."""
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    host: Host
+    argv: list[str]
+    """The command to run on that node (torchrun and its arguments)."""
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+    def shell_line(self) -> str:
+        """One line to paste into a shell on the node."""
+        parts = []
+        if self.workdir:
+            parts.append(f"cd {shlex.quote(self.workdir)} &&")
+        parts += [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        parts += [shlex.quote(a) for a in self.argv]
+        return " ".join(parts)
+
+
+def under_torchrun(environ=os.environ) -> bool:
+    return any(v in environ for v in _TORCHRUN_VARS)
+
+
+def standalone_command(
+    recipe_path: str, train_args: list[str], *, nproc_per_node: int, python: str = sys.executable
+) -> list[str]:
+    """`homelab-ft train` re-run under torchrun on this machine (`--standalone`: a local rendezvous
+    on a free port, so two runs on one machine do not collide)."""
+    return [
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+        "-m", "homelab_ft", "train", recipe_path, *train_args,
+    ]
+
+
+def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
+    """One host per line (`host`, `user@host`, an IP); `#` starts a comment. The first is the head.
+
+    A trailing `slots=N` (the MPI/DeepSpeed convention) is accepted and ignored: the recipe's
+    `cluster.gpus_per_node` says how many processes each node runs, so the two cannot disagree.
+    """
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        extra = [w for w in words[1:] if not w.startswith("slots=")]
+        if extra:
+            raise UserError(f"{source} line {number}: expected one host per line, got {line!r}")
+        address = words[0]
+        hosts.append(Host(address=address, rdzv_address=address.rsplit("@", 1)[-1]))
+    if not hosts:
+        raise UserError(f"{source} lists no hosts; write one host name or IP per line, the head node first")
+    seen = [h.rdzv_address for h in hosts]
+    if len(set(seen)) != len(seen):
+        raise UserError(f"{source} lists a host twice: {', '.join(seen)}")
+    return hosts
+
+
+def node_commands(
+    hosts: list[Host],
+    recipe_path: str,
+    train_args: list[str],
+    *,
+    nodes: int,
+    nproc_per_node: int,
+    port: int = DEFAULT_PORT,
+    iface: str | None = None,
+    join_timeout_s: int = 300,
+    run_id: str | None = None,
+    workdir: str | None = None,
+    python: str = "python",
+    num_threads: int | None = None,
+) -> list[NodeCommand]:
+    """The torchrun command for each node, with c10d rendezvous on the head node (the first host).
+
+    c10d needs no extra service: the agent on the head node hosts the store. Ranks are assigned
+    node by node (rank = node * nproc_per_node + local_rank), which HYBRID_SHARD's 2-D mesh relies
+    on to put each shard group inside one node. `join_timeout_s` bounds the wait for the other
+    nodes, so a wrong address ends with an error rather than a hang.
+    """
+    if len(hosts) != nodes:
+        raise UserError(
+            f"the hostfile lists {len(hosts)} host(s) but the recipe's cluster.nodes is {nodes}; "
+            f"make them agree (or override cluster.nodes={len(hosts)})"
+        )
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port (1-65535)")
+    run_id = run_id or uuid.uuid4().hex[:8]
+    head = hosts[0].rdzv_address
+    env: dict[str, str] = {}
+    if iface:
+        # Both libraries otherwise pick the first interface they find, often docker0 or a VPN.
+        env["NCCL_SOCKET_IFNAME"] = iface
+        env["GLOO_SOCKET_IFNAME"] = iface
+    if num_threads:
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    argv_tail = ["-m", "homelab_ft", "train", recipe_path, *train_args]
+    commands = []
+    for host in hosts:
+        argv = [
+            python, "-m", "torch.distributed.run",
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={head}:{port}",
+            f"--rdzv-id={run_id}",
+            f"--rdzv-conf=join_timeout={join_timeout_s}",
+            *argv_tail,
+        ]
+        commands.append(NodeCommand(host=host, argv=argv, env=dict(env), workdir=workdir))
+    return commands
+
+
+def ssh_argv(command: NodeCommand) -> list[str]:
+    """ssh with no password prompt (BatchMode): a missing key fails at once instead of waiting."""
+    return ["ssh", "-o", "BatchMode=yes", command.host.address, command.shell_line()]
+
+
+def run_over_ssh(commands: list[NodeCommand]) -> int:
+    """Start every node's command over ssh, stream their output, stop all if one fails."""
+    procs = [subprocess.Popen(ssh_argv(c)) for c in commands]
+    code = 0
+    try:
+        for proc in procs:
+            code = proc.wait() or code
+            if code:
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+    return code
+
+
+def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str]) -> int | None:
+    """For `homelab-ft train` on a recipe with several processes: re-run it under torchrun.
+
+    Returns torchrun's exit code, or None when this process should train itself (one process,
+    or already started by torchrun). A multi-node recipe needs `homelab-ft launch`.
+    """
+    if under_torchrun() or recipe.world_size == 1:
+        return None
+    if recipe.cluster.nodes > 1:
+        raise UserError(
+            f"{recipe_path} spans {recipe.cluster.nodes} nodes; start it on every node with "
+            f"`homelab-ft launch --hosts HOSTFILE {recipe_path}` (see docs/multi-node.md)"
+        )
+    argv = standalone_command(recipe_path, train_args, nproc_per_node=recipe.cluster.gpus_per_node)
+    env = dict(os.environ)
+    if recipe.train.num_threads:
+        env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
+    return subprocess.call(argv, env=env)
+
+
+def launch(
+    hostfile: Path, recipe_path: str, train_args: list[str], *, port: int, iface: str | None, run: bool,
+    workdir: str | None = None, join_timeout_s: int = 300,
+) -> int:
+    """`homelab-ft launch`: print each node's command, or with `run` start them over ssh."""
+    from homelab_ft.config import load_recipe
+
+    recipe = load_recipe(recipe_path, train_args)
+    path = Path(hostfile)
+    if not path.is_file():
+        raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
+    hosts = parse_hostfile(path.read_text(encoding="utf-8"), source=str(path))
+    commands = node_commands(
+        hosts, recipe_path, train_args,
+        nodes=recipe.cluster.nodes,
+        nproc_per_node=recipe.cluster.gpus_per_node,
+        port=port,
+        iface=iface,
+        join_timeout_s=join_timeout_s,
+        workdir=workdir or os.getcwd(),
+        num_threads=recipe.train.num_threads,
+        # This checkout's interpreter (its .venv); the docs ask for the same path on every node.
+        python=sys.executable,
+    )
+    if not run:
+        for command in commands:
+            print(f"# on {command.host.address}:")
+            print(command.shell_line())
+        return 0
+    return run_over_ssh(commands)

@@ -1,0 +1,190 @@
+"""Runs a list of jobs in one process group (torchrun) or one plain process, writes results as JSON.
+
+Starting torchrun costs several seconds on 2 cores, so one launch runs many trainer runs and
+checks: `python worker.py SPEC.json OUT.json`. SPEC: {"base_dir": ..., "jobs": [...]}, each job
+one of
+  {"kind": "train", "name": ..., "recipe": {...}, "copy_run": {"src": ..., "keep_step": 3}?}
+  {"kind": "memory", "name": ..., "model_dir": ..., "strategy": ...}
+  {"kind": "export", "name": ..., "recipe": {...}, "checkpoint": ..., "out": ...}
+  {"kind": "lora_hf_load", "name": ..., "model_dir": ...}
+  {"kind": "token_counts", "name": ..., "recipe": {...}, "world_size": 2}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from homelab_ft import distributed, trainer
+from homelab_ft.config import recipe_from_dict
+
+
+def _copy_run(src: Path, dst: Path, *, keep_step: int) -> None:
+    """A run directory as it would be after a crash right after the checkpoint of `keep_step`."""
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+    for ckpt in (dst / "checkpoints").iterdir():
+        if ckpt.name.startswith("step_") and int(ckpt.name.split("_")[1]) > keep_step:
+            shutil.rmtree(ckpt)
+
+
+def run_train(job: dict, env, base_dir: Path) -> dict:
+    if "copy_run" in job:
+        if env.is_main:
+            spec = job["copy_run"]
+            _copy_run(Path(spec["src"]), Path(job["recipe"]["output"]["dir"]), keep_step=spec["keep_step"])
+        if env.distributed:
+            torch.distributed.barrier()
+    recipe = recipe_from_dict(job["recipe"], source=job["name"])
+    rung = trainer.resolve_rung(recipe)
+    result = trainer._train(recipe, env=env, rung=rung, plan=None, base_dir=base_dir)
+    return {"losses": result.losses}
+
+
+def run_memory(job: dict, env) -> dict:
+    """Per-rank bytes of parameters, gradients and optimizer state, against the unsharded totals."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft import steps
+    from homelab_ft.config import TrainConfig
+
+    def local(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = distributed.parallelize(model, env, strategy=job["strategy"])
+    optimizer = steps.build_optimizer(model, TrainConfig(lr=1e-3))
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(env.rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = sum(local(p.grad) for p in model.parameters() if p.grad is not None)
+    optimizer.step()
+    states = sum(local(v) for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
+    params = sum(local(p) for p in model.parameters())
+    return {"params": params / total, "grads": grads / total, "optim": states / (2 * total)}
+
+
+def run_export(job: dict, env, base_dir: Path) -> dict:
+    """Load a sharded checkpoint into a fresh sharded model, then compare its logits with the
+    consolidated HF export loaded by from_pretrained."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft import modeling
+    from homelab_ft.consolidate import consolidate_to_hf
+
+    recipe = recipe_from_dict(job["recipe"], source=job["name"])
+    model_dir = modeling.resolve_model_dir(recipe.model.path)
+    model = trainer.build_model(recipe, model_dir=model_dir, rung=trainer.resolve_rung(recipe), env=env)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=Path(job["checkpoint"]) / "state")
+    set_model_state_dict(model, state["model"])
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
+    model.eval()
+    with torch.no_grad():
+        sharded = model(input_ids=ids).logits
+    result = {}
+    if env.is_main:
+        out = Path(job["out"])
+        read_back = consolidate_to_hf(Path(job["checkpoint"]), model_dir, out)
+        reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            plain = reloaded(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        with torch.no_grad():
+            untrained = base(input_ids=ids).logits
+        result = {
+            "max_abs_diff": float((plain - sharded).abs().max()),
+            "diff_from_base": float((untrained - sharded).abs().max()),
+            "read_back": read_back,
+        }
+    return result
+
+
+def run_token_counts(job: dict, base_dir: Path) -> dict:
+    """Trained tokens per rank and step that a run on `world_size` ranks sees (no training)."""
+    from homelab_ft import modeling, steps
+    from homelab_ft.data import collate, prepare_data
+    from homelab_ft.sampling import MicroBatchSampler
+
+    recipe = recipe_from_dict(job["recipe"], source=job["name"])
+    cfg = recipe.train
+    model_dir = modeling.resolve_model_dir(recipe.model.path)
+    tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
+    data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
+    counts = []
+    for rank in range(job["world_size"]):
+        sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=rank,
+                                    world_size=job["world_size"], shuffle=recipe.data.shuffle)
+        per_step = []
+        for _ in range(cfg.max_steps):
+            mbs = [collate([data.train[i] for i in sampler.next_indices()], pad_token_id=tokenizer.pad_token_id)
+                   for _ in range(cfg.grad_accum_steps)]
+            per_step.append(sum(steps.trained_tokens(mb["labels"]) for mb in mbs))
+        counts.append(per_step)
+    return {"per_rank": counts}
+
+
+def run_lora_hf_load(job: dict, env) -> dict:
+    """LoRA on a base read per rank from safetensors: adapters from PEFT's init, sliced per rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from homelab_ft import modeling, sharded_loading
+    from homelab_ft.config import LoraConfig
+
+    def build():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job["model_dir"]), dtype=torch.float32)
+        return modeling.attach_lora(model, LoraConfig(r=4, dropout=0.0))
+
+    model = sharded_loading.build_sharded(env, build=build, model_dir=job["model_dir"], strategy="full_shard")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    base = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+    with torch.no_grad():
+        ref = base(input_ids=ids).logits
+    a = [v for k, v in full.items() if ".lora_A." in k]
+    b = [v for k, v in full.items() if ".lora_B." in k]
+    return {
+        "logit_diff": float((logits - ref).abs().max()),  # B = 0: the adapted model starts as the base
+        "b_zero": all(bool((t == 0).all()) for t in b),
+        "a_rows_distinct": all(len({tuple(r) for r in t.tolist()}) == t.shape[0] for t in a),
+        "a_nonzero": all(float(t.abs().max()) > 0 for t in a),
+    }
+
+
+def main(spec_path: str, out_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    base_dir = Path(spec["base_dir"])
+    env = distributed.setup(device_pref="cpu", timeout_s=120)
+    results = {"world_size": env.world_size, "num_nodes": env.num_nodes}
+    for job in spec["jobs"]:
+        if job["kind"] == "train":
+            results[job["name"]] = run_train(job, env, base_dir)
+        elif job["kind"] == "memory":
+            results[job["name"]] = run_memory(job, env)
+        elif job["kind"] == "lora_hf_load":
+            results[job["name"]] = run_lora_hf_load(job, env)
+        elif job["kind"] == "token_counts":
+            results[job["name"]] = run_token_counts(job, base_dir)
+        elif job["kind"] == "export":
+            results[job["name"]] = run_export(job, env, base_dir)
+        else:
+            raise ValueError(job["kind"])
+    if env.is_main:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    distributed.teardown(env)
+    return 0
+
+
+if __name__ == "__main__":
+    distributed.exit_now(main(*sys.argv[1:3]))

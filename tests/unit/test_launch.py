@@ -1,0 +1,114 @@
+"""Launch command building (pure) and the cluster/strategy checks, without a process group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from homelab_ft import distributed, launch
+from homelab_ft.config import recipe_from_dict
+from homelab_ft.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_standalone_command_runs_the_same_train_under_torchrun():
+    argv = launch.standalone_command("r.yaml", ["train.lr=1e-4", "--resume"], nproc_per_node=4, python="py")
+    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                    "-m", "homelab_ft", "train", "r.yaml", "train.lr=1e-4", "--resume"]
+
+
+def test_hostfile_parsing():
+    hosts = launch.parse_hostfile("# head first\nalice@10.0.0.1 slots=2\n\n10.0.0.2  # second box\n")
+    assert hosts == [launch.Host("alice@10.0.0.1", "10.0.0.1"), launch.Host("10.0.0.2", "10.0.0.2")]
+    for bad in ("", "# only a comment\n", "a b\n", "a\na\n"):
+        with pytest.raises(UserError):
+            launch.parse_hostfile(bad)
+
+
+def test_node_commands_share_one_c10d_rendezvous_on_the_head():
+    hosts = launch.parse_hostfile("me@box1\nbox2\n")
+    cmds = launch.node_commands(hosts, "r.yaml", ["train.lr=1e-4"], nodes=2, nproc_per_node=2, port=29600,
+                                iface="enp3s0", run_id="job1", workdir="/srv/ft", python="python")
+    assert [c.host.address for c in cmds] == ["me@box1", "box2"]
+    for c in cmds:
+        assert c.argv[:3] == ["python", "-m", "torch.distributed.run"]
+        assert "--nnodes=2" in c.argv and "--nproc-per-node=2" in c.argv
+        assert "--rdzv-backend=c10d" in c.argv and "--rdzv-endpoint=box1:29600" in c.argv
+        assert "--rdzv-id=job1" in c.argv
+        assert c.argv[-4:] == ["homelab_ft", "train", "r.yaml", "train.lr=1e-4"]
+        assert c.env == {"NCCL_SOCKET_IFNAME": "enp3s0", "GLOO_SOCKET_IFNAME": "enp3s0"}
+    line = cmds[1].shell_line()
+    assert line.startswith("cd /srv/ft && GLOO_SOCKET_IFNAME=enp3s0 NCCL_SOCKET_IFNAME=enp3s0 python -m torch.distributed.run")
+    assert launch.ssh_argv(cmds[1])[:4] == ["ssh", "-o", "BatchMode=yes", "box2"]
+
+
+def test_node_commands_refuse_a_hostfile_that_contradicts_the_recipe():
+    hosts = launch.parse_hostfile("a\nb\nc\n")
+    with pytest.raises(UserError, match="3 host.*cluster.nodes is 2"):
+        launch.node_commands(hosts, "r.yaml", [], nodes=2, nproc_per_node=1)
+    with pytest.raises(UserError, match="port"):
+        launch.node_commands(hosts[:2], "r.yaml", [], nodes=2, nproc_per_node=1, port=70000)
+
+
+def test_multi_node_recipe_is_not_started_by_train_alone(monkeypatch):
+    for var in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    recipe = recipe_from_dict({"cluster": {"nodes": 2, "gpus_per_node": 2}})
+    with pytest.raises(UserError, match="homelab-ft launch --hosts"):
+        launch.reexec_under_torchrun(recipe, "r.yaml", [])
+    assert launch.reexec_under_torchrun(recipe_from_dict({}), "r.yaml", []) is None
+    monkeypatch.setenv("LOCAL_RANK", "0")  # already under torchrun: train here
+    assert launch.reexec_under_torchrun(recipe, "r.yaml", []) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=2, num_nodes=1, recipe_nodes=1, recipe_procs_per_node=4, strategy="full_shard"), "started 2 processes"),
+        (dict(world_size=2, num_nodes=1, recipe_nodes=1, recipe_procs_per_node=2, strategy="hybrid_shard"), "nodes >= 2"),
+        (dict(world_size=2, num_nodes=1, recipe_nodes=1, recipe_procs_per_node=2, strategy="zero3"), "does not exist"),
+    ],
+)
+def test_cluster_checks(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        distributed.check_cluster(**kwargs)
+
+
+def test_cluster_check_accepts_a_consistent_job():
+    distributed.check_cluster(world_size=4, num_nodes=2, recipe_nodes=2, recipe_procs_per_node=2, strategy="hybrid_shard")
+
+
+def test_single_process_setup_needs_no_process_group(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    env = distributed.setup(device_pref="cpu")
+    assert (env.world_size, env.rank, env.is_main, env.distributed) == (1, 0, True, False)
+    assert distributed.all_reduce_sum(7, env) == 7.0
+
+
+def test_unknown_strategy_is_refused_before_any_collective():
+    env = distributed.DistEnv(0, 0, 1, 1, __import__("torch").device("cpu"), None, True)
+    with pytest.raises(UserError, match="does not exist"):
+        distributed.parallelize(object(), env, strategy="zero3")
+
+
+def test_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
+    """Rank 1 of 2 waits for a master that never comes: a UserError after the timeout, no hang."""
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))
+    code = ("from homelab_ft import distributed\n"
+            "from homelab_ft.errors import UserError\n"
+            "try:\n    distributed.setup(device_pref='cpu', timeout_s=3)\n"
+            "except UserError as err:\n    print('USERERROR', err)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - start < 60
+    assert "USERERROR rank 1 could not join the process group at 127.0.0.1" in proc.stdout, proc.stderr[-2000:]
+    assert "within 3 s" in proc.stdout
