@@ -82,9 +82,10 @@ class SourceConfig:
     split: str = "train"
     """Split to read when the source has several (hub datasets, `DatasetDict` folders)."""
     weight: Annotated[float, Field(gt=0)] = 1.0
-    """Relative sampling weight when mixing sources: rows are repeated or subsampled to match."""
+    """Multiplier on this source's row count when mixing: 2.0 uses every row twice, 0.5 a random half
+    (chosen by the seed). Held-out eval rows are taken before weighting, so repeats never leak into eval."""
     limit: PositiveInt | None = None
-    """Use at most this many rows of this source."""
+    """Use at most this many rows of this source: the first valid ones, in file order."""
     fields: dict[str, str] = Field(default_factory=dict)
     """Column renames from the format's names to yours, e.g. `{instruction: question, output: answer}`."""
 
@@ -107,7 +108,7 @@ class DataConfig:
     """Inserted as the system turn of every sample that has none."""
     drop_system_prompt: bool = False
     chat_template: str | None = None
-    """A Jinja chat template (inline, or a path to a file) that replaces the tokenizer's own."""
+    """A Jinja chat template (inline, a path to a file, or `chatml`) that replaces the tokenizer's own."""
     bad_rows: Literal["fail", "skip"] = "fail"
     """`skip`: malformed rows are counted and left out instead of stopping the run."""
     shuffle: bool = True

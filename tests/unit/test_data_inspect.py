@@ -1,0 +1,31 @@
+"""`homelab-ft data inspect`: the summary and the highlighted sample."""
+
+from __future__ import annotations
+
+import json
+
+from homelab_ft.cli import main
+
+
+def test_inspect_shows_counts_histogram_packing_and_trained_text(tmp_path, tiny_model_dir, capsys):
+    rows = [{"messages": [{"role": "user", "content": f"what is {i}"}, {"role": "assistant", "content": f"answer: {i}"}]}
+            for i in range(12)]
+    rows.append({"messages": [{"role": "user", "content": "x"}]})  # no assistant turn: skipped
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"model:\n  path: {tiny_model_dir}\ndata:\n  sources:\n    - path: d.jsonl\n  bad_rows: skip\n"
+        f"  shuffle: false\n  max_length: 128\n  cache_dir: {tmp_path / 'c'}\n"
+    )
+    assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "train: d.jsonl" in out and " 13 " in out  # rows read
+    assert "first skipped row:" in out and "row 13: field 'messages' has no assistant turn" in out
+    assert "train: 12 samples in 12 rows" in out
+    assert sum(int(line.split()[-1]) for line in out.splitlines() if line.startswith("  ") and "-" in line.split()[0]) == 12
+    assert "data.packing=true would give" in out
+    assert "what is 0<|im_end|>\n<|im_start|>assistant\n[[answer: 0<|im_end|>]]" in out
+
+    assert main(["data", "inspect", str(recipe), "--no-color", "data.packing=true"]) == 0
+    out = capsys.readouterr().out
+    assert "packing: on; non-pad fraction" in out and "from the cache" in out
