@@ -116,8 +116,11 @@ def _cmd_train(args) -> int:
         overrides.append("output.overwrite=true")
     recipe = load_recipe(args.recipe, overrides)
 
-    from homelab_ft import launch, planner
+    from homelab_ft import launch, modeling, planner
 
+    if not launch.under_torchrun():
+        # Convert a GGUF model (once) before any worker processes start, and fail on a bad path here.
+        modeling.resolve_model_dir(recipe.model.path)
     code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides)
     if code is not None:
         return code

@@ -96,11 +96,21 @@ def convert_gguf(gguf_path: Path) -> Path:
     out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
     if (out / "config.json").is_file():
         return out
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (torchrun ranks, two runs) may ask at once: one converts, the rest wait.
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            _convert(gguf_path, out)
+    return out
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     print(f"converting {gguf_path.name} to a Hugging Face model in {out} (once)", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -114,11 +124,11 @@ def convert_gguf(gguf_path: Path) -> Path:
         )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt without config.json
         os.replace(tmp, out)
-    except Exception:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):

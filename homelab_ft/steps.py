@@ -22,6 +22,14 @@ def trained_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def input_tokens(batch: dict) -> int:
+    """Tokens the model reads (for tokens/s). Packed batches carry no attention mask (attention
+    is split by position_ids) and are >= 99% full, so every position counts."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel()
+
+
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) next-token cross-entropy over trained tokens, in fp32.
 

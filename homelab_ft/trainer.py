@@ -86,7 +86,13 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
     resume_from = check_run_dir(recipe)
     model_dir = modeling.resolve_model_dir(recipe.model.path)
     tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
+    # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it. (If
+    # rank 0 fails here, torchrun stops the waiting ranks.)
+    if not env.is_main:
+        _barrier(env)
     data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
+    if env.is_main:
+        _barrier(env)
     init_run_dir(recipe, env=env, resume_from=resume_from)
     if env.is_main and plan is not None:
         (run_dir / "plan.json").write_text(plan.to_json())
@@ -153,7 +159,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
         optimizer.zero_grad(set_to_none=True)
 
         loss = distributed.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
-        input_tokens = int(distributed.all_reduce_sum(sum(int(mb["attention_mask"].sum()) for mb in micro_batches), env))
+        input_tokens = int(distributed.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
         tokens_seen += input_tokens
         elapsed = time.perf_counter() - t0
         losses.append(loss)
