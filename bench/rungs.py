@@ -1,0 +1,196 @@
+"""The three rungs side by side on one model: QLoRA, LoRA and full fine-tuning.
+
+Each rung runs in its own subprocess so its peak resident memory is its own. A rung builds the
+model through the trainer's own `build_model` (the project's loading, quantization, CPU guard and
+LoRA) and its optimizer through `steps.build_optimizer`, then times optimizer steps on fixed
+random batches. Printed: seconds per step, the peak RSS while loading and while training (the
+peak is reset in between through /proc/self/clear_refs), each beside its ratio to LoRA.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rungs.py            # ~2 minutes on one core
+    .venv/bin/python bench/rungs.py --hidden 1024 --layers 12     # a bigger model
+
+What to expect on CPU: QLoRA saves the base's memory (4.1 bits instead of 32 per weight) but
+costs time, since every 4-bit weight is dequantized to fp32 in each forward and again in
+backward; a GPU hides most of that behind its matmuls, a CPU does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RUNGS = ("qlora", "lora", "full")
+
+
+def rss_mib(field: str) -> float:
+    """VmHWM (peak) or VmRSS (now) of this process, in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0, proc(5)).
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def tensor_mib(tensors) -> float:
+    return sum(t.untyped_storage().nbytes() for t in tensors) / 2**20
+
+
+def weights_mib(model) -> float:
+    """Parameters and buffers as stored, plus bitsandbytes' 4-bit quant state (absmax, codebook),
+    which lives outside both."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            tensors += [t for t in state.as_dict(packed=True).values() if hasattr(t, "untyped_storage")]
+    return tensor_mib(tensors)
+
+
+def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_len: int) -> dict:
+    """In the child process: build, warm up, time `num_steps` optimizer steps, report JSON."""
+    import torch
+
+    from homelab_ft import distributed, steps
+    from homelab_ft.config import recipe_from_dict
+    from homelab_ft.trainer import build_model, resolve_rung
+
+    torch.manual_seed(0)
+    recipe = recipe_from_dict({
+        "method": method,
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
+        "train": {"device": "cpu", "lr": 1e-4},
+    })
+    env = distributed.setup(device_pref="cpu")
+    before_load = rss_mib("VmRSS")
+    model = build_model(recipe, model_dir=model_dir, rung=resolve_rung(recipe), env=env)
+    load_peak = rss_mib("VmHWM")
+    optimizer = steps.build_optimizer(model, recipe.train)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    vocab = model.config.vocab_size if hasattr(model, "config") else model.module.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    model.train()
+    reset_peak_rss()
+    step()  # first step allocates optimizer state and grads: part of the peak, not of the time
+    start, start_cpu = time.perf_counter(), time.process_time()
+    losses = [step() for _ in range(num_steps)]
+    step_s = (time.perf_counter() - start) / num_steps
+    # CPU seconds of this process: with one thread, what the step costs even when other jobs
+    # share the cores (wall time then also counts the waits for a core).
+    cpu_s = (time.process_time() - start_cpu) / num_steps
+    for p in model.parameters():  # grads as they are between backward and step
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return {
+        "weights_mib": weights_mib(model),
+        "grads_optim_mib": tensor_mib([p.grad for p in model.parameters() if p.grad is not None])
+        + tensor_mib([t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]),
+        "method": method,
+        "step_s": step_s,
+        "cpu_s": cpu_s,
+        "tokens_per_s": batch * seq_len / step_s,
+        "before_load_mib": before_load,
+        "load_peak_mib": load_peak,
+        "train_peak_mib": rss_mib("VmHWM"),
+        "trainable": trainable,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def build_model_dir(out: Path, *, hidden: int, intermediate: int, layers: int) -> Path:
+    """A random Llama saved in bf16, as real checkpoints are. An fp32 file would be loaded
+    zero-copy (the weights stay views of the mmapped file), so RSS would count file pages that the
+    kernel can drop: for QLoRA all the pages it read to quantize, for LoRA none of the base."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from tiny import make_llama
+
+    make_llama(out, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+               num_attention_heads=hidden // 64, num_key_value_heads=max(hidden // 128, 1))
+    AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--child", choices=RUNGS, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_rung(args.child, args.model_dir, num_steps=args.steps, batch=args.batch, seq_len=args.seq_len)
+        print("RESULT " + json.dumps(result))
+        return
+
+    with tempfile.TemporaryDirectory(prefix="rungs-") as tmp:
+        model_dir = build_model_dir(Path(tmp) / "model", hidden=args.hidden, intermediate=args.intermediate,
+                                    layers=args.layers)
+        results = {}
+        for method in RUNGS:
+            cmd = [sys.executable, __file__, "--child", method, "--model-dir", str(model_dir),
+                   "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
+            # A fixed mmap threshold turns off glibc's dynamic one, which otherwise keeps freed
+            # tensors of up to 32 MiB in the heap, so RSS would count memory the rung no longer uses.
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                sys.exit(f"{method} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            results[method] = json.loads(lines[-1].removeprefix("RESULT "))
+    report(results, args)
+
+
+def report(results: dict, args) -> None:
+    import torch
+
+    num_params = (args.layers * (2 * args.hidden * args.hidden + 2 * args.hidden * max(args.hidden // 128, 1) * 64
+                                 + 3 * args.hidden * args.intermediate))
+    print(f"model: Llama, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
+          f"{num_params / 1e6:.1f}M block params; batch {args.batch} x {args.seq_len} tokens; "
+          f"{args.steps} timed steps; torch threads {torch.get_num_threads()}")
+    lora = results["lora"]
+
+    def above(r):
+        return r["train_peak_mib"] - r["before_load_mib"]
+
+    print(f"{'rung':6} {'trainable':>10} {'wall s/step':>11} {'cpu s/step':>10} {'x lora':>6} {'weights MiB':>11} {'x lora':>6} "
+          f"{'grad+optim MiB':>14} {'peak RSS-start MiB':>18} {'x lora':>6} {'load peak MiB':>13}  loss")
+    for method in RUNGS:
+        r = results[method]
+        print(f"{method:6} {r['trainable'] / 1e6:9.2f}M {r['step_s']:11.3f} {r['cpu_s']:10.3f} {r['cpu_s'] / lora['cpu_s']:6.2f} "
+              f"{r['weights_mib']:11.1f} {r['weights_mib'] / lora['weights_mib']:6.2f} "
+              f"{r['grads_optim_mib']:14.1f} {above(r):18.0f} {above(r) / above(lora):6.2f} "
+              f"{r['load_peak_mib']:13.0f}  {r['loss_first']:.4f}->{r['loss_last']:.4f}")
+    print("x lora of time: of CPU seconds per step (one thread, robust to other jobs on the machine); "
+          "weights: parameters + buffers + 4-bit quant state as stored; peak RSS-start: peak resident memory "
+          "while training minus resident memory before loading (imports); load peak: whole-process peak while loading.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""QLoRA under adapter-only data parallelism: 2 gloo processes on CPU against one process.
+
+Each rank holds the whole 4-bit base; DDP all-reduces only the LoRA gradients (distributed.py,
+`no_shard`). One process with micro-batch 2B sees exactly the rows that 2 ranks with B see
+(sampling.py), so the per-step losses must agree to fp32 rounding. Eval passes run between
+steps, so the CPU guard (quant.after_load) is exercised on every rank too. One torchrun launch
+(seconds on 2 cores) and one plain process, both through tests/distributed/worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("bitsandbytes")
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("worker.py")
+TOL = 1e-5
+STEPS = 6
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    return env
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def _write_data(path: Path, num_rows: int, *, seed: int) -> None:
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
+    with path.open("w") as fh:
+        for _ in range(num_rows):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+            a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+
+
+def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, quant: dict | None = None) -> dict:
+    return {
+        "name": name,
+        "method": "qlora",
+        "model": {"path": str(model_dir)},
+        "quant": quant or {},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
+        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "eval_sources": [{"path": str(tmp / "eval.jsonl")}],
+                 "max_length": 160},
+        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2, "lr": 5e-3,
+                  "eval_every": 2, "save_every": STEPS, "device": "cpu"},
+        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
+        "cluster": {"nodes": 1, "gpus_per_node": procs},
+        "sharding": {"strategy": "no_shard"} if procs > 1 else {},
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, tiny_model_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("qlora-dp")
+    _write_data(tmp / "train.jsonl", 64, seed=0)
+    _write_data(tmp / "eval.jsonl", 8, seed=1)
+    # 8-bit is left out until checkpoint.save handles Linear8bitLt (see test_qlora.py's whole-run test)
+    variants = {"nf4": {}, "fp4": {"quant_type": "fp4", "double_quant": False}}
+    two = [{"kind": "train", "name": f"ddp_{k}", "recipe": _recipe(tmp, tiny_model_dir, f"ddp_{k}", procs=2, quant=q)}
+           for k, q in variants.items()]
+    one = [{"kind": "train", "name": f"ref_{k}", "recipe": _recipe(tmp, tiny_model_dir, f"ref_{k}", procs=1, quant=q)}
+           for k, q in variants.items()]
+    (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
+    (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+          str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
+    _run([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    out = json.loads((tmp / "two.out.json").read_text())
+    out.update(json.loads((tmp / "one.out.json").read_text()))
+    out["run_dirs"] = {job["name"]: job["recipe"]["output"]["dir"] for job in two + one}
+    return out
+
+
+@pytest.mark.parametrize("variant", ["nf4", "fp4"])
+def test_qlora_ddp_matches_one_process(results, variant):
+    ref, got = results[f"ref_{variant}"]["losses"], results[f"ddp_{variant}"]["losses"]
+    assert len(ref) == len(got) == STEPS
+    assert ref[-1] < ref[0]  # it trains, so parity is not that of a frozen model
+    assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= TOL
+
+
+def test_qlora_ddp_checkpoint_holds_only_the_adapter(results):
+    """Checkpoints of the data-parallel run hold the adapter, not the 4-bit base (what DDP reduces
+    is checked in tests/unit/test_qlora.py)."""
+    from safetensors import safe_open
+
+    run = Path(results["run_dirs"]["ddp_nf4"])
+    adapter = run / "checkpoints" / f"step_{STEPS:06d}" / "adapter" / "adapter_model.safetensors"
+    with safe_open(adapter, "pt") as fh:
+        keys = list(fh.keys())
+    assert keys and all("lora_" in k for k in keys)
