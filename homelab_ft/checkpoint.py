@@ -26,15 +26,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from homelab_ft.errors import UserError
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-_OPTIONS = StateDictOptions(ignore_frozen_params=True)
-# Loading sets only the trainable tensors; strict=False lets the frozen base stay as loaded. A
-# trainable tensor missing from the checkpoint still fails: dcp.load refuses keys it cannot find.
-_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,11 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
         tmp.mkdir(parents=True)
     _barrier()
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     with _single_process_ok():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / "state")
+        dcp.save(
+            {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)},
+            checkpoint_id=tmp / "state",
+        )
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     save_adapter(model, tmp / "adapter")
@@ -110,17 +112,27 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
             f"{path} was written for another model or method ({state.model_fingerprint}), "
             f"not {model_fingerprint}; use a new output.dir or set output.overwrite=true"
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    target = {"model": model_sd, "optim": optim_sd}
-    with _single_process_ok():
+    # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
+    # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
+    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_ok(), torch.no_grad():
         dcp.load(target, checkpoint_id=path / "state")
-    set_state_dict(
-        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"], options=_LOAD_OPTIONS
-    )
+    set_optimizer_state_dict(model, optimizer, target["optim"])
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The trainable parameters by their un-wrapped names (sharded DTensors under FSDP2).
+
+    Only what training changes is checkpointed: the frozen base is reloaded from the model. This
+    reads parameters directly instead of calling `state_dict()`, whose hooks in quantized layers
+    add packed quantization state (and, for bitsandbytes' 8-bit layers, fail on a missing `SCB`).
+    """
+    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
+    return {name: p for name, p in inner.named_parameters() if p.requires_grad}
 
 
 def save_adapter(model, out_dir: Path) -> None:
@@ -128,18 +140,18 @@ def save_adapter(model, out_dir: Path) -> None:
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
+    inner = getattr(model, "module", model)
     if not isinstance(inner, PeftModel):
         return
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    )
+    # full_tensor() is a collective: every rank gathers, rank 0 writes.
+    full = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+        for name, p in trainable_state(model).items()
+    }
     if _rank() != 0:
         return
-    prefix = "module." if inner is not model else ""
-    full = {k.removeprefix(prefix): v for k, v in full.items()}
     adapter = get_peft_model_state_dict(inner, state_dict=full)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")

@@ -199,7 +199,13 @@ def attach_lora(model, lora_cfg: LoraConfig):
 
 
 def count_params(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    """(trainable, total) parameter counts; a 4-bit weight counts its logical shape, not the two
+    values packed per stored byte."""
+
+    def numel(p) -> int:
+        quant_state = getattr(p, "quant_state", None)
+        return quant_state.shape.numel() if quant_state is not None else p.numel()
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
     return trainable, total

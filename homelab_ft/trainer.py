@@ -210,6 +210,8 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     if method == "qlora":
         from homelab_ft import quant
 
+        # Refuse what bitsandbytes cannot quantize before reading any weight.
+        quant.check_quantizable(json.loads((model_dir / "config.json").read_text()), recipe.quant, device=env.device)
         model = modeling.load_model(
             recipe.model,
             model_dir,

@@ -313,12 +313,7 @@ def test_data_parallel_qlora_reduces_only_the_adapter(llama_dir):
 # a whole run
 
 
-@pytest.mark.parametrize("quant_section", [
-    {},
-    pytest.param({"bits": 8}, marks=pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-        "checkpoint.save: torch DCP get_state_dict resolves every state_dict key as an attribute and "
-        "bitsandbytes' Linear8bitLt saves an 'SCB' key it has no attribute for"))),
-], ids=["nf4", "int8"])
+@pytest.mark.parametrize("quant_section", [{}, {"bits": 8}], ids=["nf4", "int8"])
 def test_qlora_train_eval_resume_export(llama_dir, tmp_path, quant_section):
     """Train with eval passes between steps (the repack trigger), crash, resume to the same losses,
     export into the full-precision base and reload it with plain transformers."""
