@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
-from typing_extensions import Annotated
 
 from homelab_ft.errors import UserError
 
@@ -54,7 +53,7 @@ class LoraConfig:
     alpha: Annotated[float, Field(gt=0)] = 32.0
     """Scaling numerator: the adapter output is multiplied by alpha / r (alpha / sqrt(r) with rsLoRA)."""
     dropout: Fraction = 0.05
-    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """`all-linear` (every linear layer except the LM head) or a list of module-name suffixes."""
     use_dora: bool = False
     """Weight-decomposed LoRA (Liu et al. 2024): slower steps, often better at low rank."""

@@ -59,9 +59,9 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
-        ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+        ax.plot(*zip(*train, strict=True), label="train loss", linewidth=1.2)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean per trained token)")
     ax.grid(alpha=0.3)

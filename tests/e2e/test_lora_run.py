@@ -20,7 +20,7 @@ def write_chat_data(path: Path, num_rows: int, *, seed: int = 0) -> Path:
     rng = random.Random(seed)
     words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
     with path.open("w") as fh:
-        for i in range(num_rows):
+        for _ in range(num_rows):
             q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
             a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
             fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"answer: {a}"}]}) + "\n")
@@ -114,3 +114,31 @@ def test_packed_run(tmp_path, tiny_model_dir):
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
     assert all(r["tokens"] == 2 * 2 * 64 for r in train_rows)  # 2 micro-batches x 2 full packed rows of 64
+
+
+def test_dora_rslora_train_and_export(tmp_path, tiny_model_dir):
+    recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=2, eval_every=0, save_every=0)
+    run = tmp_path / "dora"
+    assert main(["train", str(recipe), "--run-dir", str(run), "lora.use_dora=true", "lora.use_rslora=true"]) == 0
+    config = json.loads((run / "checkpoints" / "step_000002" / "adapter" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True and config["use_rslora"] is True
+    assert main(["export", str(run), "--out", str(tmp_path / "dora-export")]) == 0  # checks logits itself
+
+
+def test_generate_applies_the_chat_template(tiny_model_dir, capsys, monkeypatch):
+    from transformers import AutoTokenizer, GenerationMixin
+
+    seen = {}
+    original = GenerationMixin.generate
+
+    def spy(self, *args, **kwargs):
+        seen["input_ids"] = kwargs["input_ids"]
+        out = original(self, *args, **kwargs)
+        seen["new_tokens"] = out.shape[1] - kwargs["input_ids"].shape[1]
+        return out
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    assert main(["generate", str(tiny_model_dir), "--prompt", "hello world", "--max-new-tokens", "4"]) == 0
+    prompt = AutoTokenizer.from_pretrained(tiny_model_dir).decode(seen["input_ids"][0])
+    assert prompt.endswith("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
+    assert 1 <= seen["new_tokens"] <= 4

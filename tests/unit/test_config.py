@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def test_overrides_are_typed_yaml_scalars():
 
 def test_frozen():
     recipe = recipe_from_dict({})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.train.lr = 1.0  # type: ignore[misc]
 
 
