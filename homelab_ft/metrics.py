@@ -6,6 +6,7 @@ on the rank to log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -69,3 +70,26 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
+
+
+def progress_bar(start: int, total: int, *, enabled: bool):
+    """tqdm on the main rank (loss, tokens/s, ETA); a silent stand-in elsewhere."""
+    if not enabled:
+        return _NullProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+class _NullProgress(contextlib.nullcontext):
+    def set_postfix(self, **_):
+        pass
+
+    def update(self, _):
+        pass
+
+    def write(self, _):
+        pass
+
+    def close(self):
+        pass

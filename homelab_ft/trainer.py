@@ -9,9 +9,7 @@ gradient-sync switch during accumulation.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +17,10 @@ from pathlib import Path
 import torch
 
 from homelab_ft import checkpoint, distributed, modeling, steps
-from homelab_ft.config import Recipe, dump_recipe, load_recipe
+from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
-from homelab_ft.errors import UserError
-from homelab_ft.metrics import MetricsLogger, plot_loss
+from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
+from homelab_ft.rundir import check_run_dir, init_run_dir
 from homelab_ft.sampling import MicroBatchSampler
 
 
@@ -69,7 +67,107 @@ def resolve_rung(recipe: Recipe, plan=None) -> Rung:
     return Rung(method=method, strategy=strategy, cpu_offload=offload)
 
 
+@dataclass
+class Session:
+    """Everything the loop works with, built once by `_setup`."""
+
+    recipe: Recipe
+    env: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: MicroBatchSampler
+    data: object
+    pad_token_id: int
+    logger: MetricsLogger
+    fingerprint: str
+    start_step: int
+
+
 def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> TrainResult:
+    s = _setup(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
+    cfg = recipe.train
+    losses: list[float] = []
+    eval_loss = None
+    progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main)
+    for step in range(s.start_step + 1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        micro_batches = [
+            collate([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
+            for _ in range(cfg.grad_accum_steps)
+        ]
+        loss, grad_norm, trained, read = train_step(s, micro_batches)
+        elapsed = time.perf_counter() - t0
+        losses.append(loss)
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            s.logger.log(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "lr": s.scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "tokens": read,
+                    "trained_tokens": trained,
+                    "tokens_per_s": read / elapsed,
+                    "epoch": s.sampler.epoch,
+                }
+            )
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}")
+        progress.update(1)
+
+        last = step == cfg.max_steps
+        if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+            eval_loss = evaluate(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
+            s.logger.log({"step": step, "eval_loss": eval_loss})
+            progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+        if (cfg.save_every and step % cfg.save_every == 0) or last:
+            state = checkpoint.TrainerState(
+                step=step,
+                scheduler=s.scheduler.state_dict(),
+                sampler=s.sampler.state_dict(),
+                model_fingerprint=s.fingerprint,
+                world_size=env.world_size,
+            )
+            checkpoint.save(recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=cfg.keep_last)
+    progress.close()
+    s.logger.close()
+    if env.is_main and (recipe.run_dir / "metrics.jsonl").is_file():
+        plot_loss(recipe.run_dir / "metrics.jsonl", recipe.run_dir / "loss.png")
+        print(f"run directory: {recipe.run_dir} (metrics.jsonl, loss.png, checkpoints/)")
+    return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+
+
+def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
+    """One optimizer step over this rank's micro-batches.
+
+    Returns the step's mean loss per trained token (all ranks), the gradient norm before
+    clipping, and the trained and read token counts of all ranks.
+    """
+    env, model = s.env, s.model
+    local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
+    global_tokens = int(distributed.all_reduce_sum(local_tokens, env))
+    scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_tokens)
+
+    model.train()
+    loss_sum = torch.zeros((), device=env.device)
+    for i, mb in enumerate(micro_batches):
+        # Only the last micro-batch of the step reduces gradients across ranks.
+        with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+            summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+            (summed * scale).backward()
+        loss_sum += summed.detach()
+    grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+
+    loss = distributed.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
+    read = int(distributed.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
+    return loss, float(grad_norm), global_tokens, read
+
+
+def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> Session:
+    """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
     run_dir = recipe.run_dir
     if env.distributed:
@@ -89,14 +187,11 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
     # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it. (If
     # rank 0 fails here, torchrun stops the waiting ranks.)
     if not env.is_main:
-        _barrier(env)
+        distributed.barrier(env)
     data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
     if env.is_main:
-        _barrier(env)
+        distributed.barrier(env)
     init_run_dir(recipe, env=env, resume_from=resume_from)
-    if env.is_main and plan is not None:
-        (run_dir / "plan.json").write_text(plan.to_json())
-    method = rung.method
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
     model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
@@ -111,11 +206,13 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
         world_size=env.world_size,
         shuffle=recipe.data.shuffle,
     )
-    fingerprint = f"{method}:{recipe.model.path}:{total}"
+    fingerprint = f"{rung.method}:{recipe.model.path}:{total}"
     if env.is_main:
-        info = {"method": method, "strategy": rung.strategy, "cpu_offload": rung.cpu_offload,
+        info = {"method": rung.method, "strategy": rung.strategy, "cpu_offload": rung.cpu_offload,
                 "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
         (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+        if plan is not None:
+            (run_dir / "plan.json").write_text(plan.to_json())
     logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
     start = 0
     if resume_from is not None:
@@ -124,82 +221,12 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
         sampler.load_state_dict(state.sampler)
         start = state.step
         logger.truncate_after(start)
-    say = print if env.is_main else (lambda *a, **k: None)
-    say(
-        f"{method}: {trainable:,} trainable of {total:,} parameters on {env.world_size} x {env.device.type}; "
-        f"{len(data.train)} training rows; steps {start + 1}..{cfg.max_steps}"
-    )
-
-    pad_id = tokenizer.pad_token_id
-    losses: list[float] = []
-    eval_loss = None
-    tokens_seen = 0
-    progress = _progress(start, cfg.max_steps, enabled=env.is_main)
-    for step in range(start + 1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        micro_batches = [
-            collate([data.train[i] for i in sampler.next_indices()], pad_token_id=pad_id)
-            for _ in range(cfg.grad_accum_steps)
-        ]
-        local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
-        global_tokens = int(distributed.all_reduce_sum(local_tokens, env))
-        scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_tokens)
-
-        model.train()
-        loss_sum = torch.zeros((), device=env.device)
-        for i, mb in enumerate(micro_batches):
-            # Only the last micro-batch of the step reduces gradients across ranks.
-            with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-                summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
-                (summed * scale).backward()
-            loss_sum += summed.detach()
-        grad_norm = distributed.clip_grad_norm_(model, cfg.max_grad_norm, env)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        loss = distributed.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
-        input_tokens = int(distributed.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
-        tokens_seen += input_tokens
-        elapsed = time.perf_counter() - t0
-        losses.append(loss)
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            logger.log(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tokens": input_tokens,
-                    "trained_tokens": global_tokens,
-                    "tokens_per_s": input_tokens / elapsed,
-                    "epoch": sampler.epoch,
-                }
-            )
-        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{input_tokens / elapsed:.0f}")
-        progress.update(1)
-
-        if data.eval is not None and (
-            (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
-        ):
-            eval_loss = evaluate(model, data.eval, env=env, recipe=recipe, pad_token_id=pad_id)
-            logger.log({"step": step, "eval_loss": eval_loss})
-            progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.max_steps:
-            state = checkpoint.TrainerState(
-                step=step,
-                scheduler=scheduler.state_dict(),
-                sampler=sampler.state_dict(),
-                model_fingerprint=fingerprint,
-                world_size=env.world_size,
-            )
-            checkpoint.save(run_dir, model=model, optimizer=optimizer, state=state, keep_last=cfg.keep_last)
-    progress.close()
-    logger.close()
-    if env.is_main and (run_dir / "metrics.jsonl").is_file():
-        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        say(f"run directory: {run_dir} (metrics.jsonl, loss.png, checkpoints/)")
-    return TrainResult(run_dir=run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+    if env.is_main:
+        print(
+            f"{rung.method} ({rung.strategy}): {trainable:,} trainable of {total:,} parameters on "
+            f"{env.world_size} x {env.device.type}; {len(data.train)} training rows; steps {start + 1}..{cfg.max_steps}"
+        )
+    return Session(recipe, env, model, optimizer, scheduler, sampler, data, tokenizer.pad_token_id, logger, fingerprint, start)
 
 
 def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
@@ -311,72 +338,3 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
 def _forward(model, mb: dict, device) -> torch.Tensor:
     inputs = {k: v.to(device) for k, v in mb.items() if k != "labels"}
     return model(**inputs, use_cache=False).logits
-
-
-def check_run_dir(recipe: Recipe) -> Path | None:
-    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from."""
-    run_dir = recipe.run_dir
-    saved = run_dir / "recipe.yaml"
-    if recipe.train.resume:
-        if saved.is_file():
-            _check_same_model(load_recipe(saved), recipe, saved)
-        return checkpoint.latest(run_dir)
-    if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
-        raise UserError(
-            f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
-            "--overwrite, or choose another with --run-dir"
-        )
-    return None
-
-
-def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
-    """Create (or, with overwrite, replace) the run directory once every input has been checked.
-
-    Every rank has run the same checks; the main rank writes between two barriers, so no rank
-    sees a half-made directory.
-    """
-    run_dir = recipe.run_dir
-    _barrier(env)
-    if env.is_main:
-        if recipe.output.overwrite and not recipe.train.resume and run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_recipe(recipe, run_dir / "recipe.yaml")
-        if recipe.train.resume and resume_from is None:
-            print(f"no complete checkpoint in {run_dir}; starting from step 0")
-    _barrier(env)
-
-
-def _barrier(env) -> None:
-    if env.distributed:
-        torch.distributed.barrier()
-
-
-def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:
-    if (old.model.path, old.method) != (new.model.path, new.method):
-        raise UserError(
-            f"{saved} is a run of {old.model.path} ({old.method}), not {new.model.path} ({new.method}); "
-            "resume needs the same model and method, or use another --run-dir"
-        )
-
-
-def _progress(start: int, total: int, *, enabled: bool):
-    if not enabled:
-        return _NullProgress()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-class _NullProgress(contextlib.nullcontext):
-    def set_postfix(self, **_):
-        pass
-
-    def update(self, _):
-        pass
-
-    def write(self, _):
-        pass
-
-    def close(self):
-        pass
