@@ -331,3 +331,9 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait for every rank (no-op on one process)."""
+    if env.distributed:
+        dist.barrier()
