@@ -76,9 +76,11 @@ def consolidate_to_hf(
         raise UserError(f"{checkpoint_dir} holds no model weights")
     if any(".lora_" in name for name in tensors):
         raise UserError(f"{checkpoint_dir} is a LoRA checkpoint (adapters only); export it with the adapter merge")
-    config = json.loads((Path(base_model_dir) / "config.json").read_text())
-    if config.get("tie_word_embeddings") and "lm_head.weight" in tensors:
-        del tensors["lm_head.weight"]  # the same tensor as the embedding; from_pretrained re-ties it
+    expected, tied = _architecture(Path(base_model_dir))
+    _check_tied_equal(state_dir, tensors, tied)
+    for target in tied:
+        tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
+    _check_architecture(Path(base_model_dir), expected, {n: tensors[n][0] for n in tensors})
     groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
 
     out_dir = Path(out_dir)
@@ -86,7 +88,6 @@ def consolidate_to_hf(
     for stale in out_dir.glob("model*.safetensors"):
         stale.unlink()  # idempotent re-export with another shard count
     (out_dir / _INDEX).unlink(missing_ok=True)
-    _check_architecture(Path(base_model_dir), {n: tensors[n][0] for n in tensors})
     weight_map, total_bytes, max_diff = {}, 0, 0.0
     for number, names in enumerate(groups, start=1):
         file_name = "model.safetensors" if len(groups) == 1 else f"model-{number:05d}-of-{len(groups):05d}.safetensors"
@@ -117,17 +118,50 @@ def _read_back_diff(path: Path, originals: dict[str, torch.Tensor]) -> float:
     return diff
 
 
-def _check_architecture(base_dir: Path, shapes: dict[str, torch.Size]) -> None:
-    """The base config's model, built on the meta device (no memory), must want exactly these tensors."""
+def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """What the base config's model loads: tensor shapes by name, and its tied names (target -> source).
+
+    Built on the meta device (no memory). Tied targets (`lm_head.weight` when
+    `tie_word_embeddings`, which Gemma and Qwen2.5-0.5B set, some through the config class's
+    default rather than config.json) are not written: from_pretrained re-ties them to the source.
+    """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(base_dir)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        expected.pop("lm_head.weight", None)
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
+    return expected, tied
+
+
+def _check_tied_equal(state_dir: Path, tensors: dict, tied: dict[str, str]) -> None:
+    """A checkpoint that holds both names of a tied weight must hold one tensor under both.
+
+    The trainer shards a tied weight as one Parameter, so DCP writes the same values twice. A
+    checkpoint where they differ was trained untied (homelab-ft before the re-tie in
+    sharded_loading.tie_weights left the head uninitialised): exporting only the embedding would
+    silently drop what the head learnt. Costs reading the embedding twice, once per export.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for target, source in tied.items():
+        if target not in tensors or source not in tensors:
+            continue
+        pair = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in (target, source)}
+        dcp.load(pair, storage_reader=FileSystemReader(str(state_dir)), no_dist=True)
+        if not torch.equal(pair[MODEL_PREFIX + target], pair[MODEL_PREFIX + source]):
+            raise UserError(
+                f"{state_dir} holds different {target} and {source}, but the model's config ties "
+                f"them; this checkpoint was trained with the tie broken and cannot be exported as this "
+                f"architecture; train again with this homelab-ft version"
+            )
+
+
+def _check_architecture(base_dir: Path, expected: dict[str, torch.Size], shapes: dict[str, torch.Size]) -> None:
+    """The base config's model must want exactly the checkpoint's tensors."""
     if expected != dict(shapes):
         missing = sorted(set(expected) - set(shapes))[:3]
         extra = sorted(set(shapes) - set(expected))[:3]

@@ -15,7 +15,8 @@ activation checkpointing and FSDP2 (`distributed.parallelize`), allocate only th
 
 `to_empty` also wipes buffers that are not in any state dict (rotary `inv_freq`): they are built
 on CPU with real values (only parameters go to meta) and copied back afterwards, otherwise the
-logits drift silently.
+logits drift silently. Building under `meta_parameters` also unties tied weights (LM head =
+embedding); `tie_weights` ties them again before sharding.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def build_sharded(
     with meta_parameters():
         model = build()
     torch.set_rng_state(rng)
+    tie_weights(model)
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     if any(buf.is_meta for buf in buffers.values()):
         raise AssertionError("buffers must be real: build the model under meta_parameters(), not torch.device('meta')")
@@ -73,6 +75,32 @@ def build_sharded(
     else:
         _fill_from_hf(model, Path(model_dir), seed=adapter_seed)
     return model
+
+
+def tie_weights(model: nn.Module) -> None:
+    """Re-tie shared weights (LM head = input embedding) of a model built under `meta_parameters`.
+
+    accelerate's `init_empty_weights` wraps `register_parameter` so that it stores a *new*
+    Parameter moved to meta; transformers ties the head by `setattr(lm_head, "weight",
+    embed_tokens.weight)`, which goes through that wrapper, so the two names end up with two
+    separate meta tensors (measured with transformers 5.24 / accelerate 1.15). Sharded and loaded
+    as such, the head has no weight in the checkpoint (a tied model stores only the embedding), is
+    left as `to_empty` garbage, and SmolLM2-135M started at loss ln(49152) = 10.8 instead of 0.6.
+    Tying again outside the context makes both names one Parameter, which FSDP2 shards once (both
+    modules sit in the root unit, outside every transformer block) and the loader fills once.
+    """
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(target, "tie_weights"):
+        target.tie_weights()
+
+
+def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Every parameter's names, one list per distinct Parameter (a tied one has several)."""
+    inner = model.module if hasattr(model, "no_sync") else model
+    names: dict[int, list[str]] = {}
+    for name, param in inner.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return list(names.values())
 
 
 def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
@@ -105,15 +133,22 @@ def _fill_from_hf(model: nn.Module, model_dir: Path, *, seed: int) -> None:
     reader = HuggingFaceStorageReader(str(model_dir))
     on_disk = set(reader.read_metadata().state_dict_metadata)
     state = get_model_state_dict(model)
-    wanted = {}
-    for key, value in state.items():
-        hf_key = hf_name(key)
-        if hf_key in on_disk:
-            wanted[hf_key] = value
-        elif not _is_adapter(key) and not _is_tied_head(model, key):
-            raise UserError(f"{model_dir} has no weight {hf_key}; is it the checkpoint of this architecture?")
+    # A tied parameter is read once, under whichever of its names the file has (a tied model's
+    # file usually holds only `model.embed_tokens.weight`; some hold both, equal). A parameter
+    # none of whose names is on disk is an error, never left as to_empty's uninitialised memory.
+    groups = [[n for n in names if n in state] for names in _shared_parameter_names(model)]
+    grouped = {n for names in groups for n in names}
+    groups += [[key] for key in state if key not in grouped]  # persistent buffers
+    wanted, source = {}, {}
+    for names in filter(None, groups):
+        present = [n for n in names if hf_name(n) in on_disk]
+        if present:
+            wanted[hf_name(present[0])] = state[present[0]]
+            source[present[0]] = hf_name(present[0])
+        elif not all(_is_adapter(n) for n in names):
+            raise UserError(f"{model_dir} has no weight {hf_name(names[0])}; is it the checkpoint of this architecture?")
     dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(model_dir)))
-    loaded = {key: wanted[hf_name(key)] for key in state if hf_name(key) in wanted}
+    loaded = {key: wanted[hf_key] for key, hf_key in source.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
     adapters = _adapter_init(model, seed=seed)
     if adapters:  # full-size tensors on every rank: each keeps its slice
@@ -127,11 +162,6 @@ def hf_name(key: str) -> str:
 
 def _is_adapter(key: str) -> bool:
     return ".lora_" in key
-
-
-def _is_tied_head(model: nn.Module, key: str) -> bool:
-    config = getattr(model, "config", None)
-    return key.endswith("lm_head.weight") and bool(getattr(config, "tie_word_embeddings", False))
 
 
 def _adapter_init(model: nn.Module, *, seed: int) -> dict[str, torch.Tensor]:

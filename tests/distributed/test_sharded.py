@@ -5,6 +5,10 @@ standalone run of many jobs, a 2-node x 1-process HYBRID_SHARD run over c10d on 
 `homelab-ft train`, and a one-process run of the references and of a resume from the 2-process
 checkpoint. One process with micro-batch 2B sees exactly the rows that 2 ranks with B see
 (sampling.py), and rows differ in length, so ranks train unequal token counts.
+
+Most jobs use an untied tiny Llama; the `tied_*` jobs use one with `tie_word_embeddings=True`
+(SmolLM2, Llama 3.2, Qwen2.5 small, Gemma): its file stores only the embedding, and a sharded
+build that lost the tie started SmolLM2-135M at loss ln(vocab) = 10.8 instead of 0.6.
 """
 
 from __future__ import annotations
@@ -69,8 +73,11 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model_dir) -> dict:
+    from tiny import make_llama
+
     tmp = tmp_path_factory.mktemp("sharded")
     _write_data(tmp / "train.jsonl", 64)
+    tied_dir = make_llama(tmp / "tied-llama", tie_word_embeddings=True)
     two = {
         "full_shard": _recipe(tmp, tiny_model_dir, "full_shard", procs=2),
         "shard_grad_op": _recipe(tmp, tiny_model_dir, "shard_grad_op", procs=2, sharding={"strategy": "shard_grad_op"}),
@@ -78,16 +85,21 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         "checkpointing": _recipe(tmp, tiny_model_dir, "checkpointing", procs=2, train={"activation_checkpointing": True}),
         "lora_fsdp": _recipe(tmp, tiny_model_dir, "lora_fsdp", procs=2, method="lora"),
         "lora_ddp": _recipe(tmp, tiny_model_dir, "lora_ddp", procs=2, method="lora", sharding={"strategy": "no_shard"}),
+        "tied_full": _recipe(tmp, tied_dir, "tied_full", procs=2),
     }
     resume2 = _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True})
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
     jobs.append({"kind": "train", "name": "resume2", "recipe": resume2,
                  "copy_run": {"src": two["full_shard"]["output"]["dir"], "keep_step": 3}})
     jobs.append({"kind": "lora_hf_load", "name": "lora_hf_load", "model_dir": str(tiny_model_dir)})
+    jobs.append({"kind": "lora_hf_load", "name": "tied_lora_load", "model_dir": str(tied_dir)})
     jobs.append({"kind": "memory", "name": "memory", "model_dir": str(tiny_model_dir), "strategy": "full_shard"})
     jobs.append({"kind": "export", "name": "export", "recipe": two["full_shard"],
                  "checkpoint": str(Path(two["full_shard"]["output"]["dir"]) / "checkpoints" / f"step_{STEPS:06d}"),
                  "out": str(tmp / "export")})
+    jobs.append({"kind": "export", "name": "tied_export", "recipe": two["tied_full"],
+                 "checkpoint": str(Path(two["tied_full"]["output"]["dir"]) / "checkpoints" / f"step_{STEPS:06d}"),
+                 "out": str(tmp / "tied_export")})
     spec = tmp / "two.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -114,6 +126,9 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         {"kind": "train", "name": "resume1", "recipe": _recipe(tmp, tiny_model_dir, "resume1", procs=1, train={"resume": True}),
          "copy_run": {"src": two["full_shard"]["output"]["dir"], "keep_step": 3}},
         {"kind": "token_counts", "name": "tokens", "recipe": two["full_shard"], "world_size": 2},
+        {"kind": "train", "name": "ref_tied", "recipe": _recipe(tmp, tied_dir, "ref_tied", procs=1)},
+        {"kind": "train", "name": "tied_resume1", "recipe": _recipe(tmp, tied_dir, "tied_resume1", procs=1, train={"resume": True}),
+         "copy_run": {"src": two["tied_full"]["output"]["dir"], "keep_step": 3}},
     ]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
@@ -156,15 +171,34 @@ def test_resume_gives_same_losses(results):
     assert _max_diff(results["resume1"]["losses"], full[3:]) <= TOL
 
 
-def test_export_loads_with_same_logits(results):
-    exp = results["export"]
+@pytest.mark.parametrize("name", ["export", "tied_export"])
+def test_export_loads_with_same_logits(results, name):
+    exp = results[name]
     assert exp["max_abs_diff"] <= 1e-5
     assert exp["read_back"] == 0.0
     assert exp["diff_from_base"] > 1e-3  # the export holds the trained weights, not the base
+    # A tied head is one Parameter in the sharded model and is not written: from_pretrained re-ties it.
+    assert exp["head_tied"] == (name == "tied_export")
+    assert exp["head_written"] == (name == "export")
 
 
-def test_lora_on_a_base_read_per_rank(results):
-    """The per-rank safetensors path: adapters initialised once at full size, then sliced."""
-    got = results["lora_hf_load"]
+def test_tied_embeddings_full_shard_matches_one_process(results):
+    """The sharded build of a tied model starts where from_pretrained on one process starts
+    (not at the uniform-prediction loss of an uninitialised head) and trains identically."""
+    ref, got = results["ref_tied"]["losses"], results["tied_full"]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert abs(got[0] - ref[0]) <= TOL, (got[0], ref[0])
+    assert _max_diff(got, ref) <= TOL
+    # resumed on one process from the two-process checkpoint of step 3
+    assert _max_diff(results["tied_resume1"]["losses"], got[3:]) <= TOL
+
+
+@pytest.mark.parametrize("name", ["lora_hf_load", "tied_lora_load"])
+def test_lora_on_a_base_read_per_rank(results, name):
+    """The per-rank safetensors path: adapters initialised once at full size, then sliced; and
+    the rank-0 broadcast path. Both start as the base model, tied head included."""
+    got = results[name]
     assert got["logit_diff"] <= 1e-6
+    assert got["rank0_logit_diff"] <= 1e-6
     assert got["b_zero"] and got["a_nonzero"] and got["a_rows_distinct"]
+    assert got["head_tied"] == (name == "tied_lora_load")

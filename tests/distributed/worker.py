@@ -74,18 +74,17 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
     """Load a sharded checkpoint into a fresh sharded model, then compare its logits with the
     consolidated HF export loaded by from_pretrained."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from homelab_ft import modeling
+    from homelab_ft.checkpoint import trainable_state
     from homelab_ft.consolidate import consolidate_to_hf
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = modeling.resolve_model_dir(recipe.model.path)
     model = trainer.build_model(recipe, model_dir=model_dir, rung=trainer.resolve_rung(recipe), env=env)
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=Path(job["checkpoint"]) / "state")
-    set_model_state_dict(model, state["model"])
+    with torch.no_grad():  # in place, into this rank's shards, as checkpoint.load does
+        dcp.load({"model": trainable_state(model)}, checkpoint_id=Path(job["checkpoint"]) / "state")
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
     model.eval()
     with torch.no_grad():
@@ -104,8 +103,20 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
             "max_abs_diff": float((plain - sharded).abs().max()),
             "diff_from_base": float((untrained - sharded).abs().max()),
             "read_back": read_back,
+            "head_tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "head_written": "lm_head.weight" in _safetensors_keys(out),
         }
     return result
+
+
+def _safetensors_keys(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in model_dir.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            keys.update(f.keys())
+    return keys
 
 
 def run_token_counts(job: dict, base_dir: Path) -> dict:
@@ -144,6 +155,10 @@ def run_lora_hf_load(job: dict, env) -> dict:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job["model_dir"]), dtype=torch.float32)
         return modeling.attach_lora(model, LoraConfig(r=4, dropout=0.0))
 
+    def load_full():
+        model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+        return modeling.attach_lora(model, LoraConfig(r=4, dropout=0.0))
+
     model = sharded_loading.build_sharded(env, build=build, model_dir=job["model_dir"], strategy="full_shard")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     ids = torch.arange(12).reshape(1, 12)
@@ -152,10 +167,16 @@ def run_lora_hf_load(job: dict, env) -> dict:
     base = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     with torch.no_grad():
         ref = base(input_ids=ids).logits
+    rank0 = sharded_loading.build_sharded(env, build=build, load_full=load_full, strategy="full_shard")
+    with torch.no_grad():
+        rank0_logits = rank0(input_ids=ids).logits
+    inner = model.get_base_model()
     a = [v for k, v in full.items() if ".lora_A." in k]
     b = [v for k, v in full.items() if ".lora_B." in k]
     return {
         "logit_diff": float((logits - ref).abs().max()),  # B = 0: the adapted model starts as the base
+        "rank0_logit_diff": float((rank0_logits - ref).abs().max()),
+        "head_tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
         "b_zero": all(bool((t == 0).all()) for t in b),
         "a_rows_distinct": all(len({tuple(r) for r in t.tolist()}) == t.shape[0] for t in a),
         "a_nonzero": all(float(t.abs().max()) > 0 for t in a),
