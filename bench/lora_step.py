@@ -3,7 +3,8 @@
 The same model (a random ~20M-parameter Llama saved and reloaded with from_pretrained), the same
 LoRA config, the same fixed-length rows (every batch holds the same number of tokens, so order
 does not matter), the same optimizer and schedule. Each contender runs WARMUP + STEPS steps; the
-median tokens/s over the measured steps is reported. The contenders run in rounds (a, b, c, a,
+median tokens/s over the measured steps is reported, each step timed from the end of the step
+before to its own end (data fetching, the step, logging: everything a loop does per step). The contenders run in rounds (a, b, c, a,
 b, c) and each keeps its best round, so a slow moment of the machine does not decide the result.
 
     python bench/lora_step.py            # OMP_NUM_THREADS sets the threads of all three
@@ -35,7 +36,7 @@ SEQ = 256
 MICRO_BATCH = 4
 WARMUP = 3
 STEPS = 12
-ROUNDS = 2
+ROUNDS = 3
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
 
 
@@ -69,7 +70,10 @@ def ours(recipe_path: Path, run_dir: Path) -> float:
     recipe = load_recipe(recipe_path, [f"output.dir={run_dir}", "output.overwrite=true"])
     trainer.train(recipe)
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r]
-    return statistics.median(r["tokens_per_s"] for r in rows[WARMUP:])
+    # step end to step end (`time_s`), so logging and data fetching count, as for the others
+    return statistics.median(
+        cur["tokens"] / (cur["time_s"] - prev["time_s"]) for prev, cur in zip(rows[WARMUP - 1 :], rows[WARMUP:], strict=False)
+    )
 
 
 def _model_and_batches(recipe_path: Path):
@@ -88,15 +92,17 @@ def plain(recipe_path: Path) -> float:
     model, rows, pad = _model_and_batches(recipe_path)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     rates = []
+    t0 = time.perf_counter()
     for step in range(WARMUP + STEPS):
-        t0 = time.perf_counter()
         batch = collate(rows[step * MICRO_BATCH : (step + 1) * MICRO_BATCH], pad_token_id=pad)
         loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        rates.append(int(batch["attention_mask"].sum()) / (time.perf_counter() - t0))
+        now = time.perf_counter()
+        rates.append(int(batch["attention_mask"].sum()) / (now - t0))
+        t0 = now
     return statistics.median(rates[WARMUP:])
 
 
@@ -108,11 +114,15 @@ def hf_trainer(recipe_path: Path, out: Path) -> float:
     step_times: list[float] = []
 
     class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
+        """Step end to step end: the data loader, the step and Trainer's own bookkeeping."""
+
+        def on_train_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            step_times.append(time.perf_counter() - self.t0)
+            now = time.perf_counter()
+            step_times.append(now - self.t0)
+            self.t0 = now
 
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=MICRO_BATCH, max_steps=WARMUP + STEPS,

@@ -76,6 +76,18 @@ class DataReport:
     """True when every tokenised split came from the cache instead of being tokenised again."""
 
 
+    def summary(self) -> str:
+        """One line for the training log: what was kept, cut and left out."""
+        skipped = sum(s.num_rows_skipped for s in self.sources + self.eval_sources)
+        packed = f"; packed into {self.num_train_rows} rows, {self.non_pad_fraction:.1%} non-pad" if self.packed else ""
+        return (
+            f"data: {self.num_train_samples} training samples ({self.num_train_tokens:,} tokens, "
+            f"{self.num_trained_tokens:,} with loss), {self.num_eval_samples} eval; truncated {self.num_truncated}, "
+            f"dropped {self.num_dropped_overlong} too long and {self.num_dropped_no_target} with nothing to learn, "
+            f"skipped {skipped} bad rows{packed}{' (tokenised data from the cache)' if self.cache_hit else ''}"
+        )
+
+
 @dataclass(frozen=True)
 class PreparedData:
     train: datasets.Dataset

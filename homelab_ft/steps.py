@@ -90,8 +90,9 @@ def build_optimizer(model: torch.nn.Module, train_cfg: TrainConfig) -> torch.opt
     ]
     groups = [g for g in groups if g["params"]]
     if train_cfg.optimizer == "adamw":
-        # foreach=False keeps per-parameter updates, which FSDP2's DTensors and CPU offload both take.
-        return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas, foreach=False)
+        # torch picks the multi-tensor (foreach) kernels when every parameter is on a GPU, which
+        # matters for LoRA's hundreds of small tensors, and the per-tensor loop otherwise.
+        return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=train_cfg.betas)
     from homelab_ft import quant
 
     return quant.make_optimizer(groups, train_cfg)

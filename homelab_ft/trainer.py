@@ -90,6 +90,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
     losses: list[float] = []
     eval_loss = None
     progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main)
+    loop_start = time.perf_counter()
     for step in range(s.start_step + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [
@@ -110,6 +111,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
                     "trained_tokens": trained,
                     "tokens_per_s": read / elapsed,
                     "epoch": s.sampler.epoch,
+                    "time_s": time.perf_counter() - loop_start,
                 }
             )
         progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}")
@@ -222,6 +224,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> S
         start = state.step
         logger.truncate_after(start)
     if env.is_main:
+        print(data.report.summary())
         print(
             f"{rung.method} ({rung.strategy}): {trainable:,} trainable of {total:,} parameters on "
             f"{env.world_size} x {env.device.type}; {len(data.train)} training rows; steps {start + 1}..{cfg.max_steps}"

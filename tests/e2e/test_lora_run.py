@@ -106,10 +106,12 @@ def test_same_losses_with_activation_checkpointing_and_deterministic(tmp_path, t
         assert la[step] == pytest.approx(lb[step], abs=1e-6)
 
 
-def test_packed_run(tmp_path, tiny_model_dir):
+def test_packed_run(tmp_path, tiny_model_dir, capsys):
     recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=2, eval_every=0, save_every=0, micro_batch_size=2)
     run = tmp_path / "packed"
     assert main(["train", str(recipe), "--run-dir", str(run), "data.packing=true"]) == 0
+    out = capsys.readouterr().out
+    assert "data: 48 training samples" in out and "packed into" in out
     rows = read_metrics(run / "metrics.jsonl")
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2]
