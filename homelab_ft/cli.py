@@ -7,13 +7,17 @@ and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 
 from homelab_ft.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
+    _quiet_and_offline()
     code = _run(argv)
     from homelab_ft.launch import under_torchrun
 
@@ -24,6 +28,19 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_now(code)
     return code
+
+
+def _quiet_and_offline() -> None:
+    """homelab-ft never downloads: the Hugging Face libraries are told so before they load.
+
+    Two messages every run would print are silenced: bitsandbytes' note that an optional CPU
+    kernel package is missing (it serves the AVX512-BF16 path that quant.after_load turns off),
+    and a FutureWarning that peft 0.21 triggers by calling a renamed transformers 5 method.
+    """
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(var, "1")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def _run(argv: list[str] | None) -> int:
