@@ -10,44 +10,17 @@ steps, so the CPU guard (quant.after_load) is exercised on every rank too. One t
 from __future__ import annotations
 
 import json
-import os
-import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from procs import run_checked, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 6
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(var, None)
-    return env
-
-
-def _run(argv: list[str]) -> None:
-    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-
-
-def _write_data(path: Path, num_rows: int, *, seed: int) -> None:
-    rng = random.Random(seed)
-    words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
-    with path.open("w") as fh:
-        for _ in range(num_rows):
-            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
-            a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
-            fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, quant: dict | None = None) -> dict:
@@ -70,8 +43,8 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, quant: dict | 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("qlora-dp")
-    _write_data(tmp / "train.jsonl", 64, seed=0)
-    _write_data(tmp / "eval.jsonl", 8, seed=1)
+    write_chat_data(tmp / "train.jsonl", 64, seed=0)
+    write_chat_data(tmp / "eval.jsonl", 8, seed=1)
     # 8-bit is left out until checkpoint.save handles Linear8bitLt (see test_qlora.py's whole-run test)
     variants = {"nf4": {}, "fp4": {"quant_type": "fp4", "double_quant": False}}
     two = [{"kind": "train", "name": f"ddp_{k}", "recipe": _recipe(tmp, tiny_model_dir, f"ddp_{k}", procs=2, quant=q)}
@@ -80,9 +53,9 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
            for k, q in variants.items()]
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
           str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
-    _run([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     out["run_dirs"] = {job["name"]: job["recipe"]["output"]["dir"] for job in two + one}

@@ -14,44 +14,18 @@ build that lost the tie started SmolLM2-135M at loss ln(vocab) = 10.8 instead of
 from __future__ import annotations
 
 import json
-import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from procs import REPO, child_env, run_checked, write_chat_data
 
 from homelab_ft import distributed, launch
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 6
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(var, None)
-    return env
-
-
-def _run(argv: list[str], *, timeout: int = 600) -> None:
-    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-
-
-def _write_data(path: Path, num_rows: int) -> None:
-    rng = random.Random(0)
-    words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
-    with path.open("w") as fh:
-        for _ in range(num_rows):
-            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
-            a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
-            fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full", nodes: int = 1,
@@ -76,7 +50,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     from tiny import make_llama
 
     tmp = tmp_path_factory.mktemp("sharded")
-    _write_data(tmp / "train.jsonl", 64)
+    write_chat_data(tmp / "train.jsonl", 64)
     tied_dir = make_llama(tmp / "tied-llama", tie_word_embeddings=True)
     two = {
         "full_shard": _recipe(tmp, tiny_model_dir, "full_shard", procs=2),
@@ -102,7 +76,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                  "out": str(tmp / "tied_export")})
     spec = tmp / "two.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
           str(WORKER), str(spec), str(tmp / "two.out.json")])
     out = json.loads((tmp / "two.out.json").read_text())
 
@@ -113,7 +87,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
     commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
                                     port=distributed.free_port(), join_timeout_s=120, python=sys.executable)
-    procs = [subprocess.Popen(c.argv, env=_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(c.argv, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in commands]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
@@ -132,7 +106,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     ]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    _run([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
     out.update(json.loads((tmp / "one.out.json").read_text()))
     return out
 

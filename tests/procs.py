@@ -1,0 +1,41 @@
+"""Shared by the multi-process tests: a clean environment for torchrun children, a checked
+subprocess run, and a small chat dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def child_env() -> dict:
+    """One thread per rank (2 ranks on 2 cores: more threads made steps up to 8x slower), the
+    repo importable, and no torchrun variables inherited from an outer launch."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    for var in _TORCHRUN_VARS:
+        env.pop(var, None)
+    return env
+
+
+def run_checked(argv: list[str], *, timeout: int = 600) -> None:
+    proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def write_chat_data(path: Path, num_rows: int, *, seed: int = 0, answer_prefix: str = "") -> Path:
+    """Random short user/assistant turns over a word list the tiny tokenizer knows."""
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
+    with path.open("w") as fh:
+        for _ in range(num_rows):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
+            a = answer_prefix + " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
+            fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
+    return path
