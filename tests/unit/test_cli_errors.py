@@ -95,3 +95,22 @@ def test_no_traceback_from_the_console_entry_point(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("homelab-ft: error:")
     assert "Traceback" not in proc.stderr
+
+
+def test_resume_with_another_model_is_refused(capsys, tmp_path, tiny_model_dir):
+    from tiny import make_llama
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
+    body = {"method": "lora", "model": {"path": str(tiny_model_dir)}, "data": {"sources": [{"path": str(data)}], "max_length": 64},
+            "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}
+    recipe = recipe_file(tmp_path, body)
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    other = make_llama(tmp_path / "other", hidden_size=96, intermediate_size=192)
+    capsys.readouterr()
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "--resume", f"model.path={other}")
+    assert "resume needs the same model" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
