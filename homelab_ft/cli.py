@@ -138,19 +138,22 @@ def _cmd_train(args) -> int:
     if not launch.under_torchrun():
         # Convert a GGUF model (once) before any worker processes start, and fail on a bad path here.
         modeling.resolve_model_dir(recipe.model.path)
-    code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides)
-    if code is not None:
-        return code
     plan = planner.plan_for_recipe(recipe)
     if plan.chosen is None and recipe.method == "auto":
         print(planner.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
-    if plan.chosen is None:
+    if plan.chosen is None and not launch.under_torchrun():
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
 
     from homelab_ft import trainer
 
+    rung = trainer.resolve_rung(recipe, plan)
+    # FSDP needs a process group even on one GPU (sharding onto one rank to offload to the CPU).
+    needs_group = rung.strategy != "no_shard"
+    code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides, force=needs_group)
+    if code is not None:
+        return code
     trainer.train(recipe, plan=plan, base_dir=args.recipe.resolve().parent)
     return 0
 

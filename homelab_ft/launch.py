@@ -167,13 +167,14 @@ def run_over_ssh(commands: list[NodeCommand]) -> int:
     return code
 
 
-def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str]) -> int | None:
-    """For `homelab-ft train` on a recipe with several processes: re-run it under torchrun.
+def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str], *, force: bool = False) -> int | None:
+    """For `homelab-ft train` on a recipe with several processes (or one that needs a process
+    group anyway, `force`: FSDP on a single GPU to offload to the CPU): re-run it under torchrun.
 
     Returns torchrun's exit code, or None when this process should train itself (one process,
     or already started by torchrun). A multi-node recipe needs `homelab-ft launch`.
     """
-    if under_torchrun() or recipe.world_size == 1:
+    if under_torchrun() or (recipe.world_size == 1 and not force):
         return None
     if recipe.cluster.nodes > 1:
         raise UserError(

@@ -82,7 +82,7 @@ def progress_bar(start: int, total: int, *, enabled: bool):
 
 
 class _NullProgress(contextlib.nullcontext):
-    def set_postfix(self, **_):
+    def set_postfix(self, refresh=True, **_):
         pass
 
     def update(self, _):

@@ -19,6 +19,7 @@ import torch
 from homelab_ft import checkpoint, distributed, modeling, steps
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
+from homelab_ft.errors import UserError
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.rundir import check_run_dir, init_run_dir
 from homelab_ft.sampling import MicroBatchSampler
@@ -114,7 +115,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
                     "time_s": time.perf_counter() - loop_start,
                 }
             )
-        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}")
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}", refresh=False)
         progress.update(1)
 
         last = step == cfg.max_steps
@@ -237,6 +238,14 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     method = rung.method
     dtype = modeling.resolve_dtype(recipe.model.dtype, env.device)
     cfg = recipe.train
+    if method == "qlora" and env.distributed and rung.strategy != "no_shard":
+        # fully_shard cannot split bitsandbytes' packed uint8 Params4bit; FSDP-QLoRA needs a
+        # 4-bit storage dtype FSDP can shard, which this trainer does not set up yet.
+        raise UserError(
+            f"QLoRA with sharding.strategy={rung.strategy} (the base sharded over GPUs) is not supported yet; "
+            "use sharding.strategy=no_shard (each GPU holds the 4-bit base, only adapter gradients cross the "
+            "network) or method=lora with sharding"
+        )
     if method == "qlora":
         from homelab_ft import quant
 

@@ -112,3 +112,16 @@ def test_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
     assert time.monotonic() - start < 60
     assert "USERERROR rank 1 could not join the process group at 127.0.0.1" in proc.stdout, proc.stderr[-2000:]
     assert "within 3 s" in proc.stdout
+
+
+def test_one_process_that_needs_fsdp_still_runs_under_torchrun(monkeypatch):
+    """FSDP on a single GPU (to offload to the CPU) needs a process group: torchrun with 1 process."""
+
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+    monkeypatch.setattr(launch.subprocess, "call", lambda argv, env: calls.append(argv) or 0)
+    recipe = recipe_from_dict({})
+    assert launch.reexec_under_torchrun(recipe, "r.yaml", [], force=False) is None
+    assert launch.reexec_under_torchrun(recipe, "r.yaml", ["train.lr=1e-4"], force=True) == 0
+    assert "--nproc-per-node=1" in calls[0] and calls[0][-2:] == ["r.yaml", "train.lr=1e-4"]
