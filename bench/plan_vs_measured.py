@@ -149,13 +149,13 @@ def main() -> int:
                           num_steps=args.steps)
             est = predict(method, run["recipe"], model_dir, device=args.device)
             got = run["measured"]
-            rows = [("weights", est.device.weights, got["weights"], True),
-                    ("gradients", est.device.gradients, got["gradients"], True),
-                    ("optimizer", est.device.optimizer, got["optimizer"], True),
-                    ("model state", est.device.model_state, got["weights"] + got["gradients"] + got["optimizer"], True),
-                    ("saved activations", est.device.activations + est.device.logits, got["saved"], False)]
+            rows = [("weights", est.memory.weights, got["weights"], True),
+                    ("gradients", est.memory.gradients, got["gradients"], True),
+                    ("optimizer", est.memory.optimizer, got["optimizer"], True),
+                    ("model state", est.memory.model_state, got["weights"] + got["gradients"] + got["optimizer"], True),
+                    ("saved activations", est.memory.activations + est.memory.logits, got["saved"], False)]
             if "cuda_peak" in got:
-                rows.append(("cuda peak alloc", est.device.total - est.device.overhead, got["cuda_peak"], False))
+                rows.append(("cuda peak alloc", est.memory.total - est.memory.overhead, got["cuda_peak"], False))
             for item, predicted, measured, checked in rows:
                 ratio = measured / predicted if predicted else float("nan")
                 bad = checked and args.device == "cpu" and abs(ratio - 1) > TOLERANCE

@@ -122,7 +122,8 @@ class Estimate:
     method: Method
     strategy: Strategy
     cpu_offload: bool
-    device: Memory
+    memory: Memory
+    """Peak bytes per device, by item."""
     host_bytes: int
     """Peak host RAM on the busiest node (node 0, which also loads the weights)."""
     trainable_params: int
@@ -333,7 +334,7 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
                        cpu_offload=cpu_offload, cluster=cluster)
     comm_bytes, comm_s = _communication(base_bytes, trainable, strategy=strategy, request=request, cluster=cluster)
     return Estimate(
-        method=method, strategy=strategy, cpu_offload=cpu_offload, device=device, host_bytes=host,
+        method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
         compute_s=_compute_s(shape, method, request, cluster),
         offload_s=_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0,

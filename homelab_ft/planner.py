@@ -29,19 +29,9 @@ MAX_UNQUANTIZABLE_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
-class Option:
-    method: str
-    strategy: str
-    cpu_offload: bool
-    memory: Memory
-    """Peak bytes per device, by item."""
-    host_bytes: int
-    trainable_params: int
-    comm_bytes: int
-    comm_s: float
-    compute_s: float
-    offload_s: float
-    step_s: float
+class Option(Estimate):
+    """An estimate judged against the cluster's budget and the user's request."""
+
     budget_bytes: int
     """Device memory minus headroom: what `memory.total` must stay under."""
     host_budget_bytes: int
@@ -82,6 +72,7 @@ class Plan:
                 return None
             data = dataclasses.asdict(o)
             data["memory"]["total"] = o.memory.total
+            data["step_s"] = o.step_s
             return data
 
         return {
@@ -142,10 +133,9 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
         for strategy, offload in _strategies(cluster):
             est = estimate(shape, method=method, strategy=strategy, cpu_offload=offload, request=request, cluster=cluster)
             fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+            estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
             out.append(Option(
-                method=method, strategy=strategy, cpu_offload=offload, memory=est.device, host_bytes=est.host_bytes,
-                trainable_params=est.trainable_params, comm_bytes=est.comm_bytes, comm_s=est.comm_s,
-                compute_s=est.compute_s, offload_s=est.offload_s, step_s=est.step_s, budget_bytes=budget,
+                **estimated, budget_bytes=budget,
                 host_budget_bytes=host_budget if cluster.device == "cuda" else 0,
                 allowed=_allowed(method, strategy, offload, request=request, cluster=cluster), fits=fits, reason=reason,
             ))
@@ -197,12 +187,12 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
         return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
                        "cannot quantize (quant.py refuses); use lora or full")
     limit = f"{_gib(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
-    total = est.device.total
+    total = est.memory.total
     if total > budget:
         biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
-                      key=lambda k: getattr(est.device, k))
+                      key=lambda k: getattr(est.memory, k))
         return False, (f"{name}: {_gib(total)} GiB per {device} > {limit} "
-                       f"(largest: {biggest} {_gib(getattr(est.device, biggest))} GiB)")
+                       f"(largest: {biggest} {_gib(getattr(est.memory, biggest))} GiB)")
     if cluster.device == "cuda" and est.host_bytes > host_budget:
         return False, (f"{name}: host RAM {_gib(est.host_bytes)} GiB per node > "
                        f"{_gib(cluster.host_ram_bytes)} GiB - {request.headroom:.0%} headroom")

@@ -178,7 +178,7 @@ def test_more_gpus_never_raise_per_gpu_model_state_under_full_shard(name, reques
     def state(count):
         est = estimate(shape(name), method=method, strategy="full_shard", cpu_offload=offload, request=request_,
                        cluster=gpus(count))
-        return est.device.model_state
+        return est.memory.model_state
 
     assert state(n + more) <= state(n)
 
