@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 
 from homelab_ft.errors import UserError
-from homelab_ft.memory import Cluster, Estimate, GiB, Memory, PlanRequest, estimate
+from homelab_ft.memory import Cluster, Estimate, GiB, PlanRequest, estimate
 from homelab_ft.shapes import ModelShape
 
 LADDER = ("qlora", "lora", "full")
