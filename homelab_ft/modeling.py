@@ -19,6 +19,7 @@ from pathlib import Path
 
 from homelab_ft.config import LoraConfig, ModelConfig
 from homelab_ft.errors import UserError
+from homelab_ft.shapes import hub_snapshot
 
 EMBEDDED = "smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,7 +60,7 @@ def resolve_model_dir(spec: str) -> Path:
         return path
     if path.exists():
         raise UserError(f"model.path: {path} is a file; give a model directory, a .gguf file or a cached hub id")
-    cached = _hub_cache_dir(spec)
+    cached = hub_snapshot(spec)
     if cached is not None:
         return cached
     if _looks_like_hub_id(spec):
@@ -74,15 +75,6 @@ def resolve_model_dir(spec: str) -> Path:
 def _looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
-
-
-def _hub_cache_dir(spec: str) -> Path | None:
-    if not _looks_like_hub_id(spec):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    found = try_to_load_from_cache(spec, "config.json")
-    return Path(found).parent if isinstance(found, str) else None
 
 
 def convert_gguf(gguf_path: Path) -> Path:

@@ -324,8 +324,9 @@ def locate_config(spec: str) -> tuple[dict, str]:
         if path.name.endswith(".json"):
             return _load_json(path, hint="give a Hugging Face config.json"), str(path)
         raise UserError(f"model.path: {path} is a file but neither config.json nor .gguf; give a model directory")
-    cached = _hub_cache_config(spec)
-    if cached is not None:
+    snapshot = hub_snapshot(spec)
+    if snapshot is not None:
+        cached = snapshot / "config.json"
         return _load_json(cached, hint="the cached snapshot looks damaged; download it again"), str(cached)
     bundled = BUNDLED_CONFIGS / (spec.replace("/", "--") + ".json")
     if "/" in spec and bundled.is_file():
@@ -358,18 +359,23 @@ def _hub_cache_root() -> Path:
     return Path.home() / ".cache" / "huggingface" / "hub"
 
 
-def _hub_cache_config(spec: str) -> Path | None:
+def hub_snapshot(spec: str) -> Path | None:
+    """The local snapshot folder of a hub id (`org/name`) in the HF cache, or None; never downloads.
+
+    Read from the cache layout directly (refs/main, else the newest snapshot) so `plan` needs
+    neither huggingface_hub's import nor torch; modeling.py uses the same lookup.
+    """
     parts = spec.split("/")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) != 2 or not all(parts) or spec.startswith((".", "~")):
         return None
     repo = _hub_cache_root() / f"models--{parts[0]}--{parts[1]}"
     ref = repo / "refs" / "main"
     if ref.is_file():
-        pinned = repo / "snapshots" / ref.read_text().strip() / "config.json"
-        if pinned.is_file():
+        pinned = repo / "snapshots" / ref.read_text().strip()
+        if (pinned / "config.json").is_file():
             return pinned
     found = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1] if found else None
+    return found[-1].parent if found else None
 
 
 # llama.cpp's GGUF keys (`{arch}.<key>`) -> transformers config names.

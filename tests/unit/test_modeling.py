@@ -23,15 +23,13 @@ def test_local_dir_and_bad_paths(tmp_path, tiny_model_dir):
 
 
 def test_hub_id_is_found_in_the_local_cache_only(tmp_path, tiny_model_dir, monkeypatch):
-    import huggingface_hub.constants
-
     cache = tmp_path / "hub"
     repo = cache / "models--acme--tiny-llama"
     snapshot = repo / "snapshots" / "0123abcd"
     shutil.copytree(tiny_model_dir, snapshot)
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0123abcd")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     assert modeling.resolve_model_dir("acme/tiny-llama") == snapshot
     with pytest.raises(UserError, match="hf download acme/other"):
         modeling.resolve_model_dir("acme/other")
