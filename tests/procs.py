@@ -29,13 +29,15 @@ def run_checked(argv: list[str], *, timeout: int = 600) -> None:
         raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
-def write_chat_data(path: Path, num_rows: int, *, seed: int = 0, answer_prefix: str = "") -> Path:
+def write_chat_data(
+    path: Path, num_rows: int, *, seed: int = 0, answer_prefix: str = "", max_q_words: int = 12, max_a_words: int = 10
+) -> Path:
     """Random short user/assistant turns over a word list the tiny tokenizer knows."""
     rng = random.Random(seed)
     words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
     with path.open("w") as fh:
         for _ in range(num_rows):
-            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 12)))
-            a = answer_prefix + " ".join(rng.choice(words) for _ in range(rng.randint(1, 10)))
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, max_q_words)))
+            a = answer_prefix + " ".join(rng.choice(words) for _ in range(rng.randint(1, max_a_words)))
             fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
     return path

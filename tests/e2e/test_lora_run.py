@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 import yaml
@@ -16,16 +17,8 @@ from homelab_ft.metrics import read_metrics
 
 
 def write_chat_data(path: Path, num_rows: int, *, seed: int = 0) -> Path:
-    import random
-
-    rng = random.Random(seed)
-    words = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
-    with path.open("w") as fh:
-        for _ in range(num_rows):
-            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, 8)))
-            a = " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
-            fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"answer: {a}"}]}) + "\n")
-    return path
+    """Short rows: at max_length 64 the tiny tokenizer leaves room for the answer."""
+    return procs.write_chat_data(path, num_rows, seed=seed, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
 
 
 def write_recipe(tmp: Path, model_dir: Path, **train) -> Path:
