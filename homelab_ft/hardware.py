@@ -55,12 +55,6 @@ def detect() -> Detected:
     )
 
 
-def detect_cluster() -> Cluster:
-    """This machine as a one-node cluster using every detected GPU (or the CPU)."""
-    detected = detect()
-    return resolve_cluster(ClusterConfig(gpus_per_node=max(1, detected.gpu_count)), detected=detected)
-
-
 def _nvidia_smi() -> tuple[list[str], list[int]]:
     exe = shutil.which("nvidia-smi")
     if exe is None:
