@@ -43,7 +43,8 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
 
     from homelab_ft import distributed, steps
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.trainer import Rung, build_model
+    from homelab_ft.rung import Rung
+    from homelab_ft.trainer import build_model
 
     torch.manual_seed(0)
     recipe = recipe_from_dict({

@@ -62,7 +62,8 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
 
     from homelab_ft import distributed, steps
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.trainer import build_model, resolve_rung
+    from homelab_ft.rung import rung_for
+    from homelab_ft.trainer import build_model
 
     torch.manual_seed(0)
     recipe = recipe_from_dict({
@@ -73,7 +74,7 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     })
     env = distributed.setup(device_pref="cpu")
     before_load = rss_mib("VmRSS")
-    model = build_model(recipe, model_dir=model_dir, rung=resolve_rung(recipe), env=env)
+    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     load_peak = rss_mib("VmHWM")
     optimizer = steps.build_optimizer(model, recipe.train)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -72,13 +72,14 @@ def child(mode: str, model_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from homelab_ft import distributed, steps
+    from homelab_ft.rung import Rung
 
     env = distributed.setup(device_pref="cpu", timeout_s=120)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if env.distributed:
-        model = distributed.parallelize(model, env, strategy="full_shard")
+        model = distributed.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     counter = CommCounter(env.world_size) if env.distributed else None
     data = batches(env.rank, env.world_size, model.config.vocab_size)

@@ -17,7 +17,7 @@ from homelab_ft.errors import UserError
 
 
 def main(argv: list[str] | None = None) -> int:
-    _quiet_and_offline()
+    _offline_and_quiet_libraries()
     code = _run(argv)
     from homelab_ft.launch import under_torchrun
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _quiet_and_offline() -> None:
+def _offline_and_quiet_libraries() -> None:
     """homelab-ft never downloads: the Hugging Face libraries are told so before they load.
 
     Two messages every run would print are silenced: bitsandbytes' note that an optional CPU
@@ -53,6 +53,9 @@ def _run(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    from homelab_ft import logs
+
+    logs.configure(args.verbose - args.quiet)
     try:
         return args.func(args) or 0
     except UserError as err:
@@ -64,8 +67,12 @@ def _run(argv: list[str] | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.")
+    parser = argparse.ArgumentParser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.",
+                                     parents=[_verbosity()])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Every subcommand takes -q/-v too, after its own arguments (`homelab-ft train r.yaml -q`).
+    original = sub.add_parser
+    sub.add_parser = lambda *a, **kw: original(*a, parents=[_verbosity(default=argparse.SUPPRESS)], **kw)
     _add_plan(sub)
     _add_train(sub)
     _add_export(sub)
@@ -75,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data(sub)
     _add_launch(sub)
     return parser
+
+
+def _verbosity(default=0) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="count", default=default, help="only warnings and errors")
+    common.add_argument("-v", "--verbose", action="count", default=default, help="more detail (debug messages)")
+    return common
 
 
 def _overrides(p: argparse.ArgumentParser) -> None:
@@ -116,45 +130,62 @@ def _add_train(sub) -> None:
     p.add_argument("recipe", type=Path)
     _overrides(p)
     p.add_argument("--run-dir", help="run directory (default: runs/<recipe name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint (refused when there is none)")
+    resume.add_argument("--resume-or-start", action="store_true",
+                        help="continue from the newest complete checkpoint, or start a new run when there is none")
     p.add_argument("--overwrite", action="store_true", help="replace a run directory that holds another run")
     p.set_defaults(func=_cmd_train)
 
 
 def _cmd_train(args) -> int:
+    """Plan, check every input, then train here or under torchrun; nothing is created before the
+    checks pass, and torchrun's workers reuse this process's plan instead of planning again."""
+    from homelab_ft import launch, planner
     from homelab_ft.config import load_recipe
+    from homelab_ft.rung import rung_for
 
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"output.dir={args.run_dir}")
     if args.resume:
         overrides.append("train.resume=true")
+    if args.resume_or_start:
+        overrides.append("train.resume=auto")
     if args.overwrite:
         overrides.append("output.overwrite=true")
     recipe = load_recipe(args.recipe, overrides)
+    base_dir = args.recipe.resolve().parent
 
-    from homelab_ft import launch, modeling, planner
+    from homelab_ft import preflight, trainer
 
-    if not launch.under_torchrun():
-        # Convert a GGUF model (once) before any worker processes start, and fail on a bad path here.
-        modeling.resolve_model_dir(recipe.model.path)
-    plan = planner.plan_for_recipe(recipe)
+    handoff = launch.received_handoff()
+    if handoff is not None:
+        trainer.train(recipe, plan=handoff.plan, rung=handoff.rung, inputs=preflight.inputs_in_worker(recipe, handoff),
+                      base_dir=base_dir)
+        return 0
+    plan = planner.plan_for_recipe(recipe)  # a refused combination stops here, with its fix
     if plan.chosen is None and recipe.method == "auto":
         print(planner.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
-    if plan.chosen is None and not launch.under_torchrun():
+    rung = rung_for(recipe, plan.chosen)
+    if launch.under_torchrun():
+        # Started by `homelab-ft launch` (which pins the rung in the arguments) or by hand: every
+        # rank checks its own inputs.
+        trainer.train(recipe, plan=plan, rung=rung, base_dir=base_dir)
+        return 0
+    if plan.chosen is None:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
-
-    from homelab_ft import trainer
-
-    rung = trainer.resolve_rung(recipe, plan)
-    # FSDP needs a process group even on one GPU (sharding onto one rank to offload to the CPU).
-    needs_group = rung.strategy != "no_shard"
-    code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides, force=needs_group)
-    if code is not None:
-        return code
-    trainer.train(recipe, plan=plan, base_dir=args.recipe.resolve().parent)
+    inputs = preflight.check_inputs(recipe, rung=rung, device_type=preflight.device_type(recipe.train.device))
+    if rung.process_group_enabled:
+        # Rows are checked (and the tokenised cache filled) here, so a bad row stops the run before
+        # any worker starts.
+        preflight.check_data(recipe, inputs, base_dir=base_dir)
+        flags = ["--quiet"] * args.quiet + ["--verbose"] * args.verbose
+        return launch.run_workers(recipe, str(args.recipe), overrides + flags,
+                                  handoff=launch.Handoff(rung=rung, plan=plan.to_dict(), model_dir=str(inputs.model_dir)))
+    trainer.train(recipe, plan=plan, rung=rung, inputs=inputs, base_dir=base_dir)
     return 0
 
 
@@ -162,11 +193,13 @@ def _cmd_train(args) -> int:
 
 
 def _add_launch(sub) -> None:
+    from homelab_ft.launch import DEFAULT_PORT
+
     p = sub.add_parser("launch", help="print (or run over ssh) each node's torchrun command for a multi-node recipe")
     p.add_argument("recipe")
     _overrides(p)
     p.add_argument("--hosts", type=Path, required=True, help="hostfile: one host per line, the head node first")
-    p.add_argument("--port", type=int, default=29500, help="rendezvous TCP port on the head node")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous TCP port on the head node")
     p.add_argument("--iface", help="network interface to use (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
     p.add_argument("--workdir", help="directory of this checkout on every node (default: the current one)")
     p.add_argument("--join-timeout", type=int, default=300, help="seconds to wait for all nodes to join")
@@ -175,10 +208,16 @@ def _add_launch(sub) -> None:
 
 
 def _cmd_launch(args) -> int:
-    from homelab_ft.launch import launch
+    from homelab_ft.launch import launch_commands, run_over_ssh
 
-    return launch(args.hosts, args.recipe, list(args.overrides), port=args.port, iface=args.iface, run=args.run,
-                  workdir=args.workdir, join_timeout_s=args.join_timeout)
+    commands = launch_commands(args.hosts, args.recipe, list(args.overrides), port=args.port, iface=args.iface,
+                               workdir=args.workdir, join_timeout_s=args.join_timeout)
+    if args.run:
+        return run_over_ssh(commands)
+    for command in commands:
+        print(f"# on {command.host.address}:")
+        print(command.shell_line())
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- export

@@ -91,8 +91,9 @@ class SourceConfig:
 
 @dataclass(frozen=True, config=_STRICT)
 class DataConfig:
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="demo:train")])
-    """Training sources. `demo:train` / `demo:eval` are the dataset shipped for `make demo`."""
+    sources: list[SourceConfig] = Field(default_factory=list)
+    """Training sources (required to train; never defaulted). `demo:train` / `demo:eval` are the
+    dataset shipped for `make demo`."""
     eval_sources: list[SourceConfig] = Field(default_factory=list)
     """Held-out sources; when empty, `eval_fraction` of the training rows are held out instead."""
     eval_fraction: Fraction = 0.0
@@ -144,8 +145,9 @@ class TrainConfig:
     keep_last: PositiveInt = 2
     """Checkpoints to keep; older complete ones are deleted after a new one is written."""
     log_every: PositiveInt = 1
-    resume: bool = False
-    """Continue from the newest complete checkpoint in the run directory."""
+    resume: bool | Literal["auto"] = False
+    """Continue from the newest complete checkpoint in the run directory (`true` refuses to start
+    when there is none; `auto` starts a new run then)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: PositiveInt | None = None
     """CPU threads per process (torch.set_num_threads); default: torch's choice."""
@@ -239,8 +241,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise UserError(f"{path}:{where} is not valid YAML: {problem}") from None
     except UnicodeDecodeError:
         raise UserError(f"{path} is not UTF-8 text; save the recipe as UTF-8") from None
-    if raw is None:
-        raw = {}
+    if raw is None or raw == {}:
+        raise UserError(f"{path}: the recipe is empty; start from one in recipes/ (e.g. recipes/smollm2-lora-cpu.yaml; "
+                        "`homelab-ft recipes` lists them)")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: a recipe is a mapping of sections (model:, data:, train: ...), got a {type(raw).__name__}")
     raw.setdefault("name", path.stem)

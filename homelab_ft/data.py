@@ -96,8 +96,17 @@ class PreparedData:
     report: DataReport
 
 
+def check_sources_declared(data_cfg: DataConfig) -> None:
+    """Training data is never defaulted: a recipe without `data.sources` would otherwise train on
+    whatever a default pointed at and look like it worked."""
+    if not data_cfg.sources:
+        raise UserError("data.sources is empty: list the training data, e.g. data.sources=[{path: train.jsonl}] "
+                        "(the shipped demo task is `path: demo:train`)")
+
+
 def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path | None = None) -> PreparedData:
     """Read, check, mix, split, tokenise (cached) and pack the recipe's data."""
+    check_sources_declared(data_cfg)
     template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
     train_parts, train_reports, eval_parts, eval_reports = [], [], [], []
     for i, src in enumerate(data_cfg.sources):

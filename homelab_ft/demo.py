@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ EVAL_PATTERNS = TRAIN_PATTERNS + (
 KEYS = ("name", "age", "city")
 DEMO_MAX_NEW_TOKENS = 40
 """Room for the longest record (27 tokens) plus slack; a base-model ramble is cut off here."""
+
+log = logging.getLogger(__name__)
 
 
 def make_rows(split: str, *, num_rows: int, seed: int = SEED) -> list[dict]:
@@ -314,12 +317,12 @@ def run_demo(
 
     model_dir = modeling.resolve_model_dir(recipe.model.path)
     lap("convert")
-    print(f"held-out task: {len(rows)} sentences about people whose names and cities never occur in training")
+    log.info("held-out task: %d sentences about people whose names and cities never occur in training", len(rows))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = score(base, tokenizer, rows)
     del base
-    print(f"base model:       {_fraction(before)}")
+    log.info("base model:       %s", _fraction(before))
     lap("score base")
 
     trainer.train(recipe)
@@ -332,7 +335,7 @@ def run_demo(
     tuned = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     after = score(tuned, AutoTokenizer.from_pretrained(export_dir), rows)
     lap("score export")
-    print(summary(before, after, export_dir=export_dir, seconds=seconds, num_examples=num_examples))
+    log.info(summary(before, after, export_dir=export_dir, seconds=seconds, num_examples=num_examples))
     return DemoResult(before=before, after=after, run_dir=run_dir, export_dir=export_dir, seconds=seconds)
 
 
@@ -376,9 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m homelab_ft.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--write-dataset", action="store_true", help="regenerate homelab_ft/assets/demo/*.jsonl")
     args = parser.parse_args(argv)
+    from homelab_ft import logs
+
+    logs.configure()
     if args.write_dataset:
         for path in write_dataset():
-            print(f"wrote {path}")
+            log.info("wrote %s", path)
         return 0
     parser.print_help()
     return 0

@@ -22,9 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from homelab_ft.errors import UserError
-
-STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
-"""FSDP1's names for the four ways to spread a model, kept because users know them."""
+from homelab_ft.rung import Rung
 
 _DEFERS_SYNC = "_homelab_ft_defers_grad_sync"
 
@@ -119,26 +117,22 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
-def check_cluster(*, world_size: int, num_nodes: int, recipe_nodes: int, recipe_procs_per_node: int,
-                  strategy: str) -> None:
-    """Pure checks of the launched job against the recipe's `cluster` and `sharding` sections."""
-    if strategy not in STRATEGIES:
-        raise UserError(f"sharding.strategy={strategy!r} does not exist; use one of {', '.join(STRATEGIES)}")
-    expected = recipe_nodes * recipe_procs_per_node
-    if world_size != expected:
+def check_job(env: DistEnv, rung: Rung) -> None:
+    """The job torchrun started against the rung the plan decided (same world size and nodes)."""
+    if env.world_size != rung.world_size:
         raise UserError(
-            f"torchrun started {world_size} processes but the recipe's cluster says "
-            f"{recipe_nodes} node(s) x {recipe_procs_per_node} = {expected}; fix cluster.nodes / "
+            f"torchrun started {env.world_size} processes but the recipe's cluster says "
+            f"{rung.nodes} node(s) x {rung.procs_per_node} = {rung.world_size}; fix cluster.nodes / "
             f"cluster.gpus_per_node or the torchrun --nnodes/--nproc-per-node flags"
         )
-    if strategy == "hybrid_shard" and num_nodes < 2:
+    if rung.hybrid_enabled and env.num_nodes != rung.nodes:
         raise UserError(
-            "sharding.strategy=hybrid_shard replicates across nodes and needs cluster.nodes >= 2; "
-            "on one machine use full_shard"
+            f"sharding.strategy=hybrid_shard over cluster.nodes={rung.nodes}, but torchrun placed the "
+            f"{env.world_size} ranks on {env.num_nodes} node(s); start one torchrun per node (homelab-ft launch)"
         )
 
 
-def build_mesh(env: DistEnv, *, strategy: str):
+def build_mesh(env: DistEnv, rung: Rung):
     """A 1-D mesh over all ranks, or for hybrid_shard a 2-D (replicate across nodes, shard within).
 
     HYBRID_SHARD keeps the per-step all-gathers on the fast links inside a node; only one gradient
@@ -147,9 +141,7 @@ def build_mesh(env: DistEnv, *, strategy: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     device_type = env.device.type
-    if strategy == "hybrid_shard":
-        if env.num_nodes < 2:
-            raise UserError("sharding.strategy=hybrid_shard needs at least 2 nodes (cluster.nodes)")
+    if rung.hybrid_enabled:
         per_node = env.world_size // env.num_nodes
         return init_device_mesh(device_type, (env.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
@@ -178,8 +170,7 @@ def parallelize(
     model: nn.Module,
     env: DistEnv,
     *,
-    strategy: str,
-    cpu_offload: bool = False,
+    rung: Rung,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     activation_checkpointing: bool = False,
@@ -199,19 +190,17 @@ def parallelize(
     custom divide factor would need ReduceOp.PREMUL_SUM, which gloo rejects.
     Returns the model to train (the same object for FSDP, a DDP wrapper for no_shard).
     """
-    if strategy not in STRATEGIES:
-        raise UserError(f"sharding.strategy={strategy!r} does not exist; use one of {', '.join(STRATEGIES)}")
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    if strategy == "no_shard":
-        return _replicate(model, env, cpu_offload=cpu_offload)
+    if not rung.fsdp_enabled:
+        return _replicate(model, env)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = build_mesh(env, strategy=strategy)
+    mesh = build_mesh(env, rung)
     # pin_memory needs a CUDA context; on CPU-only runs it raises, so pin only when a GPU computes.
-    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if cpu_offload else OffloadPolicy()
+    offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if rung.cpu_offload else OffloadPolicy()
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    reshard = strategy != "shard_grad_op"
+    reshard = rung.reshard_after_forward
     blocks = transformer_blocks(model)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
@@ -223,12 +212,12 @@ def parallelize(
     # Deferring the gradient reduce-scatter keeps a full unsharded gradient per rank until the last
     # micro-batch: 4 B/param for a full fine-tune, the very memory FULL_SHARD exists to save. For
     # adapters (typically < 2% trainable) it costs nothing worth keeping.
-    defer = strategy == "shard_grad_op" or trainable < 0.05 * total
+    defer = not rung.reshard_after_forward or trainable < 0.05 * total
     setattr(model, _DEFERS_SYNC, defer)
     return model
 
 
-def _replicate(model: nn.Module, env: DistEnv, *, cpu_offload: bool) -> nn.Module:
+def _replicate(model: nn.Module, env: DistEnv) -> nn.Module:
     """NO_SHARD: DistributedDataParallel over the trainable parameters only.
 
     Chosen over FSDP2 with a replicate mesh because DDP never touches the storage of parameters
@@ -240,8 +229,6 @@ def _replicate(model: nn.Module, env: DistEnv, *, cpu_offload: bool) -> nn.Modul
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    if cpu_offload:
-        raise UserError("sharding.cpu_offload needs a sharded strategy; with no_shard set it to false")
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     frozen += [name for name, _ in model.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)

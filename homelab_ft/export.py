@@ -10,6 +10,7 @@ checkpoint does nothing.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from pathlib import Path
 from homelab_ft import checkpoint, modeling
 from homelab_ft.config import load_recipe
 from homelab_ft.errors import UserError
+
+log = logging.getLogger(__name__)
 
 META = "homelab_ft_export.json"
 FP32_TOLERANCE = 1e-4
@@ -53,7 +56,7 @@ def export_run(
     written_ns = (ckpt / "trainer_state.json").stat().st_mtime_ns
     identity = {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": adapter_only, "dtype": dtype}
     if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
-        print(f"{out_dir} already holds this export; nothing to do")
+        log.info("%s already holds this export; nothing to do", out_dir)
         return ExportResult(out_dir, None, skipped=True)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
@@ -69,7 +72,7 @@ def export_run(
         else:
             from homelab_ft.consolidate import consolidate_to_hf
 
-            diff = consolidate_to_hf(ckpt, model_dir, tmp)
+            diff = consolidate_to_hf(ckpt, model_dir, tmp, dtype=_save_dtype(dtype, model_dir))
         (tmp / META).write_text(json.dumps({"source": identity, "method": info["method"], "max_abs_diff": diff}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -132,7 +135,7 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     tolerance = FP32_TOLERANCE * max(1.0, scale) if save_dtype == torch.float32 else 0.05 * scale
     if diff > tolerance:
         raise RuntimeError(f"export check failed: merged logits differ from base + adapter by {diff:.2e} > {tolerance:.2e}")
-    print(f"export check: max |logit difference| merged vs base + adapter = {diff:.2e} ({save_dtype})")
+    log.info("export check: max |logit difference| merged vs base + adapter = %.2e (%s)", diff, save_dtype)
     return diff
 
 

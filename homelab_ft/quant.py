@@ -30,12 +30,11 @@ import torch
 
 from homelab_ft.config import QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
+from homelab_ft.shapes import MAX_UNQUANTIZABLE_FRACTION
 
-_MAX_UNQUANTIZABLE_FRACTION = 0.10
-"""Refuse 4/8-bit when more than this share of the transformer-block weights would stay in full
-precision. Attention/MLP `nn.Linear` layers are ~100% of a dense model's block weights and
-routers ~0.01%; fused MoE experts (3-D parameters, which bitsandbytes leaves alone) are ~97% of
-Mixtral-8x7B's, where "QLoRA" would silently load ~90 GB in bf16."""
+# MAX_UNQUANTIZABLE_FRACTION: attention/MLP `nn.Linear` layers are ~100% of a dense model's block
+# weights and routers ~0.01%; fused MoE experts (3-D parameters, which bitsandbytes leaves alone)
+# are ~97% of Mixtral-8x7B's, where "QLoRA" would silently load ~90 GB in bf16.
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +190,7 @@ def raise_if_unquantizable(model: torch.nn.Module) -> None:
     if total == 0 or quantized == 0:
         raise UserError(f"method: qlora: bitsandbytes finds no linear layer to quantize in {type(model).__name__}; "
                         "use method: lora or full")
-    if sum(kept.values()) / total > _MAX_UNQUANTIZABLE_FRACTION:
+    if sum(kept.values()) / total > MAX_UNQUANTIZABLE_FRACTION:
         worst = [kv for kv in sorted(kept.items(), key=lambda kv: -kv[1])[:3] if kv[1] >= 0.01 * total]
         names = ", ".join(f"{name} ({count / 1e6:.1f}M params)" for name, count in worst)
         raise UserError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -9,15 +10,28 @@ from homelab_ft import checkpoint, distributed
 from homelab_ft.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.errors import UserError
 
+log = logging.getLogger(__name__)
+
 
 def check_run_dir(recipe: Recipe) -> Path | None:
-    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from."""
+    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from.
+
+    `train.resume: true` (--resume) needs a checkpoint to continue from; `auto` (--resume-or-start)
+    continues when there is one and starts a new run otherwise."""
     run_dir = recipe.run_dir
+    for part in (run_dir, *run_dir.parents):
+        if part.exists() and not part.is_dir():
+            raise UserError(f"output.dir: {part} is a file, not a directory; choose another --run-dir")
     saved = run_dir / "recipe.yaml"
     if recipe.train.resume:
         if saved.is_file():
             _check_same_model(load_recipe(saved), recipe, saved)
-        return checkpoint.latest(run_dir)
+        found = checkpoint.latest(run_dir)
+        if found is None and recipe.train.resume is True:
+            what = "does not exist" if not run_dir.exists() else "holds no complete checkpoint"
+            raise UserError(f"--resume: {run_dir} {what}, so there is nothing to resume; drop --resume to start "
+                            "a new run, or pass --resume-or-start to continue when a checkpoint exists")
+        return found
     if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
         raise UserError(
             f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
@@ -40,7 +54,7 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_recipe(recipe, run_dir / "recipe.yaml")
         if recipe.train.resume and resume_from is None:
-            print(f"no complete checkpoint in {run_dir}; starting from step 0")
+            log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
     distributed.barrier(env)
 
 

@@ -15,15 +15,11 @@ HF cache, or `smollm2` (the embedded SmolLM2-135M-Instruct, whose config ships i
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_ft.errors import UserError
-
-EMBEDDED = "smollm2"
-EMBEDDED_CONFIG = Path(__file__).parent / "assets" / "smollm2-135m-instruct.config.json"
-BUNDLED_CONFIGS = Path(__file__).parent / "assets" / "configs"
+from homelab_ft.locate import EMBEDDED_CONFIG, hub_cache_root, locate, read_json
 
 # Defaults of transformers' config classes for keys a config.json may leave out (read from
 # models/<family>/configuration_<family>.py of transformers 5.x). One table, so no lookup below
@@ -43,6 +39,11 @@ _DEFAULTS = {
 }
 # Families whose config class defaults tie_word_embeddings to True (Gemma ties its LM head).
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
+
+MAX_UNQUANTIZABLE_FRACTION = 0.10
+"""QLoRA is refused when more than this share of the transformer-block weights would stay in full
+precision (MoE experts are 3-D parameters bitsandbytes does not touch): quant.py refuses such a
+model before loading it, and the planner marks the same case."""
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -302,80 +303,28 @@ def _dense_mlp(key, model_type: str, hidden: int, size: int) -> tuple[Linear, ..
 
 
 def read_model_config(spec: str) -> dict:
-    """config.json of `spec` (model dir, config.json, .gguf, cached hub id, or `smollm2`), offline."""
+    """The config dict of `model.path` (see locate_config)."""
     return locate_config(spec)[0]
 
 
 def locate_config(spec: str) -> tuple[dict, str]:
-    """(config dict, where it was read from). A hub id missing from the local cache falls back to
-    the copy bundled in assets/configs/ for popular models, so a plan can be made before the
-    weights are downloaded; the source string says so."""
-    if spec == EMBEDDED:
+    """(config dict, where it was read from), for any `model.path` that `locate.locate` accepts. A
+    hub id missing from the local cache falls back to the copy bundled in assets/configs/ for
+    popular models, so a plan can be made before the weights are downloaded; the source says so."""
+    where = locate(spec)
+    if where.kind == "embedded":
         return json.loads(EMBEDDED_CONFIG.read_text(encoding="utf-8")), f"embedded ({EMBEDDED_CONFIG.name})"
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise UserError(f"model.path: GGUF file {path} not found; check the path")
-        return gguf_config(path), f"GGUF metadata of {path}"
-    if path.is_dir():
-        config = path / "config.json"
-        return _load_json(config, hint="point model.path at a Hugging Face model directory"), str(config)
-    if path.is_file():
-        if path.name.endswith(".json"):
-            return _load_json(path, hint="give a Hugging Face config.json"), str(path)
-        raise UserError(f"model.path: {path} is a file but neither config.json nor .gguf; give a model directory")
-    snapshot = hub_snapshot(spec)
-    if snapshot is not None:
-        cached = snapshot / "config.json"
-        return _load_json(cached, hint="the cached snapshot looks damaged; download it again"), str(cached)
-    bundled = BUNDLED_CONFIGS / (spec.replace("/", "--") + ".json")
-    if "/" in spec and bundled.is_file():
-        return json.loads(bundled.read_text(encoding="utf-8")), f"homelab-ft's bundled copy (not in the local HF cache: {_hub_cache_root()})"
-    raise UserError(
-        f"model.path: {spec} is not a local directory, config.json, .gguf file or a hub id in the local "
-        f"Hugging Face cache ({_hub_cache_root()}); on a machine with network run `hf download {spec}` "
-        "and copy the cache here, or set model.path to a local directory"
-    )
-
-
-def _load_json(path: Path, *, hint: str) -> dict:
-    if not path.is_file():
-        raise UserError(f"model.path: {path} not found; {hint}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not valid JSON ({err}); {hint}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object; {hint}")
-    return data
-
-
-def _hub_cache_root() -> Path:
-    """The hub cache as huggingface_hub resolves it: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def hub_snapshot(spec: str) -> Path | None:
-    """The local snapshot folder of a hub id (`org/name`) in the HF cache, or None; never downloads.
-
-    Read from the cache layout directly (refs/main, else the newest snapshot) so `plan` needs
-    neither huggingface_hub's import nor torch; modeling.py uses the same lookup.
-    """
-    parts = spec.split("/")
-    if len(parts) != 2 or not all(parts) or spec.startswith((".", "~")):
-        return None
-    repo = _hub_cache_root() / f"models--{parts[0]}--{parts[1]}"
-    ref = repo / "refs" / "main"
-    if ref.is_file():
-        pinned = repo / "snapshots" / ref.read_text().strip()
-        if (pinned / "config.json").is_file():
-            return pinned
-    found = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
-    return found[-1].parent if found else None
+    if where.kind == "gguf":
+        return gguf_config(where.path), f"GGUF metadata of {where.path}"
+    if where.kind == "bundled":
+        return (json.loads(where.path.read_text(encoding="utf-8")),
+                f"homelab-ft's bundled copy (not in the local HF cache: {hub_cache_root()})")
+    if where.kind == "config":
+        return read_json(where.path, hint="give a Hugging Face config.json"), str(where.path)
+    config = where.path / "config.json"
+    hint = ("the cached snapshot looks damaged; download it again" if where.kind == "hub"
+            else "point model.path at a Hugging Face model directory")
+    return read_json(config, hint=hint), str(config)
 
 
 # llama.cpp's GGUF keys (`{arch}.<key>`) -> transformers config names.
@@ -403,12 +352,7 @@ _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": 
 
 def gguf_config(path: Path) -> dict:
     """An HF-style config dict from a GGUF file's metadata (no tensors are read)."""
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError) as err:
-        raise UserError(f"model.path: {path} is not a readable GGUF file ({err})") from None
+    reader = read_gguf(path)
     arch = _gguf_value(reader, "general.architecture")
     if arch not in _GGUF_ARCH:
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_GGUF_ARCH))}")
@@ -427,6 +371,29 @@ def gguf_config(path: Path) -> dict:
         config["model_type"] = "mixtral"
         config["num_local_experts"] = config.pop("num_experts")
     return config
+
+
+def read_gguf(path: Path):
+    """A GGUFReader over `path` (memory-mapped: the header and tensor index are parsed, no tensor
+    data is read), or a one-line UserError for a file that is not intact GGUF."""
+    from gguf import GGUFReader
+
+    fix = "copy or download it again (a partial download is a common cause)"
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise UserError(f"model.path: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); {fix}")
+    try:
+        reader = GGUFReader(str(path))
+        tensors = list(reader.tensors)
+    except Exception as err:  # the reader raises ValueError, IndexError, struct errors ... on damage
+        raise UserError(f"model.path: {path} is a damaged GGUF file ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); {fix}") from None
+    size = path.stat().st_size
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in tensors), default=0)
+    if end > size:
+        raise UserError(f"model.path: {path} is truncated ({size:,} bytes, its tensors need {end:,}); {fix}")
+    return reader
 
 
 def _gguf_value(reader, name: str):

@@ -67,7 +67,7 @@ def build_sharded(
     if any(buf.is_meta for buf in buffers.values()):
         raise AssertionError("buffers must be real: build the model under meta_parameters(), not torch.device('meta')")
     model = parallelize(model, env, **parallel)
-    device = torch.device("cpu") if parallel.get("cpu_offload") else env.device
+    device = torch.device("cpu") if parallel["rung"].cpu_offload else env.device
     model.to_empty(device=device)
     _restore_buffers(model, buffers)
     if load_full is not None:

@@ -10,19 +10,22 @@ gradient-sync switch during accumulation.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from homelab_ft import checkpoint, distributed, modeling, steps
+from homelab_ft import checkpoint, distributed, logs, modeling, preflight, steps
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
-from homelab_ft.errors import UserError
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
-from homelab_ft.rundir import check_run_dir, init_run_dir
+from homelab_ft.rundir import init_run_dir
+from homelab_ft.rung import Rung, rung_for
 from homelab_ft.sampling import MicroBatchSampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -33,39 +36,22 @@ class TrainResult:
     eval_loss: float | None
 
 
-@dataclass(frozen=True)
-class Rung:
-    """How this run trains: the planner's choice where the recipe left it open."""
+def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: preflight.Inputs | None = None,
+          base_dir: Path | None = None) -> TrainResult:
+    """Run `recipe` to `train.max_steps`.
 
-    method: str
-    strategy: str
-    cpu_offload: bool
-
-
-def train(recipe: Recipe, *, plan=None, base_dir: Path | None = None) -> TrainResult:
-    """Run `recipe` to `train.max_steps`. `plan` (planner.Plan) resolves `auto` choices."""
-    rung = resolve_rung(recipe, plan)
+    `rung` is what the planner decided (default: `rung_for(recipe, plan.chosen)`); `inputs` are the
+    checked model folder and resume point when the caller (the CLI) already ran the checks;
+    `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
+    the run directory.
+    """
+    if rung is None:
+        rung = rung_for(recipe, getattr(plan, "chosen", None))
     env = distributed.setup(device_pref=recipe.train.device)
     try:
-        return _train(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
+        return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     finally:
         distributed.teardown(env)
-
-
-def resolve_rung(recipe: Recipe, plan=None) -> Rung:
-    """The recipe's explicit choices win; `auto` takes the plan's, else LoRA replicated per rank
-    (the rung that trains any model that loads in full precision)."""
-    chosen = plan.chosen if plan is not None else None
-    method = recipe.method if recipe.method != "auto" else (chosen.method if chosen else "lora")
-    if recipe.sharding.strategy != "auto":
-        strategy = recipe.sharding.strategy
-    elif chosen is not None and chosen.method == method:
-        strategy = chosen.strategy
-    else:
-        # adapters are small: replicate them, so only adapter gradients cross the network
-        strategy = "no_shard" if method in ("lora", "qlora") else "full_shard"
-    offload = recipe.sharding.cpu_offload or bool(chosen and chosen.method == method and chosen.cpu_offload)
-    return Rung(method=method, strategy=strategy, cpu_offload=offload)
 
 
 @dataclass
@@ -85,12 +71,12 @@ class Session:
     start_step: int
 
 
-def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> TrainResult:
-    s = _setup(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
+def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> TrainResult:
+    s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
     eval_loss = None
-    progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main)
+    progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main and logs.info_enabled())
     loop_start = time.perf_counter()
     for step in range(s.start_step + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
@@ -98,6 +84,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
             collate([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
             for _ in range(cfg.grad_accum_steps)
         ]
+        lr = s.scheduler.get_last_lr()[0]  # the rate this step uses (train_step advances the schedule)
         loss, grad_norm, trained, read = train_step(s, micro_batches)
         elapsed = time.perf_counter() - t0
         losses.append(loss)
@@ -106,7 +93,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
                 {
                     "step": step,
                     "loss": loss,
-                    "lr": s.scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "grad_norm": grad_norm,
                     "tokens": read,
                     "trained_tokens": trained,
@@ -136,7 +123,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
     s.logger.close()
     if env.is_main and (recipe.run_dir / "metrics.jsonl").is_file():
         plot_loss(recipe.run_dir / "metrics.jsonl", recipe.run_dir / "loss.png")
-        print(f"run directory: {recipe.run_dir} (metrics.jsonl, loss.png, checkpoints/)")
+        log.info("run directory: %s (metrics.jsonl, loss.png, checkpoints/)", recipe.run_dir)
     return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
 
 
@@ -169,23 +156,19 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     return loss, float(grad_norm), global_tokens, read
 
 
-def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> Session:
+def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> Session:
     """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
     run_dir = recipe.run_dir
     if env.distributed:
-        distributed.check_cluster(
-            world_size=env.world_size,
-            num_nodes=env.num_nodes,
-            recipe_nodes=recipe.cluster.nodes,
-            recipe_procs_per_node=recipe.cluster.gpus_per_node,
-            strategy=rung.strategy,
-        )
+        distributed.check_job(env, rung)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    # Every input is checked before the run directory is touched: a typo never costs a run.
-    resume_from = check_run_dir(recipe)
-    model_dir = modeling.resolve_model_dir(recipe.model.path)
+    # Every input is checked before the run directory is touched: a typo never costs a run. (The
+    # CLI has normally run these checks already, before launching; direct callers get them here.)
+    if inputs is None:
+        inputs = preflight.check_inputs(recipe, rung=rung, device_type=env.device.type)
+    model_dir = inputs.model_dir
     tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
     # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it. (If
     # rank 0 fails here, torchrun stops the waiting ranks.)
@@ -194,7 +177,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> S
     data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
     if env.is_main:
         distributed.barrier(env)
-    init_run_dir(recipe, env=env, resume_from=resume_from)
+    init_run_dir(recipe, env=env, resume_from=inputs.resume_from)
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
     model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
@@ -211,46 +194,35 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> S
     )
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}"
     if env.is_main:
-        info = {"method": rung.method, "strategy": rung.strategy, "cpu_offload": rung.cpu_offload,
-                "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
+        info = {**rung.to_dict(), "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
         (run_dir / "run.json").write_text(json.dumps(info, indent=1))
         if plan is not None:
-            (run_dir / "plan.json").write_text(plan.to_json())
+            plan_dict = plan if isinstance(plan, dict) else plan.to_dict()
+            (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2))
     logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
     start = 0
-    if resume_from is not None:
-        state = checkpoint.load(resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint)
+    if inputs.resume_from is not None:
+        state = checkpoint.load(inputs.resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint)
         scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start = state.step
-        logger.truncate_after(start)
-    if env.is_main:
-        print(data.report.summary())
-        print(
-            f"{rung.method} ({rung.strategy}): {trainable:,} trainable of {total:,} parameters on "
-            f"{env.world_size} x {env.device.type}; {len(data.train)} training rows; steps {start + 1}..{cfg.max_steps}"
-        )
+    logger.truncate_after(start)  # a new run in a reused directory (or a resume) drops later rows
+    log.info(data.report.summary())
+    log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d",
+             rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
+             len(data.train), start + 1, cfg.max_steps)
     return Session(recipe, env, model, optimizer, scheduler, sampler, data, tokenizer.pad_token_id, logger, fingerprint, start)
 
 
 def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     """Load the base for the rung, attach adapters, apply sharding when there are several ranks."""
-    method = rung.method
     dtype = modeling.resolve_dtype(recipe.model.dtype, env.device)
     cfg = recipe.train
-    if method == "qlora" and env.distributed and rung.strategy != "no_shard":
-        # fully_shard cannot split bitsandbytes' packed uint8 Params4bit; FSDP-QLoRA needs a
-        # 4-bit storage dtype FSDP can shard, which this trainer does not set up yet.
-        raise UserError(
-            f"QLoRA with sharding.strategy={rung.strategy} (the base sharded over GPUs) is not supported yet; "
-            "use sharding.strategy=no_shard (each GPU holds the 4-bit base, only adapter gradients cross the "
-            "network) or method=lora with sharding"
-        )
-    if method == "qlora":
+    if rung.fsdp_enabled:
+        return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtype)
+    if rung.quantized_enabled:
         from homelab_ft import quant
 
-        # Refuse what bitsandbytes cannot quantize before reading any weight.
-        quant.check_quantizable(json.loads((model_dir / "config.json").read_text()), recipe.quant, device=env.device)
         model = modeling.load_model(
             recipe.model,
             model_dir,
@@ -260,21 +232,18 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
         )
         quant.after_load(model)
         model = quant.prepare_for_training(model, activation_checkpointing=cfg.activation_checkpointing)
-    elif env.distributed and rung.strategy != "no_shard":
-        return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtype)
     else:
         model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=env.device)
-    sharded = env.distributed
-    if cfg.activation_checkpointing and not sharded and method != "qlora":
+    if cfg.activation_checkpointing and not env.distributed and not rung.quantized_enabled:
         model.activation_checkpointing_enable()
-    if method in ("lora", "qlora"):
+    if rung.adapters_enabled:
         model = modeling.attach_lora(model, recipe.lora)
-    if sharded:
+    if env.distributed:
+        # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = distributed.parallelize(
             model,
             env,
-            strategy=rung.strategy,
-            cpu_offload=rung.cpu_offload,
+            rung=rung,
             param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
             reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
             activation_checkpointing=cfg.activation_checkpointing,
@@ -292,7 +261,7 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
 
     from homelab_ft import sharded_loading
 
-    lora = rung.method == "lora"
+    lora = rung.adapters_enabled
 
     def build():
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
@@ -312,8 +281,7 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
         build=build,
         load_full=load_full if lora else None,
         model_dir=None if lora else model_dir,
-        strategy=rung.strategy,
-        cpu_offload=rung.cpu_offload,
+        rung=rung,
         param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
         reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
         activation_checkpointing=recipe.train.activation_checkpointing,

@@ -21,6 +21,7 @@ import torch
 
 from homelab_ft import distributed, trainer
 from homelab_ft.config import recipe_from_dict
+from homelab_ft.rung import Rung, rung_for
 
 
 def _copy_run(src: Path, dst: Path, *, keep_step: int) -> None:
@@ -32,6 +33,10 @@ def _copy_run(src: Path, dst: Path, *, keep_step: int) -> None:
             shutil.rmtree(ckpt)
 
 
+def _lora_fsdp(env) -> Rung:
+    return Rung("lora", "full_shard", False, procs_per_node=env.world_size)
+
+
 def run_train(job: dict, env, base_dir: Path) -> dict:
     if "copy_run" in job:
         if env.is_main:
@@ -40,8 +45,8 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
         if env.distributed:
             torch.distributed.barrier()
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
-    rung = trainer.resolve_rung(recipe)
-    result = trainer._train(recipe, env=env, rung=rung, plan=None, base_dir=base_dir)
+    rung = rung_for(recipe)
+    result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
     return {"losses": result.losses}
 
 
@@ -59,7 +64,7 @@ def run_memory(job: dict, env) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model = distributed.parallelize(model, env, strategy=job["strategy"])
+    model = distributed.parallelize(model, env, rung=Rung("full", job["strategy"], False, procs_per_node=env.world_size))
     optimizer = steps.build_optimizer(model, TrainConfig(lr=1e-3))
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(env.rank))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -82,7 +87,7 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = modeling.resolve_model_dir(recipe.model.path)
-    model = trainer.build_model(recipe, model_dir=model_dir, rung=trainer.resolve_rung(recipe), env=env)
+    model = trainer.build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     with torch.no_grad():  # in place, into this rank's shards, as checkpoint.load does
         dcp.load({"model": trainable_state(model)}, checkpoint_id=Path(job["checkpoint"]) / "state")
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -159,7 +164,7 @@ def run_lora_hf_load(job: dict, env) -> dict:
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
         return modeling.attach_lora(model, LoraConfig(r=4, dropout=0.0))
 
-    model = sharded_loading.build_sharded(env, build=build, model_dir=job["model_dir"], strategy="full_shard")
+    model = sharded_loading.build_sharded(env, build=build, model_dir=job["model_dir"], rung=_lora_fsdp(env))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     ids = torch.arange(12).reshape(1, 12)
     with torch.no_grad():
@@ -167,7 +172,7 @@ def run_lora_hf_load(job: dict, env) -> dict:
     base = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     with torch.no_grad():
         ref = base(input_ids=ids).logits
-    rank0 = sharded_loading.build_sharded(env, build=build, load_full=load_full, strategy="full_shard")
+    rank0 = sharded_loading.build_sharded(env, build=build, load_full=load_full, rung=_lora_fsdp(env))
     with torch.no_grad():
         rank0_logits = rank0(input_ids=ids).logits
     inner = model.get_base_model()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from homelab_ft.cli import main
@@ -45,11 +47,11 @@ def test_unknown_key_suggests_nearest(capsys, tmp_path):
 def test_wrong_type_and_range(capsys, tmp_path):
     assert "train.micro_batch_size" in run_cli(capsys, "train", recipe_file(tmp_path, {"train": {"micro_batch_size": "four"}}))
     assert "lora.dropout" in run_cli(capsys, "train", recipe_file(tmp_path, {"lora": {"dropout": 1.5}}))
-    assert "train.lr" in run_cli(capsys, "train", recipe_file(tmp_path, {}), "train.lr=-1")
+    assert "train.lr" in run_cli(capsys, "train", recipe_file(tmp_path, {"name": "x"}), "train.lr=-1")
 
 
 def test_bad_override_syntax(capsys, tmp_path):
-    assert "key=value" in run_cli(capsys, "train", recipe_file(tmp_path, {}), "=3")
+    assert "key=value" in run_cli(capsys, "train", recipe_file(tmp_path, {"name": "x"}), "=3")
 
 
 def test_missing_model_path_and_gguf(capsys, tmp_path):
@@ -97,20 +99,100 @@ def test_no_traceback_from_the_console_entry_point(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_resume_with_another_model_is_refused(capsys, tmp_path, tiny_model_dir):
-    from tiny import make_llama
+# --------------------------------------------------------------------------------------------
+# every refusal before any side effect: one line, exit 2, no run directory, nothing loaded
 
+
+@pytest.fixture()
+def good(tmp_path, tiny_model_dir):
+    """A recipe that would train: a copy of the tiny model (to damage) and a small dataset."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
-    body = {"method": "lora", "model": {"path": str(tiny_model_dir)}, "data": {"sources": [{"path": str(data)}], "max_length": 64},
+    body = {"method": "lora", "model": {"path": str(model)}, "data": {"sources": [{"path": str(data)}], "max_length": 64},
             "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}
-    recipe = recipe_file(tmp_path, body)
+    return model, body
+
+
+def refused(capsys, tmp_path, body, *extra) -> str:
     run = tmp_path / "run"
-    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
-    capsys.readouterr()
-    before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    other = make_llama(tmp_path / "other", hidden_size=96, intermediate_size=192)
-    capsys.readouterr()
-    err = run_cli(capsys, "train", recipe, "--run-dir", run, "--resume", f"model.path={other}")
-    assert "resume needs the same model" in err
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    err = run_cli(capsys, "train", recipe_file(tmp_path, body), "--run-dir", run, *extra)
+    assert not run.exists(), err
+    return err
+
+
+def test_empty_recipe_is_an_error_not_the_demo(capsys, tmp_path):
+    for text in ("", "# nothing yet\n", "{}\n"):
+        err = run_cli(capsys, "train", recipe_file(tmp_path, text))
+        assert "the recipe is empty" in err and "recipes/" in err
+
+
+def test_training_data_is_never_defaulted(capsys, tmp_path, good):
+    _, body = good
+    del body["data"]["sources"]
+    assert "data.sources is empty" in refused(capsys, tmp_path, body)
+
+
+def test_model_folder_without_tokenizer_or_weights(capsys, tmp_path, good):
+    model, body = good
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink(missing_ok=True)
+    err = refused(capsys, tmp_path, body)
+    assert "has no tokenizer" in err and str(model) in err
+    (model / "model.safetensors").unlink()
+    err = refused(capsys, tmp_path, body)
+    assert "has config.json but no weights" in err and str(model) in err
+
+
+def test_truncated_safetensors(capsys, tmp_path, good):
+    model, body = good
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    err = refused(capsys, tmp_path, body)
+    assert "model.safetensors is truncated" in err and f"of {len(data):,} bytes" in err
+    weights.write_bytes(data[:5])
+    assert "is truncated" in refused(capsys, tmp_path, body)
+
+
+def test_corrupt_gguf(capsys, tmp_path, good):
+    _, body = good
+    for name, content in (("noise.gguf", b"not a gguf file at all"), ("cut.gguf", b"GGUF\x03\x00\x00\x00\x05")):
+        (tmp_path / name).write_bytes(content)
+        body["model"]["path"] = str(tmp_path / name)
+        err = refused(capsys, tmp_path, body)
+        assert name in err and ("not a GGUF file" in err or "damaged GGUF" in err)
+
+
+def test_run_dir_that_is_a_file(capsys, tmp_path, good):
+    _, body = good
+    (tmp_path / "taken").write_text("keep me")
+    err = run_cli(capsys, "train", recipe_file(tmp_path, body), "--run-dir", tmp_path / "taken")
+    assert "is a file, not a directory" in err
+    assert (tmp_path / "taken").read_text() == "keep me"
+
+
+def test_resume_with_nothing_to_resume(capsys, tmp_path, good):
+    _, body = good
+    err = refused(capsys, tmp_path, body, "--resume")
+    assert "nothing to resume" in err and "--resume-or-start" in err
+
+
+def test_lora_target_typo_is_refused_before_loading(capsys, tmp_path, good):
+    _, body = good
+    body["lora"] = {"target_modules": ["q_proj", "v_prj"]}
+    err = refused(capsys, tmp_path, body)
+    assert "lora.target_modules: 'v_prj' matches no module" in err and "did you mean v_proj?" in err
+
+
+def test_refused_rungs_stop_before_anything(capsys, tmp_path, good):
+    _, body = good
+    two = {"cluster": {"gpus_per_node": 2, "device": "cpu"}}
+    err = refused(capsys, tmp_path, {**body, **two, "method": "qlora", "sharding": {"strategy": "full_shard"}})
+    assert "4-bit base sharded" in err and "no_shard" in err
+    err = refused(capsys, tmp_path, {**body, **two, "method": "full", "sharding": {"strategy": "full_shard"},
+                                     "train": {**body["train"], "optimizer": "adamw_8bit"}})
+    assert "cannot update FSDP2-sharded" in err
+    err = refused(capsys, tmp_path, {**body, "sharding": {"strategy": "no_shard", "cpu_offload": True}})
+    assert "needs a sharded strategy" in err

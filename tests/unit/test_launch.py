@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from homelab_ft import distributed, launch
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
+from homelab_ft.rung import Rung
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,32 +58,37 @@ def test_node_commands_refuse_a_hostfile_that_contradicts_the_recipe():
         launch.node_commands(hosts[:2], "r.yaml", [], nodes=2, nproc_per_node=1, port=70000)
 
 
+def _handoff(rung: Rung) -> launch.Handoff:
+    return launch.Handoff(rung=rung, plan={"chosen": None}, model_dir="/m")
+
+
 def test_multi_node_recipe_is_not_started_by_train_alone(monkeypatch):
     for var in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
     recipe = recipe_from_dict({"cluster": {"nodes": 2, "gpus_per_node": 2}})
+    rung = Rung("lora", "no_shard", False, nodes=2, procs_per_node=2)
     with pytest.raises(UserError, match="homelab-ft launch --hosts"):
-        launch.reexec_under_torchrun(recipe, "r.yaml", [])
-    assert launch.reexec_under_torchrun(recipe_from_dict({}), "r.yaml", []) is None
-    monkeypatch.setenv("LOCAL_RANK", "0")  # already under torchrun: train here
-    assert launch.reexec_under_torchrun(recipe, "r.yaml", []) is None
+        launch.run_workers(recipe, "r.yaml", [], handoff=_handoff(rung))
+
+
+def _env(world_size: int, num_nodes: int):
+    return distributed.DistEnv(0, 0, world_size, num_nodes, torch.device("cpu"), "gloo", True)
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "env, rung, message",
     [
-        (dict(world_size=2, num_nodes=1, recipe_nodes=1, recipe_procs_per_node=4, strategy="full_shard"), "started 2 processes"),
-        (dict(world_size=2, num_nodes=1, recipe_nodes=1, recipe_procs_per_node=2, strategy="hybrid_shard"), "nodes >= 2"),
-        (dict(world_size=2, num_nodes=1, recipe_nodes=1, recipe_procs_per_node=2, strategy="zero3"), "does not exist"),
+        (_env(2, 1), Rung("full", "full_shard", False, procs_per_node=4), "started 2 processes"),
+        (_env(4, 1), Rung("full", "hybrid_shard", False, nodes=2, procs_per_node=2), "placed the 4 ranks on 1 node"),
     ],
 )
-def test_cluster_checks(kwargs, message):
+def test_job_checks(env, rung, message):
     with pytest.raises(UserError, match=message):
-        distributed.check_cluster(**kwargs)
+        distributed.check_job(env, rung)
 
 
-def test_cluster_check_accepts_a_consistent_job():
-    distributed.check_cluster(world_size=4, num_nodes=2, recipe_nodes=2, recipe_procs_per_node=2, strategy="hybrid_shard")
+def test_job_check_accepts_a_consistent_job():
+    distributed.check_job(_env(4, 2), Rung("full", "hybrid_shard", False, nodes=2, procs_per_node=2))
 
 
 def test_single_process_setup_needs_no_process_group(monkeypatch):
@@ -90,12 +97,6 @@ def test_single_process_setup_needs_no_process_group(monkeypatch):
     env = distributed.setup(device_pref="cpu")
     assert (env.world_size, env.rank, env.is_main, env.distributed) == (1, 0, True, False)
     assert distributed.all_reduce_sum(7, env) == 7.0
-
-
-def test_unknown_strategy_is_refused_before_any_collective():
-    env = distributed.DistEnv(0, 0, 1, 1, __import__("torch").device("cpu"), None, True)
-    with pytest.raises(UserError, match="does not exist"):
-        distributed.parallelize(object(), env, strategy="zero3")
 
 
 def test_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
@@ -114,14 +115,29 @@ def test_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
     assert "within 3 s" in proc.stdout
 
 
-def test_one_process_that_needs_fsdp_still_runs_under_torchrun(monkeypatch):
-    """FSDP on a single GPU (to offload to the CPU) needs a process group: torchrun with 1 process."""
-
+def test_workers_get_the_parents_decision(monkeypatch):
+    """FSDP on a single GPU (to offload to the CPU) needs a process group: torchrun with 1 process,
+    and the worker receives the rung, plan and model folder instead of planning again."""
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     calls = []
-    monkeypatch.setattr(launch.subprocess, "call", lambda argv, env: calls.append(argv) or 0)
-    recipe = recipe_from_dict({})
-    assert launch.reexec_under_torchrun(recipe, "r.yaml", [], force=False) is None
-    assert launch.reexec_under_torchrun(recipe, "r.yaml", ["train.lr=1e-4"], force=True) == 0
-    assert "--nproc-per-node=1" in calls[0] and calls[0][-2:] == ["r.yaml", "train.lr=1e-4"]
+    monkeypatch.setattr(launch.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    rung = Rung("full", "full_shard", True)
+    assert launch.run_workers(recipe_from_dict({}), "r.yaml", ["train.lr=1e-4"], handoff=_handoff(rung)) == 0
+    argv, env = calls[0]
+    assert "--nproc-per-node=1" in argv and argv[-2:] == ["r.yaml", "train.lr=1e-4"]
+    assert launch.received_handoff(env) is None  # the parent itself is not a worker
+    received = launch.received_handoff({**env, "LOCAL_RANK": "0"})
+    assert received.rung == rung and received.model_dir == "/m" and received.plan == {"chosen": None}
+
+
+def test_launch_pins_the_planned_rung_on_every_node(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: auto\nmodel:\n  path: smollm2\ndata:\n  sources: [{path: demo:train}]\n"
+                      "cluster:\n  nodes: 2\n  gpus_per_node: 1\n  device: cpu\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.0.0.1\n10.0.0.2\n")
+    commands = launch.launch_commands(hosts, str(recipe), [], port=29500, iface=None)
+    tails = {tuple(c.argv[-3:]) for c in commands}
+    assert len(tails) == 1 and next(iter(tails))[0].startswith("method=")
+    assert "sharding.strategy=" in commands[0].shell_line()

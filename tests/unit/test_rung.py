@@ -1,0 +1,125 @@
+"""The rung as one validated value: rules without a process group, and the grid check that every
+option the planner prints is one the trainer accepts (plan and train cannot disagree)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from homelab_ft.config import recipe_from_dict
+from homelab_ft.memory import Cluster, GiB, PlanRequest
+from homelab_ft.planner import plan
+from homelab_ft.rung import Rung, RungError, rung_for
+from homelab_ft.shapes import model_shape
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(method="qlora", strategy="full_shard", cpu_offload=False, procs_per_node=2), "4-bit base sharded"),
+        (dict(method="qlora", strategy="full_shard", cpu_offload=True), "not supported yet"),
+        (dict(method="full", strategy="full_shard", cpu_offload=False, procs_per_node=2, optimizer="adamw_8bit"),
+         "cannot update FSDP2-sharded"),
+        (dict(method="lora", strategy="no_shard", cpu_offload=True, procs_per_node=2), "needs a sharded strategy"),
+        (dict(method="full", strategy="hybrid_shard", cpu_offload=False, procs_per_node=4), "cluster.nodes >= 2"),
+        (dict(method="full", strategy="full_shard", cpu_offload=False), "shards nothing"),
+        (dict(method="full", strategy="zero3", cpu_offload=False), "does not exist"),
+        (dict(method="adapters", strategy="no_shard", cpu_offload=False), "not a rung"),
+        (dict(method="full", strategy="no_shard", cpu_offload=False, optimizer="sgd"), "train.optimizer"),
+        (dict(method="full", strategy="no_shard", cpu_offload=False, nodes=0), ">= 1"),
+    ],
+)
+def test_refused_rungs_name_the_fix(kwargs, message):
+    with pytest.raises(RungError, match=message):
+        Rung(**kwargs)
+
+
+def test_properties():
+    hybrid = Rung("full", "hybrid_shard", False, nodes=2, procs_per_node=4)
+    assert hybrid.world_size == 8 and hybrid.shard_size == 4 and hybrid.fsdp_enabled and hybrid.hybrid_enabled
+    assert hybrid.reshard_after_forward and not hybrid.adapters_enabled and hybrid.process_group_enabled
+    ddp = Rung("qlora", "no_shard", False, procs_per_node=2, optimizer="paged_adamw_8bit")
+    assert ddp.ddp_enabled and ddp.quantized_enabled and ddp.adapters_enabled and ddp.shard_size == 1
+    assert ddp.bnb_optimizer_enabled and not ddp.fsdp_enabled
+    single = Rung("lora", "no_shard", False)
+    assert not single.process_group_enabled and not single.ddp_enabled
+    offload = Rung("full", "full_shard", True)  # FSDP on one GPU, to offload to the CPU
+    assert offload.process_group_enabled and offload.shard_size == 1
+    assert not Rung("full", "shard_grad_op", False, procs_per_node=2).reshard_after_forward
+    assert Rung.from_dict(hybrid.to_dict()) == hybrid
+
+
+def _recipe(**sections):
+    return recipe_from_dict(sections)
+
+
+def test_rung_for_takes_explicit_choices_then_the_plan():
+    class Chosen:
+        method, strategy, cpu_offload = "full", "shard_grad_op", False
+
+    two = {"gpus_per_node": 2}
+    assert rung_for(_recipe(cluster=two), Chosen()) == Rung("full", "shard_grad_op", False, procs_per_node=2)
+    assert rung_for(_recipe(method="lora", cluster=two), Chosen()).strategy == "no_shard"  # plan chose another method
+    assert rung_for(_recipe(method="full", cluster=two), None).strategy == "full_shard"
+    assert rung_for(_recipe(method="full", sharding={"strategy": "full_shard"}), None).strategy == "no_shard"  # 1 process
+    with pytest.raises(RungError, match="4-bit base"):
+        rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard"}, cluster=two), None)
+
+
+# --------------------------------------------------------------------------------------------
+# the grid: every printed option is one the trainer accepts, and the choice is what train runs
+
+
+def _cluster(device: str, nodes: int, per_node: int, vram_gib: float, host_gib: float = 64) -> Cluster:
+    return Cluster(device=device, nodes=nodes, gpus_per_node=per_node, device_bytes=int(vram_gib * GiB),
+                   host_ram_bytes=int(host_gib * GiB), inter_link_gbit=1.0, tflops=40.0)
+
+
+CLUSTERS = [
+    _cluster("cuda", 1, 1, 24), _cluster("cuda", 1, 1, 8, 32), _cluster("cuda", 1, 2, 24, 128),
+    _cluster("cuda", 2, 2, 24, 128), _cluster("cuda", 2, 1, 12), _cluster("cpu", 1, 1, 16), _cluster("cpu", 1, 2, 8),
+]
+MODELS = sorted(p.stem for p in CONFIGS.glob("*.json"))
+REQUESTS = [
+    PlanRequest(seq_len=1024, micro_batch_size=1, activation_checkpointing=True),
+    PlanRequest(seq_len=512, optimizer="adamw_8bit"),
+    PlanRequest(seq_len=512, optimizer="paged_adamw_8bit", method="lora"),
+    PlanRequest(seq_len=256, method="full", strategy="auto", cpu_offload=True),
+]
+
+
+def _recipe_for(option, cluster: Cluster, request: PlanRequest, *, auto: bool):
+    sections = {
+        "method": "auto" if auto else option.method,
+        "sharding": {"strategy": "auto" if auto else option.strategy, "cpu_offload": option.cpu_offload and not auto},
+        "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+        "train": {"optimizer": request.optimizer},
+    }
+    return _recipe(**sections)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_planned_option_is_accepted_by_the_trainer(name):
+    shape = model_shape(json.loads((CONFIGS / f"{name}.json").read_text()))
+    checked = 0
+    for cluster in CLUSTERS:
+        for request in REQUESTS:
+            if request.cpu_offload and cluster.device == "cpu":
+                continue
+            p = plan(shape, request=request, cluster=cluster)
+            for option in p.options:
+                # Naming the printed option in the recipe gives exactly that rung, validated.
+                explicit = dataclasses.replace(request, method=option.method, strategy=option.strategy,
+                                               cpu_offload=option.cpu_offload)
+                plan(shape, request=explicit, cluster=cluster)  # the planner's own up-front check passes
+                assert rung_for(_recipe_for(option, cluster, request, auto=False), option) == option.rung
+                checked += 1
+            if p.chosen is not None and request.method == "auto" and request.strategy == "auto":
+                # `method: auto` trains the planner's choice, nothing else.
+                assert rung_for(_recipe_for(p.chosen, cluster, request, auto=True), p.chosen) == p.chosen.rung
+    assert checked > 50
