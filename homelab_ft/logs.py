@@ -31,6 +31,19 @@ class _Below(logging.Filter):
         return record.levelno < self.level
 
 
+class _CurrentStream(logging.StreamHandler):
+    """Writes to whatever sys.stdout / sys.stderr is at the time of each record (pytest's capture,
+    a redirected stream), not the object that was current when logging was configured."""
+
+    def __init__(self, name: str):
+        super().__init__(getattr(sys, name))
+        self._name = name
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = getattr(sys, self._name)
+        super().emit(record)
+
+
 class _Format(logging.Formatter):
     """Plain text for information (it reads like the rest of the output), a prefix otherwise."""
 
@@ -50,9 +63,9 @@ def configure(verbosity: int = NORMAL) -> None:
     logger = logging.getLogger(ROOT)
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
-    out = logging.StreamHandler(sys.stdout)
+    out = _CurrentStream("stdout")
     out.addFilter(_Below(logging.WARNING))
-    err = logging.StreamHandler(sys.stderr)
+    err = _CurrentStream("stderr")
     err.setLevel(logging.WARNING)
     for handler in (out, err):
         handler.setFormatter(_Format())

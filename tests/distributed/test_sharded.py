@@ -26,16 +26,17 @@ from homelab_ft import distributed, launch
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 6
+UNEVEN_EVAL = {"eval_fraction": 0.2}
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full", nodes: int = 1,
-            train: dict | None = None, sharding: dict | None = None) -> dict:
+            train: dict | None = None, sharding: dict | None = None, data: dict | None = None) -> dict:
     return {
         "name": name,
         "method": method,
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 160},
+        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 160, **(data or {})},
         "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
                   "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 3, "keep_last": 5, "device": "cpu",
                   **(train or {})},
@@ -60,6 +61,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         "lora_fsdp": _recipe(tmp, tiny_model_dir, "lora_fsdp", procs=2, method="lora"),
         "lora_ddp": _recipe(tmp, tiny_model_dir, "lora_ddp", procs=2, method="lora", sharding={"strategy": "no_shard"}),
         "tied_full": _recipe(tmp, tied_dir, "tied_full", procs=2),
+        # 13 held-out rows in micro-batches of 2: 7 eval batches, so rank 1 has one fewer than rank 0
+        "eval_uneven": _recipe(tmp, tiny_model_dir, "eval_uneven", procs=2, data=UNEVEN_EVAL, train={"max_steps": 2}),
     }
     resume2 = _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True})
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
@@ -101,6 +104,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
          "copy_run": {"src": two["full_shard"]["output"]["dir"], "keep_step": 3}},
         {"kind": "token_counts", "name": "tokens", "recipe": two["full_shard"], "world_size": 2},
         {"kind": "train", "name": "ref_tied", "recipe": _recipe(tmp, tied_dir, "ref_tied", procs=1)},
+        {"kind": "train", "name": "ref_eval", "recipe": _recipe(tmp, tiny_model_dir, "ref_eval", procs=1, data=UNEVEN_EVAL,
+                                                                train={"max_steps": 2})},
         {"kind": "train", "name": "tied_resume1", "recipe": _recipe(tmp, tied_dir, "tied_resume1", procs=1, train={"resume": True}),
          "copy_run": {"src": two["tied_full"]["output"]["dir"], "keep_step": 3}},
     ]
@@ -176,3 +181,10 @@ def test_lora_on_a_base_read_per_rank(results, name):
     assert got["rank0_logit_diff"] <= 1e-6
     assert got["b_zero"] and got["a_nonzero"] and got["a_rows_distinct"]
     assert got["head_tied"] == (name == "tied_lora_load")
+
+
+def test_eval_loss_with_uneven_batches_per_rank_matches_one_process(results):
+    """Sharded eval forwards are collective, so the rank with no batch left re-runs one and counts
+    nothing: the 2-rank eval loss is the one-process loss over the same rows."""
+    two, one = results["eval_uneven"], results["ref_eval"]
+    assert two["eval_loss"] is not None and abs(two["eval_loss"] - one["eval_loss"]) <= TOL

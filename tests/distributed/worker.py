@@ -47,7 +47,7 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     rung = rung_for(recipe)
     result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
-    return {"losses": result.losses}
+    return {"losses": result.losses, "eval_loss": None if result.eval_loss is None else float(result.eval_loss)}
 
 
 def run_memory(job: dict, env) -> dict:

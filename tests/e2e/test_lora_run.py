@@ -51,6 +51,10 @@ def test_train_resume_export(tmp_path, tiny_model_dir):
     assert full[6] < full[1]  # it learns
     rows = read_metrics(run / "metrics.jsonl")
     assert {"step", "loss", "lr", "tokens", "tokens_per_s"} <= set(rows[0])
+    # each step logs the rate it trained with: warmup 1/3, 2/3, then cosine from 5e-3, never 0 at the end
+    lrs = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert lrs[1] == pytest.approx(5e-3 / 3) and lrs[2] == pytest.approx(2 * 5e-3 / 3) and lrs[3] == pytest.approx(5e-3)
+    assert 0 < lrs[6] < lrs[5]
     assert [r["step"] for r in rows if "eval_loss" in r] == [3, 6]
     assert (run / "loss.png").stat().st_size > 0
     assert list((run / "tensorboard").iterdir())
@@ -88,6 +92,16 @@ def test_train_resume_export(tmp_path, tiny_model_dir):
     with torch.no_grad():
         base_logits = AutoModelForCausalLM.from_pretrained(tiny_model_dir)(input_ids=ids).logits
     assert (merged(input_ids=ids).logits - base_logits).abs().max() > 1e-3
+
+    # --adapter-only: the adapter alone in PEFT's format, loadable on the base it was trained on
+    adapter = tmp_path / "adapter-export"
+    assert main(["export", str(run), "--out", str(adapter), "--adapter-only"]) == 0
+    assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                                         adapter).eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max() == 0
 
 
 def test_same_losses_with_activation_checkpointing_and_deterministic(tmp_path, tiny_model_dir):

@@ -1,0 +1,55 @@
+"""The shared arithmetic: the learning-rate schedule, and checkpoint pruning past keep_last."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from homelab_ft import checkpoint, steps
+from homelab_ft.config import TrainConfig
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_then_decay_to_the_floor(schedule):
+    cfg = TrainConfig(max_steps=10, warmup_steps=2, lr_schedule=schedule, min_lr_ratio=0.1)
+    factors = [steps.lr_factor(s, train_cfg=cfg) for s in range(11)]
+    assert factors[:2] == [pytest.approx(1 / 3), pytest.approx(2 / 3)]  # linear warmup, never 0
+    assert factors[2] == pytest.approx(1.0)
+    if schedule == "constant":
+        assert all(f == 1.0 for f in factors[2:])
+        return
+    assert factors[10] == pytest.approx(0.1)  # the floor at max_steps
+    assert all(a >= b for a, b in zip(factors[2:], factors[3:], strict=False))  # monotone decay
+    middle = steps.lr_factor(6, train_cfg=cfg)  # halfway through the decay
+    expected = 0.1 + 0.9 * (0.5 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert middle == pytest.approx(expected)
+
+
+def test_the_scheduler_gives_each_step_its_own_rate():
+    cfg = TrainConfig(max_steps=4, lr=1.0, lr_schedule="linear")
+    model = torch.nn.Linear(2, 2)
+    optimizer = steps.build_optimizer(model, cfg)
+    scheduler = steps.build_scheduler(optimizer, cfg)
+    used = []
+    for _ in range(cfg.max_steps):
+        used.append(scheduler.get_last_lr()[0])  # what the trainer logs for the step it is about to take
+        optimizer.step()
+        scheduler.step()
+    assert used == pytest.approx([1.0, 0.75, 0.5, 0.25])  # the last step trains at 0.25, not 0
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    for step in range(1, 6):
+        state = checkpoint.TrainerState(step=step, scheduler={}, sampler={}, model_fingerprint="m", world_size=1)
+        checkpoint.save(tmp_path, model=model, optimizer=optimizer, state=state, keep_last=2)
+    # a half-written one (no trainer_state.json) is neither counted nor picked
+    (checkpoint.checkpoints_dir(tmp_path) / "step_000009").mkdir()
+    names = sorted(p.name for p in checkpoint.checkpoints_dir(tmp_path).iterdir() if p.name.startswith("step_"))
+    assert names == ["step_000004", "step_000005", "step_000009"]
+    assert checkpoint.latest(tmp_path).name == "step_000005"
