@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
+from homelab_ft.rung import METHODS, OPTIMIZERS, STRATEGIES
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -27,8 +28,9 @@ PositiveInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
 Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
 
-Method = Literal["auto", "qlora", "lora", "full"]
-Strategy = Literal["auto", "full_shard", "shard_grad_op", "hybrid_shard", "no_shard"]
+# The names live once, in rung.py; `auto` lets the planner choose.
+Method = Literal[("auto", *METHODS)]
+Strategy = Literal[("auto", *STRATEGIES)]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -132,7 +134,7 @@ class TrainConfig:
     """The schedule decays to `lr * min_lr_ratio` at `max_steps`."""
     max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
+    optimizer: Literal[OPTIMIZERS] = "adamw"
     """8-bit and paged AdamW come from bitsandbytes (optimizer state in 8 bits: ~75% less than
     AdamW's fp32 moments); paged AdamW falls back to plain 8-bit AdamW on CPU."""
     activation_checkpointing: bool = False
