@@ -8,6 +8,7 @@ import shutil
 from homelab_ft import modeling
 from homelab_ft.config import ModelConfig
 from homelab_ft.locate import embedded_gguf_path
+from homelab_ft.shapes import gguf_config, model_shape, read_model_config
 
 
 def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
@@ -32,3 +33,15 @@ def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
     tokenizer = modeling.load_tokenizer(ModelConfig(path="smollm2"), out)
     assert "<|im_start|>" in tokenizer.chat_template
+
+
+def test_embedded_smollm2_config_agrees_with_its_gguf_metadata():
+    """Reading the 98 MB GGUF's metadata and tensor index takes ~10 s on 2 cores, hence e2e."""
+    gguf = embedded_gguf_path()
+    embedded = read_model_config("smollm2")
+    from_gguf = gguf_config(gguf)
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "rope_theta"):
+        assert from_gguf[key] == embedded[key], key
+    assert model_shape(from_gguf) == model_shape(embedded)
+    assert read_model_config(str(gguf)) == from_gguf

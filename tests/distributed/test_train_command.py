@@ -1,0 +1,46 @@
+"""`homelab-ft train` on a 2-process recipe, as a user runs it: the parent plans and checks, and
+its torchrun workers train the rung it decided (handed down, not planned again). A bad data row
+stops the parent before torchrun starts: one line, exit 2, no run directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+from procs import REPO, child_env, write_chat_data
+
+
+def _train(recipe, run, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run), *extra],
+                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_two_process_train_uses_the_parents_decision_and_refuses_bad_rows_before_launch(tmp_path, tiny_model_dir):
+    write_chat_data(tmp_path / "train.jsonl", 16)
+    recipe = tmp_path / "ddp.yaml"
+    body = {
+        "method": "auto", "model": {"path": str(tiny_model_dir)},
+        "lora": {"r": 4, "dropout": 0.0},
+        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 96},
+        "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-3, "device": "cpu", "num_threads": 1},
+        "cluster": {"gpus_per_node": 2, "device": "cpu"},
+        "output": {"tensorboard": False},
+    }
+    recipe.write_text(yaml.safe_dump(body))
+    run = tmp_path / "run"
+    proc = _train(recipe, run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    info = json.loads((run / "run.json").read_text())
+    chosen = json.loads((run / "plan.json").read_text())["chosen"]
+    assert (info["method"], info["strategy"], info["cpu_offload"]) == (chosen["method"], chosen["strategy"], chosen["cpu_offload"])
+    assert info["world_size"] == 2 and info["procs_per_node"] == 2
+    assert proc.stdout.count("training rows") == 1  # rank 0 alone reports
+
+    (tmp_path / "train.jsonl").open("a").write('{"messages": [{"role": "robot", "content": "hi"}]}\n')
+    fresh = tmp_path / "fresh"
+    proc = _train(recipe, fresh)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "train.jsonl" in proc.stderr and "torch.distributed" not in proc.stderr
+    assert not fresh.exists()
