@@ -355,7 +355,7 @@ def _write_vocab(writer, model_dir: Path, *, vocab_size: int) -> None:
     if kind == "gpt2":
         tokens, types = _bpe_tokens(model_dir, vocab_size=vocab_size)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(_bpe_pre(model_dir, spec))
+        writer.add_tokenizer_pre(_bpe_pre(model_dir))
         writer.add_token_list(tokens)
         writer.add_token_types(types)
         gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
@@ -423,9 +423,16 @@ def _bpe_tokens(model_dir: Path, *, vocab_size: int) -> tuple[list[str], list[in
     return tokens, types
 
 
-def _bpe_pre(model_dir: Path, spec: dict) -> str:
-    """llama.cpp's pre-tokenizer name for this tokenizer.json, read from its split rules."""
-    pre = spec.get("pre_tokenizer") or {}
+def _bpe_pre(model_dir: Path) -> str:
+    """llama.cpp's pre-tokenizer name for the split rules the model was trained with.
+
+    Read from the tokenizer transformers builds, not from tokenizer.json: for some model types
+    (Qwen2, Qwen3) transformers 5 imposes the family's own split regex over the file's.
+    """
+    from transformers import AutoTokenizer
+
+    backend = json.loads(AutoTokenizer.from_pretrained(model_dir).backend_tokenizer.to_str())
+    pre = backend.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
     kinds = [s.get("type") for s in steps]
     regexes = [s.get("pattern", {}).get("Regex") for s in steps if s.get("type") == "Split"]
@@ -475,10 +482,19 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
     reference's config: transformers' GGUF reader does not read rope scaling or Qwen3's head size,
     which llama.cpp does read from the keys written above. Raises RuntimeError on a mismatch.
     """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gguf-check-") as alone:
+        # Alone in its folder: beside tokenizer.json / tokenizer_config.json (a safetensors,gguf
+        # export) transformers 5.24 builds the tokenizer from those files and not from the GGUF.
+        (Path(alone) / Path(gguf_path).name).symlink_to(Path(gguf_path).resolve())
+        return _verify(Path(alone), Path(gguf_path).name, Path(reference_dir), gguf_type=gguf_type)
+
+
+def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    folder, file = str(Path(gguf_path).parent), Path(gguf_path).name
     reference_config = AutoConfig.from_pretrained(reference_dir)
     gguf_config = AutoConfig.from_pretrained(folder, gguf_file=file)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -504,7 +520,7 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
         probes.append(torch.tensor([want]))
 
     expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
-    got = _logits(AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=reference_config,
+    got = _logits(AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, config=_as_gguf_arch(reference_config),
                                                        dtype=torch.float32), probes)
     diff = max(float((g - e).abs().max()) for g, e in zip(got, expected))
     scale = max(1.0, max(float(e.abs().max()) for e in expected))
@@ -512,6 +528,17 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
     if not diff <= bound:
         raise RuntimeError(f"GGUF check failed: {gguf_type} logits differ from the model's by {diff:.3g} > {bound:.3g}")
     return GgufCheck(max_abs_diff=diff, bound=bound)
+
+
+def _as_gguf_arch(config):
+    """Mistral as llama.cpp runs it: the Llama graph (transformers 5.24 cannot map a `mistral`
+    model onto gguf-py's names). The probes are far shorter than any sliding window."""
+    if config.model_type != "mistral":
+        return config
+    from transformers import LlamaConfig
+
+    values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "sliding_window", "architectures")}
+    return LlamaConfig(**values, architectures=["LlamaForCausalLM"])
 
 
 def _logits(model, probes) -> list:
@@ -522,3 +549,67 @@ def _logits(model, probes) -> list:
         out = [model(input_ids=ids).logits.float() for ids in probes]
     del model
     return out
+
+
+# ------------------------------------------------------------------------------- runtime files
+
+_CHATML_TEMPLATE = (
+    '{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n'
+)
+"""Ollama's own ChatML template (Go text/template): Ollama cannot run the Jinja template itself."""
+
+
+def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> str:
+    """An Ollama Modelfile for the GGUF: its stop tokens, and the recipe's system prompt if set.
+
+    For a ChatML model (SmolLM2, Qwen) the template is written out; for others Ollama picks the
+    template matching the chat template stored in the GGUF (it knows Llama 3, Mistral, Gemma, Phi-3).
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stops = list(dict.fromkeys(_stop_tokens(model_dir, tokenizer)))
+    lines = [f"FROM ./{file_name}", ""]
+    if "<|im_start|>" in (tokenizer.chat_template or ""):
+        lines += [f'TEMPLATE """{_CHATML_TEMPLATE}"""', ""]
+    if system_prompt:
+        lines += [f'SYSTEM """{system_prompt}"""', ""]
+    lines += [f'PARAMETER stop "{token}"' for token in stops]
+    return "\n".join(lines) + "\n"
+
+
+def _stop_tokens(model_dir: Path, tokenizer) -> list[str]:
+    ids = []
+    generation = Path(model_dir) / "generation_config.json"
+    if generation.is_file():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    for token in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        if token in (tokenizer.chat_template or "") and token in tokenizer.get_vocab():
+            ids.append(tokenizer.convert_tokens_to_ids(token))
+    return [tokenizer.convert_ids_to_tokens(i) for i in ids]
+
+
+def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None) -> str:
+    """The RUNNING.md section for the GGUF: exact llama.cpp, Ollama and LM Studio commands."""
+    text = (
+        f"GGUF ({gguf_name}) with the chat template and stop tokens in its metadata:\n\n"
+        "llama.cpp (chat in the terminal, or an OpenAI-compatible server on port 8080):\n\n"
+        f"    llama-cli -m {name}/{gguf_name} -cnv\n"
+        f"    llama-server -m {name}/{gguf_name} --port 8080\n\n"
+        "Ollama (the Modelfile in this folder sets the stop tokens and the system prompt):\n\n"
+        f"    cd {name} && ollama create {_ollama_name(name)} -f Modelfile\n"
+        f"    ollama run {_ollama_name(name)}\n\n"
+        "LM Studio:\n\n"
+        f"    lms import {name}/{gguf_name}\n"
+        f"    lms load {Path(gguf_name).stem}\n\n"
+    )
+    if k_quant_hint:
+        text += f"A k-quant needs llama.cpp's llama-quantize (gguf-py cannot write one):\n\n    {k_quant_hint}\n\n"
+    return text
+
+
+def _ollama_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()) or "model"
