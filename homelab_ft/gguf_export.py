@@ -358,7 +358,7 @@ def _write_vocab(writer, model_dir: Path, *, vocab_size: int) -> None:
         writer.add_tokenizer_pre(_bpe_pre(model_dir))
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer, quiet=True)
+        _special_vocab(model_dir, load_merges=True, n_vocab=None).add_to_gguf(writer, quiet=True)
         return
     vocab = gguf.SentencePieceVocab(model_dir) if (model_dir / "tokenizer.model").is_file() else gguf.LlamaHfVocab(model_dir)
     tokens, scores, types = [], [], []
@@ -376,7 +376,22 @@ def _write_vocab(writer, model_dir: Path, *, vocab_size: int) -> None:
     writer.add_token_scores(scores[:vocab_size])
     writer.add_token_types(types[:vocab_size])
     writer.add_add_space_prefix(_adds_prefix_space(spec))
-    gguf.SpecialVocab(model_dir, load_merges=False, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    _special_vocab(model_dir, load_merges=False, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+
+
+def _special_vocab(model_dir: Path, *, load_merges: bool, n_vocab: int | None):
+    """gguf's SpecialVocab (merges, special ids, chat template), with add_bos/add_eos taken from
+    what the tokenizer really does: left unset, llama.cpp and transformers' GGUF reader both add a
+    BOS to every SentencePiece prompt, which transformers 5's LlamaTokenizer does not by default."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    special = gguf.SpecialVocab(model_dir, load_merges=load_merges, n_vocab=n_vocab)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer("a")["input_ids"]
+    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
+    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and ids[-1:] == [tokenizer.eos_token_id]
+    return special
 
 
 def _tokenizer_kind(model_dir: Path, spec: dict | None) -> str:

@@ -143,6 +143,54 @@ def test_tokenizer_metadata_gives_the_same_ids_and_chat_template(models, tmp_pat
     assert loaded(text)["input_ids"] == reference(text)["input_ids"]
 
 
+def make_sentencepiece_llama(out_dir: Path) -> Path:
+    """A Llama-2-style model: a SentencePiece BPE (byte fallback, ChatML control symbols)
+    trained on tests/tiny.py's corpus, saved as tokenizer.model + tokenizer.json."""
+    import io
+    import shutil
+
+    import sentencepiece as spm
+    from tiny import CHATML_TEMPLATE, CORPUS
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS * 4), model_writer=model, vocab_size=384,
+                                   model_type="bpe", byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                   control_symbols=["<|im_start|>", "<|im_end|>"], character_coverage=1.0,
+                                   minloglevel=2)
+    source = out_dir / "spm"
+    source.mkdir(parents=True)
+    (source / "tokenizer.model").write_bytes(model.getvalue())
+    (source / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>"}))
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    model_dir = out_dir / "model"
+    tokenizer.save_pretrained(model_dir)
+    shutil.copy(source / "tokenizer.model", model_dir)
+    config = LlamaConfig(**(COMMON | {"vocab_size": 384}), bos_token_id=1, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.mark.parametrize("source", ["tokenizer.model", "tokenizer.json"])
+def test_sentencepiece_tokenizer(tmp_path, source):
+    """SentencePiece from tokenizer.model (gguf.SentencePieceVocab) or, without it, from
+    tokenizer.json (gguf.LlamaHfVocab); add_bos written as the tokenizer behaves."""
+    from gguf import GGUFReader
+
+    model_dir = make_sentencepiece_llama(tmp_path)
+    if source == "tokenizer.json":
+        (model_dir / "tokenizer.model").unlink()
+    path = write(model_dir, tmp_path / "out", "f32")
+    fields = GGUFReader(path).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_bos_token"].contents() is False
+    assert len(fields["tokenizer.ggml.scores"].contents()) == 384
+    assert gguf_export.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
 def test_k_quant_and_unknown_types():
     assert gguf_export.check_gguf_type(None) == ("q8_0", None)
     assert gguf_export.check_gguf_type("Q4_K_M") == ("f16", "q4_k_m")
