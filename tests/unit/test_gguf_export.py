@@ -109,8 +109,8 @@ def test_tensor_types_and_tied_embedding_written_once(models, tmp_path):
 
 
 def test_a_wrong_layout_is_caught(models, tmp_path, monkeypatch):
-    """Without llama.cpp's q/k row permutation, or without Gemma's norm offset, the reloaded logits
-    move by whole units: the check must refuse them even at f32."""
+    """Without llama.cpp's q/k row permutation, or without Gemma's norm offset, transformers reads
+    back other weights (and the logits move by whole units): the check refuses them even at f32."""
     from dataclasses import replace
 
     families = dict(gguf_export.FAMILIES)
@@ -119,7 +119,7 @@ def test_a_wrong_layout_is_caught(models, tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_export, "FAMILIES", families)
     for family in ("llama", "gemma2"):
         path = write(models(family), tmp_path / family, "f32")
-        with pytest.raises(RuntimeError, match="logits differ"):
+        with pytest.raises(RuntimeError, match="reads back different"):
             gguf_export.verify_gguf(path, models(family), gguf_type="f32")
 
 
