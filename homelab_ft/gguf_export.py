@@ -703,3 +703,20 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None) -> str
 
 def _ollama_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()) or "model"
+
+
+def load_gguf(path: Path):
+    """(model in fp32, tokenizer) from a GGUF file through transformers' GGUF loader, as a user
+    of `from_pretrained(folder, gguf_file=...)` gets them."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory(prefix="gguf-load-") as alone:
+        (Path(alone) / path.name).symlink_to(path.resolve())  # see verify_gguf: alone in its folder
+        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
+        with _memoized_name_maps():
+            model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32)
+    return model, tokenizer
