@@ -56,11 +56,14 @@ def export_run(
     wanted = gguf_export.parse_formats(formats)
     if gguf_type is not None and "gguf" not in wanted:
         raise UserError("--gguf-type needs --format gguf (or --format safetensors,gguf)")
-    gguf_type, k_quant = gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted else (None, None)
-    if adapter_only and "gguf" in wanted:
-        raise UserError("--adapter-only --format gguf is not supported yet; export the merged model as GGUF, "
-                        "or the adapter as safetensors and convert it with llama.cpp's convert_lora_to_gguf.py")
+    if adapter_only and gguf_type is not None:
+        raise UserError("--gguf-type does not apply to --adapter-only (the adapter GGUF is written in f32)")
+    gguf_type, k_quant = (gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted and not adapter_only
+                          else (None, None))
+    adapter_gguf = "adapter.gguf" if adapter_only and "gguf" in wanted else None
     info = run_info(run_dir)
+    if adapter_only and "gguf" in wanted and info["method"] not in ("lora", "qlora"):
+        raise UserError(f"{run_dir} is a {info['method']} run: it has no adapter; export it without --adapter-only")
     recipe = load_recipe(run_dir / "recipe.yaml")
     ckpt = checkpoint.latest(run_dir)
     if ckpt is None:
@@ -70,7 +73,7 @@ def export_run(
     written_ns = (ckpt / "trainer_state.json").stat().st_mtime_ns
     identity = {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": adapter_only, "dtype": dtype,
                 "formats": list(wanted), "gguf_type": k_quant or gguf_type}
-    gguf_name = gguf_export.gguf_file_name(gguf_type) if gguf_type else None
+    gguf_name = gguf_export.gguf_file_name(gguf_type) if gguf_type else adapter_gguf
     hint = gguf_export.quantize_command(out_dir / gguf_name, k_quant) if k_quant else None
     if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
         print(f"{out_dir} already holds this export; nothing to do")
@@ -79,7 +82,7 @@ def export_run(
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
 
     model_dir = modeling.resolve_model_dir(recipe.model.path)
-    if gguf_type:
+    if gguf_name:
         gguf_export.check_architecture(model_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -88,7 +91,7 @@ def export_run(
     hf_dir = tmp if "safetensors" in wanted else tmp / ".merged"
     try:
         if info["method"] in ("lora", "qlora") and adapter_only:
-            diff = _write_adapter(ckpt, model_dir, recipe, tmp)
+            diff = _write_adapter(ckpt, model_dir, recipe, tmp) if "safetensors" in wanted else None
         elif info["method"] in ("lora", "qlora"):
             diff = _write_merged(ckpt, model_dir, recipe, hf_dir, dtype=dtype, name=out_dir.name)
         else:
@@ -103,6 +106,11 @@ def export_run(
             record["gguf"] = {"file": gguf_name, "type": gguf_type, "max_abs_diff": check.max_abs_diff, "bound": check.bound}
             if hf_dir != tmp:
                 shutil.rmtree(hf_dir)
+        if adapter_gguf:
+            gguf_path = tmp / adapter_gguf
+            record["gguf"] = {"file": adapter_gguf, "type": "lora-adapter",
+                              "max_rel_diff": _write_adapter_gguf(ckpt, model_dir, recipe, gguf_path, name=out_dir.name)}
+            (tmp / "RUNNING.md").write_text(gguf_export.adapter_running_notes(out_dir.name, base=recipe.model.path))
         if not adapter_only:
             _write_runtime_notes(tmp, name=out_dir.name, safetensors="safetensors" in wanted, gguf_name=gguf_name,
                                  k_quant_hint=hint)
@@ -212,6 +220,17 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
           f"(bound {check.bound:.2e})")
     (out / "Modelfile").write_text(gguf_export.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
     return path, check
+
+
+def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name: str) -> float:
+    """llama.cpp's LoRA GGUF, checked against PEFT's own delta for every adapted weight."""
+    from homelab_ft.gguf_adapter import check_adapter_gguf, write_adapter_gguf
+
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    write_adapter_gguf(ckpt / "adapter", model_dir, path, name=name)
+    diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
+    print(f"adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference {diff:.1e}")
+    return diff
 
 
 def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None) -> None:

@@ -701,6 +701,19 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None) -> str
     return text
 
 
+def adapter_running_notes(name: str, *, base: str) -> str:
+    return (
+        "# Running this adapter\n\n"
+        f"adapter.gguf is a LoRA adapter in llama.cpp's format for the base model {base}; it needs that base\n"
+        "as a GGUF (any type): write it with llama.cpp's convert_hf_to_gguf.py from the base's folder.\n\n"
+        "llama.cpp:\n\n"
+        f"    llama-cli -m BASE.gguf --lora {name}/adapter.gguf -cnv\n"
+        f"    llama-server -m BASE.gguf --lora {name}/adapter.gguf --port 8080\n\n"
+        "Ollama (a Modelfile next to BASE.gguf):\n\n"
+        f"    FROM ./BASE.gguf\n    ADAPTER ./{name}/adapter.gguf\n"
+    )
+
+
 def _ollama_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()) or "model"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -274,7 +275,8 @@ def test_refusals_write_nothing(models, tmp_path, capsys):
     assert "'q3_0' is not a GGUF type" in refused(capsys, "export", run, "--out", out, "--format", "gguf", "--gguf-type", "q3_0")
     assert "--format 'onnx'" in refused(capsys, "export", run, "--out", out, "--format", "onnx")
     assert "needs --format gguf" in refused(capsys, "export", run, "--out", out, "--gguf-type", "f16")
-    assert "--adapter-only --format gguf" in refused(capsys, "export", run, "--out", out, "--format", "gguf", "--adapter-only")
+    assert "does not apply to --adapter-only" in refused(capsys, "export", run, "--out", out, "--format", "gguf",
+                                                         "--adapter-only", "--gguf-type", "f16")
     assert not out.exists()
 
     gemma_run = make_run(tmp_path / "g", models("gemma"))
@@ -287,3 +289,53 @@ def test_refusals_write_nothing(models, tmp_path, capsys):
     capsys.readouterr()
     assert "holds something else" in refused(capsys, "export", run, "--out", out, "--format", "gguf")
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+# ------------------------------------------------------------------------------------- adapter
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2-tied"])
+def test_adapter_gguf_in_llama_cpp_layout_reproduces_the_merged_weights(models, tmp_path, capsys, family):
+    """Base GGUF + alpha / r * B @ A from the adapter GGUF (llama.cpp's LoRA sum, done in numpy)
+    equals the GGUF of the merged model, q/k rows permuted alike."""
+    from gguf import GGUFReader
+
+    model_dir = models(family)
+    run = make_run(tmp_path, model_dir)
+    out = tmp_path / "adapter"
+    assert main(["export", str(run), "--out", str(out), "--adapter-only", "--format", "gguf"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["RUNNING.md", "adapter.gguf", "homelab_ft_export.json"]
+    assert "--lora" in (out / "RUNNING.md").read_text() and "adapter GGUF check" in capsys.readouterr().out
+
+    reader = GGUFReader(out / "adapter.gguf")
+    assert reader.fields["general.type"].contents() == "adapter"
+    assert reader.fields["adapter.type"].contents() == "lora"
+    alpha = reader.fields["adapter.lora.alpha"].contents()
+    assert alpha == 8.0
+    lora = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
+    adapted = {f"blk.{i}.attn_{p}.weight" for i in range(2) for p in "qkv"}
+    assert set(lora) == {f"{n}.lora_{ab}" for n in adapted for ab in "ab"}
+    assert [int(d) for d in next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight.lora_a").shape] == [64, 4]
+    assert [int(d) for d in next(t for t in reader.tensors if t.name == "blk.0.attn_k.weight.lora_b").shape] == [4, 32]
+
+    merged = tmp_path / "merged"
+    assert main(["export", str(run), "--out", str(merged), "--format", "gguf", "--gguf-type", "f32"]) == 0
+    base_gguf = write(model_dir, tmp_path / "base", "f32")
+    base = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in GGUFReader(base_gguf).tensors}
+    want = {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
+            for t in GGUFReader(merged / "model-f32.gguf").tensors}
+    for name in want:
+        got = base[name] + (alpha / 4 * lora[f"{name}.lora_b"] @ lora[f"{name}.lora_a"] if name in adapted else 0)
+        np.testing.assert_allclose(got, want[name], rtol=0, atol=1e-6, err_msg=name)
+    assert any(not np.array_equal(base[n], want[n]) for n in adapted)
+
+
+def test_adapter_gguf_refuses_dora(tmp_path):
+    from homelab_ft.errors import UserError
+    from homelab_ft.gguf_adapter import adapter_alpha
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True}))
+    with pytest.raises(UserError, match="DoRA"):
+        adapter_alpha(tmp_path)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_rslora": True}))
+    assert adapter_alpha(tmp_path) == 16.0  # alpha * sqrt(r): llama.cpp's alpha / r is then rsLoRA's alpha / sqrt(r)
