@@ -360,7 +360,9 @@ def _write_vocab(writer, model_dir: Path, *, vocab_size: int) -> None:
         writer.add_token_types(types)
         _special_vocab(model_dir, load_merges=True, n_vocab=None).add_to_gguf(writer, quiet=True)
         return
-    vocab = gguf.SentencePieceVocab(model_dir) if (model_dir / "tokenizer.model").is_file() else gguf.LlamaHfVocab(model_dir)
+    # tokenizer.json first: it is what transformers trained with, added tokens (a chat format's
+    # specials) included, which tokenizer.model may lack; llama.cpp's converter prefers the latter.
+    vocab = gguf.LlamaHfVocab(model_dir) if spec is not None else gguf.SentencePieceVocab(model_dir)
     tokens, scores, types = [], [], []
     for text, score, token_type in vocab.all_tokens():
         tokens.append(text)

@@ -177,13 +177,12 @@ def make_sentencepiece_llama(out_dir: Path) -> Path:
 
 @pytest.mark.parametrize("source", ["tokenizer.model", "tokenizer.json"])
 def test_sentencepiece_tokenizer(tmp_path, source):
-    """SentencePiece from tokenizer.model (gguf.SentencePieceVocab) or, without it, from
-    tokenizer.json (gguf.LlamaHfVocab); add_bos written as the tokenizer behaves."""
+    """SentencePiece from tokenizer.json (gguf.LlamaHfVocab) or, without it, from tokenizer.model
+    (gguf.SentencePieceVocab); add_bos written as the tokenizer behaves."""
     from gguf import GGUFReader
 
     model_dir = make_sentencepiece_llama(tmp_path)
-    if source == "tokenizer.json":
-        (model_dir / "tokenizer.model").unlink()
+    (model_dir / ("tokenizer.json" if source == "tokenizer.model" else "tokenizer.model")).unlink()
     path = write(model_dir, tmp_path / "out", "f32")
     fields = GGUFReader(path).fields
     assert fields["tokenizer.ggml.model"].contents() == "llama"
