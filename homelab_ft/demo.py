@@ -336,7 +336,7 @@ def run_demo(
     del tuned
     lap("score export")
     # And what llama.cpp / Ollama users get, read back by transformers' GGUF loader.
-    from homelab_ft.gguf_export import load_gguf
+    from homelab_ft.gguf_check import load_gguf
 
     gguf_model, gguf_tokenizer = load_gguf(export.gguf_path)
     gguf = score(gguf_model, gguf_tokenizer, rows)

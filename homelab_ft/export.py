@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_ft import checkpoint, gguf_export, modeling
+from homelab_ft import checkpoint, gguf_check, gguf_export, local_runtimes, modeling
 from homelab_ft.config import load_recipe
 from homelab_ft.errors import UserError
 
@@ -110,7 +110,7 @@ def export_run(
             gguf_path = tmp / adapter_gguf
             record["gguf"] = {"file": adapter_gguf, "type": "lora-adapter",
                               "max_rel_diff": _write_adapter_gguf(ckpt, model_dir, recipe, gguf_path, name=out_dir.name)}
-            (tmp / "RUNNING.md").write_text(gguf_export.adapter_running_notes(out_dir.name, base=recipe.model.path))
+            (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(out_dir.name, base=recipe.model.path))
         if not adapter_only:
             _write_runtime_notes(tmp, name=out_dir.name, safetensors="safetensors" in wanted, gguf_name=gguf_name,
                                  k_quant_hint=hint)
@@ -215,10 +215,10 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
     """The GGUF beside the export, checked against the merged model, plus an Ollama Modelfile."""
     path = out / file_name
     gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
-    check = gguf_export.verify_gguf(path, hf_dir, gguf_type=gguf_type)
+    check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
     print(f"GGUF check: max |logit difference| {gguf_type} GGUF vs merged model = {check.max_abs_diff:.2e} "
           f"(bound {check.bound:.2e})")
-    (out / "Modelfile").write_text(gguf_export.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
+    (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
     return path, check
 
 
@@ -237,7 +237,7 @@ def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: 
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
     text = "# Running this model\n\n"
     if gguf_name:
-        text += gguf_export.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint)
+        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint)
     if safetensors:
         text += (
             "transformers:\n\n"

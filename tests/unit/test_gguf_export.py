@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from homelab_ft import gguf_export
+from homelab_ft import gguf_check, gguf_export
 from homelab_ft.cli import main
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -20,8 +20,16 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 
 
 def _config(family: str):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     return {
         "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
@@ -85,17 +93,39 @@ FAMILIES = ["llama", "llama-tied", "mistral", "qwen2", "qwen2-tied", "qwen3", "p
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_gguf_reloads_with_identical_logits_and_q8_0_within_bound(models, tmp_path, family):
     model_dir = models(family)
-    f32 = gguf_export.verify_gguf(write(model_dir, tmp_path, "f32"), model_dir, gguf_type="f32")
+    f32 = gguf_check.verify_gguf(write(model_dir, tmp_path, "f32"), model_dir, gguf_type="f32")
     assert f32.max_abs_diff == 0.0
-    q8 = gguf_export.verify_gguf(write(model_dir, tmp_path, "q8_0"), model_dir, gguf_type="q8_0")
+    q8 = gguf_check.verify_gguf(write(model_dir, tmp_path, "q8_0"), model_dir, gguf_type="q8_0")
     assert 0.0 < q8.max_abs_diff <= q8.bound
 
 
 @pytest.mark.parametrize("gguf_type", ["f16", "bf16", "q4_0", "q5_1"])
 def test_other_types_stay_within_their_bound(models, tmp_path, gguf_type):
     model_dir = models("llama")
-    check = gguf_export.verify_gguf(write(model_dir, tmp_path, gguf_type), model_dir, gguf_type=gguf_type)
+    check = gguf_check.verify_gguf(write(model_dir, tmp_path, gguf_type), model_dir, gguf_type=gguf_type)
     assert 0.0 < check.max_abs_diff <= check.bound
+
+
+def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path):
+    """Llama 3.1+ rope scaling: llama.cpp divides each pair's frequency by `rope_freqs`, which must
+    be transformers' unscaled / scaled inverse frequencies."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = make_model(tmp_path / "m", "llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config.pop("rope_scaling", None)
+    (model_dir / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
+    path = write(model_dir, tmp_path / "out", "f32")
+    freqs = next(t for t in GGUFReader(path).tensors if t.name == "rope_freqs.weight")
+    scaled = AutoModelForCausalLM.from_pretrained(model_dir).model.rotary_emb.inv_freq
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    assert AutoConfig.from_pretrained(model_dir).rope_parameters["rope_type"] == "llama3"
+    np.testing.assert_allclose(np.array(freqs.data), (plain / scaled).numpy(), rtol=1e-5)
+    assert np.array(freqs.data).max() == 8.0 and np.array(freqs.data).min() == 1.0
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
 def test_tensor_types_and_tied_embedding_written_once(models, tmp_path):
@@ -121,7 +151,7 @@ def test_a_wrong_layout_is_caught(models, tmp_path, monkeypatch):
     for family in ("llama", "gemma2"):
         path = write(models(family), tmp_path / family, "f32")
         with pytest.raises(RuntimeError, match="reads back different"):
-            gguf_export.verify_gguf(path, models(family), gguf_type="f32")
+            gguf_check.verify_gguf(path, models(family), gguf_type="f32")
 
 
 def test_tokenizer_metadata_gives_the_same_ids_and_chat_template(models, tmp_path):
@@ -188,7 +218,7 @@ def test_sentencepiece_tokenizer(tmp_path, source):
     assert fields["tokenizer.ggml.model"].contents() == "llama"
     assert fields["tokenizer.ggml.add_bos_token"].contents() is False
     assert len(fields["tokenizer.ggml.scores"].contents()) == 384
-    assert gguf_export.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
 def test_k_quant_and_unknown_types():
