@@ -15,8 +15,10 @@ _CHATML_TEMPLATE = (
 def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> str:
     """An Ollama Modelfile for the GGUF: its stop tokens, and the recipe's system prompt if set.
 
-    For a ChatML model (SmolLM2, Qwen) the template is written out; for others Ollama picks the
-    template matching the chat template stored in the GGUF (it knows Llama 3, Mistral, Gemma, Phi-3).
+    For a ChatML model (SmolLM2, Qwen) the template is written out, with the system turn the Jinja
+    template inserts by default (SmolLM2: "You are a helpful AI assistant...") as SYSTEM, since
+    the model was trained with it; for others Ollama picks the template matching the chat template
+    stored in the GGUF (it knows Llama 3, Mistral, Gemma, Phi-3).
     """
     from transformers import AutoTokenizer
 
@@ -25,10 +27,19 @@ def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> 
     lines = [f"FROM ./{file_name}", ""]
     if "<|im_start|>" in (tokenizer.chat_template or ""):
         lines += [f'TEMPLATE """{_CHATML_TEMPLATE}"""', ""]
+        system_prompt = system_prompt or _default_chatml_system(tokenizer)
     if system_prompt:
         lines += [f'SYSTEM """{system_prompt}"""', ""]
     lines += [f'PARAMETER stop "{token}"' for token in stops]
     return "\n".join(lines) + "\n"
+
+
+def _default_chatml_system(tokenizer) -> str | None:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    head = "<|im_start|>system\n"
+    if not text.startswith(head) or "<|im_end|>" not in text:
+        return None
+    return text[len(head):text.index("<|im_end|>")] or None
 
 
 def _stop_tokens(model_dir: Path, tokenizer) -> list[str]:

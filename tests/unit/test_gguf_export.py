@@ -288,6 +288,8 @@ def test_k_quant_writes_f16_and_prints_the_llama_quantize_command(models, tmp_pa
     printed = capsys.readouterr().out
     assert f"llama-quantize {out}/model-f16.gguf {out}/model-q4_k_m.gguf Q4_K_M" in printed
     assert "llama-quantize" in (out / "RUNNING.md").read_text()
+    # no system prompt in this recipe: the template's default system turn, which the model was trained with
+    assert 'SYSTEM """You are a helpful AI assistant."""' in (out / "Modelfile").read_text()
 
 
 def refused(capsys, *argv) -> str:
