@@ -231,15 +231,22 @@ def _add_export(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the written weights (auto: the base model's)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--format", default="safetensors", metavar="safetensors|gguf|safetensors,gguf",
+                   help="what to write: merged safetensors (default), a GGUF file for llama.cpp / Ollama / LM Studio, or both")
+    p.add_argument("--gguf-type", metavar="f32|f16|bf16|q8_0|q4_0|q5_1",
+                   help="GGUF weight type (default q8_0); a k-quant such as q4_k_m writes f16 and prints the llama-quantize command")
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args) -> int:
     from homelab_ft.export import export_run
 
-    result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite)
+    result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite,
+                        formats=args.format, gguf_type=args.gguf_type)
     if not result.skipped:
         print(f"exported to {result.out_dir}")
+    if result.quantize_hint:
+        print(f"k-quants need llama.cpp's llama-quantize; wrote f16, now run: {result.quantize_hint}")
     return 0
 
 

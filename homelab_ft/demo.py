@@ -278,7 +278,9 @@ class DemoResult:
     run_dir: Path
     export_dir: Path
     seconds: dict[str, float]
-    """Wall time of each phase (convert, score base, train, export, score export)."""
+    """Wall time of each phase (convert, score base, train, export, score export, score gguf)."""
+    gguf: DemoScore | None = None
+    """The score of export/model-q8_0.gguf reloaded through transformers' GGUF loader."""
 
 
 def run_demo(
@@ -328,24 +330,38 @@ def run_demo(
     trainer.train(recipe)
     lap("train")
     export_dir = run_dir / "export"
-    export_run(run_dir, export_dir, overwrite=True)
+    export = export_run(run_dir, export_dir, overwrite=True, formats="safetensors,gguf")
     lap("export")
 
     # Exactly what a user does with the export: plain transformers, no homelab-ft, no PEFT.
     tuned = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
     after = score(tuned, AutoTokenizer.from_pretrained(export_dir), rows)
+    del tuned
     lap("score export")
-    log.info(summary(before, after, export_dir=export_dir, seconds=seconds, num_examples=num_examples))
-    return DemoResult(before=before, after=after, run_dir=run_dir, export_dir=export_dir, seconds=seconds)
+    # And what llama.cpp / Ollama users get, read back by transformers' GGUF loader.
+    from homelab_ft.gguf_check import load_gguf
+
+    gguf_model, gguf_tokenizer = load_gguf(export.gguf_path)
+    gguf = score(gguf_model, gguf_tokenizer, rows)
+    del gguf_model
+    lap("score gguf")
+    log.info(summary(before, after, export_dir=export_dir, seconds=seconds, num_examples=num_examples, gguf=gguf,
+                  gguf_name=export.gguf_path.name))
+    return DemoResult(before=before, after=after, run_dir=run_dir, export_dir=export_dir, seconds=seconds, gguf=gguf)
 
 
-def summary(before: DemoScore, after: DemoScore, *, export_dir: Path, seconds: dict[str, float], num_examples: int) -> str:
+def summary(before: DemoScore, after: DemoScore, *, export_dir: Path, seconds: dict[str, float], num_examples: int,
+            gguf: DemoScore | None = None, gguf_name: str = "") -> str:
     """The before/after table, a few held-out replies side by side, and where the time went."""
     lines = [
         "",
         f"held-out score ({before.num_rows} rows; a reply counts when json.loads gives exactly the expected record)",
         f"  base SmolLM2-135M-Instruct   {_fraction(before)}",
         f"  fine-tuned, reloaded export  {_fraction(after)}",
+    ]
+    if gguf is not None:
+        lines.append(f"  the same, as {gguf_name:15s} {_fraction(gguf)}")
+    lines += [
         "",
     ]
     pairs = list(zip(before.examples, after.examples, strict=True))

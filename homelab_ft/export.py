@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_ft import checkpoint, modeling
+from homelab_ft import checkpoint, gguf_check, gguf_export, local_runtimes, modeling
 from homelab_ft.config import load_recipe
 from homelab_ft.errors import UserError
 
@@ -33,6 +33,9 @@ class ExportResult:
     out_dir: Path
     max_abs_diff: float | None
     skipped: bool
+    gguf_path: Path | None = None
+    quantize_hint: str | None = None
+    """The llama-quantize command that makes the k-quant asked for from the written f16 GGUF."""
 
 
 def run_info(run_dir: Path) -> dict:
@@ -43,10 +46,27 @@ def run_info(run_dir: Path) -> dict:
 
 
 def export_run(
-    run_dir: Path, out_dir: Path, *, adapter_only: bool = False, dtype: str = "auto", overwrite: bool = False
+    run_dir: Path,
+    out_dir: Path,
+    *,
+    adapter_only: bool = False,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    formats: str = "safetensors",
+    gguf_type: str | None = None,
 ) -> ExportResult:
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    wanted = gguf_export.parse_formats(formats)
+    if gguf_type is not None and "gguf" not in wanted:
+        raise UserError("--gguf-type needs --format gguf (or --format safetensors,gguf)")
+    if adapter_only and gguf_type is not None:
+        raise UserError("--gguf-type does not apply to --adapter-only (the adapter GGUF is written in f32)")
+    gguf_type, k_quant = (gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted and not adapter_only
+                          else (None, None))
+    adapter_gguf = "adapter.gguf" if adapter_only and "gguf" in wanted else None
     info = run_info(run_dir)
+    if adapter_only and "gguf" in wanted and info["method"] not in ("lora", "qlora"):
+        raise UserError(f"{run_dir} is a {info['method']} run: it has no adapter; export it without --adapter-only")
     recipe = load_recipe(run_dir / "recipe.yaml")
     ckpt = checkpoint.latest(run_dir)
     if ckpt is None:
@@ -54,33 +74,58 @@ def export_run(
     # The checkpoint's trainer_state.json is rewritten by every save, so a retrained run that
     # reuses the same step directory is a new identity.
     written_ns = (ckpt / "trainer_state.json").stat().st_mtime_ns
-    identity = {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": adapter_only, "dtype": dtype}
+    identity = {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": adapter_only, "dtype": dtype,
+                "formats": list(wanted), "gguf_type": k_quant or gguf_type}
+    gguf_name = gguf_export.gguf_file_name(gguf_type) if gguf_type else adapter_gguf
+    hint = gguf_export.quantize_command(out_dir / gguf_name, k_quant) if k_quant else None
     if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
         log.info("%s already holds this export; nothing to do", out_dir)
-        return ExportResult(out_dir, None, skipped=True)
+        return ExportResult(out_dir, None, skipped=True, quantize_hint=hint)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
 
     model_dir = modeling.resolve_model_dir(recipe.model.path)
+    if gguf_name:
+        gguf_export.check_architecture(model_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # A GGUF-only export still goes through the merged safetensors (the GGUF is streamed from
+    # them); they are written into a scratch folder inside the temporary one and dropped.
+    hf_dir = tmp if "safetensors" in wanted else tmp / ".merged"
     try:
         if info["method"] in ("lora", "qlora") and adapter_only:
-            diff = _write_adapter(ckpt, model_dir, recipe, tmp)
+            diff = _write_adapter(ckpt, model_dir, recipe, tmp) if "safetensors" in wanted else None
         elif info["method"] in ("lora", "qlora"):
-            diff = _write_merged(ckpt, model_dir, recipe, tmp, dtype=dtype, name=out_dir.name)
+            diff = _write_merged(ckpt, model_dir, recipe, hf_dir, dtype=dtype, name=out_dir.name)
         else:
             from homelab_ft.consolidate import consolidate_to_hf
 
-            diff = consolidate_to_hf(ckpt, model_dir, tmp, dtype=_save_dtype(dtype, model_dir))
-        (tmp / META).write_text(json.dumps({"source": identity, "method": info["method"], "max_abs_diff": diff}, indent=1))
+            diff = consolidate_to_hf(ckpt, model_dir, hf_dir, dtype=_save_dtype(dtype, model_dir))
+        record = {"source": identity, "method": info["method"], "max_abs_diff": diff}
+        gguf_path = None
+        if gguf_type:
+            gguf_path, check = _write_gguf(hf_dir, tmp, file_name=gguf_name, gguf_type=gguf_type, name=out_dir.name,
+                                           system_prompt=recipe.data.system_prompt)
+            record["gguf"] = {"file": gguf_name, "type": gguf_type, "max_abs_diff": check.max_abs_diff, "bound": check.bound}
+            if hf_dir != tmp:
+                shutil.rmtree(hf_dir)
+        if adapter_gguf:
+            gguf_path = tmp / adapter_gguf
+            record["gguf"] = {"file": adapter_gguf, "type": "lora-adapter",
+                              "max_rel_diff": _write_adapter_gguf(ckpt, model_dir, recipe, gguf_path, name=out_dir.name)}
+            (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(out_dir.name, base=recipe.model.path))
+        if not adapter_only:
+            _write_runtime_notes(tmp, name=out_dir.name, safetensors="safetensors" in wanted, gguf_name=gguf_name,
+                                 k_quant_hint=hint)
+        (tmp / META).write_text(json.dumps(record, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out_dir, diff, skipped=False)
+    return ExportResult(out_dir, diff, skipped=False, gguf_path=out_dir / gguf_name if gguf_path else None,
+                        quantize_hint=hint)
 
 
 def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
@@ -118,7 +163,6 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     # 5 GB shards: the size the Hub and llama.cpp's converter handle comfortably.
     merged.save_pretrained(out, max_shard_size="5GB")
     tokenizer.save_pretrained(out)
-    _write_runtime_notes(out, name=name)
     del merged, peft_model  # one copy of the weights in memory at a time
     gc.collect()
 
@@ -170,15 +214,42 @@ def _probe_ids(tokenizer):
     return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
-def _write_runtime_notes(out: Path, *, name: str) -> None:
+def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name: str, system_prompt: str | None):
+    """The GGUF beside the export, checked against the merged model, plus an Ollama Modelfile."""
+    path = out / file_name
+    gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
+    check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
+    log.info("GGUF check: max |logit difference| %s GGUF vs merged model = %.2e (bound %.2e)",
+             gguf_type, check.max_abs_diff, check.bound)
+    (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
+    return path, check
+
+
+def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name: str) -> float:
+    """llama.cpp's LoRA GGUF, checked against PEFT's own delta for every adapted weight."""
+    from homelab_ft.gguf_adapter import check_adapter_gguf, write_adapter_gguf
+
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    write_adapter_gguf(ckpt / "adapter", model_dir, path, name=name)
+    diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
+    log.info("adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference %.1e", diff)
+    return diff
+
+
+def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None) -> None:
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
-    (out / "RUNNING.md").write_text(
-        "# Running this model\n\n"
-        "transformers:\n\n"
-        "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        f"    model = AutoModelForCausalLM.from_pretrained('{name}')\n\n"
-        "llama.cpp (GGUF for llama.cpp, Ollama, LM Studio):\n\n"
-        f"    python convert_hf_to_gguf.py {name} --outfile model.gguf --outtype q8_0\n\n"
-        "homelab-ft:\n\n"
-        f"    homelab-ft generate {name} --prompt 'Hello'\n"
-    )
+    text = "# Running this model\n\n"
+    if gguf_name:
+        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint)
+    if safetensors:
+        text += (
+            "transformers:\n\n"
+            "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"    model = AutoModelForCausalLM.from_pretrained('{name}')\n\n"
+            "homelab-ft:\n\n"
+            f"    homelab-ft generate {name} --prompt 'Hello'\n"
+        )
+        if not gguf_name:
+            text += (f"\nGGUF for llama.cpp, Ollama and LM Studio:\n\n"
+                     f"    homelab-ft export RUN_DIR --out {name}-gguf --format gguf --gguf-type q8_0\n")
+    (out / "RUNNING.md").write_text(text)

@@ -20,9 +20,11 @@ def test_run_demo_scores_base_trains_exports_and_scores_the_reloaded_export(tiny
     assert result.before.num_rows == result.after.num_rows == 4
     assert (result.export_dir / "config.json").is_file() and result.export_dir.parent == run_dir
     assert (run_dir / "metrics.jsonl").is_file()
-    assert list(result.seconds) == ["convert", "score base", "train", "export", "score export"]
+    assert list(result.seconds) == ["convert", "score base", "train", "export", "score export", "score gguf"]
+    assert (result.export_dir / "model-q8_0.gguf").is_file() and result.gguf.num_rows == 4
     out = capsys.readouterr().out
     assert "base SmolLM2-135M-Instruct" in out and "fine-tuned, reloaded export" in out
+    assert "the same, as model-q8_0.gguf" in out
     assert out.count("  user:       ") == 2
     # a second run replaces the first (the demo owns its run directory)
     again = demo.run_demo(

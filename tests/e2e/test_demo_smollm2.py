@@ -32,3 +32,5 @@ def test_demo_fine_tune_turns_a_failing_base_into_a_passing_export(tmp_path):
     assert result.after.well_formed >= 0.9
     assert result.after.accuracy >= 0.6
     assert result.after.accuracy > result.before.accuracy
+    # The q8_0 GGUF written beside the export, read back through transformers' GGUF loader.
+    assert abs(result.gguf.num_correct - result.after.num_correct) <= 1
