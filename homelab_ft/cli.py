@@ -56,7 +56,8 @@ def _run(argv: list[str] | None) -> int:
     try:
         return args.func(args) or 0
     except UserError as err:
-        print(f"homelab-ft: error: {err}", file=sys.stderr)
+        if str(err):  # empty on the ranks that leave the telling to rank 0
+            print(f"homelab-ft: {err.label}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("homelab-ft: interrupted", file=sys.stderr)
@@ -192,13 +193,16 @@ def _add_export(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of the written weights (auto: the base model's)")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own Python code when the run's recipe asks for it")
     p.set_defaults(func=_cmd_export)
 
 
 def _cmd_export(args) -> int:
     from homelab_ft.export import export_run
 
-    result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite)
+    result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite,
+                        trust_remote_code=args.trust_remote_code)
     if not result.skipped:
         print(f"exported to {result.out_dir}")
     return 0

@@ -40,12 +40,20 @@ def run_info(run_dir: Path) -> dict:
 
 
 def export_run(
-    run_dir: Path, out_dir: Path, *, adapter_only: bool = False, dtype: str = "auto", overwrite: bool = False
+    run_dir: Path, out_dir: Path, *, adapter_only: bool = False, dtype: str = "auto", overwrite: bool = False,
+    trust_remote_code: bool = False,
 ) -> ExportResult:
+    """`trust_remote_code` is the command line's flag: a run directory is data, possibly copied
+    from elsewhere, so its recipe alone never makes export run code shipped with a model."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     info = run_info(run_dir)
     recipe = load_recipe(run_dir / "recipe.yaml")
-    ckpt = checkpoint.latest(run_dir)
+    if recipe.model.trust_remote_code and not trust_remote_code:
+        raise UserError(
+            f"{run_dir / 'recipe.yaml'} sets model.trust_remote_code=true; export runs the model's own Python code "
+            "only when you pass --trust-remote-code (check the model folder first)"
+        )
+    ckpt = checkpoint.newest_intact(run_dir)
     if ckpt is None:
         raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
     # The checkpoint's trainer_state.json is rewritten by every save, so a retrained run that

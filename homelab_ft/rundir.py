@@ -5,19 +5,32 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from homelab_ft import checkpoint, distributed
+from homelab_ft import checkpoint, distributed, runlock
 from homelab_ft.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.errors import UserError
+
+FIXED_ON_RESUME = (
+    "train.seed", "train.micro_batch_size", "train.grad_accum_steps", "train.lr", "train.weight_decay",
+    "train.betas", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio", "train.max_grad_norm",
+    "train.optimizer", "data.packing", "data.max_length", "data.shuffle",
+)
+"""Recipe fields a resume cannot change: the optimizer and scheduler state restored from the
+checkpoint (AdamW's param groups, LambdaLR's base_lrs) and the data position were built from the
+saved values, so a new value would be ignored or would silently change which rows come next.
+`train.max_steps` may change: the schedule then follows the new length from the resumed step."""
 
 
 def check_run_dir(recipe: Recipe) -> Path | None:
     """Refuse to mix runs (without writing anything); returns the checkpoint to resume from."""
     run_dir = recipe.run_dir
     saved = run_dir / "recipe.yaml"
+    runlock.check_free(run_dir)
     if recipe.train.resume:
         if saved.is_file():
-            _check_same_model(load_recipe(saved), recipe, saved)
-        return checkpoint.latest(run_dir)
+            old = load_recipe(saved)
+            _check_same_model(old, recipe, saved)
+            check_resume_overrides(old, recipe, saved=saved)
+        return checkpoint.newest_intact(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
         raise UserError(
             f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
@@ -35,9 +48,15 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
     run_dir = recipe.run_dir
     distributed.barrier(env)
     if env.is_main:
-        if recipe.output.overwrite and not recipe.train.resume and run_dir.exists():
-            shutil.rmtree(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        runlock.acquire(run_dir)  # creates the directory; held until trainer.train returns
+        if recipe.output.overwrite and not recipe.train.resume:
+            for child in run_dir.iterdir():
+                if child.name == runlock.NAME:
+                    continue
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
         dump_recipe(recipe, run_dir / "recipe.yaml")
         if recipe.train.resume and resume_from is None:
             print(f"no complete checkpoint in {run_dir}; starting from step 0")
@@ -50,3 +69,17 @@ def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:
             f"{saved} is a run of {old.model.path} ({old.method}), not {new.model.path} ({new.method}); "
             "resume needs the same model and method, or use another --run-dir"
         )
+
+
+def check_resume_overrides(old: Recipe, new: Recipe, *, saved: Path) -> None:
+    """Refuse a --resume whose recipe changes what the restored optimizer, schedule or data
+    position were built from (FIXED_ON_RESUME): the saved recipe must describe what ran."""
+    for dotted in FIXED_ON_RESUME:
+        section, key = dotted.split(".")
+        before, after = getattr(getattr(old, section), key), getattr(getattr(new, section), key)
+        if before != after:
+            raise UserError(
+                f"--resume cannot change {dotted} ({after} here, {before} in {saved}): the optimizer, schedule and "
+                f"data position in the checkpoint were built with {before}; resume without it, or start a new run "
+                "with another --run-dir"
+            )

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft import checkpoint, distributed, modeling, steps
+from homelab_ft import checkpoint, distributed, modeling, runlock, steps, stopping
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
-from homelab_ft.errors import UserError
+from homelab_ft.errors import Stopped, UserError
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.rundir import check_run_dir, init_run_dir
 from homelab_ft.sampling import MicroBatchSampler
@@ -47,8 +47,10 @@ def train(recipe: Recipe, *, plan=None, base_dir: Path | None = None) -> TrainRe
     rung = resolve_rung(recipe, plan)
     env = distributed.setup(device_pref=recipe.train.device)
     try:
-        return _train(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
+        with stopping.StopRequest(announce=env.is_main):  # SIGTERM/SIGINT: stop after a step, saved
+            return _train(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
     finally:
+        runlock.release(recipe.run_dir)
         distributed.teardown(env)
 
 
@@ -123,7 +125,10 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
             eval_loss = evaluate(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
             s.logger.log({"step": step, "eval_loss": eval_loss})
             progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
-        if (cfg.save_every and step % cfg.save_every == 0) or last:
+        # Every rank learns whether any rank was asked to stop, so all stop after the same step.
+        signum = distributed.all_reduce_max(stopping.requested(), env)
+        save_now = (cfg.save_every and step % cfg.save_every == 0) or last or (signum and cfg.save_on_interrupt)
+        if save_now:
             state = checkpoint.TrainerState(
                 step=step,
                 scheduler=s.scheduler.state_dict(),
@@ -132,12 +137,30 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> T
                 world_size=env.world_size,
             )
             checkpoint.save(recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=cfg.keep_last)
+        if signum:
+            progress.close()
+            s.logger.close()
+            raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now))
     progress.close()
     s.logger.close()
     if env.is_main and (recipe.run_dir / "metrics.jsonl").is_file():
         plot_loss(recipe.run_dir / "metrics.jsonl", recipe.run_dir / "loss.png")
         print(f"run directory: {recipe.run_dir} (metrics.jsonl, loss.png, checkpoints/)")
     return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+
+
+def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool) -> Stopped:
+    """The one line that ends a stopped run: where it stopped and how to continue (rank 0 says it)."""
+    if not env.is_main:
+        return Stopped("", signum=signum)
+    latest = checkpoint.latest(recipe.run_dir)
+    kept = (f"checkpoint of step {step} written" if saved
+            else f"no checkpoint written (train.save_on_interrupt=false); newest: {latest.name if latest else 'none'}")
+    return Stopped(
+        f"{stopping.name(signum)} after step {step}; {kept}; continue with: homelab-ft train RECIPE --resume "
+        f"--run-dir {recipe.run_dir}",
+        signum=signum,
+    )
 
 
 def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
@@ -223,6 +246,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> S
         scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start = state.step
+    if cfg.resume:  # also with no checkpoint: rows of a run killed before its first save go
         logger.truncate_after(start)
     if env.is_main:
         print(data.report.summary())
