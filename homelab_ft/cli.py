@@ -152,7 +152,7 @@ def _cmd_train(args) -> int:
     rung = trainer.resolve_rung(recipe, plan)
     # FSDP needs a process group even on one GPU (sharding onto one rank to offload to the CPU).
     needs_group = rung.strategy != "no_shard"
-    code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides, force=needs_group)
+    code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides, force=needs_group, plan=plan)
     if code is not None:
         return code
     trainer.train(recipe, plan=plan, base_dir=args.recipe.resolve().parent)

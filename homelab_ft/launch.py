@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import uuid
@@ -59,11 +60,64 @@ def standalone_command(
     recipe_path: str, train_args: list[str], *, nproc_per_node: int, python: str = sys.executable
 ) -> list[str]:
     """`homelab-ft train` re-run under torchrun on this machine (`--standalone`: a local rendezvous
-    on a free port, so two runs on one machine do not collide)."""
+    on a free port, so two runs on one machine do not collide). torchrun's agent runs inside
+    `homelab_ft.supervise`, which reports a failed rank in one line (see there)."""
     return [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+        python, "-m", "homelab_ft.supervise", "--standalone", f"--nproc-per-node={nproc_per_node}",
         "-m", "homelab_ft", "train", recipe_path, *train_args,
     ]
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run_supervised(argv: list[str], *, env: dict[str, str]) -> int:
+    """Run torchrun as a child that never outlives this process; returns its exit code.
+
+    torchrun gets its own session, so Ctrl-C in a terminal reaches it once, through us, instead
+    of twice (the terminal's and ours): a second signal cuts its graceful shutdown short. SIGTERM,
+    SIGINT and SIGHUP are forwarded once and we wait for torchrun, which forwards them to every
+    rank and waits for their checkpoint. If this process is killed outright (SIGKILL), the kernel
+    sends torchrun SIGTERM (PR_SET_PDEATHSIG), so the ranks still stop and save.
+    """
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_term_on_parent_death)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        if not received:
+            received.append(signum)
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # a SIGINT that arrived before our handler was installed
+                forward(signal.SIGINT, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _term_on_parent_death() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def memory_note(plan) -> str:
+    """What the planner expects a node to need, for the line that reports a killed rank."""
+    chosen = getattr(plan, "chosen", None)
+    if chosen is None:
+        return ""
+    return (f"the plan expects {chosen.host_bytes / 2**30:.1f} GiB of host RAM per node of "
+            f"{plan.cluster.host_ram_bytes / 2**30:.1f} GiB, {chosen.memory.total / 2**30:.1f} GiB per device")
 
 
 def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
@@ -167,7 +221,9 @@ def run_over_ssh(commands: list[NodeCommand]) -> int:
     return code
 
 
-def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str], *, force: bool = False) -> int | None:
+def reexec_under_torchrun(
+    recipe, recipe_path: str, train_args: list[str], *, force: bool = False, plan=None
+) -> int | None:
     """For `homelab-ft train` on a recipe with several processes (or one that needs a process
     group anyway, `force`: FSDP on a single GPU to offload to the CPU): re-run it under torchrun.
 
@@ -182,10 +238,13 @@ def reexec_under_torchrun(recipe, recipe_path: str, train_args: list[str], *, fo
             f"`homelab-ft launch --hosts HOSTFILE {recipe_path}` (see docs/multi-node.md)"
         )
     argv = standalone_command(recipe_path, train_args, nproc_per_node=recipe.cluster.gpus_per_node)
+    from homelab_ft.supervise import MEMORY_NOTE_VAR
+
     env = dict(os.environ)
     if recipe.train.num_threads:
         env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
-    return subprocess.call(argv, env=env)
+    env[MEMORY_NOTE_VAR] = memory_note(plan)
+    return run_supervised(argv, env=env)
 
 
 def launch(

@@ -66,5 +66,14 @@ class StopRequest:
                             signal.Signals(signum).name)
 
 
+def wait_for_request(*, seconds: float) -> int:
+    """Wait up to `seconds` for a stop request (torchrun signals the surviving ranks within its
+    0.1 s monitor interval of a rank's death); returns the signal or 0."""
+    deadline = time.monotonic() + seconds
+    while not requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return requested()
+
+
 def name(signum: int) -> str:
     return signal.Signals(signum).name

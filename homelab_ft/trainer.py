@@ -46,12 +46,20 @@ def train(recipe: Recipe, *, plan=None, base_dir: Path | None = None) -> TrainRe
     """Run `recipe` to `train.max_steps`. `plan` (planner.Plan) resolves `auto` choices."""
     rung = resolve_rung(recipe, plan)
     env = distributed.setup(device_pref=recipe.train.device)
-    try:
-        with stopping.StopRequest(announce=env.is_main):  # SIGTERM/SIGINT: stop after a step, saved
+    # SIGTERM/SIGINT stop the loop after a step and save it; the handlers stay until teardown is
+    # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
+    with stopping.StopRequest(announce=env.is_main):
+        try:
             return _train(recipe, env=env, rung=rung, plan=plan, base_dir=base_dir)
-    finally:
-        runlock.release(recipe.run_dir)
-        distributed.teardown(env)
+        except RuntimeError:
+            if env.distributed and stopping.wait_for_request(seconds=2.0):
+                # A collective failed and torchrun asked us to stop: a peer rank died, and torchrun
+                # reports which and why. This rank's own traceback would only bury that line.
+                distributed.exit_now(128 + stopping.requested())
+            raise
+        finally:
+            runlock.release(recipe.run_dir)
+            distributed.teardown(env)
 
 
 def resolve_rung(recipe: Recipe, plan=None) -> Rung:

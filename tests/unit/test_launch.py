@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_standalone_command_runs_the_same_train_under_torchrun():
     argv = launch.standalone_command("r.yaml", ["train.lr=1e-4", "--resume"], nproc_per_node=4, python="py")
-    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    assert argv == ["py", "-m", "homelab_ft.supervise", "--standalone", "--nproc-per-node=4",
                     "-m", "homelab_ft", "train", "r.yaml", "train.lr=1e-4", "--resume"]
 
 
