@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from homelab_ft import dcp_metadata, manifest
@@ -177,15 +178,20 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
             tmp.mkdir(parents=True)
         _barrier()
         _write(tmp, payload=payload, model=model, state=state)
-    except Exception as err:
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, (Exception, CheckpointException)):
+            raise
+        # A previous checkpoint says exactly what one takes; the tensors alone are a lower bound.
+        previous = latest(run_dir)
+        needed = max(expected_bytes, _tree_bytes(previous) if previous else 0)
         free = shutil.disk_usage(root).free
-        if _is_disk_full(err) or free < expected_bytes:
+        if _is_disk_full(err) or free < needed:
             raise UserError(
                 f"checkpoint of step {state.step} not saved: {root} has {free:,} bytes free and a checkpoint "
-                f"needs about {expected_bytes:,}; free space (or lower train.keep_last), then resume with --resume "
-                f"from the previous checkpoint"
+                f"needs about {needed:,}; free some space (or lower train.keep_last), then resume with --resume "
+                f"from {previous.name if previous else 'the start'}"
             ) from None
         raise
     if rank == 0:
@@ -231,6 +237,10 @@ def _tensor_bytes(tree) -> int:
         local = tree.to_local() if isinstance(tree, DTensor) else tree
         return local.numel() * local.element_size()
     return 0
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
 def _sum_over_ranks(value: int) -> int:

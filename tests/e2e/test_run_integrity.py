@@ -235,3 +235,30 @@ def test_sigterm_stops_with_a_checkpoint_and_one_writer_per_run(trained, tmp_pat
     assert sorted(resumed) == list(range(1, stopped + 3))
     for step in (stopped + 1, stopped + 2):
         assert resumed[step] == pytest.approx(expected[step], abs=1e-6), step
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 700 KiB tmpfs: room for the run's files and one checkpoint of the tiny run (~400 KiB)
+    but not two. Needs root; always unmounted."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_full_disk_keeps_the_previous_checkpoint(trained, small_disk, capsys):
+    recipe, _, _ = trained
+    run = small_disk / "run"
+    code = main(["train", str(recipe), "--run-dir", str(run), "train.save_every=1", "train.keep_last=1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert "checkpoint of step 2 not saved" in line and "bytes free" in line and "needs about" in line, err
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_000001"]  # no .tmp-step_000002 left
+    assert checkpoint.verify(run / "checkpoints" / "step_000001").step == 1
