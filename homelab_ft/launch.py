@@ -9,7 +9,9 @@ the latter silently trains every process alone instead of sharding (measured wit
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -136,6 +138,7 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
         if extra:
             raise UserError(f"{source} line {number}: expected one host per line, got {line!r}")
         address = words[0]
+        check_host(address, where=f"{source} line {number}")
         hosts.append(Host(address=address, rdzv_address=address.rsplit("@", 1)[-1]))
     if not hosts:
         raise UserError(f"{source} lists no hosts; write one host name or IP per line, the head node first")
@@ -143,6 +146,34 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
     if len(set(seen)) != len(seen):
         raise UserError(f"{source} lists a host twice: {', '.join(seen)}")
     return hosts
+
+
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+def check_host(address: str, *, where: str) -> None:
+    """`host`, `user@host`, an IPv4/IPv6 address or an ssh config alias, and nothing else.
+
+    The entry becomes an ssh argument and a torchrun rendezvous endpoint: a word starting with
+    `-` would reach ssh as an option (`-oProxyCommand=...` runs a command), and shell or URL
+    characters have no place in either.
+    """
+    user, _, host = address.rpartition("@")
+    ok = (not user or _USER.match(user)) and (_HOSTNAME.match(host) or _is_ip(host))
+    if not ok:
+        raise UserError(
+            f"{where}: {address!r} is not a host name or address; write `host`, `user@host` or an IP "
+            "(letters, digits, '.', '-' and '_' only, not starting with '-')"
+        )
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def node_commands(
@@ -202,7 +233,8 @@ def node_commands(
 
 def ssh_argv(command: NodeCommand) -> list[str]:
     """ssh with no password prompt (BatchMode): a missing key fails at once instead of waiting."""
-    return ["ssh", "-o", "BatchMode=yes", command.host.address, command.shell_line()]
+    # `--`: nothing after it is read as an ssh option, whatever the hostfile held.
+    return ["ssh", "-o", "BatchMode=yes", "--", command.host.address, command.shell_line()]
 
 
 def run_over_ssh(commands: list[NodeCommand]) -> int:
