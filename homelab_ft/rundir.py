@@ -10,14 +10,17 @@ from homelab_ft.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.errors import UserError
 
 FIXED_ON_RESUME = (
-    "train.seed", "train.micro_batch_size", "train.grad_accum_steps", "train.lr", "train.weight_decay",
+    "train.seed", "train.lr", "train.weight_decay",
     "train.betas", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio", "train.max_grad_norm",
     "train.optimizer", "data.packing", "data.max_length", "data.shuffle",
 )
 """Recipe fields a resume cannot change: the optimizer and scheduler state restored from the
 checkpoint (AdamW's param groups, LambdaLR's base_lrs) and the data position were built from the
 saved values, so a new value would be ignored or would silently change which rows come next.
-`train.max_steps` may change: the schedule then follows the new length from the resumed step."""
+The rows per optimizer step (micro_batch_size x grad_accum_steps x processes) are fixed too, but
+not how they are split: a run may resume on another number of processes with the same global batch
+(DCP reshards, and the data position is counted in rows). `train.max_steps` may change: the
+schedule then follows the new length from the resumed step."""
 
 
 def check_run_dir(recipe: Recipe) -> Path | None:
@@ -83,3 +86,13 @@ def check_resume_overrides(old: Recipe, new: Recipe, *, saved: Path) -> None:
                 f"data position in the checkpoint were built with {before}; resume without it, or start a new run "
                 "with another --run-dir"
             )
+    before, after = _rows_per_step(old), _rows_per_step(new)
+    if before != after:
+        raise UserError(
+            f"--resume cannot change the rows per optimizer step (train.micro_batch_size x train.grad_accum_steps x "
+            f"processes: {after} here, {before} in {saved}); keep the product, or start a new run with another --run-dir"
+        )
+
+
+def _rows_per_step(recipe: Recipe) -> int:
+    return recipe.train.micro_batch_size * recipe.train.grad_accum_steps * recipe.world_size
