@@ -147,6 +147,13 @@ def _cmd_train(args) -> int:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
 
+    if plan.checkpoint_bytes and not launch.under_torchrun():
+        from homelab_ft.diskspace import space_warning
+
+        note = space_warning(recipe.run_dir, checkpoint_bytes=plan.checkpoint_bytes, keep_last=recipe.train.keep_last)
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
+
     from homelab_ft import trainer
 
     rung = trainer.resolve_rung(recipe, plan)
