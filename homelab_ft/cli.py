@@ -59,7 +59,8 @@ def _run(argv: list[str] | None) -> int:
     try:
         return args.func(args) or 0
     except UserError as err:
-        print(f"homelab-ft: error: {err}", file=sys.stderr)
+        if str(err):  # empty on the ranks that leave the telling to rank 0
+            print(f"homelab-ft: {err.label}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("homelab-ft: interrupted", file=sys.stderr)
@@ -178,6 +179,12 @@ def _cmd_train(args) -> int:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
     inputs = preflight.check_inputs(recipe, rung=rung, device_type=preflight.device_type(recipe.train.device))
+    if plan.checkpoint_bytes:
+        from homelab_ft.diskspace import space_warning
+
+        note = space_warning(recipe.run_dir, checkpoint_bytes=plan.checkpoint_bytes, keep_last=recipe.train.keep_last)
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
     if rung.process_group_enabled:
         # Rows are checked (and the tokenised cache filled) here, so a bad row stops the run before
         # any worker starts.
@@ -235,6 +242,8 @@ def _add_export(sub) -> None:
                    help="what to write: merged safetensors (default), a GGUF file for llama.cpp / Ollama / LM Studio, or both")
     p.add_argument("--gguf-type", metavar="f32|f16|bf16|q8_0|q4_0|q5_1",
                    help="GGUF weight type (default q8_0); a k-quant such as q4_k_m writes f16 and prints the llama-quantize command")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own Python code when the run's recipe asks for it")
     p.set_defaults(func=_cmd_export)
 
 
@@ -242,7 +251,7 @@ def _cmd_export(args) -> int:
     from homelab_ft.export import export_run
 
     result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite,
-                        formats=args.format, gguf_type=args.gguf_type)
+                        formats=args.format, gguf_type=args.gguf_type, trust_remote_code=args.trust_remote_code)
     if not result.skipped:
         print(f"exported to {result.out_dir}")
     if result.quantize_hint:

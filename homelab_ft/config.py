@@ -146,6 +146,9 @@ class TrainConfig:
     """Write a resumable checkpoint every N steps (0: only at the end)."""
     keep_last: PositiveInt = 2
     """Checkpoints to keep; older complete ones are deleted after a new one is written."""
+    save_on_interrupt: bool = True
+    """On SIGTERM or SIGINT (Ctrl-C, `docker stop`, a scheduler's preemption), finish the step in
+    progress, write a checkpoint of it, and exit 143 / 130 with the line that resumes the run."""
     log_every: PositiveInt = 1
     resume: bool | Literal["auto"] = False
     """Continue from the newest complete checkpoint in the run directory (`true` refuses to start

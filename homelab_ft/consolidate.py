@@ -40,10 +40,11 @@ def _state_dir(checkpoint_dir: Path) -> Path:
 
 def model_tensors(checkpoint_dir: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """HF name -> (shape, dtype) of every model tensor in the checkpoint, from its metadata only."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(_state_dir(checkpoint_dir))).read_metadata()
+    from homelab_ft.dcp_metadata import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(str(_state_dir(checkpoint_dir))).read_metadata()
     out = {}
     for key, item in metadata.state_dict_metadata.items():
         if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
@@ -68,7 +69,8 @@ def consolidate_to_hf(
     """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
+
+    from homelab_ft.dcp_metadata import SafeFileSystemReader
 
     state_dir = _state_dir(checkpoint_dir)
     tensors = model_tensors(checkpoint_dir)
@@ -92,7 +94,7 @@ def consolidate_to_hf(
     for number, names in enumerate(groups, start=1):
         file_name = "model.safetensors" if len(groups) == 1 else f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         buffers = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in names}
-        dcp.load(buffers, storage_reader=FileSystemReader(str(state_dir)), no_dist=True)
+        dcp.load(buffers, storage_reader=SafeFileSystemReader(str(state_dir)), no_dist=True)
         out = {n: _cast(buffers[MODEL_PREFIX + n], dtype).contiguous() for n in names}
         save_file(out, str(out_dir / file_name), metadata={"format": "pt"})
         max_diff = max(max_diff, _read_back_diff(out_dir / file_name, buffers))
@@ -145,13 +147,14 @@ def _check_tied_equal(state_dir: Path, tensors: dict, tied: dict[str, str]) -> N
     silently drop what the head learnt. Costs reading the embedding twice, once per export.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+
+    from homelab_ft.dcp_metadata import SafeFileSystemReader
 
     for target, source in tied.items():
         if target not in tensors or source not in tensors:
             continue
         pair = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in (target, source)}
-        dcp.load(pair, storage_reader=FileSystemReader(str(state_dir)), no_dist=True)
+        dcp.load(pair, storage_reader=SafeFileSystemReader(str(state_dir)), no_dist=True)
         if not torch.equal(pair[MODEL_PREFIX + target], pair[MODEL_PREFIX + source]):
             raise UserError(
                 f"{state_dir} holds different {target} and {source}, but the model's config ties "

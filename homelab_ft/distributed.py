@@ -298,6 +298,15 @@ def all_reduce_sum(value: float | int | torch.Tensor, env: DistEnv) -> float:
     return float(tensor.cpu())
 
 
+def all_reduce_max(value: int, env: DistEnv) -> int:
+    """The largest of one integer over ranks (a stop request: 0, or a signal's number)."""
+    if not env.distributed:
+        return int(value)
+    tensor = torch.tensor(int(value), dtype=torch.int64, device=env.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.cpu())
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, env: DistEnv) -> float:
     """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping.
 

@@ -12,3 +12,16 @@ class UserError(Exception):
     """A mistake in the user's input; the message names the file/key and the fix."""
 
     exit_code = 2
+    label = "error"
+    """The word the CLI prints before the message."""
+
+
+class Stopped(UserError):
+    """The run stopped on a signal after saving what it could; exit 128 + the signal's number
+    (143 for SIGTERM, 130 for SIGINT), as a shell reports a process the signal ended."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, *, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum

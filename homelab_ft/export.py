@@ -54,7 +54,10 @@ def export_run(
     overwrite: bool = False,
     formats: str = "safetensors",
     gguf_type: str | None = None,
+    trust_remote_code: bool = False,
 ) -> ExportResult:
+    """`trust_remote_code` is the command line's flag: a run directory is data, possibly copied
+    from elsewhere, so its recipe alone never makes export run code shipped with a model."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     wanted = gguf_export.parse_formats(formats)
     if gguf_type is not None and "gguf" not in wanted:
@@ -68,7 +71,12 @@ def export_run(
     if adapter_only and "gguf" in wanted and info["method"] not in ("lora", "qlora"):
         raise UserError(f"{run_dir} is a {info['method']} run: it has no adapter; export it without --adapter-only")
     recipe = load_recipe(run_dir / "recipe.yaml")
-    ckpt = checkpoint.latest(run_dir)
+    if recipe.model.trust_remote_code and not trust_remote_code:
+        raise UserError(
+            f"{run_dir / 'recipe.yaml'} sets model.trust_remote_code=true; export runs the model's own Python code "
+            "only when you pass --trust-remote-code (check the model folder first)"
+        )
+    ckpt = checkpoint.newest_intact(run_dir)
     if ckpt is None:
         raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
     # The checkpoint's trainer_state.json is rewritten by every save, so a retrained run that

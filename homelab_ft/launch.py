@@ -9,9 +9,12 @@ the latter silently trains every process alone instead of sharding (measured wit
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
 import uuid
@@ -63,11 +66,65 @@ def standalone_command(
     recipe_path: str, train_args: list[str], *, nproc_per_node: int, python: str = sys.executable
 ) -> list[str]:
     """`homelab-ft train` re-run under torchrun on this machine (`--standalone`: a local rendezvous
-    on a free port, so two runs on one machine do not collide)."""
+    on a free port, so two runs on one machine do not collide). torchrun's agent runs inside
+    `homelab_ft.supervise`, which reports a failed rank in one line (see there)."""
     return [
-        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+        python, "-m", "homelab_ft.supervise", "--standalone", f"--nproc-per-node={nproc_per_node}",
         "-m", "homelab_ft", "train", recipe_path, *train_args,
     ]
+
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def run_supervised(argv: list[str], *, env: dict[str, str]) -> int:
+    """Run torchrun as a child that never outlives this process; returns its exit code.
+
+    torchrun gets its own session, so Ctrl-C in a terminal reaches it once, through us, instead
+    of twice (the terminal's and ours): a second signal cuts its graceful shutdown short. SIGTERM,
+    SIGINT and SIGHUP are forwarded once and we wait for torchrun, which forwards them to every
+    rank and waits for their checkpoint. If this process is killed outright (SIGKILL), the kernel
+    sends torchrun SIGTERM (PR_SET_PDEATHSIG), so the ranks still stop and save.
+    """
+    proc = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=_term_on_parent_death)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        if not received:
+            received.append(signum)
+            proc.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:  # a SIGINT that arrived before our handler was installed
+                forward(signal.SIGINT, None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code if code >= 0 else 128 - code
+
+
+def _term_on_parent_death() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the parent dies (no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
+def memory_note(plan: dict) -> str:
+    """What the planner expects a node to need (from `Plan.to_dict()`), for the line that reports
+    a killed rank."""
+    chosen = plan.get("chosen")
+    if not chosen:
+        return ""
+    return (f"the plan expects {chosen['host_bytes'] / 2**30:.1f} GiB of host RAM per node of "
+            f"{plan['cluster']['host_ram_bytes'] / 2**30:.1f} GiB, {chosen['memory']['total'] / 2**30:.1f} GiB per device")
 
 
 def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
@@ -86,6 +143,7 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
         if extra:
             raise UserError(f"{source} line {number}: expected one host per line, got {line!r}")
         address = words[0]
+        check_host(address, where=f"{source} line {number}")
         hosts.append(Host(address=address, rdzv_address=address.rsplit("@", 1)[-1]))
     if not hosts:
         raise UserError(f"{source} lists no hosts; write one host name or IP per line, the head node first")
@@ -93,6 +151,34 @@ def parse_hostfile(text: str, *, source: str = "hostfile") -> list[Host]:
     if len(set(seen)) != len(seen):
         raise UserError(f"{source} lists a host twice: {', '.join(seen)}")
     return hosts
+
+
+_USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+def check_host(address: str, *, where: str) -> None:
+    """`host`, `user@host`, an IPv4/IPv6 address or an ssh config alias, and nothing else.
+
+    The entry becomes an ssh argument and a torchrun rendezvous endpoint: a word starting with
+    `-` would reach ssh as an option (`-oProxyCommand=...` runs a command), and shell or URL
+    characters have no place in either.
+    """
+    user, _, host = address.rpartition("@")
+    ok = (not user or _USER.match(user)) and (_HOSTNAME.match(host) or _is_ip(host))
+    if not ok:
+        raise UserError(
+            f"{where}: {address!r} is not a host name or address; write `host`, `user@host` or an IP "
+            "(letters, digits, '.', '-' and '_' only, not starting with '-')"
+        )
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def node_commands(
@@ -152,7 +238,8 @@ def node_commands(
 
 def ssh_argv(command: NodeCommand) -> list[str]:
     """ssh with no password prompt (BatchMode): a missing key fails at once instead of waiting."""
-    return ["ssh", "-o", "BatchMode=yes", command.host.address, command.shell_line()]
+    # `--`: nothing after it is read as an ssh option, whatever the hostfile held.
+    return ["ssh", "-o", "BatchMode=yes", "--", command.host.address, command.shell_line()]
 
 
 def run_over_ssh(commands: list[NodeCommand]) -> int:
@@ -204,11 +291,14 @@ def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Han
             f"`homelab-ft launch --hosts HOSTFILE {recipe_path}` (see docs/multi-node.md)"
         )
     argv = standalone_command(recipe_path, train_args, nproc_per_node=recipe.cluster.gpus_per_node)
+    from homelab_ft.supervise import MEMORY_NOTE_VAR
+
     env = dict(os.environ)
     env[HANDOFF_VAR] = handoff.to_json()
     if recipe.train.num_threads:
         env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
-    return subprocess.call(argv, env=env)
+    env[MEMORY_NOTE_VAR] = memory_note(handoff.plan)
+    return run_supervised(argv, env=env)
 
 
 def pinned_rung_args(rung: Rung) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 
@@ -37,7 +38,10 @@ class MetricsLogger:
             return
         rows = read_metrics(self.path)
         kept = [r for r in rows if r["step"] <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        # Replaced whole, so a kill here leaves the old file or the new one, never half of it.
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from homelab_ft.diskspace import checkpoint_bytes
 from homelab_ft.errors import UserError
 from homelab_ft.memory import Cluster, Estimate, GiB, PlanRequest, estimate
 from homelab_ft.rung import FULL_SHARD, HYBRID_SHARD, METHODS, NO_SHARD, SHARD_GRAD_OP, Rung, RungError
@@ -66,6 +67,13 @@ class Plan:
     def fits(self) -> bool:
         return self.chosen is not None
 
+    @property
+    def checkpoint_bytes(self) -> int | None:
+        """One checkpoint of the chosen option on disk (diskspace.checkpoint_bytes)."""
+        if self.chosen is None:
+            return None
+        return checkpoint_bytes(self.chosen, request=self.request, cluster=self.cluster)
+
     def to_dict(self) -> dict:
         def option(o: Option | None):
             if o is None:
@@ -85,6 +93,7 @@ class Plan:
             "request": dataclasses.asdict(self.request),
             "fits": self.fits,
             "chosen": option(self.chosen),
+            "checkpoint_bytes": self.checkpoint_bytes,
             "closest": option(self.closest),
             "suggestions": list(self.suggestions),
             "warnings": list(self.warnings),
@@ -376,6 +385,7 @@ def format_plan(p: Plan) -> str:
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
+        lines.append(f"disk     {_gib(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
     else:
         lines.append(f"nothing fits; closest: {p.closest.reason}" if p.closest else "nothing fits")
         lines += [f"  would fit: {text}" for text in p.suggestions]

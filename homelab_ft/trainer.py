@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft import checkpoint, distributed, logs, modeling, preflight, steps
+from homelab_ft import checkpoint, distributed, logs, modeling, preflight, runlock, steps, stopping
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
+from homelab_ft.errors import Stopped
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.rundir import init_run_dir
 from homelab_ft.rung import Rung, rung_for
@@ -48,10 +49,20 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
     if rung is None:
         rung = rung_for(recipe, getattr(plan, "chosen", None))
     env = distributed.setup(device_pref=recipe.train.device)
-    try:
-        return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
-    finally:
-        distributed.teardown(env)
+    # SIGTERM/SIGINT stop the loop after a step and save it; the handlers stay until teardown is
+    # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
+    with stopping.StopRequest(announce=env.is_main):
+        try:
+            return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
+        except RuntimeError:
+            if env.distributed and stopping.wait_for_request(seconds=2.0):
+                # A collective failed and torchrun asked us to stop: a peer rank died, and torchrun
+                # reports which and why. This rank's own traceback would only bury that line.
+                distributed.exit_now(128 + stopping.requested())
+            raise
+        finally:
+            runlock.release(recipe.run_dir)
+            distributed.teardown(env)
 
 
 @dataclass
@@ -110,7 +121,10 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
             eval_loss = evaluate(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
             s.logger.log({"step": step, "eval_loss": eval_loss})
             progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
-        if (cfg.save_every and step % cfg.save_every == 0) or last:
+        # Every rank learns whether any rank was asked to stop, so all stop after the same step.
+        signum = distributed.all_reduce_max(stopping.requested(), env)
+        save_now = (cfg.save_every and step % cfg.save_every == 0) or last or (signum and cfg.save_on_interrupt)
+        if save_now:
             state = checkpoint.TrainerState(
                 step=step,
                 scheduler=s.scheduler.state_dict(),
@@ -119,12 +133,30 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
                 world_size=env.world_size,
             )
             checkpoint.save(recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=cfg.keep_last)
+        if signum:
+            progress.close()
+            s.logger.close()
+            raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now))
     progress.close()
     s.logger.close()
     if env.is_main and (recipe.run_dir / "metrics.jsonl").is_file():
         plot_loss(recipe.run_dir / "metrics.jsonl", recipe.run_dir / "loss.png")
         log.info("run directory: %s (metrics.jsonl, loss.png, checkpoints/)", recipe.run_dir)
     return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+
+
+def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool) -> Stopped:
+    """The one line that ends a stopped run: where it stopped and how to continue (rank 0 says it)."""
+    if not env.is_main:
+        return Stopped("", signum=signum)
+    latest = checkpoint.latest(recipe.run_dir)
+    kept = (f"checkpoint of step {step} written" if saved
+            else f"no checkpoint written (train.save_on_interrupt=false); newest: {latest.name if latest else 'none'}")
+    return Stopped(
+        f"{stopping.name(signum)} after step {step}; {kept}; continue with: homelab-ft train RECIPE --resume "
+        f"--run-dir {recipe.run_dir}",
+        signum=signum,
+    )
 
 
 def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
@@ -206,7 +238,8 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start = state.step
-    logger.truncate_after(start)  # a new run in a reused directory (or a resume) drops later rows
+    if cfg.resume:  # also with no checkpoint: rows of a run killed before its first save go
+        logger.truncate_after(start)
     log.info(data.report.summary())
     log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d",
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,

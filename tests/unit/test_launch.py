@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_standalone_command_runs_the_same_train_under_torchrun():
     argv = launch.standalone_command("r.yaml", ["train.lr=1e-4", "--resume"], nproc_per_node=4, python="py")
-    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    assert argv == ["py", "-m", "homelab_ft.supervise", "--standalone", "--nproc-per-node=4",
                     "-m", "homelab_ft", "train", "r.yaml", "train.lr=1e-4", "--resume"]
 
 
@@ -30,6 +30,12 @@ def test_hostfile_parsing():
     assert hosts == [launch.Host("alice@10.0.0.1", "10.0.0.1"), launch.Host("10.0.0.2", "10.0.0.2")]
     for bad in ("", "# only a comment\n", "a b\n", "a\na\n"):
         with pytest.raises(UserError):
+            launch.parse_hostfile(bad)
+    ok = launch.parse_hostfile("gpu-box.lan\nroot@192.168.1.7\nfe80::1\nnode_2\n")
+    assert [h.rdzv_address for h in ok] == ["gpu-box.lan", "192.168.1.7", "fe80::1", "node_2"]
+    # a word that ssh would read as an option, or shell / URL characters: refused with the line number
+    for bad in ("-oProxyCommand=touch%20x\n", "box\n-v\n", "a;b\n", "u@-host\n", "-u@host\n", "$(id)\n", "h:22\n"):
+        with pytest.raises(UserError, match=r"line \d+: .* is not a host name or address"):
             launch.parse_hostfile(bad)
 
 
@@ -47,7 +53,7 @@ def test_node_commands_share_one_c10d_rendezvous_on_the_head():
         assert c.env == {"NCCL_SOCKET_IFNAME": "enp3s0", "GLOO_SOCKET_IFNAME": "enp3s0"}
     line = cmds[1].shell_line()
     assert line.startswith("cd /srv/ft && GLOO_SOCKET_IFNAME=enp3s0 NCCL_SOCKET_IFNAME=enp3s0 python -m torch.distributed.run")
-    assert launch.ssh_argv(cmds[1])[:4] == ["ssh", "-o", "BatchMode=yes", "box2"]
+    assert launch.ssh_argv(cmds[1])[:5] == ["ssh", "-o", "BatchMode=yes", "--", "box2"]
 
 
 def test_node_commands_refuse_a_hostfile_that_contradicts_the_recipe():
@@ -121,7 +127,7 @@ def test_workers_get_the_parents_decision(monkeypatch):
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     calls = []
-    monkeypatch.setattr(launch.subprocess, "call", lambda argv, env: calls.append((argv, env)) or 0)
+    monkeypatch.setattr(launch, "run_supervised", lambda argv, env: calls.append((argv, env)) or 0)
     rung = Rung("full", "full_shard", True)
     assert launch.run_workers(recipe_from_dict({}), "r.yaml", ["train.lr=1e-4"], handoff=_handoff(rung)) == 0
     argv, env = calls[0]

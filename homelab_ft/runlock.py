@@ -1,0 +1,92 @@
+"""One writer per run directory.
+
+Two `train` commands into one run directory (or a `--resume` while the first still runs) would
+interleave `metrics.jsonl`, delete each other's temporary checkpoints and leave a `recipe.yaml`
+describing the other run. The main rank therefore holds an exclusive `flock` on
+`<run_dir>/.lock` for the run's life, with its host and pid written inside so a refusal can name
+the holder. The kernel drops a flock when its process dies (kill -9, OOM killer, reboot), so a
+lock left by a dead run is taken over without asking; we only say whose it was.
+
+flock is per open file: the same process taking the lock twice is refused too, which is what a
+second run started from the same Python process (the tests, a notebook) needs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from homelab_ft.errors import UserError
+
+NAME = ".lock"
+log = logging.getLogger(__name__)
+
+_held: dict[Path, int] = {}
+"""Run directory -> the open descriptor that holds its lock (this process's)."""
+
+
+def _holder(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        return "another process"
+    return text or "another process"
+
+
+def _try_lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse (exit 2, writing nothing) when another live process holds the run directory."""
+    path = Path(run_dir) / NAME
+    if not path.is_file():
+        return
+    if Path(run_dir).resolve() in _held:
+        raise UserError(f"{run_dir} is in use by this process already ({_holder(path)}); use another --run-dir")
+    fd = _try_lock(path)
+    if fd is None:
+        raise UserError(
+            f"{run_dir} is in use by a running homelab-ft train ({_holder(path)}); wait for it to finish, stop it, "
+            "or choose another --run-dir"
+        )
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def acquire(run_dir: Path) -> None:
+    """Take the run directory's lock for this process (creating the directory if needed)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / NAME
+    check_free(run_dir)
+    previous = _holder(path) if path.is_file() and path.stat().st_size else None
+    fd = _try_lock(path)
+    if fd is None:
+        raise UserError(f"{run_dir} is in use by a running homelab-ft train ({_holder(path)}); choose another --run-dir")
+    me = f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (me + "\n").encode(), 0)
+    os.fsync(fd)
+    _held[run_dir.resolve()] = fd
+    if previous:
+        log.warning("took over the lock of %s left by a run that is no longer running (%s)", run_dir, previous)
+
+
+def release(run_dir: Path) -> None:
+    """Drop this process's lock on `run_dir` (the file stays; its contents say who had it last)."""
+    fd = _held.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
