@@ -20,6 +20,7 @@ from homelab_ft import checkpoint, distributed, modeling, steps
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
 from homelab_ft.errors import UserError
+from homelab_ft.loss import token_loss_sum
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.rundir import check_run_dir, init_run_dir
 from homelab_ft.sampling import MicroBatchSampler
@@ -156,7 +157,7 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     for i, mb in enumerate(micro_batches):
         # Only the last micro-batch of the step reduces gradients across ranks.
         with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+            summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
             (summed * scale).backward()
         loss_sum += summed.detach()
     grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
@@ -339,14 +340,10 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
         index = r * env.world_size + env.rank
         real = index < len(batches)
         mb = collate([rows[i] for i in batches[index if real else env.rank % len(batches)]], pad_token_id=pad_token_id)
-        summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+        summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens)
         if real:
             loss_sum += summed
             tokens += steps.trained_tokens(mb["labels"])
     total_tokens = distributed.all_reduce_sum(tokens, env)
     return distributed.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
 
-
-def _forward(model, mb: dict, device) -> torch.Tensor:
-    inputs = {k: v.to(device) for k, v in mb.items() if k != "labels"}
-    return model(**inputs, use_cache=False).logits

@@ -29,16 +29,18 @@ STEPS = 6
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full", nodes: int = 1,
-            train: dict | None = None, sharding: dict | None = None) -> dict:
+            train: dict | None = None, sharding: dict | None = None, lora: dict | None = None) -> dict:
     return {
         "name": name,
         "method": method,
         "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, **(lora or {})},  # dropout draws per-rank random masks
         "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 160},
+        # Chunks of 16 trained tokens: several chunks per micro-batch, so the parity below covers
+        # the chunked loss (loss.py) under FSDP2 and DDP; the `unchunked_*` jobs run today's full logits.
         "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
                   "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 3, "keep_last": 5, "device": "cpu",
-                  **(train or {})},
+                  "loss_chunk_tokens": 16, **(train or {})},
         "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
         "cluster": {"nodes": nodes, "gpus_per_node": procs // nodes},
         "sharding": {"strategy": "full_shard", **(sharding or {})} if procs > 1 else {},
@@ -60,6 +62,12 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         "lora_fsdp": _recipe(tmp, tiny_model_dir, "lora_fsdp", procs=2, method="lora"),
         "lora_ddp": _recipe(tmp, tiny_model_dir, "lora_ddp", procs=2, method="lora", sharding={"strategy": "no_shard"}),
         "tied_full": _recipe(tmp, tied_dir, "tied_full", procs=2),
+        "unchunked_fsdp": _recipe(tmp, tied_dir, "unchunked_fsdp", procs=2, train={"loss_chunk_tokens": 0}),
+        "head_lora_ddp": _recipe(tmp, tiny_model_dir, "head_lora_ddp", procs=2, method="lora",
+                                 sharding={"strategy": "no_shard"}, lora={"target_modules": ["q_proj", "lm_head"]}),
+        "unchunked_head_lora_ddp": _recipe(tmp, tiny_model_dir, "unchunked_head_lora_ddp", procs=2, method="lora",
+                                           sharding={"strategy": "no_shard"}, train={"loss_chunk_tokens": 0},
+                                           lora={"target_modules": ["q_proj", "lm_head"]}),
     }
     resume2 = _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True})
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
@@ -176,3 +184,13 @@ def test_lora_on_a_base_read_per_rank(results, name):
     assert got["rank0_logit_diff"] <= 1e-6
     assert got["b_zero"] and got["a_nonzero"] and got["a_rows_distinct"]
     assert got["head_tied"] == (name == "tied_lora_load")
+
+
+@pytest.mark.parametrize(("chunked", "unchunked"), [("tied_full", "unchunked_fsdp"),
+                                                     ("head_lora_ddp", "unchunked_head_lora_ddp")])
+def test_chunked_loss_matches_full_logits_on_two_ranks(results, chunked, unchunked):
+    """The chunked loss on 2 ranks (FSDP2 with a tied head in the root unit; DDP with LoRA on the
+    head) trains exactly as today's full-logits loss: same losses at every step."""
+    ref = results[unchunked]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(results[chunked]["losses"], ref) <= TOL
