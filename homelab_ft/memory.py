@@ -83,6 +83,8 @@ class PlanRequest:
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     activation_checkpointing: bool = False
+    loss_chunk_tokens: int = 256
+    """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
     lora_r: int = 16
     lora_dropout: float = 0.05
     lora_targets: tuple[str, ...] = ("all-linear",)
@@ -107,14 +109,32 @@ class Memory:
     gathered: int
     """Unsharded parameters (and one block's gradients) FSDP holds while computing."""
     overhead: int
+    gradients_in_backward: int = 0
+    """Gradients alive at the activation peak (the start of backward): the LM head's, made by the
+    first backward op while every activation is still held, and with gradient accumulation the
+    sums of the earlier micro-batches. The others appear as backward frees activations."""
 
     @property
     def model_state(self) -> int:
         return self.weights + self.gradients + self.optimizer
 
     @property
+    def forward_backward(self) -> int:
+        """Bytes held at the start of backward: activations, the loss's logits and gathered units
+        at their largest, next to weights and optimizer state."""
+        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations + self.logits
+                + self.gathered)
+
+    @property
+    def optimizer_step(self) -> int:
+        """Bytes held by the optimizer step: every gradient exists, activations are gone."""
+        return self.model_state
+
+    @property
     def total(self) -> int:
-        return self.model_state + self.activations + self.logits + self.gathered + self.overhead
+        """The peak is the larger phase, not the sum of all items: by the time every gradient
+        exists, backward has freed the activations and logits they were computed from."""
+        return max(self.forward_backward, self.optimizer_step) + self.overhead
 
 
 @dataclass(frozen=True)
@@ -264,14 +284,19 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
 
 
 def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
-    """The logits, vocab x tokens, are often the largest single item. Per token and vocab entry:
-    the LM head output (activation dtype); transformers' ForCausalLMLoss upcasts it to fp32
-    (loss_utils.py: `logits.float()`, a no-op in fp32); cross-entropy keeps its fp32 log-softmax
-    for backward, and backward allocates an fp32 gradient of the same size while that is alive.
-    Gemma 2's tanh soft-capping keeps one more fp32 copy."""
+    """The loss's peak: logits of `rows` tokens x vocab, often the largest single item without
+    chunking. Per row and vocab entry: the LM head output (activation dtype); its fp32 copy
+    (`logits.float()`, a no-op in fp32); cross-entropy's fp32 log-softmax kept for backward, and
+    backward's fp32 gradient of the same size while that is alive. Gemma 2's tanh soft-capping
+    keeps one more copy. Rows are the micro-batch's tokens, or with the chunked loss (loss.py) one
+    chunk, plus the trained rows of the hidden states it gathers and their gradient
+    (2 x tokens x hidden)."""
     tokens = request.seq_len * request.micro_batch_size
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
-    return tokens * shape.vocab_size * per_entry
+    if request.loss_chunk_tokens <= 0:
+        return tokens * shape.vocab_size * per_entry
+    rows = min(request.loss_chunk_tokens, tokens)
+    return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,6 +346,9 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
 
     resident = weights + gradients + optimizer
     offloaded = resident if cpu_offload else 0
+    # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
+    # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
+    head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
     device = Memory(
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
@@ -329,6 +357,8 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
+        gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload else 0)
+        + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
     )
     host = _host_bytes(device, offloaded=int(offloaded), base_bytes=base_bytes, shards=shards,
                        cpu_offload=cpu_offload, cluster=cluster)

@@ -231,6 +231,9 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     """Changes, one at a time, that make an allowed option fit, each with the option it gives."""
     r, c = request, cluster
     tries: list[tuple[str, PlanRequest, Cluster]] = []
+    # The cheap savers first: they cost a little compute, never a rung or a GPU.
+    if r.loss_chunk_tokens <= 0:
+        tries.append(("train.loss_chunk_tokens=256", dataclasses.replace(r, loss_chunk_tokens=256), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
     if r.micro_batch_size > 1:
@@ -308,6 +311,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         method=recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
         seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
         grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
+        loss_chunk_tokens=recipe.train.loss_chunk_tokens,
         lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,

@@ -65,12 +65,48 @@ def test_decisions(name, request_, cluster, expected):
 
 
 def test_8b_on_24gb_rejects_lora_with_numbers():
-    p = plan(shape("llama-3-8b"), request=dataclasses.replace(LONG, micro_batch_size=2), cluster=gpus(1))
+    full_logits = dataclasses.replace(LONG, micro_batch_size=2, loss_chunk_tokens=0)
+    p = plan(shape("llama-3-8b"), request=full_logits, cluster=gpus(1))
     assert p.chosen.method == "qlora"
     lora = next(o for o in p.options if (o.method, o.strategy, o.cpu_offload) == ("lora", "no_shard", False))
     assert not lora.fits
     assert lora.reason.startswith("LoRA bf16 no_shard: ") and "GiB per GPU > 24.0 GiB - 10% headroom" in lora.reason
     assert f"{lora.memory.total / GiB:.1f}" in lora.reason
+    # the cheap saver comes first among the suggestions, before a lighter rung or more GPUs
+    p = plan(shape("llama-3-8b"), request=dataclasses.replace(full_logits, method="lora", strategy="no_shard"),
+             cluster=gpus(1))
+    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=256: lora no_shard fits")
+
+
+def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
+    request = dataclasses.replace(LONG, micro_batch_size=2)
+    llama = shape("llama-3-8b")
+    chunked = estimate(llama, method="lora", strategy="no_shard", cpu_offload=False, request=request, cluster=gpus(1))
+    whole = estimate(llama, method="lora", strategy="no_shard", cpu_offload=False,
+                     request=dataclasses.replace(request, loss_chunk_tokens=0), cluster=gpus(1))
+    tokens = 2 * 2048
+    assert whole.memory.logits == tokens * 128256 * 14
+    assert chunked.memory.logits == 256 * 128256 * 14 + 2 * tokens * 4096 * 2
+    assert chunked.memory.logits * 8 <= whole.memory.logits
+    assert plan(llama, request=dataclasses.replace(request, method="lora"), cluster=gpus(1)).chosen.method == "lora"
+
+
+def test_peak_is_the_larger_phase_not_the_sum():
+    """Full fine-tune of a 1B model: gradients and activations never peak together."""
+    request = PlanRequest(seq_len=2048, micro_batch_size=4, method="full")
+    est = estimate(shape("llama-3.2-1b"), method="full", strategy="no_shard", cpu_offload=False, request=request,
+                   cluster=gpus(1))
+    m = est.memory
+    head = 128256 * 2048 * 2  # the tied embedding/head gradient, made first in backward
+    assert m.gradients_in_backward == head
+    assert m.forward_backward == m.weights + m.optimizer + head + m.activations + m.logits + m.gathered
+    assert m.optimizer_step == m.weights + m.gradients + m.optimizer
+    assert m.total == max(m.forward_backward, m.optimizer_step) + m.overhead
+    assert m.total < m.model_state + m.activations + m.logits + m.overhead
+    # accumulating keeps the earlier micro-batches' gradients through the next forward
+    accum = estimate(shape("llama-3.2-1b"), method="full", strategy="no_shard", cpu_offload=False,
+                     request=dataclasses.replace(request, grad_accum_steps=2), cluster=gpus(1))
+    assert accum.memory.gradients_in_backward == m.gradients
 
 
 def test_1b_lora_and_full_both_fit_on_24gb():
@@ -122,11 +158,11 @@ def test_cpu_plan_uses_host_ram():
 
 
 def test_nothing_fits_gives_closest_and_what_would_fit():
-    req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2)
+    req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2, loss_chunk_tokens=0)
     p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
     assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
     assert p.closest.label == "lora no_shard"
-    for change in ("train.micro_batch_size=1", "sharding.cpu_offload=true", "method=qlora"):
+    for change in ("train.loss_chunk_tokens=256", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
         assert any(s.startswith(change) or f" {change}" in s.split(":")[0] for s in p.suggestions), (change, p.suggestions)
     need = next(s for s in p.suggestions if s.startswith("GPUs with >="))
     assert f"{p.closest.memory.total / 0.9 / GiB:.1f} GiB" in need
