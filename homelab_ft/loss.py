@@ -9,8 +9,8 @@ Here the head runs on `train.loss_chunk_tokens` tokens at a time, and only on th
 carry loss (prompt tokens are masked and need no logits at all). Each chunk runs under
 `torch.utils.checkpoint` (non-reentrant): its logits are freed as soon as its summed loss exists
 and recomputed in backward, one chunk at a time. Peak logits memory is one chunk's, whatever the
-micro-batch (256 tokens x 128,256 x 14 B = 0.46 GB instead of 7.4 GB). The price is one more
-head matmul per trained token in backward (2 x hidden x vocab FLOPs per token, ~3% of an 8B
+micro-batch (128 tokens x 128,256 x 14 B = 0.23 GB instead of 7.4 GB). The price is one more
+head matmul per trained token in backward (2 x hidden x vocab FLOPs per token, ~2% of an 8B
 step).
 
 The head is called from inside the model's own forward, through a forward pre-hook on the output

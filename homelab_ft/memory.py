@@ -83,7 +83,7 @@ class PlanRequest:
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     activation_checkpointing: bool = False
-    loss_chunk_tokens: int = 256
+    loss_chunk_tokens: int = 128
     """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
     lora_r: int = 16
     lora_dropout: float = 0.05
@@ -424,13 +424,17 @@ def _communication(base_bytes: int, trainable: int, *, strategy: Strategy, reque
 def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
     """6 x params x tokens FLOPs for full fine-tuning (forward 2, backward 4; Kaplan et al. 2020);
     4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
-    recomputes the forward. Params are the matmul ones a token passes through (blocks' active
-    parameters and the LM head; the embedding is a lookup). Attention's seq^2 term is left out:
-    below 8k tokens it adds < 10% for these models."""
+    recomputes the forward, and 2 x vocab x hidden more when the chunked loss recomputes the LM
+    head. Params are the matmul ones a token passes through (blocks' active parameters and the LM
+    head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
+    < 10% for these models."""
     matmul_params = shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
     tokens = request.seq_len * request.micro_batch_size * request.grad_accum_steps
     factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
-    seconds = factor * matmul_params * tokens / (cluster.tflops * 1e12)
+    flops = factor * matmul_params * tokens
+    if request.loss_chunk_tokens > 0:
+        flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
+    seconds = flops / (cluster.tflops * 1e12)
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 
 

@@ -233,7 +233,7 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     tries: list[tuple[str, PlanRequest, Cluster]] = []
     # The cheap savers first: they cost a little compute, never a rung or a GPU.
     if r.loss_chunk_tokens <= 0:
-        tries.append(("train.loss_chunk_tokens=256", dataclasses.replace(r, loss_chunk_tokens=256), c))
+        tries.append(("train.loss_chunk_tokens=128", dataclasses.replace(r, loss_chunk_tokens=128), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
     if r.micro_batch_size > 1:

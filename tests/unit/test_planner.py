@@ -75,7 +75,7 @@ def test_8b_on_24gb_rejects_lora_with_numbers():
     # the cheap saver comes first among the suggestions, before a lighter rung or more GPUs
     p = plan(shape("llama-3-8b"), request=dataclasses.replace(full_logits, method="lora", strategy="no_shard"),
              cluster=gpus(1))
-    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=256: lora no_shard fits")
+    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=128: lora no_shard fits")
 
 
 def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
@@ -86,7 +86,7 @@ def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
                      request=dataclasses.replace(request, loss_chunk_tokens=0), cluster=gpus(1))
     tokens = 2 * 2048
     assert whole.memory.logits == tokens * 128256 * 14
-    assert chunked.memory.logits == 256 * 128256 * 14 + 2 * tokens * 4096 * 2
+    assert chunked.memory.logits == 128 * 128256 * 14 + 2 * tokens * 4096 * 2
     assert chunked.memory.logits * 8 <= whole.memory.logits
     assert plan(llama, request=dataclasses.replace(request, method="lora"), cluster=gpus(1)).chosen.method == "lora"
 
@@ -162,7 +162,7 @@ def test_nothing_fits_gives_closest_and_what_would_fit():
     p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
     assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
     assert p.closest.label == "lora no_shard"
-    for change in ("train.loss_chunk_tokens=256", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
+    for change in ("train.loss_chunk_tokens=128", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
         assert any(s.startswith(change) or f" {change}" in s.split(":")[0] for s in p.suggestions), (change, p.suggestions)
     need = next(s for s in p.suggestions if s.startswith("GPUs with >="))
     assert f"{p.closest.memory.total / 0.9 / GiB:.1f} GiB" in need
