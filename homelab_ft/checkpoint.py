@@ -81,7 +81,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
 
     with _single_process_ok():
         dcp.save(
-            {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)},
+            {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))},
             checkpoint_id=tmp / "state",
         )
     (tmp / "rng").mkdir(exist_ok=True)
@@ -110,14 +110,20 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
         )
     # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
     # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
-    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
     with _single_process_ok(), torch.no_grad():
         dcp.load(target, checkpoint_id=path / "state")
-    set_optimizer_state_dict(model, optimizer, target["optim"])
+    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"])
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+def _optimizers(optimizer):
+    """DCP takes a list of optimizers and keys their state by parameter name: optim_backward.py's
+    per-parameter optimizers save and load in the same layout as one optimizer."""
+    return getattr(optimizer, "optimizers", optimizer)
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

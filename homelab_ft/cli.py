@@ -149,6 +149,9 @@ def _cmd_train(args) -> int:
     from homelab_ft import trainer
 
     rung = trainer.resolve_rung(recipe, plan)
+    from homelab_ft.optim_backward import check_optimizer_in_backward
+
+    check_optimizer_in_backward(recipe, method=rung.method, strategy=rung.strategy, world_size=recipe.world_size)
     # FSDP needs a process group even on one GPU (sharding onto one rank to offload to the CPU).
     needs_group = rung.strategy != "no_shard"
     code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides, force=needs_group)

@@ -85,6 +85,8 @@ class PlanRequest:
     activation_checkpointing: bool = False
     loss_chunk_tokens: int = 128
     """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
+    optimizer_in_backward: bool = False
+    """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
     lora_r: int = 16
     lora_dropout: float = 0.05
     lora_targets: tuple[str, ...] = ("all-linear",)
@@ -239,6 +241,15 @@ def base_weight_bytes(shape: ModelShape, method: Method, request: PlanRequest, c
     return total, max(block_bytes)
 
 
+def largest_param(shape: ModelShape) -> int:
+    """Elements of the largest single parameter: the embedding for any vocabulary of 32k and up,
+    else a block's widest linear or half of its stacked MoE experts (gate_up and down tensors)."""
+    biggest = shape.embedding_params
+    for block in shape.blocks:
+        biggest = max(biggest, *(lin.weight_params for lin in block.linears), block.expert_params // 2)
+    return biggest
+
+
 def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
     """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
     8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
@@ -328,6 +339,11 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         base_bytes += trainable * 4
     weights = base_bytes / shards
     gradients = trainable * state_bytes / shards
+    in_backward = request.optimizer_in_backward and method == "full"
+    if in_backward:
+        # optim_backward.py: a gradient lives from its hook to its parameter's step; the largest
+        # one alone bounds what is left of the optimizer phase.
+        gradients = largest_param(shape) * state_bytes / shards
     optimizer = trainable * optimizer_bytes_per_param(request, state_bytes) / shards
 
     # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
@@ -357,7 +373,7 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
-        gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload else 0)
+        gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
     )
     host = _host_bytes(device, offloaded=int(offloaded), base_bytes=base_bytes, shards=shards,

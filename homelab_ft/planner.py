@@ -169,6 +169,8 @@ def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
 def _allowed(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> bool:
     if request.method not in ("auto", method):
         return False
+    if request.optimizer_in_backward and (method != "full" or (strategy == "no_shard" and cluster.world_size > 1)):
+        return False  # optim_backward.check_optimizer_in_backward refuses these
     if request.cpu_offload and not offload:
         return False
     if request.strategy == "auto":
@@ -236,6 +238,9 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
         tries.append(("train.loss_chunk_tokens=128", dataclasses.replace(r, loss_chunk_tokens=128), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
+    if r.method == "full" and not r.optimizer_in_backward and r.grad_accum_steps == 1:
+        tries.append(("train.optimizer_in_backward=true train.max_grad_norm=0",
+                      dataclasses.replace(r, optimizer_in_backward=True), c))
     if r.micro_batch_size > 1:
         accum = r.grad_accum_steps * r.micro_batch_size
         tries.append((f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
@@ -311,7 +316,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         method=recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
         seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
         grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
-        loss_chunk_tokens=recipe.train.loss_chunk_tokens,
+        loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
         lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,

@@ -22,6 +22,7 @@ from homelab_ft.data import collate, prepare_data
 from homelab_ft.errors import UserError
 from homelab_ft.loss import token_loss_sum
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
+from homelab_ft.optim_backward import check_optimizer_in_backward
 from homelab_ft.rundir import check_run_dir, init_run_dir
 from homelab_ft.sampling import MicroBatchSampler
 
@@ -160,7 +161,10 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
             summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
             (summed * scale).backward()
         loss_sum += summed.detach()
-    grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
+    if s.recipe.train.optimizer_in_backward:  # every parameter already stepped from its gradient hook
+        grad_norm = s.optimizer.grad_norm(env)
+    else:
+        grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
@@ -185,6 +189,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, base_dir: Path | None) -> S
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     # Every input is checked before the run directory is touched: a typo never costs a run.
+    check_optimizer_in_backward(recipe, method=rung.method, strategy=rung.strategy, world_size=env.world_size)
     resume_from = check_run_dir(recipe)
     model_dir = modeling.resolve_model_dir(recipe.model.path)
     tokenizer = modeling.load_tokenizer(recipe.model, model_dir)

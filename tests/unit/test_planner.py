@@ -288,3 +288,29 @@ def test_plan_command_json_flags_and_exit_codes(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--gpus" in out.stderr
     out = _plan_cli(str(recipe), "data.max_length=100000", "--gpus", "1x24GB")
     assert out.returncode == 2 and "max_position_embeddings" in out.stderr
+
+
+def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
+    request = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full")
+    llama = shape("llama-3.2-1b")
+    plain = estimate(llama, method="full", strategy="no_shard", cpu_offload=False, request=request, cluster=gpus(1))
+    lean = estimate(llama, method="full", strategy="no_shard", cpu_offload=False,
+                    request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(1))
+    assert lean.memory.gradients == 128256 * 2048 * 2  # the embedding's, the largest single gradient
+    # The optimizer phase (every gradient) was the peak; now the forward/backward phase, unchanged, is.
+    assert plain.memory.total == plain.memory.optimizer_step + plain.memory.overhead
+    assert lean.memory.forward_backward == plain.memory.forward_backward
+    assert lean.memory.total == lean.memory.forward_backward + lean.memory.overhead < plain.memory.total
+    p = plan(llama, request=dataclasses.replace(request, method="auto", optimizer_in_backward=True), cluster=gpus(1))
+    assert p.chosen.method == "full"  # never an adapter rung the trainer would refuse
+    assert not any(o.allowed for o in p.options if o.method != "full")
+    two = plan(llama, request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(2))
+    assert not any(o.allowed for o in two.options if o.strategy == "no_shard")
+
+
+def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
+    request = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full",
+                          strategy="no_shard")
+    p = plan(shape("llama-3.2-1b"), request=request, cluster=gpus(1, 11))
+    assert not p.fits
+    assert p.suggestions[0].startswith("train.optimizer_in_backward=true train.max_grad_norm=0: full no_shard fits")
