@@ -64,7 +64,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in params]
         # Optimizer.__init__ would rebuild the groups; share the inner optimizers' dicts instead.
         self.defaults = dict(self.optimizers[0].defaults)
-        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
         self.state = {}
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -72,6 +71,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = {}
         self._optimizer_load_state_dict_pre_hooks = {}
         self._optimizer_load_state_dict_post_hooks = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizers' group dicts, looked up each time: loading a checkpoint replaces
+        them (Optimizer.load_state_dict builds new dicts), and a list kept from before would leave
+        the scheduler setting the LR of groups no optimizer reads any more."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
 
     @torch.no_grad()
     def _step_param(self, param: torch.Tensor) -> None:

@@ -86,3 +86,18 @@ def test_rung_refusals():
         check_optimizer_in_backward(recipe, method="full", strategy="no_shard", world_size=2)
     plain = recipe_from_dict({})
     check_optimizer_in_backward(plain, method="lora", strategy="no_shard", world_size=2)
+
+
+def test_scheduler_reaches_the_optimizers_after_a_state_load():
+    """Loading a checkpoint gives the inner optimizers new group dicts; the LR must still arrive."""
+    recipe = recipe_from_dict({"method": "full", "train": {"optimizer_in_backward": True, "max_grad_norm": 0.0,
+                                                           "warmup_steps": 4, "lr": 1e-3}})
+    model = _llama(tied=True)
+    optimizer = steps.build_optimizer(model, recipe.train)
+    scheduler = steps.build_scheduler(optimizer, recipe.train)
+    for inner in optimizer.optimizers:
+        inner.load_state_dict(inner.state_dict())
+    optimizer.step()
+    scheduler.step()
+    assert {g["lr"] for opt in optimizer.optimizers for g in opt.param_groups} == {scheduler.get_last_lr()[0]}
+    assert scheduler.get_last_lr()[0] == pytest.approx(1e-3 * 2 / 5)
