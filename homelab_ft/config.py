@@ -140,6 +140,10 @@ class TrainConfig:
     """Compute the LM head and cross-entropy this many trained tokens at a time, recomputing each
     chunk in backward (loss.py): the full-vocabulary logits never exist (7.4 GB -> 0.23 GB for
     Llama 3 at 2 x 2048 tokens). 0: the model's full logits and one cross-entropy."""
+    activation_offload: bool = False
+    """With activation_checkpointing: keep each block's checkpointed input in host RAM (pinned on
+    CUDA) until backward needs it (offload.py): layers x tokens x hidden fewer bytes per GPU, at the
+    cost of two PCIe copies of them per step."""
     optimizer_in_backward: bool = False
     """Full fine-tunes: step each parameter from its gradient hook and free the gradient at once, so
     the full set of gradients never exists (saves ~2 B/param in bf16; optim_backward.py). Needs
@@ -160,6 +164,10 @@ class TrainConfig:
 
     def __post_init__(self):
         # Refusals that depend on this section alone; rung-dependent ones: optim_backward.py.
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("train.activation_offload moves the checkpointed block inputs to host RAM; set "
+                             "train.activation_checkpointing=true as well (offloading every activation is slower "
+                             "than recomputing them)")
         if self.optimizer_in_backward and self.grad_accum_steps > 1:
             raise ValueError("train.optimizer_in_backward steps every parameter in each backward, so it cannot "
                              f"accumulate; set train.grad_accum_steps=1 (and raise micro_batch_size) instead of "

@@ -83,6 +83,8 @@ class PlanRequest:
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     activation_checkpointing: bool = False
+    activation_offload: bool = False
+    """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
     loss_chunk_tokens: int = 128
     """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
     optimizer_in_backward: bool = False
@@ -262,7 +264,8 @@ def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
 # activations
 
 
-def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> int:
+def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int, *,
+                     offloaded: bool = False) -> int:
     """Tensors autograd keeps for backward on one device, for one micro-batch.
 
     Per block and token, in elements (HF Llama-style block with SDPA attention, which keeps no
@@ -273,7 +276,8 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
       4i     MLP: gate output (for SiLU), SiLU output and up output (for the product), down input
     LoRA adds, per targeted linear, its dropout's copy of the input plus a 1-byte mask (dropout > 0)
     and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
-    one block recomputed in full during its backward.
+    one block recomputed in full during its backward; with activation offload (`offloaded`) those
+    block inputs wait in host RAM and only the running block's input is back on the device.
     """
     tokens = request.seq_len * request.micro_batch_size
     per_block = []
@@ -287,11 +291,18 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
                 nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
             nbytes += len(targets) * request.lora_r * act_bytes
         per_block.append(nbytes)
-    if request.activation_checkpointing:
+    if request.activation_checkpointing and offloaded:
+        per_token = shape.hidden_size * act_bytes + max(per_block)
+    elif request.activation_checkpointing:
         per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
     else:
         per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
     return tokens * per_token
+
+
+def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
+    """Host bytes per rank of activation offload: every block's input, and the final norm's."""
+    return request.seq_len * request.micro_batch_size * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
 def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
@@ -362,6 +373,8 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
 
     resident = weights + gradients + optimizer
     offloaded = resident if cpu_offload else 0
+    act_offload = request.activation_offload and request.activation_checkpointing and cluster.device == "cuda"
+    act_host = offloaded_activation_bytes(shape, request, act_bytes) if act_offload else 0
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
     # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
@@ -369,21 +382,23 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
-        activations=activation_bytes(shape, method, request, act_bytes),
+        activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_offload),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
     )
-    host = _host_bytes(device, offloaded=int(offloaded), base_bytes=base_bytes, shards=shards,
+    host = _host_bytes(device, offloaded=int(offloaded) + act_host, base_bytes=base_bytes, shards=shards,
                        cpu_offload=cpu_offload, cluster=cluster)
     comm_bytes, comm_s = _communication(base_bytes, trainable, strategy=strategy, request=request, cluster=cluster)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
         compute_s=_compute_s(shape, method, request, cluster),
-        offload_s=_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0,
+        offload_s=(_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0)
+        # each micro-batch's block inputs go to the host in forward and come back in backward
+        + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
     )
 
 

@@ -238,6 +238,9 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
         tries.append(("train.loss_chunk_tokens=128", dataclasses.replace(r, loss_chunk_tokens=128), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
+    if c.device == "cuda" and not r.activation_offload:
+        tries.append(("train.activation_checkpointing=true train.activation_offload=true",
+                      dataclasses.replace(r, activation_checkpointing=True, activation_offload=True), c))
     if r.method == "full" and not r.optimizer_in_backward and r.grad_accum_steps == 1:
         tries.append(("train.optimizer_in_backward=true train.max_grad_norm=0",
                       dataclasses.replace(r, optimizer_in_backward=True), c))
@@ -317,6 +320,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
         grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
         loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
+        activation_offload=recipe.train.activation_offload,
         lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,

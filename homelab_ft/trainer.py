@@ -22,6 +22,7 @@ from homelab_ft.data import collate, prepare_data
 from homelab_ft.errors import UserError
 from homelab_ft.loss import token_loss_sum
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
+from homelab_ft.offload import activations_on_host
 from homelab_ft.optim_backward import check_optimizer_in_backward
 from homelab_ft.rundir import check_run_dir, init_run_dir
 from homelab_ft.sampling import MicroBatchSampler
@@ -158,7 +159,8 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     for i, mb in enumerate(micro_batches):
         # Only the last micro-batch of the step reduces gradients across ranks.
         with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
+            with activations_on_host(enabled=s.recipe.train.activation_offload, pin_memory=env.device.type == "cuda"):
+                summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
             (summed * scale).backward()
         loss_sum += summed.detach()
     if s.recipe.train.optimizer_in_backward:  # every parameter already stepped from its gradient hook

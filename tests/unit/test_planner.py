@@ -314,3 +314,20 @@ def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
     p = plan(shape("llama-3.2-1b"), request=request, cluster=gpus(1, 11))
     assert not p.fits
     assert p.suggestions[0].startswith("train.optimizer_in_backward=true train.max_grad_norm=0: full no_shard fits")
+
+
+def test_activation_offload_moves_block_inputs_to_host():
+    request = PlanRequest(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora")
+    llama = shape("llama-3-8b")
+
+    def est(req, cluster):
+        return estimate(llama, method="qlora", strategy="no_shard", cpu_offload=False, request=req, cluster=cluster)
+
+    on = dataclasses.replace(request, activation_offload=True)
+    plain, lean = est(request, gpus(1)), est(on, gpus(1))
+    tokens = 2 * 2048
+    assert plain.memory.activations - lean.memory.activations == tokens * 31 * 4096 * 2
+    assert lean.host_bytes - plain.host_bytes == tokens * 33 * 4096 * 2
+    assert lean.offload_s == pytest.approx(2 * tokens * 33 * 4096 * 2 / 12e9)
+    cpu = Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=64 * GiB, host_ram_bytes=64 * GiB)
+    assert est(on, cpu).memory == est(request, cpu).memory  # host RAM is the device: nothing to gain
