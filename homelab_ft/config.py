@@ -59,6 +59,11 @@ class LoraConfig:
     """Weight-decomposed LoRA (Liu et al. 2024): slower steps, often better at low rank."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023), which keeps high ranks stable."""
+    dtype: Literal["float32", "compute"] = "float32"
+    """Dtype of the adapter weights, and so of their gradients and AdamW moments (torch keeps the
+    moments in the parameter's dtype). `float32`, the most accurate: 16 B per adapter parameter with
+    AdamW. `compute`: bf16 when the base computes in bf16 (8 B per parameter; small updates round
+    away sooner), fp32 otherwise (fp16 adapters overflow)."""
 
 
 @dataclass(frozen=True, config=_STRICT)

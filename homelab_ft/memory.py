@@ -90,6 +90,7 @@ class PlanRequest:
     optimizer_in_backward: bool = False
     """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
     lora_r: int = 16
+    lora_dtype: Literal["float32", "compute"] = "float32"
     lora_dropout: float = 0.05
     lora_targets: tuple[str, ...] = ("all-linear",)
     quant_bits: int = 4
@@ -199,6 +200,16 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, do
     if double_quant:
         return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
     return math.ceil(n / 2) + 4 * blocks
+
+
+def adapter_bytes(method: Method, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
+    bf16 (fp16 bases keep fp32 adapters)."""
+    if request.lora_dtype != "compute":
+        return 4
+    name = request.quant_compute_dtype if method == "qlora" else request.dtype
+    bf16 = name == "bfloat16" or (name == "auto" and cluster.device == "cuda")
+    return 2 if bf16 else 4
 
 
 def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
@@ -344,10 +355,11 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         root_bytes = shape.root_params * w_bytes
     else:
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
-        # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too.
-        trainable, state_bytes = adapter_params(shape, request), 4
+        # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
+        # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
+        trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
         root_bytes = shape.root_params * (qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes)
-        base_bytes += trainable * 4
+        base_bytes += trainable * state_bytes
     weights = base_bytes / shards
     gradients = trainable * state_bytes / shards
     in_backward = request.optimizer_in_backward and method == "full"

@@ -321,7 +321,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
         loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
         activation_offload=recipe.train.activation_offload,
-        lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout,
+        lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout, lora_dtype=recipe.lora.dtype,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
         quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,

@@ -254,9 +254,9 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
             "use sharding.strategy=no_shard (each GPU holds the 4-bit base, only adapter gradients cross the "
             "network) or method=lora with sharding"
         )
-    if method == "qlora":
-        from homelab_ft import quant
+    from homelab_ft import quant
 
+    if method == "qlora":
         # Refuse what bitsandbytes cannot quantize before reading any weight.
         quant.check_quantizable(json.loads((model_dir / "config.json").read_text()), recipe.quant, device=env.device)
         model = modeling.load_model(
@@ -276,7 +276,8 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     if cfg.activation_checkpointing and not sharded and method != "qlora":
         model.activation_checkpointing_enable()
     if method in ("lora", "qlora"):
-        model = modeling.attach_lora(model, recipe.lora)
+        compute = quant.compute_dtype(recipe.quant, device=env.device) if method == "qlora" else dtype
+        model = modeling.attach_lora(model, recipe.lora, compute_dtype=compute)
     if sharded:
         model = distributed.parallelize(
             model,
@@ -309,11 +310,11 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
             config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
             trust_remote_code=recipe.model.trust_remote_code,
         )
-        return modeling.attach_lora(model, recipe.lora) if lora else model
+        return modeling.attach_lora(model, recipe.lora, compute_dtype=dtype) if lora else model
 
     def load_full():
         model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=torch.device("cpu"))
-        return modeling.attach_lora(model, recipe.lora) if lora else model
+        return modeling.attach_lora(model, recipe.lora, compute_dtype=dtype) if lora else model
 
     return sharded_loading.build_sharded(
         env,
