@@ -357,7 +357,9 @@ def format_plan(p: Plan) -> str:
         f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
         f"cluster  {c.nodes} node(s) x {device}, host RAM {_gib(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
-        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} headroom={r.headroom:.0%}",
+        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
+        + (" act_offload" if r.activation_offload else "") + (" optim_in_bwd" if r.optimizer_in_backward else "")
+        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}",
         "",
         "  option                       weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
     ]
