@@ -139,6 +139,11 @@ def _cmd_train(args) -> int:
         # Convert a GGUF model (once) before any worker processes start, and fail on a bad path here.
         modeling.resolve_model_dir(recipe.model.path)
     plan = planner.plan_for_recipe(recipe)
+    from homelab_ft import trainer
+    from homelab_ft.optim_backward import check_optimizer_in_backward
+
+    rung = trainer.resolve_rung(recipe, plan)
+    check_optimizer_in_backward(recipe, method=rung.method, strategy=rung.strategy, world_size=recipe.world_size)
     if plan.chosen is None and recipe.method == "auto":
         print(planner.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
@@ -146,12 +151,6 @@ def _cmd_train(args) -> int:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
 
-    from homelab_ft import trainer
-
-    rung = trainer.resolve_rung(recipe, plan)
-    from homelab_ft.optim_backward import check_optimizer_in_backward
-
-    check_optimizer_in_backward(recipe, method=rung.method, strategy=rung.strategy, world_size=recipe.world_size)
     # FSDP needs a process group even on one GPU (sharding onto one rank to offload to the CPU).
     needs_group = rung.strategy != "no_shard"
     code = launch.reexec_under_torchrun(recipe, str(args.recipe), overrides, force=needs_group)

@@ -114,3 +114,23 @@ def test_resume_with_another_model_is_refused(capsys, tmp_path, tiny_model_dir):
     err = run_cli(capsys, "train", recipe, "--run-dir", run, "--resume", f"model.path={other}")
     assert "resume needs the same model" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_memory_savers_a_rung_cannot_use(capsys, tmp_path, tiny_model_dir):
+    """Refused in one line before any file is written: optimizer in backward with accumulation or
+    clipping (recipe alone), or on an adapter rung (optim_backward.check_optimizer_in_backward);
+    activation offload without checkpointing."""
+    run = tmp_path / "run"
+    body = {"method": "full", "model": {"path": str(tiny_model_dir)}, "train": {"device": "cpu"}}
+    recipe = recipe_file(tmp_path, body)
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.optimizer_in_backward=true")
+    assert "set train.max_grad_norm=0" in err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.optimizer_in_backward=true",
+                  "train.max_grad_norm=0", "train.grad_accum_steps=2")
+    assert "set train.grad_accum_steps=1" in err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "method=lora", "train.optimizer_in_backward=true",
+                  "train.max_grad_norm=0")
+    assert "train.optimizer_in_backward is for full fine-tunes" in err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.activation_offload=true")
+    assert "train.activation_checkpointing=true" in err
+    assert not run.exists()
