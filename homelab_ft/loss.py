@@ -120,10 +120,11 @@ class LogitTransform:
 
     @classmethod
     def from_config(cls, config) -> LogitTransform:
+        scale = getattr(config, "logit_scale", None)  # Cohere multiplies by it
         return cls(
             softcap=getattr(config, "final_logit_softcapping", None) or None,  # Gemma 2, Gemma 3
-            scale=getattr(config, "logit_scale", None) if isinstance(getattr(config, "logit_scale", None), float) else None,  # Cohere
-            divide=getattr(config, "logits_scaling", None) or None,  # Granite
+            scale=float(scale) if isinstance(scale, (int, float)) else None,
+            divide=getattr(config, "logits_scaling", None) or None,  # Granite divides by it
         )
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
