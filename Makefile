@@ -12,7 +12,7 @@ RECIPE ?= recipes/smollm2-lora-cpu.yaml
 RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: help install demo test test-all lint plan clean $(RECIPES)
+.PHONY: help install demo test test-gpu test-all lint plan clean $(RECIPES)
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
@@ -39,6 +39,10 @@ demo: install ## fine-tune the embedded SmolLM2 on the shipped task, export, com
 
 test: install ## run the test suite (CPU; distributed tests as 2-process gloo runs)
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-gpu: install ## on a CUDA GPU: peak memory of every rung and memory switch against the plan
+	$(PY) -m pytest -q -p no:cacheprovider -m cuda -rs tests/gpu
+	$(PY) bench/memory.py --device cuda --hidden 1024 --intermediate 2816 --layers 4
 
 test-all: install ## also the slow tests that use the real SmolLM2 weights
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests

@@ -170,7 +170,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     final = root / f"step_{state.step:06d}"
     tmp = root / f".tmp-step_{state.step:06d}"
     rank = _rank()
-    payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
     expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))
     try:
         if rank == 0:
@@ -269,14 +269,20 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
         )
     # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
     # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
-    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
     with _single_process_ok(), torch.no_grad():
         dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"))
-    set_optimizer_state_dict(model, optimizer, target["optim"])
+    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"])
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+def _optimizers(optimizer):
+    """DCP takes a list of optimizers and keys their state by parameter name: optim_backward.py's
+    per-parameter optimizers save and load in the same layout as one optimizer."""
+    return getattr(optimizer, "optimizers", optimizer)
 
 
 def trainable_state(model) -> dict[str, torch.Tensor]:

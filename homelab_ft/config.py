@@ -61,6 +61,11 @@ class LoraConfig:
     """Weight-decomposed LoRA (Liu et al. 2024): slower steps, often better at low rank."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023), which keeps high ranks stable."""
+    dtype: Literal["float32", "compute"] = "float32"
+    """Dtype of the adapter weights, and so of their gradients and AdamW moments (torch keeps the
+    moments in the parameter's dtype). `float32`, the most accurate: 16 B per adapter parameter with
+    AdamW. `compute`: bf16 when the base computes in bf16 (8 B per parameter; small updates round
+    away sooner), fp32 otherwise (fp16 adapters overflow)."""
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -139,6 +144,18 @@ class TrainConfig:
     AdamW's fp32 moments); paged AdamW falls back to plain 8-bit AdamW on CPU."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward: ~30% slower steps, far less memory."""
+    loss_chunk_tokens: NonNegInt = 128
+    """Compute the LM head and cross-entropy this many trained tokens at a time, recomputing each
+    chunk in backward (loss.py): the full-vocabulary logits never exist (7.4 GB -> 0.23 GB for
+    Llama 3 at 2 x 2048 tokens). 0: the model's full logits and one cross-entropy."""
+    activation_offload: bool = False
+    """With activation_checkpointing: keep each block's checkpointed input in host RAM (pinned on
+    CUDA) until backward needs it (offload.py): layers x tokens x hidden fewer bytes per GPU, at the
+    cost of two PCIe copies of them per step."""
+    optimizer_in_backward: bool = False
+    """Full fine-tunes: step each parameter from its gradient hook and free the gradient at once, so
+    the full set of gradients never exists (saves ~2 B/param in bf16; optim_backward.py). Needs
+    grad_accum_steps=1 and max_grad_norm=0 (the global norm is only known after every step ran)."""
     eval_every: NonNegInt = 0
     """Evaluate on the held-out split every N steps (0: only at the end, if there is a split)."""
     eval_max_batches: PositiveInt | None = None
@@ -156,6 +173,20 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: PositiveInt | None = None
     """CPU threads per process (torch.set_num_threads); default: torch's choice."""
+
+    def __post_init__(self):
+        # Refusals that depend on this section alone; rung-dependent ones: optim_backward.py.
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("train.activation_offload moves the checkpointed block inputs to host RAM; set "
+                             "train.activation_checkpointing=true as well (offloading every activation is slower "
+                             "than recomputing them)")
+        if self.optimizer_in_backward and self.grad_accum_steps > 1:
+            raise ValueError("train.optimizer_in_backward steps every parameter in each backward, so it cannot "
+                             f"accumulate; set train.grad_accum_steps=1 (and raise micro_batch_size) instead of "
+                             f"{self.grad_accum_steps}")
+        if self.optimizer_in_backward and self.max_grad_norm > 0:
+            raise ValueError("train.optimizer_in_backward steps each parameter before the global gradient norm "
+                             "exists; set train.max_grad_norm=0 (the norm is still logged)")
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -328,6 +359,8 @@ def _explain(err: ValidationError, raw: dict[str, Any]) -> str:
         return f"unknown key {dotted}; {fix}"
     if kind == "missing" or kind == "missing_argument":
         return f"{dotted} is required"
+    if kind == "value_error" and first.get("ctx", {}).get("error") is not None:
+        return str(first["ctx"]["error"])  # a section's own check (__post_init__) names its keys
     value = first.get("input")
     shown = repr(value) if not isinstance(value, dict) else "a mapping"
     return f"{dotted} = {shown}: {first['msg'].lower()}"

@@ -83,7 +83,14 @@ class PlanRequest:
     micro_batch_size: int = 4
     grad_accum_steps: int = 1
     activation_checkpointing: bool = False
+    activation_offload: bool = False
+    """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
+    loss_chunk_tokens: int = 128
+    """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
+    optimizer_in_backward: bool = False
+    """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
     lora_r: int = 16
+    lora_dtype: Literal["float32", "compute"] = "float32"
     lora_dropout: float = 0.05
     lora_targets: tuple[str, ...] = ("all-linear",)
     quant_bits: int = 4
@@ -107,14 +114,32 @@ class Memory:
     gathered: int
     """Unsharded parameters (and one block's gradients) FSDP holds while computing."""
     overhead: int
+    gradients_in_backward: int = 0
+    """Gradients alive at the activation peak (the start of backward): the LM head's, made by the
+    first backward op while every activation is still held, and with gradient accumulation the
+    sums of the earlier micro-batches. The others appear as backward frees activations."""
 
     @property
     def model_state(self) -> int:
         return self.weights + self.gradients + self.optimizer
 
     @property
+    def forward_backward(self) -> int:
+        """Bytes held at the start of backward: activations, the loss's logits and gathered units
+        at their largest, next to weights and optimizer state."""
+        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations + self.logits
+                + self.gathered)
+
+    @property
+    def optimizer_step(self) -> int:
+        """Bytes held by the optimizer step: every gradient exists, activations are gone."""
+        return self.model_state
+
+    @property
     def total(self) -> int:
-        return self.model_state + self.activations + self.logits + self.gathered + self.overhead
+        """The peak is the larger phase, not the sum of all items: by the time every gradient
+        exists, backward has freed the activations and logits they were computed from."""
+        return max(self.forward_backward, self.optimizer_step) + self.overhead
 
 
 @dataclass(frozen=True)
@@ -177,6 +202,16 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, do
     return math.ceil(n / 2) + 4 * blocks
 
 
+def adapter_bytes(method: Method, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
+    bf16 (fp16 bases keep fp32 adapters)."""
+    if request.lora_dtype != "compute":
+        return 4
+    name = request.quant_compute_dtype if method == "qlora" else request.dtype
+    bf16 = name == "bfloat16" or (name == "auto" and cluster.device == "cuda")
+    return 2 if bf16 else 4
+
+
 def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
     """Adapter parameters of one block: r x (in + out) per targeted linear (A: r x in, B: out x r).
 
@@ -219,6 +254,15 @@ def base_weight_bytes(shape: ModelShape, method: Method, request: PlanRequest, c
     return total, max(block_bytes)
 
 
+def largest_param(shape: ModelShape) -> int:
+    """Elements of the largest single parameter: the embedding for any vocabulary of 32k and up,
+    else a block's widest linear or half of its stacked MoE experts (gate_up and down tensors)."""
+    biggest = shape.embedding_params
+    for block in shape.blocks:
+        biggest = max(biggest, *(lin.weight_params for lin in block.linears), block.expert_params // 2)
+    return biggest
+
+
 def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
     """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
     8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
@@ -231,7 +275,8 @@ def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
 # activations
 
 
-def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> int:
+def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int, *,
+                     offloaded: bool = False) -> int:
     """Tensors autograd keeps for backward on one device, for one micro-batch.
 
     Per block and token, in elements (HF Llama-style block with SDPA attention, which keeps no
@@ -242,7 +287,8 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
       4i     MLP: gate output (for SiLU), SiLU output and up output (for the product), down input
     LoRA adds, per targeted linear, its dropout's copy of the input plus a 1-byte mask (dropout > 0)
     and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
-    one block recomputed in full during its backward.
+    one block recomputed in full during its backward; with activation offload (`offloaded`) those
+    block inputs wait in host RAM and only the running block's input is back on the device.
     """
     tokens = request.seq_len * request.micro_batch_size
     per_block = []
@@ -256,22 +302,34 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
                 nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
             nbytes += len(targets) * request.lora_r * act_bytes
         per_block.append(nbytes)
-    if request.activation_checkpointing:
+    if request.activation_checkpointing and offloaded:
+        per_token = shape.hidden_size * act_bytes + max(per_block)
+    elif request.activation_checkpointing:
         per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
     else:
         per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
     return tokens * per_token
 
 
+def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
+    """Host bytes per rank of activation offload: every block's input, and the final norm's."""
+    return request.seq_len * request.micro_batch_size * (shape.num_layers + 1) * shape.hidden_size * act_bytes
+
+
 def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
-    """The logits, vocab x tokens, are often the largest single item. Per token and vocab entry:
-    the LM head output (activation dtype); transformers' ForCausalLMLoss upcasts it to fp32
-    (loss_utils.py: `logits.float()`, a no-op in fp32); cross-entropy keeps its fp32 log-softmax
-    for backward, and backward allocates an fp32 gradient of the same size while that is alive.
-    Gemma 2's tanh soft-capping keeps one more fp32 copy."""
+    """The loss's peak: logits of `rows` tokens x vocab, often the largest single item without
+    chunking. Per row and vocab entry: the LM head output (activation dtype); its fp32 copy
+    (`logits.float()`, a no-op in fp32); cross-entropy's fp32 log-softmax kept for backward, and
+    backward's fp32 gradient of the same size while that is alive. Gemma 2's tanh soft-capping
+    keeps one more copy. Rows are the micro-batch's tokens, or with the chunked loss (loss.py) one
+    chunk, plus the trained rows of the hidden states it gathers and their gradient
+    (2 x tokens x hidden)."""
     tokens = request.seq_len * request.micro_batch_size
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
-    return tokens * shape.vocab_size * per_entry
+    if request.loss_chunk_tokens <= 0:
+        return tokens * shape.vocab_size * per_entry
+    rows = min(request.loss_chunk_tokens, tokens)
+    return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,12 +355,18 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         root_bytes = shape.root_params * w_bytes
     else:
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
-        # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too.
-        trainable, state_bytes = adapter_params(shape, request), 4
+        # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
+        # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
+        trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
         root_bytes = shape.root_params * (qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes)
-        base_bytes += trainable * 4
+        base_bytes += trainable * state_bytes
     weights = base_bytes / shards
     gradients = trainable * state_bytes / shards
+    in_backward = request.optimizer_in_backward and method == "full"
+    if in_backward:
+        # optim_backward.py: a gradient lives from its hook to its parameter's step; the largest
+        # one alone bounds what is left of the optimizer phase.
+        gradients = largest_param(shape) * state_bytes / shards
     optimizer = trainable * optimizer_bytes_per_param(request, state_bytes) / shards
 
     # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
@@ -321,23 +385,32 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
 
     resident = weights + gradients + optimizer
     offloaded = resident if cpu_offload else 0
+    act_offload = request.activation_offload and request.activation_checkpointing and cluster.device == "cuda"
+    act_host = offloaded_activation_bytes(shape, request, act_bytes) if act_offload else 0
+    # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
+    # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
+    head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
     device = Memory(
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
-        activations=activation_bytes(shape, method, request, act_bytes),
+        activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_offload),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
+        gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
+        + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
     )
-    host = _host_bytes(device, offloaded=int(offloaded), base_bytes=base_bytes, shards=shards,
+    host = _host_bytes(device, offloaded=int(offloaded) + act_host, base_bytes=base_bytes, shards=shards,
                        cpu_offload=cpu_offload, cluster=cluster)
     comm_bytes, comm_s = _communication(base_bytes, trainable, strategy=strategy, request=request, cluster=cluster)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
         compute_s=_compute_s(shape, method, request, cluster),
-        offload_s=_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0,
+        offload_s=(_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0)
+        # each micro-batch's block inputs go to the host in forward and come back in backward
+        + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
     )
 
 
@@ -394,13 +467,17 @@ def _communication(base_bytes: int, trainable: int, *, strategy: Strategy, reque
 def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
     """6 x params x tokens FLOPs for full fine-tuning (forward 2, backward 4; Kaplan et al. 2020);
     4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
-    recomputes the forward. Params are the matmul ones a token passes through (blocks' active
-    parameters and the LM head; the embedding is a lookup). Attention's seq^2 term is left out:
-    below 8k tokens it adds < 10% for these models."""
+    recomputes the forward, and 2 x vocab x hidden more when the chunked loss recomputes the LM
+    head. Params are the matmul ones a token passes through (blocks' active parameters and the LM
+    head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
+    < 10% for these models."""
     matmul_params = shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
     tokens = request.seq_len * request.micro_batch_size * request.grad_accum_steps
     factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
-    seconds = factor * matmul_params * tokens / (cluster.tflops * 1e12)
+    flops = factor * matmul_params * tokens
+    if request.loss_chunk_tokens > 0:
+        flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
+    seconds = flops / (cluster.tflops * 1e12)
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 
 

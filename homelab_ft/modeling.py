@@ -163,7 +163,7 @@ def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quanti
     return model
 
 
-def attach_lora(model, lora_cfg: LoraConfig):
+def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
@@ -177,9 +177,17 @@ def attach_lora(model, lora_cfg: LoraConfig):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, peft_cfg)
+        model = get_peft_model(model, peft_cfg)
     except ValueError as err:
         raise UserError(f"lora.target_modules: {str(err).splitlines()[0]}") from None
+    import torch
+
+    # PEFT makes adapters fp32 (autocast_adapter_dtype); `lora.dtype: compute` keeps them in bf16.
+    if lora_cfg.dtype == "compute" and compute_dtype == torch.bfloat16:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+    return model
 
 
 def count_params(model) -> tuple[int, int]:

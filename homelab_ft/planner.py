@@ -139,7 +139,8 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
 
 def _rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> Rung:
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
-                procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer)
+                procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
+                optimizer_in_backward=request.optimizer_in_backward)
 
 
 def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
@@ -255,8 +256,17 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     """Changes, one at a time, that make an allowed option fit, each with the option it gives."""
     r, c = request, cluster
     tries: list[tuple[str, PlanRequest, Cluster]] = []
+    # The cheap savers first: they cost a little compute, never a rung or a GPU.
+    if r.loss_chunk_tokens <= 0:
+        tries.append(("train.loss_chunk_tokens=128", dataclasses.replace(r, loss_chunk_tokens=128), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
+    if c.device == "cuda" and not r.activation_offload:
+        tries.append(("train.activation_checkpointing=true train.activation_offload=true",
+                      dataclasses.replace(r, activation_checkpointing=True, activation_offload=True), c))
+    if r.method == "full" and not r.optimizer_in_backward and r.grad_accum_steps == 1:
+        tries.append(("train.optimizer_in_backward=true train.max_grad_norm=0",
+                      dataclasses.replace(r, optimizer_in_backward=True), c))
     if r.micro_batch_size > 1:
         accum = r.grad_accum_steps * r.micro_batch_size
         tries.append((f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
@@ -332,7 +342,9 @@ def request_from_recipe(recipe) -> PlanRequest:
         method=recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
         seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
         grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
-        lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout,
+        loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
+        activation_offload=recipe.train.activation_offload,
+        lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout, lora_dtype=recipe.lora.dtype,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
         quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,
@@ -368,7 +380,9 @@ def format_plan(p: Plan) -> str:
         f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
         f"cluster  {c.nodes} node(s) x {device}, host RAM {_gib(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
-        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} headroom={r.headroom:.0%}",
+        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
+        + (" act_offload" if r.activation_offload else "") + (" optim_in_bwd" if r.optimizer_in_backward else "")
+        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}",
         "",
         "  option                       weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
     ]

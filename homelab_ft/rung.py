@@ -1,7 +1,7 @@
 """The rung: how one run trains, decided once and validated in one place.
 
 A rung is method (qlora / lora / full) x sharding strategy x CPU offload x the job's shape (nodes x
-processes per node) x optimizer. The planner builds one `Rung` per option it prices and offers only
+processes per node) x optimizer (and whether it steps inside backward). The planner builds one `Rung` per option it prices and offers only
 those whose construction succeeds; `train` runs the rung the planner chose (or the recipe named), and
 the CLI, the model builder and `distributed.parallelize` read its `*_enabled` properties instead of
 comparing strategy strings. Validation is pure (no torch, no process group), after torchtitan's
@@ -10,7 +10,7 @@ comparing strategy strings. Validation is pure (no torch, no process group), aft
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from homelab_ft.errors import UserError
 
@@ -43,6 +43,8 @@ class Rung:
     nodes: int = 1
     procs_per_node: int = 1
     optimizer: str = ADAMW
+    optimizer_in_backward: bool = False
+    """Each parameter is stepped from its gradient hook (optim_backward.py): full fine-tunes only."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -107,11 +109,12 @@ class Rung:
 
     def to_dict(self) -> dict:
         return {"method": self.method, "strategy": self.strategy, "cpu_offload": self.cpu_offload,
-                "nodes": self.nodes, "procs_per_node": self.procs_per_node, "optimizer": self.optimizer}
+                "nodes": self.nodes, "procs_per_node": self.procs_per_node, "optimizer": self.optimizer,
+                "optimizer_in_backward": self.optimizer_in_backward}
 
     @classmethod
     def from_dict(cls, data: dict) -> Rung:
-        return cls(**{key: data[key] for key in ("method", "strategy", "cpu_offload", "nodes", "procs_per_node", "optimizer")})
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 def _validate(r: Rung) -> None:
@@ -138,6 +141,13 @@ def _validate(r: Rung) -> None:
                         f"{' and sharding.cpu_offload=true' if r.cpu_offload else ''} (the 4-bit base sharded over "
                         "GPUs) is not supported yet; use sharding.strategy=no_shard (each GPU holds the 4-bit base, "
                         "only adapter gradients cross the network) or method=lora with sharding")
+    if r.optimizer_in_backward and r.adapters_enabled:
+        raise RungError(f"train.optimizer_in_backward is for full fine-tunes; with method={r.method} the adapter "
+                        "gradients are tiny, set train.optimizer_in_backward=false")
+    if r.optimizer_in_backward and r.ddp_enabled:
+        raise RungError("train.optimizer_in_backward needs FSDP on several ranks (DDP reduces gradients after the "
+                        "per-parameter step would run); set sharding.strategy=full_shard or "
+                        "train.optimizer_in_backward=false")
     if r.bnb_optimizer_enabled and r.fsdp_enabled:
         raise RungError(f"train.optimizer={r.optimizer} cannot update FSDP2-sharded parameters (bitsandbytes "
                         "optimizers take plain tensors, not DTensor shards); use train.optimizer=adamw, or "
@@ -155,13 +165,15 @@ def default_strategy(method: str, *, world_size: int) -> str:
 
 def rung_for(recipe, chosen=None) -> Rung:
     """The rung a recipe trains with. Explicit recipe choices win; `auto` ones take the planner's
-    `chosen` option (a planner.Option, or None when nothing fit); with neither, the defaults above.
+    `chosen` option (a planner.Option, or None when nothing fit); with neither, the defaults above
+    (a full fine-tune when the recipe asks for the optimizer step in backward, which only it takes).
 
     One process without offload never shards, whatever the recipe names: there is nothing to shard.
     """
     world_size = recipe.cluster.nodes * recipe.cluster.gpus_per_node
     taken = chosen if chosen is not None and recipe.method in ("auto", chosen.method) else None
-    method = recipe.method if recipe.method != "auto" else (taken.method if taken else "lora")
+    fallback = "full" if recipe.train.optimizer_in_backward else "lora"
+    method = recipe.method if recipe.method != "auto" else (taken.method if taken else fallback)
     if recipe.sharding.strategy != "auto":
         strategy = recipe.sharding.strategy
     elif taken is not None:
@@ -172,4 +184,5 @@ def rung_for(recipe, chosen=None) -> Rung:
     if world_size == 1 and not offload:
         strategy = NO_SHARD
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=recipe.cluster.nodes,
-                procs_per_node=recipe.cluster.gpus_per_node, optimizer=recipe.train.optimizer)
+                procs_per_node=recipe.cluster.gpus_per_node, optimizer=recipe.train.optimizer,
+                optimizer_in_backward=recipe.train.optimizer_in_backward)

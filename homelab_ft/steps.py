@@ -82,6 +82,15 @@ def build_optimizer(model: torch.nn.Module, train_cfg: TrainConfig) -> torch.opt
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise UserError("nothing to train: the model has no trainable parameters (check lora.target_modules)")
+    if train_cfg.optimizer_in_backward:
+        from homelab_ft.optim_backward import OptimizerInBackward
+
+        return OptimizerInBackward(model, train_cfg)
+    return make_optimizer(params, train_cfg)
+
+
+def make_optimizer(params: list[torch.nn.Parameter], train_cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The recipe's optimizer over `params` (also one parameter at a time: optim_backward.py)."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [

@@ -21,7 +21,9 @@ from homelab_ft import checkpoint, distributed, logs, modeling, preflight, runlo
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_data
 from homelab_ft.errors import Stopped
+from homelab_ft.loss import token_loss_sum
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
+from homelab_ft.offload import activations_on_host
 from homelab_ft.rundir import init_run_dir
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.sampling import MicroBatchSampler
@@ -175,10 +177,14 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     for i, mb in enumerate(micro_batches):
         # Only the last micro-batch of the step reduces gradients across ranks.
         with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+            with activations_on_host(enabled=s.recipe.train.activation_offload, pin_memory=env.device.type == "cuda"):
+                summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
             (summed * scale).backward()
         loss_sum += summed.detach()
-    grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
+    if s.recipe.train.optimizer_in_backward:  # every parameter already stepped from its gradient hook
+        grad_norm = s.optimizer.grad_norm(env)
+    else:
+        grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
@@ -270,7 +276,12 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     if cfg.activation_checkpointing and not env.distributed and not rung.quantized_enabled:
         model.activation_checkpointing_enable()
     if rung.adapters_enabled:
-        model = modeling.attach_lora(model, recipe.lora)
+        compute = dtype
+        if rung.quantized_enabled:
+            from homelab_ft import quant
+
+            compute = quant.compute_dtype(recipe.quant, device=env.device)
+        model = modeling.attach_lora(model, recipe.lora, compute_dtype=compute)
     if env.distributed:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = distributed.parallelize(
@@ -303,11 +314,11 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
             config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
             trust_remote_code=recipe.model.trust_remote_code,
         )
-        return modeling.attach_lora(model, recipe.lora) if lora else model
+        return modeling.attach_lora(model, recipe.lora, compute_dtype=dtype) if lora else model
 
     def load_full():
         model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=torch.device("cpu"))
-        return modeling.attach_lora(model, recipe.lora) if lora else model
+        return modeling.attach_lora(model, recipe.lora, compute_dtype=dtype) if lora else model
 
     return sharded_loading.build_sharded(
         env,
@@ -340,7 +351,7 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
         index = r * env.world_size + env.rank
         real = index < len(batches)
         mb = collate([rows[i] for i in batches[index if real else env.rank % len(batches)]], pad_token_id=pad_token_id)
-        summed = steps.token_loss_sum(_forward(model, mb, env.device), mb["labels"])
+        summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens)
         if real:
             loss_sum += summed
             tokens += steps.trained_tokens(mb["labels"])
@@ -348,7 +359,3 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
     total_tokens = distributed.all_reduce_sum(tokens, env)
     return distributed.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
 
-
-def _forward(model, mb: dict, device) -> torch.Tensor:
-    inputs = {k: v.to(device) for k, v in mb.items() if k != "labels"}
-    return model(**inputs, use_cache=False).logits

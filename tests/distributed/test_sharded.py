@@ -30,16 +30,19 @@ UNEVEN_EVAL = {"eval_fraction": 0.2}
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full", nodes: int = 1,
-            train: dict | None = None, sharding: dict | None = None, data: dict | None = None) -> dict:
+            train: dict | None = None, sharding: dict | None = None, data: dict | None = None,
+            lora: dict | None = None) -> dict:
     return {
         "name": name,
         "method": method,
         "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, **(lora or {})},  # dropout draws per-rank random masks
         "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 160, **(data or {})},
+        # Chunks of 16 trained tokens: several chunks per micro-batch, so the parity below covers
+        # the chunked loss (loss.py) under FSDP2 and DDP; the `unchunked_*` jobs run today's full logits.
         "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
                   "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 3, "keep_last": 5, "device": "cpu",
-                  **(train or {})},
+                  "loss_chunk_tokens": 16, **(train or {})},
         "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
         "cluster": {"nodes": nodes, "gpus_per_node": procs // nodes},
         "sharding": {"strategy": "full_shard", **(sharding or {})} if procs > 1 else {},
@@ -63,7 +66,16 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         "tied_full": _recipe(tmp, tied_dir, "tied_full", procs=2),
         # 13 held-out rows in micro-batches of 2: 7 eval batches, so rank 1 has one fewer than rank 0
         "eval_uneven": _recipe(tmp, tiny_model_dir, "eval_uneven", procs=2, data=UNEVEN_EVAL, train={"max_steps": 2}),
+        "unchunked_fsdp": _recipe(tmp, tied_dir, "unchunked_fsdp", procs=2, train={"loss_chunk_tokens": 0}),
+        "head_lora_ddp": _recipe(tmp, tiny_model_dir, "head_lora_ddp", procs=2, method="lora",
+                                 sharding={"strategy": "no_shard"}, lora={"target_modules": ["q_proj", "lm_head"]}),
+        "unchunked_head_lora_ddp": _recipe(tmp, tiny_model_dir, "unchunked_head_lora_ddp", procs=2, method="lora",
+                                           sharding={"strategy": "no_shard"}, train={"loss_chunk_tokens": 0},
+                                           lora={"target_modules": ["q_proj", "lm_head"]}),
     }
+    # optimizer in backward: no accumulation and no clipping (config.py refuses both with it)
+    in_bwd = {"grad_accum_steps": 1, "max_grad_norm": 0.0, "optimizer_in_backward": True}
+    two["optim_bwd"] = _recipe(tmp, tied_dir, "optim_bwd", procs=2, train=in_bwd)
     resume2 = _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True})
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
     jobs.append({"kind": "train", "name": "resume2", "recipe": resume2,
@@ -108,6 +120,11 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                                                                 train={"max_steps": 2})},
         {"kind": "train", "name": "tied_resume1", "recipe": _recipe(tmp, tied_dir, "tied_resume1", procs=1, train={"resume": True}),
          "copy_run": {"src": two["tied_full"]["output"]["dir"], "keep_step": 3}},
+        {"kind": "train", "name": "ref_no_accum", "recipe": _recipe(tmp, tied_dir, "ref_no_accum", procs=1,
+                                                                    train={**in_bwd, "optimizer_in_backward": False})},
+        {"kind": "train", "name": "optim_bwd_resume1", "recipe": _recipe(tmp, tied_dir, "optim_bwd_resume1", procs=1,
+                                                                         train={**in_bwd, "resume": True}),
+         "copy_run": {"src": two["optim_bwd"]["output"]["dir"], "keep_step": 3}},
     ]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
@@ -188,3 +205,22 @@ def test_eval_loss_with_uneven_batches_per_rank_matches_one_process(results):
     nothing: the 2-rank eval loss is the one-process loss over the same rows."""
     two, one = results["eval_uneven"], results["ref_eval"]
     assert two["eval_loss"] is not None and abs(two["eval_loss"] - one["eval_loss"]) <= TOL
+
+
+@pytest.mark.parametrize(("chunked", "unchunked"), [("tied_full", "unchunked_fsdp"),
+                                                     ("head_lora_ddp", "unchunked_head_lora_ddp")])
+def test_chunked_loss_matches_full_logits_on_two_ranks(results, chunked, unchunked):
+    """The chunked loss on 2 ranks (FSDP2 with a tied head in the root unit; DDP with LoRA on the
+    head) trains exactly as today's full-logits loss: same losses at every step."""
+    ref = results[unchunked]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(results[chunked]["losses"], ref) <= TOL
+
+
+def test_optimizer_in_backward_matches_one_adamw_and_resumes(results):
+    """FSDP2 on 2 ranks stepping each parameter from its gradient hook trains as one process with
+    one AdamW; its checkpoint (per-parameter optimizer states under DCP) resumes on one process."""
+    ref, got = results["ref_no_accum"]["losses"], results["optim_bwd"]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(got, ref) <= TOL
+    assert _max_diff(results["optim_bwd_resume1"]["losses"], got[3:]) <= TOL

@@ -196,3 +196,23 @@ def test_refused_rungs_stop_before_anything(capsys, tmp_path, good):
     assert "cannot update FSDP2-sharded" in err
     err = refused(capsys, tmp_path, {**body, "sharding": {"strategy": "no_shard", "cpu_offload": True}})
     assert "needs a sharded strategy" in err
+
+
+def test_memory_savers_a_rung_cannot_use(capsys, tmp_path, tiny_model_dir):
+    """Refused in one line before any file is written: optimizer in backward with accumulation or
+    clipping (recipe alone), or on an adapter rung (rung.py);
+    activation offload without checkpointing."""
+    run = tmp_path / "run"
+    body = {"method": "full", "model": {"path": str(tiny_model_dir)}, "train": {"device": "cpu"}}
+    recipe = recipe_file(tmp_path, body)
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.optimizer_in_backward=true")
+    assert "set train.max_grad_norm=0" in err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.optimizer_in_backward=true",
+                  "train.max_grad_norm=0", "train.grad_accum_steps=2")
+    assert "set train.grad_accum_steps=1" in err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "method=lora", "train.optimizer_in_backward=true",
+                  "train.max_grad_norm=0")
+    assert "train.optimizer_in_backward is for full fine-tunes" in err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.activation_offload=true")
+    assert "train.activation_checkpointing=true" in err
+    assert not run.exists()

@@ -234,17 +234,21 @@ def test_k_quant_and_unknown_types():
 
 
 def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) -> Path:
-    """A LoRA run directory as the trainer leaves it, with a random (non-zero) adapter."""
+    """A LoRA run directory as the trainer leaves it (checkpoint.save: DCP state, adapter,
+    manifest), with a random (non-zero) adapter and no training."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from homelab_ft import checkpoint
+
     run = tmp / "run"
-    adapter = run / "checkpoints" / "step_000002" / "adapter"
     torch.manual_seed(1)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(base, lora).save_pretrained(adapter)
-    (adapter.parent / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    model = get_peft_model(base, lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    state = checkpoint.TrainerState(step=2, scheduler={}, sampler={}, model_fingerprint="lora", world_size=1)
+    checkpoint.save(run, model=model, optimizer=optimizer, state=state, keep_last=2)
     (run / "run.json").write_text(json.dumps({"method": "lora"}))
     data = {"sources": [{"path": "train.jsonl"}]} | ({"system_prompt": system_prompt} if system_prompt else {})
     (run / "recipe.yaml").write_text(yaml.safe_dump({"method": "lora", "model": {"path": str(model_dir)}, "data": data}))

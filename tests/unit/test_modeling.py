@@ -45,6 +45,31 @@ def test_lora_attaches_to_all_linear_layers_but_the_head(tiny_model_dir):
     assert 0 < trainable < total
 
 
+@pytest.mark.parametrize(("lora_dtype", "base", "want"), [("float32", torch.bfloat16, torch.float32),
+                                                         ("compute", torch.bfloat16, torch.bfloat16),
+                                                         ("compute", torch.float16, torch.float32)])
+def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
+    """`lora.dtype: compute` keeps bf16 adapters (and so bf16 AdamW moments) on a bf16 base only."""
+    from homelab_ft import steps
+    from homelab_ft.config import TrainConfig
+    from homelab_ft.memory import Cluster, PlanRequest, adapter_bytes
+
+    cfg = ModelConfig(path=str(tiny_model_dir))
+    model = modeling.load_model(cfg, tiny_model_dir, dtype=base, device=torch.device("cpu"))
+    peft_model = modeling.attach_lora(model, LoraConfig(r=4, alpha=8, dtype=lora_dtype), compute_dtype=base)
+    assert {p.dtype for p in peft_model.parameters() if p.requires_grad} == {want}
+    optimizer = steps.build_optimizer(peft_model, TrainConfig())
+    ids = torch.arange(8).reshape(1, 8)
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {want}
+    # the planner prices the same bytes per adapter parameter
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[base]
+    request = PlanRequest(method="lora", dtype=name, lora_dtype=lora_dtype)
+    cluster = Cluster(device="cuda", nodes=1, gpus_per_node=1, device_bytes=1, host_ram_bytes=1)
+    assert adapter_bytes("lora", request, cluster) == torch.empty((), dtype=want).element_size()
+
+
 def test_unknown_target_module_is_a_user_error(tiny_model_dir):
     cfg = ModelConfig(path=str(tiny_model_dir))
     model = modeling.load_model(cfg, tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))

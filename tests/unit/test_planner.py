@@ -64,12 +64,48 @@ def test_decisions(name, request_, cluster, expected):
 
 
 def test_8b_on_24gb_rejects_lora_with_numbers():
-    p = plan(shape("llama-3-8b"), request=dataclasses.replace(LONG, micro_batch_size=2), cluster=gpus(1))
+    full_logits = dataclasses.replace(LONG, micro_batch_size=2, loss_chunk_tokens=0)
+    p = plan(shape("llama-3-8b"), request=full_logits, cluster=gpus(1))
     assert p.chosen.method == "qlora"
     lora = next(o for o in p.options if (o.method, o.strategy, o.cpu_offload) == ("lora", "no_shard", False))
     assert not lora.fits
     assert lora.reason.startswith("LoRA bf16 no_shard: ") and "GiB per GPU > 24.0 GiB - 10% headroom" in lora.reason
     assert f"{lora.memory.total / GiB:.1f}" in lora.reason
+    # the cheap saver comes first among the suggestions, before a lighter rung or more GPUs
+    p = plan(shape("llama-3-8b"), request=dataclasses.replace(full_logits, method="lora", strategy="no_shard"),
+             cluster=gpus(1))
+    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=128: lora no_shard fits")
+
+
+def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
+    request = dataclasses.replace(LONG, micro_batch_size=2)
+    llama = shape("llama-3-8b")
+    chunked = estimate(llama, method="lora", strategy="no_shard", cpu_offload=False, request=request, cluster=gpus(1))
+    whole = estimate(llama, method="lora", strategy="no_shard", cpu_offload=False,
+                     request=dataclasses.replace(request, loss_chunk_tokens=0), cluster=gpus(1))
+    tokens = 2 * 2048
+    assert whole.memory.logits == tokens * 128256 * 14
+    assert chunked.memory.logits == 128 * 128256 * 14 + 2 * tokens * 4096 * 2
+    assert chunked.memory.logits * 8 <= whole.memory.logits
+    assert plan(llama, request=dataclasses.replace(request, method="lora"), cluster=gpus(1)).chosen.method == "lora"
+
+
+def test_peak_is_the_larger_phase_not_the_sum():
+    """Full fine-tune of a 1B model: gradients and activations never peak together."""
+    request = PlanRequest(seq_len=2048, micro_batch_size=4, method="full")
+    est = estimate(shape("llama-3.2-1b"), method="full", strategy="no_shard", cpu_offload=False, request=request,
+                   cluster=gpus(1))
+    m = est.memory
+    head = 128256 * 2048 * 2  # the tied embedding/head gradient, made first in backward
+    assert m.gradients_in_backward == head
+    assert m.forward_backward == m.weights + m.optimizer + head + m.activations + m.logits + m.gathered
+    assert m.optimizer_step == m.weights + m.gradients + m.optimizer
+    assert m.total == max(m.forward_backward, m.optimizer_step) + m.overhead
+    assert m.total < m.model_state + m.activations + m.logits + m.overhead
+    # accumulating keeps the earlier micro-batches' gradients through the next forward
+    accum = estimate(shape("llama-3.2-1b"), method="full", strategy="no_shard", cpu_offload=False,
+                     request=dataclasses.replace(request, grad_accum_steps=2), cluster=gpus(1))
+    assert accum.memory.gradients_in_backward == m.gradients
 
 
 def test_1b_lora_and_full_both_fit_on_24gb():
@@ -123,11 +159,11 @@ def test_cpu_plan_uses_host_ram():
 
 
 def test_nothing_fits_gives_closest_and_what_would_fit():
-    req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2)
+    req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2, loss_chunk_tokens=0)
     p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
     assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
     assert p.closest.label == "lora no_shard"
-    for change in ("train.micro_batch_size=1", "sharding.cpu_offload=true", "method=qlora"):
+    for change in ("train.loss_chunk_tokens=128", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
         assert any(s.startswith(change) or f" {change}" in s.split(":")[0] for s in p.suggestions), (change, p.suggestions)
     need = next(s for s in p.suggestions if s.startswith("GPUs with >="))
     assert f"{p.closest.memory.total / 0.9 / GiB:.1f} GiB" in need
@@ -253,3 +289,46 @@ def test_plan_command_json_flags_and_exit_codes(tmp_path):
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--gpus" in out.stderr
     out = _plan_cli(str(recipe), "data.max_length=100000", "--gpus", "1x24GB")
     assert out.returncode == 2 and "max_position_embeddings" in out.stderr
+
+
+def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
+    request = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full")
+    llama = shape("llama-3.2-1b")
+    plain = estimate(llama, method="full", strategy="no_shard", cpu_offload=False, request=request, cluster=gpus(1))
+    lean = estimate(llama, method="full", strategy="no_shard", cpu_offload=False,
+                    request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(1))
+    assert lean.memory.gradients == 128256 * 2048 * 2  # the embedding's, the largest single gradient
+    # The optimizer phase (every gradient) was the peak; now the forward/backward phase, unchanged, is.
+    assert plain.memory.total == plain.memory.optimizer_step + plain.memory.overhead
+    assert lean.memory.forward_backward == plain.memory.forward_backward
+    assert lean.memory.total == lean.memory.forward_backward + lean.memory.overhead < plain.memory.total
+    p = plan(llama, request=dataclasses.replace(request, method="auto", optimizer_in_backward=True), cluster=gpus(1))
+    assert p.chosen.method == "full"  # never an adapter rung the trainer would refuse
+    assert not any(o.allowed for o in p.options if o.method != "full")
+    two = plan(llama, request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(2))
+    assert not any(o.allowed for o in two.options if o.strategy == "no_shard")
+
+
+def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
+    request = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full",
+                          strategy="no_shard")
+    p = plan(shape("llama-3.2-1b"), request=request, cluster=gpus(1, 11))
+    assert not p.fits
+    assert p.suggestions[0].startswith("train.optimizer_in_backward=true train.max_grad_norm=0: full no_shard fits")
+
+
+def test_activation_offload_moves_block_inputs_to_host():
+    request = PlanRequest(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora")
+    llama = shape("llama-3-8b")
+
+    def est(req, cluster):
+        return estimate(llama, method="qlora", strategy="no_shard", cpu_offload=False, request=req, cluster=cluster)
+
+    on = dataclasses.replace(request, activation_offload=True)
+    plain, lean = est(request, gpus(1)), est(on, gpus(1))
+    tokens = 2 * 2048
+    assert plain.memory.activations - lean.memory.activations == tokens * 31 * 4096 * 2
+    assert lean.host_bytes - plain.host_bytes == tokens * 33 * 4096 * 2
+    assert lean.offload_s == pytest.approx(2 * tokens * 33 * 4096 * 2 / 12e9)
+    cpu = Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=64 * GiB, host_ram_bytes=64 * GiB)
+    assert est(on, cpu).memory == est(request, cpu).memory  # host RAM is the device: nothing to gain

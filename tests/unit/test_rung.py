@@ -32,6 +32,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
         (dict(method="adapters", strategy="no_shard", cpu_offload=False), "not a rung"),
         (dict(method="full", strategy="no_shard", cpu_offload=False, optimizer="sgd"), "train.optimizer"),
         (dict(method="full", strategy="no_shard", cpu_offload=False, nodes=0), ">= 1"),
+        (dict(method="qlora", strategy="no_shard", cpu_offload=False, optimizer_in_backward=True), "full fine-tunes"),
     ],
 )
 def test_refused_rungs_name_the_fix(kwargs, message):
@@ -90,6 +91,7 @@ REQUESTS = [
     PlanRequest(seq_len=512, optimizer="adamw_8bit"),
     PlanRequest(seq_len=512, optimizer="paged_adamw_8bit", method="lora"),
     PlanRequest(seq_len=256, method="full", strategy="auto", cpu_offload=True),
+    PlanRequest(seq_len=256, optimizer_in_backward=True),
 ]
 
 
@@ -98,7 +100,8 @@ def _recipe_for(option, cluster: Cluster, request: PlanRequest, *, auto: bool):
         "method": "auto" if auto else option.method,
         "sharding": {"strategy": "auto" if auto else option.strategy, "cpu_offload": option.cpu_offload and not auto},
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
-        "train": {"optimizer": request.optimizer},
+        "train": {"optimizer": request.optimizer,
+                  **({"optimizer_in_backward": True, "max_grad_norm": 0} if request.optimizer_in_backward else {})},
     }
     return _recipe(**sections)
 

@@ -1,0 +1,229 @@
+"""Peak memory of one training step, measured, for each memory switch on and off, next to the planner.
+
+A small Llama with Llama 3's 128,256-entry vocabulary reads 2048-token rows. Every row of the table
+runs in a fresh process (so one row's freed memory cannot hide another's peak) and measures the
+trainer's own `train_step` after a warm-up step has created the optimizer state:
+- on CPU, the process's resident high-water mark: `/proc/self/clear_refs` is written "5" to reset
+  VmHWM to the current RSS just before the step, and VmHWM - RSS before the step is the step's
+  peak. glibc is told to serve every allocation above 128 KiB with mmap
+  (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the RSS at once and do not pad later peaks;
+- on CUDA (`--device cuda`), torch.cuda.max_memory_allocated() - memory_allocated() before the step.
+The planner's figure for the same shapes is what the step adds to weights and optimizer state:
+`memory.total - overhead - weights - optimizer`. The `loss only` rows time the LM head and
+cross-entropy alone on given hidden states (the head frozen), against the planner's `logits` item.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/memory.py                 # ~2 minutes on one core
+    .venv/bin/python bench/memory.py --device cuda --hidden 1024 --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+VOCAB = 128256
+# name: (what it measures, recipe train overrides, method)
+ROWS = {
+    "loss full logits": ("loss", {"loss_chunk_tokens": 0}, "lora"),
+    "loss chunked": ("loss", {}, "lora"),
+    "lora full logits": ("step", {"loss_chunk_tokens": 0}, "lora"),
+    "lora chunked": ("step", {}, "lora"),
+    "lora chunked+ckpt": ("step", {"activation_checkpointing": True}, "lora"),
+    "full chunked": ("step", {}, "full"),
+    "full chunked+optim_in_bwd": ("step", {"optimizer_in_backward": True, "max_grad_norm": 0.0}, "full"),
+}
+
+
+def _recipe(model_dir: Path, *, method: str, train: dict, args):
+    from homelab_ft.config import recipe_from_dict
+
+    return recipe_from_dict({
+        "method": method,
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 16, "dropout": 0.0},
+        "data": {"max_length": args.seq_len},
+        "train": {"device": args.device, "micro_batch_size": args.batch, "lr": 1e-4, "max_grad_norm": 1.0, **train},
+    })
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class PeakMeter:
+    """The peak bytes a block of code adds on top of what is allocated when it starts."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        import torch
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.start = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")
+            self.start = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.peak = _status_bytes("VmHWM") - self.start
+
+
+def measure_row(name: str, model_dir: Path, args) -> int:
+    """Runs in its own process: the peak bytes of one step (or of the loss alone)."""
+    import torch
+
+    from homelab_ft import distributed, loss, steps
+    from homelab_ft.trainer import Rung, build_model, train_step
+
+    kind, train, method = ROWS[name]
+    recipe = _recipe(model_dir, method=method, train=train, args=args)
+    env = distributed.setup(device_pref=args.device)
+    torch.manual_seed(0)
+    model = build_model(recipe, model_dir=model_dir, rung=Rung(method=method, strategy="no_shard", cpu_offload=False),
+                        env=env)
+    ids = torch.randint(0, VOCAB, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if kind == "loss":
+        head = loss.causal_lm(model).get_output_embeddings()
+        head.requires_grad_(False)
+        hidden = torch.randn(args.batch, args.seq_len, args.hidden, device=env.device, requires_grad=True)
+        labels = batch["labels"].to(env.device)
+        chunk = recipe.train.loss_chunk_tokens
+
+        def loss_step():
+            if chunk:
+                summed = loss.chunked_loss_sum(hidden, labels, head=head, chunk_tokens=chunk)
+            else:
+                summed = steps.token_loss_sum(head(hidden), labels)
+            summed.backward()
+            hidden.grad = None
+
+        loss_step()  # first calls allocate kernel workspaces and thread buffers, as the warm-up step below
+        with PeakMeter(env.device) as meter:
+            loss_step()
+        return meter.peak
+    optimizer = steps.build_optimizer(model, recipe.train)
+    session = SimpleNamespace(env=env, model=model, recipe=recipe, optimizer=optimizer,
+                              scheduler=steps.build_scheduler(optimizer, recipe.train))
+    train_step(session, [batch])  # creates the optimizer state
+    with PeakMeter(env.device) as meter:
+        train_step(session, [batch])
+    return meter.peak
+
+
+def predict_row(name: str, model_dir: Path, args) -> int:
+    from homelab_ft.config import ClusterConfig
+    from homelab_ft.hardware import detect, resolve_cluster
+    from homelab_ft.memory import estimate
+    from homelab_ft.planner import request_from_recipe
+    from homelab_ft.shapes import model_shape, read_model_config
+
+    kind, train, method = ROWS[name]
+    recipe = _recipe(model_dir, method=method, train=train, args=args)
+    shape = model_shape(read_model_config(str(model_dir)))
+    cluster = resolve_cluster(ClusterConfig(device=args.device, vram_gib=80 if args.device == "cuda" else None),
+                              detected=detect())
+    m = estimate(shape, method=method, strategy="no_shard", cpu_offload=False, request=request_from_recipe(recipe),
+                 cluster=cluster).memory
+    if kind == "loss":
+        return m.logits
+    return m.total - m.overhead - m.weights - m.optimizer
+
+
+def _num_params(args) -> int:
+    heads, kv = max(args.hidden // 64, 1), max(args.hidden // 128, 1)
+    head_dim = args.hidden // heads
+    attention = args.hidden * head_dim * (2 * heads + 2 * kv)
+    block = attention + 3 * args.hidden * args.intermediate + 2 * args.hidden
+    return 2 * VOCAB * args.hidden + args.layers * block + args.hidden
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated row names")
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.row:  # a child: one measurement
+        print(json.dumps({"peak": measure_row(args.row, Path(args.model_dir), args)}))
+        return 0
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    names = [n.strip() for n in args.rows.split(",") if n.strip()]
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        config = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                             num_hidden_layers=args.layers, num_attention_heads=max(args.hidden // 64, 1),
+                             num_key_value_heads=max(args.hidden // 128, 1), max_position_embeddings=args.seq_len,
+                             tie_word_embeddings=False)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(model_dir)
+        del config
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        print(f"Llama: vocab {VOCAB}, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers; "
+              f"{args.batch} x {args.seq_len} tokens, {args.device}, one step after a warm-up step")
+        print(f"{'row':22s} {'planned MB':>11s} {'measured MB':>12s} {'measured/planned':>17s}")
+        for name in names:
+            argv = [sys.executable, __file__, "--row", name, "--model-dir", str(model_dir), "--device", args.device,
+                    "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
+                    "--layers", str(args.layers), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
+            proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                print(f"{name}: failed\n{proc.stderr[-3000:]}")
+                return 1
+            measured = json.loads(proc.stdout.strip().splitlines()[-1])["peak"]
+            planned = predict_row(name, model_dir, args)
+            results[name] = (planned, measured)
+            print(f"{name:22s} {planned / 1e6:>11.1f} {measured / 1e6:>12.1f} {measured / planned:>17.3f}")
+    if {"loss full logits", "loss chunked"} <= results.keys():
+        ratio = results["loss chunked"][1] / results["loss full logits"][1]
+        print(f"loss peak, chunked / full logits: {ratio:.3f} (goal <= 0.125)")
+    if {"full chunked", "full chunked+optim_in_bwd"} <= results.keys():
+        saved = results["full chunked"][1] - results["full chunked+optim_in_bwd"][1]
+        grads = 4 * _num_params(args)
+        print(f"full fine-tune peak saved by optimizer_in_backward: {saved / 1e6:.1f} MB = {saved / grads:.2f} x the "
+              f"{grads / 1e6:.1f} MB of fp32 gradients (goal >= 0.9 where the optimizer phase is the peak)")
+    off = [n for n, (p, m) in results.items() if abs(m / p - 1) > 0.10]
+    print("planner within 10% on every row" if not off else f"planner off by more than 10%: {', '.join(off)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
