@@ -147,6 +147,10 @@ def _cmd_train(args) -> int:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
 
+    if not launch.under_torchrun():
+        from homelab_ft.rundir import check_before_launch
+
+        check_before_launch(recipe)
     if plan.checkpoint_bytes and not launch.under_torchrun():
         from homelab_ft.diskspace import space_warning
 

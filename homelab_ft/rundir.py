@@ -24,7 +24,19 @@ schedule then follows the new length from the resumed step."""
 
 
 def check_run_dir(recipe: Recipe) -> Path | None:
-    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from."""
+    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from.
+
+    Collective under a process group (the checkpoint's files are hashed by all ranks together).
+    """
+    check_before_launch(recipe)
+    return checkpoint.newest_intact(recipe.run_dir) if recipe.train.resume else None
+
+
+def check_before_launch(recipe: Recipe) -> None:
+    """The run-directory refusals that need no process group and read no checkpoint: another
+    live writer, another run in the directory, a resume of another model or with optimisation
+    overrides. The CLI calls it before starting torchrun, so they end in one line, before any
+    process is launched; every rank repeats it in `check_run_dir`."""
     run_dir = recipe.run_dir
     saved = run_dir / "recipe.yaml"
     runlock.check_free(run_dir)
@@ -33,13 +45,12 @@ def check_run_dir(recipe: Recipe) -> Path | None:
             old = load_recipe(saved)
             _check_same_model(old, recipe, saved)
             check_resume_overrides(old, recipe, saved=saved)
-        return checkpoint.newest_intact(run_dir)
+        return
     if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
         raise UserError(
             f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
             "--overwrite, or choose another with --run-dir"
         )
-    return None
 
 
 def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
