@@ -113,6 +113,23 @@ def _term_on_parent_death() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
+SHUTDOWN_GRACE_S = 30
+"""torchrun's own default wait between forwarding a signal and SIGKILL."""
+CHECKPOINT_WRITE_BYTES_PER_S = 100e6
+"""A slow disk: a hard disk or a busy NAS writes ~100-150 MB/s; SSDs several times that."""
+
+
+def shutdown_timeout_s(plan) -> int:
+    """Seconds torchrun waits for the ranks after forwarding SIGTERM/SIGINT before SIGKILL: its
+    30 s, plus the step in progress twice over (as the plan prices it) and the checkpoint written
+    at a slow disk's speed (1.5 GB: +15 s; a 1B full fine-tune's 7 GB: +70 s). Too short, and a
+    rank is killed mid-save: the previous checkpoint stays, but the stop loses its steps."""
+    chosen = getattr(plan, "chosen", None)
+    if chosen is None:
+        return SHUTDOWN_GRACE_S
+    return int(SHUTDOWN_GRACE_S + 2 * chosen.step_s + (plan.checkpoint_bytes or 0) / CHECKPOINT_WRITE_BYTES_PER_S)
+
+
 def memory_note(plan) -> str:
     """What the planner expects a node to need, for the line that reports a killed rank."""
     chosen = getattr(plan, "chosen", None)
@@ -276,6 +293,7 @@ def reexec_under_torchrun(
     if recipe.train.num_threads:
         env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
     env[MEMORY_NOTE_VAR] = memory_note(plan)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout_s(plan)))
     return run_supervised(argv, env=env)
 
 

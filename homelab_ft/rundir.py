@@ -71,6 +71,10 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        # With the lock held nobody else writes here: a temporary checkpoint folder is what a
+        # killed save left behind, and only takes space.
+        for leftover in checkpoint.checkpoints_dir(run_dir).glob(".tmp-step_*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         dump_recipe(recipe, run_dir / "recipe.yaml")
         if recipe.train.resume and resume_from is None:
             print(f"no complete checkpoint in {run_dir}; starting from step 0")

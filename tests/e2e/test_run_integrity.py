@@ -195,8 +195,10 @@ def test_resume_without_checkpoint_drops_logged_rows_and_takes_over_a_stale_lock
     recipe, run, full = trained
     copy = _copy(run, tmp_path / "run")
     shutil.rmtree(copy / "checkpoints")
+    (copy / "checkpoints" / ".tmp-step_000002" / "state").mkdir(parents=True)  # the killed save
     (copy / ".lock").write_text("host elsewhere pid 999999 since 2026-01-01 00:00:00\n")
     assert main(["train", str(recipe), "--run-dir", str(copy), "--resume", "train.max_steps=1"]) == 0
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step_000001"]
     assert "took over the lock" in _said(capsys, caplog)
     assert [r["step"] for r in read_metrics(copy / "metrics.jsonl")] == [1]
     assert _losses(copy)[1] == pytest.approx(full[1], abs=1e-6)

@@ -131,3 +131,11 @@ def test_one_process_that_needs_fsdp_still_runs_under_torchrun(monkeypatch):
     assert launch.reexec_under_torchrun(recipe, "r.yaml", [], force=False) is None
     assert launch.reexec_under_torchrun(recipe, "r.yaml", ["train.lr=1e-4"], force=True) == 0
     assert "--nproc-per-node=1" in calls[0] and calls[0][-2:] == ["r.yaml", "train.lr=1e-4"]
+
+
+def test_torchrun_waits_for_a_step_and_a_checkpoint_after_a_signal():
+    from types import SimpleNamespace
+
+    assert launch.shutdown_timeout_s(SimpleNamespace(chosen=None)) == 30
+    plan = SimpleNamespace(chosen=SimpleNamespace(step_s=5.0), checkpoint_bytes=7_000_000_000)
+    assert launch.shutdown_timeout_s(plan) == 30 + 10 + 70
