@@ -191,7 +191,8 @@ def _cmd_train(args) -> int:
         preflight.check_data(recipe, inputs, base_dir=base_dir)
         flags = ["--quiet"] * args.quiet + ["--verbose"] * args.verbose
         return launch.run_workers(recipe, str(args.recipe), overrides + flags,
-                                  handoff=launch.Handoff(rung=rung, plan=plan.to_dict(), model_dir=str(inputs.model_dir)))
+                                  handoff=launch.Handoff(rung=rung, plan=plan.to_dict(), model_dir=str(inputs.model_dir),
+                                                         resume_from=str(inputs.resume_from) if inputs.resume_from else None))
     trainer.train(recipe, plan=plan, rung=rung, inputs=inputs, base_dir=base_dir)
     return 0
 

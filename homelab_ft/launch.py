@@ -117,6 +117,24 @@ def _term_on_parent_death() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
+SHUTDOWN_GRACE_S = 30
+"""torchrun's own default wait between forwarding a signal and SIGKILL."""
+CHECKPOINT_WRITE_BYTES_PER_S = 100e6
+"""A slow disk: a hard disk or a busy NAS writes ~100-150 MB/s; SSDs several times that."""
+
+
+def shutdown_timeout_s(plan: dict) -> int:
+    """Seconds torchrun waits for the ranks after forwarding SIGTERM/SIGINT before SIGKILL: its
+    30 s, plus the step in progress twice over (as the plan prices it) and the checkpoint written
+    at a slow disk's speed (1.5 GB: +15 s; a 1B full fine-tune's 7 GB: +70 s). Too short, and a
+    rank is killed mid-save: the previous checkpoint stays, but the stop loses its steps.
+    `plan` is `Plan.to_dict()`, as handed to the workers."""
+    chosen = plan.get("chosen")
+    if not chosen:
+        return SHUTDOWN_GRACE_S
+    return int(SHUTDOWN_GRACE_S + 2 * chosen["step_s"] + (plan.get("checkpoint_bytes") or 0) / CHECKPOINT_WRITE_BYTES_PER_S)
+
+
 def memory_note(plan: dict) -> str:
     """What the planner expects a node to need (from `Plan.to_dict()`), for the line that reports
     a killed rank."""
@@ -266,9 +284,12 @@ class Handoff:
     rung: Rung
     plan: dict
     model_dir: str
+    resume_from: str | None = None
+    """The checkpoint the parent verified (manifest and hashes) and chose to resume from."""
 
     def to_json(self) -> str:
-        return json.dumps({"rung": self.rung.to_dict(), "plan": self.plan, "model_dir": self.model_dir})
+        return json.dumps({"rung": self.rung.to_dict(), "plan": self.plan, "model_dir": self.model_dir,
+                           "resume_from": self.resume_from})
 
 
 def received_handoff(environ=os.environ) -> Handoff | None:
@@ -277,7 +298,8 @@ def received_handoff(environ=os.environ) -> Handoff | None:
     if not text or not under_torchrun(environ):
         return None
     data = json.loads(text)
-    return Handoff(rung=Rung.from_dict(data["rung"]), plan=data["plan"], model_dir=data["model_dir"])
+    return Handoff(rung=Rung.from_dict(data["rung"]), plan=data["plan"], model_dir=data["model_dir"],
+                   resume_from=data.get("resume_from"))
 
 
 def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Handoff) -> int:
@@ -298,6 +320,7 @@ def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Han
     if recipe.train.num_threads:
         env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
     env[MEMORY_NOTE_VAR] = memory_note(handoff.plan)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(shutdown_timeout_s(handoff.plan)))
     return run_supervised(argv, env=env)
 
 

@@ -182,6 +182,7 @@ def device_type(pref: str) -> str:
 
 
 def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:
-    """A torchrun worker's inputs: the parent checked them; only the resume point is read again
-    (every rank reads it before any rank can write, see rundir.init_run_dir)."""
-    return Inputs(model_dir=Path(handoff.model_dir), resume_from=rundir.check_run_dir(recipe))
+    """A torchrun worker's inputs: the parent checked them moments ago (including the hashes of the
+    checkpoint it chose to resume from), so nothing is read again."""
+    return Inputs(model_dir=Path(handoff.model_dir),
+                  resume_from=Path(handoff.resume_from) if handoff.resume_from else None)

@@ -30,7 +30,24 @@ def check_run_dir(recipe: Recipe) -> Path | None:
     """Refuse to mix runs (without writing anything); returns the checkpoint to resume from.
 
     `train.resume: true` (--resume) needs a checkpoint to continue from; `auto` (--resume-or-start)
-    continues when there is one and starts a new run otherwise."""
+    continues when there is one and starts a new run otherwise. Collective under a process group
+    (the checkpoint's files are hashed by all ranks together)."""
+    check_before_launch(recipe)
+    if not recipe.train.resume:
+        return None
+    found = checkpoint.newest_intact(recipe.run_dir)
+    if found is None and recipe.train.resume is True:
+        run_dir = recipe.run_dir
+        what = "does not exist" if not run_dir.exists() else "holds no complete checkpoint"
+        raise UserError(f"--resume: {run_dir} {what}, so there is nothing to resume; drop --resume to start "
+                        "a new run, or pass --resume-or-start to continue when a checkpoint exists")
+    return found
+
+
+def check_before_launch(recipe: Recipe) -> None:
+    """The run-directory refusals that need no process group and read no checkpoint: a file where
+    the directory should be, another live writer, another run in the directory, a resume of
+    another model or with optimisation overrides."""
     run_dir = recipe.run_dir
     for part in (run_dir, *run_dir.parents):
         if part.exists() and not part.is_dir():
@@ -42,18 +59,12 @@ def check_run_dir(recipe: Recipe) -> Path | None:
             old = load_recipe(saved)
             _check_same_model(old, recipe, saved)
             check_resume_overrides(old, recipe, saved=saved)
-        found = checkpoint.newest_intact(run_dir)
-        if found is None and recipe.train.resume is True:
-            what = "does not exist" if not run_dir.exists() else "holds no complete checkpoint"
-            raise UserError(f"--resume: {run_dir} {what}, so there is nothing to resume; drop --resume to start "
-                            "a new run, or pass --resume-or-start to continue when a checkpoint exists")
-        return found
+        return
     if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
         raise UserError(
             f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
             "--overwrite, or choose another with --run-dir"
         )
-    return None
 
 
 def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
@@ -74,6 +85,10 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
                     shutil.rmtree(child)
                 else:
                     child.unlink()
+        # With the lock held nobody else writes here: a temporary checkpoint folder is what a
+        # killed save left behind, and only takes space.
+        for leftover in checkpoint.checkpoints_dir(run_dir).glob(".tmp-step_*"):
+            shutil.rmtree(leftover, ignore_errors=True)
         dump_recipe(recipe, run_dir / "recipe.yaml")
         if recipe.train.resume and resume_from is None:
             log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)

@@ -175,6 +175,17 @@ def test_resume_refuses_optimisation_overrides(trained, tmp_path, capsys):
     saved = (copy / "recipe.yaml").read_bytes()
     assert main(["train", str(recipe), "--run-dir", str(copy), "--resume", "train.lr=5e-4"]) == 2
     assert "cannot change train.lr" in capsys.readouterr().err
+    # on two processes the refusal comes before torchrun starts: one line, at once
+    assert main(["train", str(recipe), "--run-dir", str(copy), "--resume", "cluster.gpus_per_node=2",
+                 "sharding.strategy=full_shard"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("homelab-ft:") == 1 and "rows per optimizer step (train.micro_batch_size" in err, err
+    # the same global batch split over two processes is a legitimate resume
+    from homelab_ft import config, rundir
+
+    old = config.load_recipe(copy / "recipe.yaml")
+    halves = config.load_recipe(recipe, ["train.micro_batch_size=2", "cluster.gpus_per_node=2"])
+    rundir.check_resume_overrides(old, halves, saved=copy / "recipe.yaml")
     assert (copy / "recipe.yaml").read_bytes() == saved
 
 
@@ -184,8 +195,10 @@ def test_resume_without_checkpoint_drops_logged_rows_and_takes_over_a_stale_lock
     recipe, run, full = trained
     copy = _copy(run, tmp_path / "run")
     shutil.rmtree(copy / "checkpoints")
+    (copy / "checkpoints" / ".tmp-step_000002" / "state").mkdir(parents=True)  # the killed save
     (copy / ".lock").write_text("host elsewhere pid 999999 since 2026-01-01 00:00:00\n")
     assert main(["train", str(recipe), "--run-dir", str(copy), "--resume-or-start", "train.max_steps=1"]) == 0
+    assert [p.name for p in (copy / "checkpoints").iterdir()] == ["step_000001"]
     assert "took over the lock" in _said(capsys, caplog)
     assert [r["step"] for r in read_metrics(copy / "metrics.jsonl")] == [1]
     assert _losses(copy)[1] == pytest.approx(full[1], abs=1e-6)

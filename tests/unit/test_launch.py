@@ -147,3 +147,9 @@ def test_launch_pins_the_planned_rung_on_every_node(tmp_path):
     tails = {tuple(c.argv[-3:]) for c in commands}
     assert len(tails) == 1 and next(iter(tails))[0].startswith("method=")
     assert "sharding.strategy=" in commands[0].shell_line()
+
+
+def test_torchrun_waits_for_a_step_and_a_checkpoint_after_a_signal():
+    assert launch.shutdown_timeout_s({"chosen": None}) == 30
+    plan = {"chosen": {"step_s": 5.0}, "checkpoint_bytes": 7_000_000_000}
+    assert launch.shutdown_timeout_s(plan) == 30 + 10 + 70
