@@ -275,6 +275,18 @@ def accumulation_sync(model: nn.Module, *, last_micro_batch: bool):
         model.set_requires_gradient_sync(True)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the weights a forward left gathered (SHARD_GRAD_OP keeps them for a backward that an
+    eval pass never runs). Without it, `model.parameters()` after an eval under shard_grad_op are
+    the unsharded tensors, not the ones the optimizer holds, and the next checkpoint's
+    `get_optimizer_state_dict` fails with KeyError 0 (measured, torch 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def all_reduce_sum(value: float | int | torch.Tensor, env: DistEnv) -> float:
     """Sum a number over ranks (the global trained-token count); identity on one process."""
     tensor = torch.as_tensor(value, dtype=torch.float64).reshape(())

@@ -216,21 +216,26 @@ def build(recipe, *, model_dir: Path, rung, env) -> nn.Module:
 
 
 def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of `full` into `param` (a DTensor shard, or a plain tensor).
+    """Copy this rank's part of `full` (on any device) into `param` (a DTensor shard, or plain).
 
-    `distribute_tensor(src_data_rank=None)` slices locally, with the same chunking FSDP2 uses
-    (torch.chunk on dim 0, the last ranks short or empty): no communication, every rank holds the
-    same `full`.
+    The slice is cut where `full` lies (the host, when read from disk) with the chunking FSDP2
+    and DTensor use for `Shard(dim)` (torch.chunk; ranks past the last chunk hold nothing), and
+    only the slice moves to the shard's device: no rank ever puts a whole tensor on its GPU, and
+    nothing is communicated (every rank read the same `full`).
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full.to(param.device_mesh.device_type), param.device_mesh, param.placements,
-                                      src_data_rank=None).to_local()
-            param.to_local().copy_(local)
-        else:
+        if not isinstance(param, DTensor):
             param.copy_(full)
+            return
+        local = full
+        for mesh_dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                num, index = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
+                chunks = torch.chunk(local, num, dim=placement.dim)
+                local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
+        param.to_local().copy_(local)
 
 
 class _Reader:

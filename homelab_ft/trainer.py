@@ -321,6 +321,7 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
         if real:
             loss_sum += summed
             tokens += steps.trained_tokens(mb["labels"])
+    distributed.reshard(model)
     total_tokens = distributed.all_reduce_sum(tokens, env)
     return distributed.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
 
