@@ -205,7 +205,10 @@ def main() -> None:
                    "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
             # A fixed mmap threshold turns off glibc's dynamic one, which otherwise keeps freed
             # tensors of up to 32 MiB in the heap, so RSS would count memory the rung no longer uses.
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
+                   # this checkout's package, also in torchrun's children (not an installed copy)
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                               os.environ.get("PYTHONPATH")]))}
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
