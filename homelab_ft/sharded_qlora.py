@@ -71,6 +71,11 @@ def check_recipe(recipe, *, compute_dtype: torch.dtype) -> None:
     if recipe.quant.bits != 4:
         raise UserError("quant.bits=8 with a sharded strategy: LLM.int8 weights (int8 rows + fp16 outliers) cannot "
                         "be split by FSDP2; use quant.bits=4, or sharding.strategy=no_shard")
+    if compute_dtype == torch.float16:
+        # One-GPU QLoRA upcasts fp16's non-quantized weights to fp32 (quant.prepare_for_training); FSDP2's
+        # single param_dtype, which must be the 4-bit storage dtype, would run them all in fp16.
+        raise UserError("quant.compute_dtype=float16 with a sharded strategy: every weight would be gathered "
+                        "in fp16, whose range overflows on LLM activations; use quant.compute_dtype=bfloat16 (or auto)")
     if recipe.sharding.param_dtype != "auto" and getattr(torch, recipe.sharding.param_dtype) != compute_dtype:
         raise UserError(f"sharding.param_dtype={recipe.sharding.param_dtype} with method=qlora: the sharded 4-bit "
                         f"weights are bytes stored as {str(compute_dtype).removeprefix('torch.')} and a cast would "

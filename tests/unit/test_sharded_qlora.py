@@ -46,6 +46,8 @@ def test_check_recipe_refuses_8bit_and_a_casting_param_dtype():
         check_recipe(_recipe(quant={"bits": 8}), compute_dtype=torch.float32)
     with pytest.raises(UserError, match="sharding.param_dtype=bfloat16.*auto"):
         check_recipe(_recipe(sharding={"strategy": "full_shard", "param_dtype": "bfloat16"}), compute_dtype=torch.float32)
+    with pytest.raises(UserError, match="compute_dtype=float16.*bfloat16"):
+        check_recipe(_recipe(quant={"compute_dtype": "float16"}), compute_dtype=torch.float16)
 
 
 def test_check_model_reads_the_skeleton_of_a_config():
