@@ -73,3 +73,27 @@ def test_planner_keeps_quant_constants_whole_per_rank():
     # loading holds one tensor per rank, never the model: far below the 37 GiB NF4 base
     offload = estimate(shape, method="qlora", strategy="full_shard", cpu_offload=True, request=request, cluster=cluster)
     assert offload.host_bytes < 64 * GiB
+
+
+@pytest.mark.parametrize("quant_type, double_quant", [("nf4", True), ("fp4", False)])
+def test_chunked_quantisation_is_bitsandbytes_bit_for_bit(monkeypatch, quant_type, double_quant):
+    """Chunks of whole 64-value blocks, a short last block, and the double quantisation over the
+    whole absmax: the same bytes and constants as one `quantize_4bit` call, and a forward (also
+    bitsandbytes' single-token path) equal to the dequantised matmul."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as F
+
+    from homelab_ft import sharded_qlora
+
+    monkeypatch.setattr(sharded_qlora, "QUANT_CHUNK_VALUES", 1024)
+    weight = torch.randn(72, 40, generator=torch.Generator().manual_seed(0))  # 2880 values: 3 chunks, 45 blocks
+    packed, state = sharded_qlora.quantize_4bit(weight, quant_type=quant_type, double_quant=double_quant,
+                                                storage_dtype=torch.float32)
+    ref, ref_state = F.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant, quant_type=quant_type)
+    assert packed.shape == (2880 // 8, 1) and packed.dtype == torch.float32
+    assert torch.equal(packed.view(torch.uint8).reshape(-1), ref.reshape(-1))
+    assert torch.equal(F.dequantize_4bit(packed, state), F.dequantize_4bit(ref, ref_state))
+    dense = F.dequantize_4bit(ref, ref_state)
+    with torch.no_grad():
+        for x in (torch.randn(3, 5, 40), torch.randn(1, 1, 40)):
+            assert torch.equal(bnb.matmul_4bit(x, packed, quant_state=state), x @ dense.t())
