@@ -213,14 +213,13 @@ def run_qlora_shards(job: dict, env) -> dict:
     """
     import gc
 
-    from torch.distributed.tensor import DTensor
-
-    from homelab_ft import modeling, quant, sharded_qlora
-
     import bitsandbytes  # noqa: F401  (imports before the baseline: they are not loading memory)
     import peft  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
+    from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM  # noqa: F401
+
+    from homelab_ft import modeling, quant, sharded_qlora
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = Path(recipe.model.path)

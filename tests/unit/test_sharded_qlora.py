@@ -12,8 +12,8 @@ from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
 from homelab_ft.memory import Cluster, GiB, PlanRequest, estimate, quant_state_bytes
 from homelab_ft.rung import Rung
-from homelab_ft.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
 from homelab_ft.shapes import model_shape
+from homelab_ft.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
 
 torch = pytest.importorskip("torch")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
