@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-RUNGS = ("qlora", "lora", "full")
+RUNGS = ("qlora", "lora", "full", "qlora_fsdp")
+"""qlora_fsdp: the 4-bit base sharded over 2 gloo ranks (sharded_qlora.py), each rank half the batch."""
 
 
 def rss_mib(field: str) -> float:
@@ -66,20 +68,28 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     from homelab_ft.trainer import build_model
 
     torch.manual_seed(0)
+    sharded = method == "qlora_fsdp"
     recipe = recipe_from_dict({
-        "method": method,
+        "method": "qlora" if sharded else method,
         "model": {"path": str(model_dir)},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
         "train": {"device": "cpu", "lr": 1e-4},
+        **({"cluster": {"gpus_per_node": 2}, "sharding": {"strategy": "full_shard"}} if sharded else {}),
     })
     env = distributed.setup(device_pref="cpu")
+    import bitsandbytes  # noqa: F401  (imports are not loading memory)
+    import peft  # noqa: F401
+
     before_load = rss_mib("VmRSS")
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     load_peak = rss_mib("VmHWM")
+    shard_mib = sharded_state_mib(model) if sharded else None
     optimizer = steps.build_optimizer(model, recipe.train)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     vocab = model.config.vocab_size if hasattr(model, "config") else model.module.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    if sharded:  # the same global batch, half per rank
+        ids = ids.chunk(env.world_size)[env.rank]
 
     def step() -> float:
         loss = model(input_ids=ids, labels=ids).loss
@@ -97,6 +107,12 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     # CPU seconds of this process: with one thread, what the step costs even when other jobs
     # share the cores (wall time then also counts the waits for a core).
     cpu_s = (time.process_time() - start_cpu) / num_steps
+    if sharded:
+        cpu_s = distributed.all_reduce_sum(cpu_s, env)  # CPU seconds of both ranks per step
+        return {"method": method, "step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": batch * seq_len / step_s,
+                "before_load_mib": before_load, "load_peak_mib": load_peak, "train_peak_mib": rss_mib("VmHWM"),
+                "trainable": trainable, "loss_first": losses[0], "loss_last": losses[-1], **shard_mib,
+                "block_mib": block_mib(model_dir), "world_size": env.world_size}
     for p in model.parameters():  # grads as they are between backward and step
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -115,6 +131,32 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
         "loss_first": losses[0],
         "loss_last": losses[-1],
     }
+
+
+def sharded_state_mib(model) -> dict:
+    """This rank's base weights as stored (its shards of every parameter, plus the quantisation
+    states, which every rank keeps whole) and the total over ranks of the shards alone."""
+    from torch.distributed.tensor import DTensor
+
+    from homelab_ft import sharded_qlora
+
+    local = total = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            t = p.to_local() if isinstance(p, DTensor) else p
+            local += t.numel() * t.element_size()
+            total += p.numel() * p.element_size()
+    states = sum(sharded_qlora._state_nbytes(m.quant_state) for m in model.modules()
+                 if isinstance(m, sharded_qlora._linear4bit_class()))
+    return {"shard_mib": (local + states) / 2**20, "state_mib": states / 2**20, "unsharded_mib": (total + states) / 2**20}
+
+
+def block_mib(model_dir: Path) -> float:
+    """One transformer block as stored on disk (bf16 here)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
+        return sum(math.prod(fh.get_slice(k).get_shape()) * 2 for k in fh.keys() if k.startswith("model.layers.0.")) / 2**20
 
 
 def build_model_dir(out: Path, *, hidden: int, intermediate: int, layers: int) -> Path:
@@ -146,19 +188,27 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         result = run_rung(args.child, args.model_dir, num_steps=args.steps, batch=args.batch, seq_len=args.seq_len)
-        print("RESULT " + json.dumps(result))
-        return
+        if os.environ.get("RANK", "0") == "0":
+            print("RESULT " + json.dumps(result))
+        sys.stdout.flush()
+        os._exit(0)  # FSDP2 processes may abort in interpreter teardown (distributed.exit_now)
 
     with tempfile.TemporaryDirectory(prefix="rungs-") as tmp:
         model_dir = build_model_dir(Path(tmp) / "model", hidden=args.hidden, intermediate=args.intermediate,
                                     layers=args.layers)
         results = {}
         for method in RUNGS:
-            cmd = [sys.executable, __file__, "--child", method, "--model-dir", str(model_dir),
+            launcher = [sys.executable]
+            if method == "qlora_fsdp":
+                launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            cmd = [*launcher, __file__, "--child", method, "--model-dir", str(model_dir),
                    "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len)]
             # A fixed mmap threshold turns off glibc's dynamic one, which otherwise keeps freed
             # tensors of up to 32 MiB in the heap, so RSS would count memory the rung no longer uses.
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024),
+                   # this checkout's package, also in torchrun's children (not an installed copy)
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                               os.environ.get("PYTHONPATH")]))}
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode != 0 or not lines:
@@ -182,7 +232,7 @@ def report(results: dict, args) -> None:
 
     print(f"{'rung':6} {'trainable':>10} {'wall s/step':>11} {'cpu s/step':>10} {'x lora':>6} {'weights MiB':>11} {'x lora':>6} "
           f"{'grad+optim MiB':>14} {'peak RSS-start MiB':>18} {'x lora':>6} {'load peak MiB':>13}  loss")
-    for method in RUNGS:
+    for method in RUNGS[:3]:
         r = results[method]
         print(f"{method:6} {r['trainable'] / 1e6:9.2f}M {r['step_s']:11.3f} {r['cpu_s']:10.3f} {r['cpu_s'] / lora['cpu_s']:6.2f} "
               f"{r['weights_mib']:11.1f} {r['weights_mib'] / lora['weights_mib']:6.2f} "
@@ -191,6 +241,18 @@ def report(results: dict, args) -> None:
     print("x lora of time: of CPU seconds per step (one thread, robust to other jobs on the machine); "
           "weights: parameters + buffers + 4-bit quant state as stored; peak RSS-start: peak resident memory "
           "while training minus resident memory before loading (imports); load peak: whole-process peak while loading.")
+    f, q = results["qlora_fsdp"], results["qlora"]
+    n = f["world_size"]
+    tokens = args.batch * args.seq_len
+    print(f"sharded QLoRA, {n} gloo ranks, {tokens // n} tokens each per step:")
+    print(f"  per-rank base (4-bit shards + whole quant states) / (total / {n}): {f['shard_mib']:.1f} MiB / "
+          f"{f['unsharded_mib'] / n:.1f} MiB = {f['shard_mib'] / (f['unsharded_mib'] / n):.3f} "
+          f"(quant states {f['state_mib']:.1f} MiB per rank)")
+    load = f["load_peak_mib"] - f["before_load_mib"]
+    print(f"  loading peak (RSS above start) / (shard + one block): {load:.0f} MiB / {f['shard_mib'] + f['block_mib']:.0f} MiB "
+          f"= {load / (f['shard_mib'] + f['block_mib']):.2f}  [1-process QLoRA: {q['load_peak_mib'] - q['before_load_mib']:.0f} MiB]")
+    print(f"  tokens per CPU-second: {tokens / f['cpu_s']:.0f} vs 1-process QLoRA {tokens / q['cpu_s']:.0f} "
+          f"= {q['cpu_s'] / f['cpu_s']:.2f}; wall s/step {f['step_s']:.3f} vs {q['step_s']:.3f}")
 
 
 if __name__ == "__main__":

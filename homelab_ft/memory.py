@@ -212,6 +212,35 @@ def adapter_bytes(method: Method, request: PlanRequest, cluster: Cluster) -> int
     return 2 if bf16 else 4
 
 
+def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
+    """Bytes of the 4-bit quantisation constants (absmax, nested absmax, offset) of all blocks.
+
+    A sharded 4-bit base (sharded_qlora.py) splits the packed weights over ranks but keeps each
+    layer's constants whole on every rank: the kernel dequantizes the all-gathered weight with
+    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: ~1.0 GiB per rank).
+    """
+    if request.quant_bits != 4:
+        return 0
+    total = 0
+    for block in shape.blocks:
+        per_block = 0
+        for lin in block.linears:
+            n = lin.in_features * lin.out_features
+            per_block += quantized_linear_bytes(lin.in_features, lin.out_features, bits=4,
+                                                double_quant=request.double_quant) - math.ceil(n / 2)
+        total += block.num_blocks * per_block
+    return total
+
+
+def sharded_qlora_loading_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
+    """Host RAM one rank holds while it fills its 4-bit shards (sharded_qlora.fill_from_safetensors):
+    one tensor at a time as read from disk (bf16 assumed, 2 B) plus its compute-dtype copy. The
+    largest is the embedding (vocab x hidden) or the widest linear layer; never the whole model."""
+    largest = max([shape.vocab_size * shape.hidden_size] + [lin.in_features * lin.out_features
+                                                             for b in shape.blocks for lin in b.linears])
+    return largest * (2 + qlora_compute_bytes(request, cluster))
+
+
 def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
     """Adapter parameters of one block: r x (in + out) per targeted linear (A: r x in, B: out x r).
 
@@ -360,7 +389,9 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
         root_bytes = shape.root_params * (qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes)
         base_bytes += trainable * state_bytes
-    weights = base_bytes / shards
+    # A sharded 4-bit base splits the packed bytes; the quantisation constants stay whole per rank.
+    replicated = quant_state_bytes(shape, request) if method == "qlora" and shards > 1 else 0
+    weights = (base_bytes - replicated) / shards + replicated
     gradients = trainable * state_bytes / shards
     in_backward = request.optimizer_in_backward and method == "full"
     if in_backward:
@@ -401,8 +432,13 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
     )
-    host = _host_bytes(device, offloaded=int(offloaded) + act_host, base_bytes=base_bytes, shards=shards,
-                       cpu_offload=cpu_offload, cluster=cluster)
+    # Sharded loads: LoRA/full take rank 0's whole copy; QLoRA fills its shards tensor by tensor.
+    sharded_load = shards > 1 or cpu_offload
+    if method == "qlora" and sharded_load:
+        loading = cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster)
+    else:
+        loading = base_bytes if sharded_load else 0
+    host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
     comm_bytes, comm_s = _communication(base_bytes, trainable, strategy=strategy, request=request, cluster=cluster)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
@@ -418,16 +454,15 @@ def _reduce_bytes(request: PlanRequest) -> int:
     return 4 if request.reduce_dtype == "float32" else 2
 
 
-def _host_bytes(device: Memory, *, offloaded: int, base_bytes: int, shards: int, cpu_offload: bool,
-                cluster: Cluster) -> int:
+def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluster) -> int:
     """Host RAM on node 0. On a CPU 'device' this is every process's memory. On GPUs: the process
     overhead, offloaded shards of every local rank, and, for sharded runs, one full copy of the
-    weights that rank 0 loads before broadcasting (sharded.py's rank-0 load, issue 4's first step;
-    single-device loads stream safetensors from the page cache straight to the GPU)."""
+    weights that rank 0 loads before broadcasting (sharded_loading's rank-0 load), or for a sharded
+    4-bit base one tensor per local rank (`loading`; single-device loads stream safetensors from
+    the page cache straight to the GPU)."""
     per_node = cluster.gpus_per_node
     if cluster.device == "cpu":
         return device.total * per_node
-    loading = base_bytes if (shards > 1 or cpu_offload) else 0
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
 
 

@@ -191,12 +191,17 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
 
 
 def count_params(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; a 4-bit weight counts its logical shape, not the two
-    values packed per stored byte."""
+    """(trainable, total) parameter counts; a 4-bit weight counts its logical shape, not the values
+    packed per stored element (bitsandbytes keeps the shape in `quant_state`; the sharded 4-bit
+    layers of sharded_qlora.py keep a flat packed weight, so their module's features count)."""
+    logical = {id(m.weight): m.in_features * m.out_features for m in model.modules()
+               if any(c.__name__ == "Linear4bit" for c in type(m).__mro__)}
 
     def numel(p) -> int:
         quant_state = getattr(p, "quant_state", None)
-        return quant_state.shape.numel() if quant_state is not None else p.numel()
+        if quant_state is not None:
+            return quant_state.shape.numel()
+        return logical.get(id(p), p.numel())
 
     trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
     total = sum(numel(p) for p in model.parameters())

@@ -140,7 +140,7 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
 def _rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> Rung:
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
-                optimizer_in_backward=request.optimizer_in_backward)
+                optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits)
 
 
 def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:

@@ -56,6 +56,10 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
         from homelab_ft import quant
 
         quant.check_quantizable(config, recipe.quant, device=device_type)
+        if rung.fsdp_enabled:
+            from homelab_ft import sharded_qlora
+
+            sharded_qlora.check_model(config, recipe, rung=rung, device_type=device_type)
     if rung.adapters_enabled:
         check_lora_targets(model_dir, recipe)
     return Inputs(model_dir=model_dir, resume_from=resume_from)

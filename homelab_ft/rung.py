@@ -45,6 +45,8 @@ class Rung:
     optimizer: str = ADAMW
     optimizer_in_backward: bool = False
     """Each parameter is stepped from its gradient hook (optim_backward.py): full fine-tunes only."""
+    quant_bits: int = 4
+    """qlora only: 4 (NF4/FP4, shardable, see sharded_qlora.py) or 8 (LLM.int8, one replica per rank)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -110,7 +112,7 @@ class Rung:
     def to_dict(self) -> dict:
         return {"method": self.method, "strategy": self.strategy, "cpu_offload": self.cpu_offload,
                 "nodes": self.nodes, "procs_per_node": self.procs_per_node, "optimizer": self.optimizer,
-                "optimizer_in_backward": self.optimizer_in_backward}
+                "optimizer_in_backward": self.optimizer_in_backward, "quant_bits": self.quant_bits}
 
     @classmethod
     def from_dict(cls, data: dict) -> Rung:
@@ -135,12 +137,13 @@ def _validate(r: Rung) -> None:
     if r.fsdp_enabled and r.world_size == 1 and not r.cpu_offload:
         raise RungError(f"sharding.strategy={r.strategy} with one process shards nothing; use "
                         "sharding.strategy=no_shard, or add sharding.cpu_offload=true to offload to the CPU")
-    if r.quantized_enabled and r.fsdp_enabled:
-        # fully_shard cannot split bitsandbytes' packed uint8 Params4bit (or Int8Params).
-        raise RungError(f"method=qlora with sharding.strategy={r.strategy}"
-                        f"{' and sharding.cpu_offload=true' if r.cpu_offload else ''} (the 4-bit base sharded over "
-                        "GPUs) is not supported yet; use sharding.strategy=no_shard (each GPU holds the 4-bit base, "
-                        "only adapter gradients cross the network) or method=lora with sharding")
+    if r.quant_bits not in (4, 8):
+        raise RungError(f"quant.bits={r.quant_bits}: bitsandbytes quantizes to 4 or 8 bits")
+    if r.quantized_enabled and r.fsdp_enabled and r.quant_bits != 4:
+        # LLM.int8 keeps int8 rows plus fp16 outlier columns found per batch: no byte layout FSDP2 can split.
+        raise RungError(f"method=qlora with quant.bits=8 and sharding.strategy={r.strategy}: an 8-bit base cannot be "
+                        "sharded (FSDP2 splits only the 4-bit base, see docs/qlora.md); use quant.bits=4, or "
+                        "sharding.strategy=no_shard (each GPU holds the 8-bit base)")
     if r.optimizer_in_backward and r.adapters_enabled:
         raise RungError(f"train.optimizer_in_backward is for full fine-tunes; with method={r.method} the adapter "
                         "gradients are tiny, set train.optimizer_in_backward=false")
@@ -185,4 +188,4 @@ def rung_for(recipe, chosen=None) -> Rung:
         strategy = NO_SHARD
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=recipe.cluster.nodes,
                 procs_per_node=recipe.cluster.gpus_per_node, optimizer=recipe.train.optimizer,
-                optimizer_in_backward=recipe.train.optimizer_in_backward)
+                optimizer_in_backward=recipe.train.optimizer_in_backward, quant_bits=recipe.quant.bits)

@@ -257,6 +257,10 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
     """Load the base for the rung, attach adapters, apply sharding when there are several ranks."""
     dtype = modeling.resolve_dtype(recipe.model.dtype, env.device)
     cfg = recipe.train
+    if rung.fsdp_enabled and rung.quantized_enabled:
+        from homelab_ft import sharded_qlora
+
+        return sharded_qlora.build(recipe, model_dir=model_dir, rung=rung, env=env)
     if rung.fsdp_enabled:
         return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtype)
     if rung.quantized_enabled:
@@ -282,6 +286,12 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
 
             compute = quant.compute_dtype(recipe.quant, device=env.device)
         model = modeling.attach_lora(model, recipe.lora, compute_dtype=compute)
+    if rung.quantized_enabled:
+        from homelab_ft import sharded_qlora
+
+        # the adapters' init from the seed alone, as the sharded 4-bit build must do it: every
+        # QLoRA rung starts from the same adapters (parity of 1 process, DDP and FSDP)
+        sharded_qlora.reset_adapters(model, seed=cfg.seed)
     if env.distributed:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = distributed.parallelize(

@@ -8,6 +8,8 @@ one of
   {"kind": "export", "name": ..., "recipe": {...}, "checkpoint": ..., "out": ...}
   {"kind": "lora_hf_load", "name": ..., "model_dir": ...}
   {"kind": "token_counts", "name": ..., "recipe": {...}, "world_size": 2}
+  {"kind": "qlora_shards", "name": ..., "recipe": {...}}   (sharded 4-bit base: bytes, load peak, forward)
+  {"kind": "export_run", "name": ..., "run_dir": ..., "out": ...}
 """
 
 from __future__ import annotations
@@ -188,6 +190,102 @@ def run_lora_hf_load(job: dict, env) -> dict:
     }
 
 
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _maxrss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def run_qlora_shards(job: dict, env) -> dict:
+    """The sharded 4-bit base: per-rank packed bytes against the total, the loading peak (process
+    RSS, measured) against shards + one block, and the forward against the unsharded 4-bit model
+    loaded the one-GPU way (`from_pretrained(quantization_config=...)`, uint8 storage).
+
+    Run it first in a fresh process: the peak is read from ru_maxrss, which is only this job's
+    peak when the process never held more before (checked: `baseline_valid`).
+    """
+    import gc
+
+    import bitsandbytes  # noqa: F401  (imports before the baseline: they are not loading memory)
+    import peft  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    from homelab_ft import modeling, quant, sharded_qlora
+
+    recipe = recipe_from_dict(job["recipe"], source=job["name"])
+    model_dir = Path(recipe.model.path)
+    rung = rung_for(recipe)
+    gc.collect()
+    rss_before, maxrss_before = _rss_bytes(), _maxrss_bytes()
+    model = trainer.build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    gc.collect()
+    maxrss_after = _maxrss_bytes()
+    cls = sharded_qlora._linear4bit_class()
+    local = total = 0
+    for module in model.modules():
+        if isinstance(module, cls):
+            w = module.weight
+            local += w.to_local().numel() * w.element_size()
+            total += w.numel() * w.element_size()
+    all_local = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
+                    for p in model.parameters())
+    states = sum(sharded_qlora._state_nbytes(m.quant_state) for m in model.modules() if isinstance(m, cls))
+    from safetensors import safe_open
+
+    block_bytes = 0
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
+        for key in fh.keys():
+            if key.startswith("model.layers.0."):
+                t = fh.get_slice(key)
+                block_bytes += torch.Size(t.get_shape()).numel() * 4  # fp32 on disk (tiny.make_llama)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        sharded = model(input_ids=ids).logits
+    result = {
+        "storage_ratio": local / total,
+        "local_model_bytes": all_local,
+        "quant_state_bytes": states,
+        "block_bytes": block_bytes,
+        "load_peak_bytes": maxrss_after - rss_before,
+        "baseline_valid": maxrss_before - rss_before < 16 * 2**20,
+    }
+    del model
+    if env.is_main:
+        ref = modeling.load_model(recipe.model, model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                                  quantization_config=quant.bnb_config(recipe.quant, device="cpu"))
+        quant.after_load(ref)
+        ref = modeling.attach_lora(ref, recipe.lora)
+        sharded_qlora.reset_adapters(ref, seed=recipe.train.seed)
+        with torch.no_grad():
+            plain = ref(input_ids=ids).logits
+        result["forward_max_abs_diff"] = float((plain - sharded).abs().max())
+    return result
+
+
+def run_export_run(job: dict) -> dict:
+    """`homelab-ft export` of a run: the merged model loads with from_pretrained, and differs from the base."""
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.export import export_run
+
+    res = export_run(Path(job["run_dir"]), Path(job["out"]))
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
+    merged = AutoModelForCausalLM.from_pretrained(job["out"], dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        moved = float((merged(input_ids=ids).logits - base(input_ids=ids).logits).abs().max())
+    return {"max_abs_diff": res.max_abs_diff, "diff_from_base": moved}
+
+
 def main(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     base_dir = Path(spec["base_dir"])
@@ -202,6 +300,10 @@ def main(spec_path: str, out_path: str) -> int:
             results[job["name"]] = run_lora_hf_load(job, env)
         elif job["kind"] == "token_counts":
             results[job["name"]] = run_token_counts(job, base_dir)
+        elif job["kind"] == "qlora_shards":
+            results[job["name"]] = run_qlora_shards(job, env)
+        elif job["kind"] == "export_run":
+            results[job["name"]] = run_export_run(job)
         elif job["kind"] == "export":
             results[job["name"]] = run_export(job, env, base_dir)
         else:

@@ -189,8 +189,14 @@ def test_lora_target_typo_is_refused_before_loading(capsys, tmp_path, good):
 def test_refused_rungs_stop_before_anything(capsys, tmp_path, good):
     _, body = good
     two = {"cluster": {"gpus_per_node": 2, "device": "cpu"}}
-    err = refused(capsys, tmp_path, {**body, **two, "method": "qlora", "sharding": {"strategy": "full_shard"}})
-    assert "4-bit base sharded" in err and "no_shard" in err
+    err = refused(capsys, tmp_path, {**body, **two, "method": "qlora", "quant": {"bits": 8},
+                                     "sharding": {"strategy": "full_shard"}})
+    assert "8-bit base cannot be sharded" in err and "no_shard" in err
+    # the sharded 4-bit base's bytes must be gathered in their storage dtype (checked from the recipe
+    # and the model's config before launching)
+    err = refused(capsys, tmp_path, {**body, **two, "method": "qlora",
+                                     "sharding": {"strategy": "full_shard", "param_dtype": "bfloat16"}})
+    assert "sharding.param_dtype=bfloat16" in err and "auto" in err
     err = refused(capsys, tmp_path, {**body, **two, "method": "full", "sharding": {"strategy": "full_shard"},
                                      "train": {**body["train"], "optimizer": "adamw_8bit"}})
     assert "cannot update FSDP2-sharded" in err

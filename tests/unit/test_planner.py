@@ -114,12 +114,15 @@ def test_1b_lora_and_full_both_fit_on_24gb():
     assert {"lora", "full"} <= fitting
 
 
-def test_70b_on_two_24gb_offers_no_sharded_qlora_the_trainer_refuses():
-    """A sharded 4-bit base is not trained yet (rung.py refuses it), so the planner neither prices
-    nor picks it: 70B on 2x24 GB has no fitting rung and says what would fit."""
+def test_70b_on_two_24gb_picks_sharded_qlora_with_offload():
+    """The homelab headline (sharded_qlora.py): the 37.6 GiB NF4 base fits neither one GPU nor half
+    of it per GPU with activations, so the planner shards it and offloads the shards to host RAM."""
     p = plan(shape("llama-3-70b"), request=LONG, cluster=gpus(2, host_gib=128))
-    assert not any(o.method == "qlora" and o.strategy != "no_shard" for o in p.options)
-    assert p.chosen is None and p.suggestions
+    assert p.chosen is not None, [o.reason for o in p.options]
+    assert (p.chosen.method, p.chosen.strategy, p.chosen.cpu_offload) == ("qlora", "full_shard", True)
+    assert p.chosen.memory.total <= p.chosen.budget_bytes and p.chosen.host_bytes <= p.chosen.host_budget_bytes
+    eight_bit = plan(shape("llama-3-70b"), request=dataclasses.replace(LONG, quant_bits=8), cluster=gpus(2, host_gib=128))
+    assert not any(o.method == "qlora" and o.strategy != "no_shard" for o in eight_bit.options)  # never offered
 
 
 def test_7b_full_over_1gbit_warns_that_communication_dominates():

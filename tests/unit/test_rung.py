@@ -21,8 +21,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(method="qlora", strategy="full_shard", cpu_offload=False, procs_per_node=2), "4-bit base sharded"),
-        (dict(method="qlora", strategy="full_shard", cpu_offload=True), "not supported yet"),
+        (dict(method="qlora", strategy="full_shard", cpu_offload=False, procs_per_node=2, quant_bits=8),
+         "8-bit base cannot be sharded"),
+        (dict(method="qlora", strategy="full_shard", cpu_offload=True, quant_bits=8), "quant.bits=4"),
+        (dict(method="qlora", strategy="full_shard", cpu_offload=False, procs_per_node=2, optimizer="paged_adamw_8bit"),
+         "cannot update FSDP2-sharded"),
+        (dict(method="qlora", strategy="no_shard", cpu_offload=False, quant_bits=3), "4 or 8 bits"),
         (dict(method="full", strategy="full_shard", cpu_offload=False, procs_per_node=2, optimizer="adamw_8bit"),
          "cannot update FSDP2-sharded"),
         (dict(method="lora", strategy="no_shard", cpu_offload=True, procs_per_node=2), "needs a sharded strategy"),
@@ -53,6 +57,9 @@ def test_properties():
     assert offload.process_group_enabled and offload.shard_size == 1
     assert not Rung("full", "shard_grad_op", False, procs_per_node=2).reshard_after_forward
     assert Rung.from_dict(hybrid.to_dict()) == hybrid
+    fsdp_qlora = Rung("qlora", "full_shard", True, procs_per_node=2)  # the 4-bit base sharded and offloaded
+    assert fsdp_qlora.quantized_enabled and fsdp_qlora.fsdp_enabled and fsdp_qlora.shard_size == 2
+    assert Rung.from_dict(fsdp_qlora.to_dict()) == fsdp_qlora
 
 
 def _recipe(**sections):
@@ -68,8 +75,11 @@ def test_rung_for_takes_explicit_choices_then_the_plan():
     assert rung_for(_recipe(method="lora", cluster=two), Chosen()).strategy == "no_shard"  # plan chose another method
     assert rung_for(_recipe(method="full", cluster=two), None).strategy == "full_shard"
     assert rung_for(_recipe(method="full", sharding={"strategy": "full_shard"}), None).strategy == "no_shard"  # 1 process
-    with pytest.raises(RungError, match="4-bit base"):
-        rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard"}, cluster=two), None)
+    sharded_4bit = rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard"}, cluster=two), None)
+    assert sharded_4bit == Rung("qlora", "full_shard", False, procs_per_node=2) and sharded_4bit.quantized_enabled
+    assert rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard", "cpu_offload": True}), None).fsdp_enabled
+    with pytest.raises(RungError, match="8-bit base"):
+        rung_for(_recipe(method="qlora", quant={"bits": 8}, sharding={"strategy": "full_shard"}, cluster=two), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,6 +102,7 @@ REQUESTS = [
     PlanRequest(seq_len=512, optimizer="paged_adamw_8bit", method="lora"),
     PlanRequest(seq_len=256, method="full", strategy="auto", cpu_offload=True),
     PlanRequest(seq_len=256, optimizer_in_backward=True),
+    PlanRequest(seq_len=512, quant_bits=8),  # an 8-bit base is never offered sharded
 ]
 
 
@@ -102,6 +113,7 @@ def _recipe_for(option, cluster: Cluster, request: PlanRequest, *, auto: bool):
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "train": {"optimizer": request.optimizer,
                   **({"optimizer_in_backward": True, "max_grad_norm": 0} if request.optimizer_in_backward else {})},
+        "quant": {"bits": request.quant_bits},
     }
     return _recipe(**sections)
 
