@@ -286,6 +286,18 @@ def all_reduce_sum(value: float | int | torch.Tensor, env: DistEnv) -> float:
     return float(tensor.cpu())
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the weights FSDP2 still holds gathered after a forward with no backward.
+
+    The root unit keeps its weights unsharded after forward (reshard_after_forward=False, see
+    `parallelize`) until backward reshards them; while gathered, the module's registered
+    parameters are the full tensors, so an optimizer built after a no-grad pre-pass would hold
+    those instead of the shards. A no-op for modules FSDP2 does not manage.
+    """
+    if hasattr(model, "reshard"):
+        model.reshard()
+
+
 def all_reduce_sum_tensor(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum a tensor over ranks (per-step metric sums, reference log-probabilities); a copy on one process."""
     if not env.distributed:

@@ -93,4 +93,5 @@ def score(model, rows, *, env, batch_pairs: int, pad_token_id: int) -> torch.Ten
         if real:
             out[picked] = logps.view(2, -1).T
     model.train(was_training)
+    distributed.reshard(model)
     return distributed.all_reduce_sum_tensor(out, env).float()
