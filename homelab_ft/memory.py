@@ -93,6 +93,13 @@ class PlanRequest:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     headroom: float = 0.1
+    objective: Literal["sft", "dpo"] = "sft"
+    """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
+        return self.micro_batch_size * (2 if self.objective == "dpo" else 1)
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,9 @@ class Estimate:
     comm_s: float
     compute_s: float
     offload_s: float
+    prepass_s_per_pair: float
+    """DPO of a full fine-tune: the one no-grad forward per pair (both answers) that caches the
+    reference's log-probabilities before step 1; 0 otherwise (adapters run the reference in every step)."""
 
     @property
     def step_s(self) -> float:
@@ -244,7 +254,7 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
     and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
     one block recomputed in full during its backward.
     """
-    tokens = request.seq_len * request.micro_batch_size
+    tokens = request.seq_len * request.rows_per_micro_batch
     per_block = []
     for block in shape.blocks:
         q = shape.num_attention_heads * shape.head_dim
@@ -268,8 +278,10 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     the LM head output (activation dtype); transformers' ForCausalLMLoss upcasts it to fp32
     (loss_utils.py: `logits.float()`, a no-op in fp32); cross-entropy keeps its fp32 log-softmax
     for backward, and backward allocates an fp32 gradient of the same size while that is alive.
-    Gemma 2's tanh soft-capping keeps one more fp32 copy."""
-    tokens = request.seq_len * request.micro_batch_size
+    Gemma 2's tanh soft-capping keeps one more fp32 copy. DPO's answer log-probabilities go through
+    the same fp32 cross-entropy (preference.sequence_logps), on twice the rows; the reference's
+    no-grad forward runs before the policy's and leaves only one number per row behind."""
+    tokens = request.seq_len * request.rows_per_micro_batch
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
     return tokens * shape.vocab_size * per_entry
 
@@ -338,6 +350,7 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
         compute_s=_compute_s(shape, method, request, cluster),
         offload_s=_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0,
+        prepass_s_per_pair=_prepass_s_per_pair(shape, method, request, cluster),
     )
 
 
@@ -397,11 +410,23 @@ def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster:
     recomputes the forward. Params are the matmul ones a token passes through (blocks' active
     parameters and the LM head; the embedding is a lookup). Attention's seq^2 term is left out:
     below 8k tokens it adds < 10% for these models."""
-    matmul_params = shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
-    tokens = request.seq_len * request.micro_batch_size * request.grad_accum_steps
+    tokens = request.seq_len * request.rows_per_micro_batch * request.grad_accum_steps
     factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
-    seconds = factor * matmul_params * tokens / (cluster.tflops * 1e12)
+    if request.objective == "dpo" and method != "full":
+        factor += 2  # the reference: one more forward with the adapters disabled
+    seconds = factor * _matmul_params(shape) * tokens / (cluster.tflops * 1e12)
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+
+
+def _matmul_params(shape: ModelShape) -> int:
+    return shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
+
+
+def _prepass_s_per_pair(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
+    """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
+    if request.objective != "dpo" or method != "full":
+        return 0.0
+    return 2 * _matmul_params(shape) * 2 * request.seq_len / (cluster.tflops * 1e12 * cluster.world_size)
 
 
 def _offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:
