@@ -162,7 +162,7 @@ class _PairEncoder:
         enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for j, i in enumerate(good):
             fitted, prompt_tokens = [], 0
-            for k, side in enumerate(SIDES):
+            for k in range(len(SIDES)):
                 at = k * len(good) + j
                 labels = templates.labels_from_spans(enc["input_ids"][at], enc["offset_mapping"][at], rendered[i][k][1])
                 prompt_tokens = max(prompt_tokens, next((t for t, x in enumerate(labels) if x != IGNORE_INDEX), len(labels)))

@@ -20,8 +20,8 @@ import torch
 from homelab_ft import checkpoint, distributed, logs, modeling, preference, preflight, steps
 from homelab_ft.config import Recipe
 from homelab_ft.data import collate, prepare_for
-from homelab_ft.preference_data import collate_pairs
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
+from homelab_ft.preference_data import collate_pairs
 from homelab_ft.rundir import init_run_dir
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.sampling import MicroBatchSampler
