@@ -243,7 +243,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         world_size=env.world_size,
         shuffle=recipe.data.shuffle,
     )
-    fingerprint = f"{rung.method}:{recipe.model.path}:{total}"
+    fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
         info = {**rung.to_dict(), "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
         (run_dir / "run.json").write_text(json.dumps(info, indent=1))

@@ -106,3 +106,28 @@ def test_data_inspect_shows_pairs(tmp_path, tiny_model_dir, capsys):
     assert "train: 32 pairs in 32 rows (chosen + rejected: 2 token rows each)" in out
     assert "first training pair" in out
     assert "chosen:\n" in out and "[[answer: yes" in out and "[[answer: no" in out
+
+
+def test_qlora_dpo_reference_is_the_4bit_base(tmp_path, tiny_model_dir):
+    """QLoRA: the adapters disabled leave the 4-bit base, so step 1 is ln 2 as for LoRA; eval passes
+    between steps run the reference and the policy forwards on the quantized layers too."""
+    pytest.importorskip("bitsandbytes")
+    recipe = write_recipe(tmp_path, tiny_model_dir, method="qlora", max_steps=4, eval_every=2, save_every=0)
+    run = tmp_path / "qlora"
+    assert main(["train", str(recipe), "--run-dir", str(run), "output.tensorboard=false", "train.lr=1e-2"]) == 0
+    rows = train_rows(run)
+    assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[4]["loss"] < rows[1]["loss"] and rows[4]["reward_margin"] > 0
+
+
+def test_resuming_an_sft_run_as_dpo_is_refused(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=1, eval_every=0, save_every=0)
+    run = tmp_path / "run"
+    sft = ["objective=sft", "data.sources=[{path: sft.jsonl}]", "data.eval_sources=[]", "output.tensorboard=false"]
+    procs.write_chat_data(tmp_path / "sft.jsonl", 16)
+    assert main(["train", str(recipe), "--run-dir", str(run), *sft]) == 0
+    saved = (run / "recipe.yaml").read_text()
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "train.max_steps=2"]) == 2
+    assert "is a run with objective sft, not dpo" in capsys.readouterr().err
+    assert (run / "recipe.yaml").read_text() == saved  # refused before anything was touched
