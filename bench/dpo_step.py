@@ -9,10 +9,11 @@ disabled (no grad) and one forward + backward of chosen + rejected. Expected fro
 pass carries 2x the rows of SFT (3 units each) plus a no-grad reference pass over them (1 unit
 each): (2*3 + 2) / 3 = 2.7x SFT's time; activations and logits 2x.
 
-Each contender runs in its own process (peak memory is the process's own: ru_maxrss after the
-steps minus ru_maxrss after setup on CPU, torch.cuda.max_memory_allocated on CUDA), ROUNDS times,
+Each contender runs on the CPU in its own process (peak memory is the process's own: ru_maxrss
+after the steps minus ru_maxrss after setup, i.e. what the steps added on top), ROUNDS times,
 interleaved (sft, dpo, sft, dpo ...), keeping each one's best round; the figures are medians over
-the measured steps, wall time and per-process CPU time (resource.getrusage) side by side.
+the measured steps, wall time and the process's CPU time (time.process_time: getrusage's user +
+system time) side by side.
 """
 
 from __future__ import annotations
