@@ -84,7 +84,9 @@ class SourceConfig:
     path: str
     """A file (JSONL, JSON, CSV, Parquet), a glob, a folder, a `save_to_disk` directory, or a hub
     dataset id already in the local cache."""
-    format: Literal["auto", "chat", "alpaca", "sharegpt", "prompt_completion", "text"] = "auto"
+    format: Literal["auto", "chat", "alpaca", "sharegpt", "prompt_completion", "text", "preference"] = "auto"
+    """`preference`: rows `{prompt | messages, chosen, rejected}` for `objective: dpo` (chosen and
+    rejected as strings or message lists, as in UltraFeedback-style sets)."""
     split: str = "train"
     """Split to read when the source has several (hub datasets, `DatasetDict` folders)."""
     weight: Annotated[float, Field(gt=0)] = 1.0
@@ -233,10 +235,28 @@ class PlannerConfig:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class DpoConfig:
+    beta: Annotated[float, Field(gt=0)] = 0.1
+    """Strength of the pull towards the reference model (the KL weight in the DPO paper, Rafailov
+    et al. 2023); 0.1 is the paper's and TRL's default."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """`sigmoid`: the DPO paper's -log sigmoid(beta * margin); `ipo`: (margin - 1/(2 beta))^2 from
+    Azar et al. 2023, which cannot drive the margin to infinity on deterministic preferences."""
+    label_smoothing: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.0
+    """Probability that a pair's label is wrong (conservative DPO): the loss mixes in the flipped pair."""
+    sft_weight: Annotated[float, Field(ge=0.0)] = 0.0
+    """Weight of a negative log-likelihood term on the chosen answer, per token (RPO, Pang et al. 2024)."""
+
+
+@dataclass(frozen=True, config=_STRICT)
 class Recipe:
     name: str = "run"
     method: Method = "auto"
     """`auto` lets the planner walk the ladder: qlora, then lora, then full sharded training."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: learn the answers; `dpo`: learn which of two answers is preferred (needs preference
+    rows and a reference model: the base with adapters off, or cached log-probabilities for full)."""
+    dpo: DpoConfig = Field(default_factory=DpoConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     quant: QuantConfig = Field(default_factory=QuantConfig)
@@ -289,9 +309,38 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def recipe_from_dict(raw: dict[str, Any], *, overrides=(), source: str = "recipe") -> Recipe:
     raw = apply_overrides(raw, overrides)
     try:
-        return _RECIPE_ADAPTER.validate_python(raw)
+        recipe = _RECIPE_ADAPTER.validate_python(raw)
     except ValidationError as err:
         raise UserError(f"{source}: {_explain(err, raw)}") from None
+    check_objective(recipe, source=source)
+    return recipe
+
+
+def check_objective(recipe: Recipe, *, source: str = "recipe") -> None:
+    """What `objective` needs from the data section: pairs for DPO, no pairs for SFT.
+
+    Preference pairs are trained unpacked (a pair's two answers must each be scored whole against
+    the same prompt) and only on the answers (the prompt is shared by both, so its log-probability
+    cancels in the DPO margin and training on it would only add an SFT term no one asked for).
+    """
+    sources = [(f"data.sources[{i}]", s) for i, s in enumerate(recipe.data.sources)]
+    sources += [(f"data.eval_sources[{i}]", s) for i, s in enumerate(recipe.data.eval_sources)]
+    if recipe.objective == "dpo":
+        for where, src in sources:
+            if src.format not in ("auto", "preference"):
+                raise UserError(f"{source}: objective=dpo trains on preference pairs, but {where}.format={src.format} "
+                                "has none; use format: preference (rows with prompt or messages, chosen, rejected)")
+        if recipe.data.packing:
+            raise UserError(f"{source}: objective=dpo scores each answer of a pair whole and does not pack; "
+                            "set data.packing=false")
+        if recipe.data.train_on_inputs:
+            raise UserError(f"{source}: objective=dpo compares the answers of a pair, not the prompt they share; "
+                            "set data.train_on_inputs=false (dpo.sft_weight adds a loss on the chosen answer)")
+    else:
+        for where, src in sources:
+            if src.format == "preference":
+                raise UserError(f"{source}: {where}.format=preference holds pairs for preference tuning; "
+                                "set objective: dpo, or use an SFT format")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -74,6 +74,8 @@ class DataReport:
     """Token count of every kept training sample (for the length histogram)."""
     cache_hit: bool
     """True when every tokenised split came from the cache instead of being tokenised again."""
+    pairs: bool = False
+    """Preference pairs (objective: dpo): samples are pairs, tokens and lengths count both answers' rows."""
 
 
     def summary(self) -> str:
@@ -81,7 +83,7 @@ class DataReport:
         skipped = sum(s.num_rows_skipped for s in self.sources + self.eval_sources)
         packed = f"; packed into {self.num_train_rows} rows, {self.non_pad_fraction:.1%} non-pad" if self.packed else ""
         return (
-            f"data: {self.num_train_samples} training samples ({self.num_train_tokens:,} tokens, "
+            f"data: {self.num_train_samples} training {'pairs' if self.pairs else 'samples'} ({self.num_train_tokens:,} tokens, "
             f"{self.num_trained_tokens:,} with loss), {self.num_eval_samples} eval; truncated {self.num_truncated}, "
             f"dropped {self.num_dropped_overlong} too long and {self.num_dropped_no_target} with nothing to learn, "
             f"skipped {skipped} bad rows{packed}{' (tokenised data from the cache)' if self.cache_hit else ''}"
@@ -108,22 +110,7 @@ def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path |
     """Read, check, mix, split, tokenise (cached) and pack the recipe's data."""
     check_sources_declared(data_cfg)
     template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
-    train_parts, train_reports, eval_parts, eval_reports = [], [], [], []
-    for i, src in enumerate(data_cfg.sources):
-        samples, fmt, num_rows, skipped, first_error = _read_source(src, data_cfg, where=f"data.sources[{i}]", base_dir=base_dir)
-        held_out = []
-        if not data_cfg.eval_sources and data_cfg.eval_fraction > 0:
-            samples, held_out = _hold_out(samples, fraction=data_cfg.eval_fraction, rng=random.Random(f"{seed}:eval:{i}"))
-        used = _weighted(samples, weight=src.weight, rng=random.Random(f"{seed}:weight:{i}"))
-        train_parts += used
-        eval_parts += held_out
-        train_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(used), first_error))
-    for i, src in enumerate(data_cfg.eval_sources):
-        samples, fmt, num_rows, skipped, first_error = _read_source(src, data_cfg, where=f"data.eval_sources[{i}]", base_dir=base_dir)
-        eval_parts += samples
-        eval_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(samples), first_error))
-    if data_cfg.shuffle:
-        random.Random(f"{seed}:mix").shuffle(train_parts)
+    train_parts, train_reports, eval_parts, eval_reports = read_and_mix(data_cfg, seed=seed, base_dir=base_dir)
 
     train, train_hit = _tokenize(train_parts, tokenizer, template, data_cfg)
     train, counts, lengths, num_trained = _kept(train)
@@ -159,6 +146,41 @@ def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path |
     return PreparedData(train=train, eval=eval_ds, report=report)
 
 
+def read_and_mix(data_cfg: DataConfig, *, seed: int, base_dir: Path | None, pairs: bool = False):
+    """Canonical samples of every source, mixed by weight, the eval split held out; and the reports.
+
+    `pairs`: the objective trains on preference pairs (DPO), so every source must hold them.
+    """
+    train_parts, train_reports, eval_parts, eval_reports = [], [], [], []
+    for i, src in enumerate(data_cfg.sources):
+        samples, fmt, num_rows, skipped, first_error = _read_source(src, data_cfg, where=f"data.sources[{i}]",
+                                                                    base_dir=base_dir, pairs=pairs)
+        held_out = []
+        if not data_cfg.eval_sources and data_cfg.eval_fraction > 0:
+            samples, held_out = _hold_out(samples, fraction=data_cfg.eval_fraction, rng=random.Random(f"{seed}:eval:{i}"))
+        used = _weighted(samples, weight=src.weight, rng=random.Random(f"{seed}:weight:{i}"))
+        train_parts += used
+        eval_parts += held_out
+        train_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(used), first_error))
+    for i, src in enumerate(data_cfg.eval_sources):
+        samples, fmt, num_rows, skipped, first_error = _read_source(src, data_cfg, where=f"data.eval_sources[{i}]",
+                                                                    base_dir=base_dir, pairs=pairs)
+        eval_parts += samples
+        eval_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(samples), first_error))
+    if data_cfg.shuffle:
+        random.Random(f"{seed}:mix").shuffle(train_parts)
+    return train_parts, train_reports, eval_parts, eval_reports
+
+
+def prepare_for(recipe, tokenizer, *, base_dir: Path | None = None) -> PreparedData:
+    """The data a recipe trains on: samples for SFT, preference pairs for DPO."""
+    if recipe.objective == "dpo":
+        from homelab_ft.preference_data import prepare_pairs
+
+        return prepare_pairs(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+    return prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+
+
 def collate(rows: list[dict], *, pad_token_id: int) -> dict:
     """Pad rows to the longest one: input_ids with `pad_token_id`, labels with -100.
 
@@ -190,7 +212,7 @@ def collate(rows: list[dict], *, pad_token_id: int) -> dict:
 # reading and mixing
 
 
-def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None):
+def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None, pairs: bool = False):
     """Canonical samples of one source, its format, rows in it, the skipped-row count, first skip message."""
     skipped = 0  # rows that could not be parsed (counted as they are met) plus rows that fail their format
     first_error: list[str] = []
@@ -212,6 +234,12 @@ def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Pa
     fmt = src.format
     if fmt == "auto":
         fmt = formats.detect_format(columns | {ours for ours, theirs in src.fields.items() if theirs in columns}, where=where)
+    if pairs and fmt != "preference":
+        raise UserError(f"{where}: objective=dpo trains on preference pairs, but {src.path} has no chosen and rejected "
+                        f"columns (format {fmt}, columns {sorted(columns)}); map them with fields: {{chosen: ..., rejected: ...}}")
+    if not pairs and fmt == "preference":
+        raise UserError(f"{where}: {src.path} holds preference pairs (chosen, rejected); set objective: dpo to train on "
+                        "them, or format: chat for its messages")
     formats.check_fields(src.fields, fmt, columns, where=where)
     samples = []
     for file, number, row in rows:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from homelab_ft import packing
 from homelab_ft.config import DataConfig, Recipe
-from homelab_ft.data import DataReport, PreparedData, prepare_data
+from homelab_ft.data import DataReport, PreparedData, prepare_for
 from homelab_ft.templates import IGNORE_INDEX
 
 HISTOGRAM_BINS = 8
@@ -24,7 +24,7 @@ def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str
 
     model_dir = None if recipe.model.tokenizer else modeling.resolve_model_dir(recipe.model.path)
     tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
-    prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+    prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
     return describe(prepared, tokenizer, recipe.data, color=color)
 
 
@@ -37,22 +37,24 @@ def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool)
             if s.first_error:
                 out.append(f"  first skipped row: {s.first_error}")
     share = r.num_trained_tokens / max(r.num_train_tokens, 1)
+    unit = "pairs" if r.pairs else "samples"
     out += [
         "",
-        f"train: {r.num_train_samples} samples in {r.num_train_rows} rows, {r.num_train_tokens} tokens, "
-        f"{r.num_trained_tokens} trained ({share:.1%})",
-        f"eval: {r.num_eval_samples} samples",
+        f"train: {r.num_train_samples} {unit} in {r.num_train_rows} rows{' (chosen + rejected: 2 token rows each)' if r.pairs else ''}, "
+        f"{r.num_train_tokens} tokens, {r.num_trained_tokens} trained ({share:.1%})",
+        f"eval: {r.num_eval_samples} {unit}",
         f"max_length {r.max_length}: {r.num_truncated} truncated, {r.num_dropped_overlong} dropped as too long, "
         f"{r.num_dropped_no_target} dropped with no answer left, {r.num_bad_template} not renderable",
         "",
-        "tokens per sample:",
+        "tokens per answer row:" if r.pairs else "tokens per sample:",
         *histogram(r.sample_lengths, max_length=r.max_length),
         "",
-        packing_line(r),
+        *([] if r.pairs else [packing_line(r)]),
         f"tokenised data: {'from the cache' if r.cache_hit else 'tokenised now (cached for the next run)'}",
         "",
-        "first training sample; trained tokens " + (f"{GREEN}in green{RESET}" if color else "between [[ and ]]") + ":",
-        render_sample(prepared.train[0], tokenizer, color=color),
+        f"first training {'pair' if r.pairs else 'sample'}; trained tokens "
+        + (f"{GREEN}in green{RESET}" if color else "between [[ and ]]") + ":",
+        *render_first(prepared.train[0], tokenizer, color=color),
     ]
     return "\n".join(out)
 
@@ -76,6 +78,14 @@ def packing_line(r: DataReport) -> str:
     packed = packing.non_pad_fraction(list(r.sample_lengths), num_rows=len(bins), max_length=r.max_length)
     return (f"packing: off; non-pad fraction {r.non_pad_fraction:.3f} if every row were padded to max_length; "
             f"data.packing=true would give {packed:.3f} in {len(bins)} rows")
+
+
+def render_first(row: dict, tokenizer, *, color: bool) -> list[str]:
+    """A sample, or a preference pair's two rows (only their answers carry loss)."""
+    if "chosen_input_ids" not in row:
+        return [render_sample(row, tokenizer, color=color)]
+    return [f"{side}:\n" + render_sample({"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]},
+                                          tokenizer, color=color) for side in ("chosen", "rejected")]
 
 
 def render_sample(row: dict, tokenizer, *, color: bool) -> str:

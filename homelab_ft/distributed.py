@@ -307,6 +307,15 @@ def all_reduce_max(value: int, env: DistEnv) -> int:
     return int(tensor.cpu())
 
 
+def all_reduce_sum_tensor(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum a tensor over ranks (per-step metric sums, reference log-probabilities); a copy on one process."""
+    if not env.distributed:
+        return tensor.clone()
+    out = tensor.to(env.device, copy=True)  # NCCL reduces only CUDA tensors; gloo only CPU ones
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.to(tensor.device)
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, env: DistEnv) -> float:
     """Clip the global gradient norm (over all ranks' shards); returns the norm before clipping.
 

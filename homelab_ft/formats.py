@@ -27,14 +27,17 @@ from homelab_ft.errors import UserError
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant"}
 FORMAT_FIELDS = {
+    "preference": ("chosen", "rejected"),
     "chat": ("messages",),
     "sharegpt": ("conversations",),
     "alpaca": ("instruction", "output"),
     "prompt_completion": ("prompt", "completion"),
     "text": ("text",),
 }
-"""Required columns of each format, in the order auto-detection tries them."""
-OPTIONAL_FIELDS = {"alpaca": ("input", "system"), "chat": (), "sharegpt": (), "prompt_completion": (), "text": ()}
+"""Required columns of each format, in the order auto-detection tries them (pairs first: a
+preference row may also carry `messages` as its prompt)."""
+OPTIONAL_FIELDS = {"alpaca": ("input", "system"), "chat": (), "sharegpt": (), "prompt_completion": (), "text": (),
+                   "preference": ("prompt", "messages")}
 FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -222,6 +225,8 @@ def check_fields(fields: dict[str, str], fmt: str, columns: set[str], *, where: 
 def to_sample(row: dict, fmt: str, fields: dict[str, str], *, system_prompt: str | None, drop_system: bool) -> dict:
     """Convert one row to the canonical sample, or raise RowError."""
     col = {name: fields.get(name, name) for name in FORMAT_FIELDS[fmt] + OPTIONAL_FIELDS[fmt]}
+    if fmt == "preference":
+        return _to_pair(row, col, system_prompt=system_prompt, drop_system=drop_system)
     if fmt in ("prompt_completion", "text"):
         prompt = _string(row, col["prompt"]) if fmt == "prompt_completion" else ""
         completion = _string(row, col["completion" if fmt == "prompt_completion" else "text"])
@@ -247,6 +252,61 @@ def to_sample(row: dict, fmt: str, fields: dict[str, str], *, system_prompt: str
     if first != "user":
         raise RowError(col.get("messages", col.get("conversations", "output")), f"starts with a {first} turn; the first non-system turn must be user")
     return {"kind": "chat", "messages": messages, "prompt": "", "completion": ""}
+
+
+def _to_pair(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_system: bool) -> dict:
+    """A preference row -> {"kind": "pair", "messages": prompt turns, "chosen": turns, "rejected": turns}.
+
+    Accepted layouts (the common hub ones):
+    - `prompt` (string or turns) or `messages` (turns), with `chosen`/`rejected` as strings or as
+      lists of assistant turns (TRL's explicit-prompt layout);
+    - `chosen`/`rejected` as whole conversations (UltraFeedback-binarized): the turns they share
+      are the prompt, the rest are the answers; a `prompt` column beside them is then ignored.
+    """
+    answers = {name: _answer(row, col[name]) for name in ("chosen", "rejected")}
+    whole = all(any(m["role"] != "assistant" for m in turns) for turns in answers.values())
+    if whole:
+        chosen, rejected = answers["chosen"], answers["rejected"]
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        while shared and chosen[shared - 1]["role"] == "assistant":  # a shared assistant turn ends an answer
+            shared -= 1
+        prompt, answers = chosen[:shared], {"chosen": chosen[shared:], "rejected": rejected[shared:]}
+        if not prompt:
+            raise RowError(col["chosen"], "and 'rejected' are conversations that share no prompt turns")
+    elif col["messages"] in row and row[col["messages"]] is not None:
+        prompt = _turns(row, col["messages"], role_key="role", text_key="content", roles={r: r for r in ROLES})
+    elif col["prompt"] in row and isinstance(row[col["prompt"]], list):
+        prompt = _turns(row, col["prompt"], role_key="role", text_key="content", roles={r: r for r in ROLES})
+    elif col["prompt"] in row and row[col["prompt"]] is not None:
+        prompt = [{"role": "user", "content": _string(row, col["prompt"])}]
+    else:
+        raise RowError(col["prompt"], f"is missing; a pair needs its prompt ('{col['prompt']}' or '{col['messages']}')")
+    if drop_system:
+        prompt = [m for m in prompt if m["role"] != "system"]
+    elif system_prompt is not None and not any(m["role"] == "system" for m in prompt):
+        prompt.insert(0, {"role": "system", "content": system_prompt})
+    talk = [m["role"] for m in prompt if m["role"] != "system"]
+    if not talk or talk[0] != "user":
+        raise RowError(col["prompt"], "has no user turn first; the prompt must start with a user turn")
+    if talk[-1] == "assistant":
+        raise RowError(col["prompt"], "ends with an assistant turn; the answers in chosen/rejected must follow a user turn")
+    for name, turns in answers.items():
+        if not turns or turns[0]["role"] != "assistant":
+            raise RowError(col[name], "has no assistant answer after the prompt")
+    if answers["chosen"] == answers["rejected"]:
+        raise RowError(col["rejected"], f"is identical to '{col['chosen']}'; the pair has nothing to prefer")
+    return {"kind": "pair", "messages": prompt, "chosen": answers["chosen"], "rejected": answers["rejected"],
+            "prompt": "", "completion": ""}
+
+
+def _answer(row: dict, key: str) -> list[dict]:
+    """`chosen`/`rejected`: a string is one assistant turn; a list is turns (role/content)."""
+    value = row.get(key)
+    if isinstance(value, list):
+        return _turns(row, key, role_key="role", text_key="content", roles={r: r for r in ROLES})
+    return [{"role": "assistant", "content": _string(row, key)}]
 
 
 def _string(row: dict, key: str, *, optional: bool = False) -> str:

@@ -100,6 +100,13 @@ class PlanRequest:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     headroom: float = 0.1
+    objective: Literal["sft", "dpo"] = "sft"
+    """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
+        return self.micro_batch_size * (2 if self.objective == "dpo" else 1)
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,9 @@ class Estimate:
     comm_s: float
     compute_s: float
     offload_s: float
+    prepass_s_per_pair: float
+    """DPO of a full fine-tune: the one no-grad forward per pair (both answers) that caches the
+    reference's log-probabilities before step 1; 0 otherwise (adapters run the reference in every step)."""
 
     @property
     def step_s(self) -> float:
@@ -319,7 +329,7 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
     one block recomputed in full during its backward; with activation offload (`offloaded`) those
     block inputs wait in host RAM and only the running block's input is back on the device.
     """
-    tokens = request.seq_len * request.micro_batch_size
+    tokens = request.seq_len * request.rows_per_micro_batch
     per_block = []
     for block in shape.blocks:
         q = shape.num_attention_heads * shape.head_dim
@@ -342,7 +352,12 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
     """Host bytes per rank of activation offload: every block's input, and the final norm's."""
-    return request.seq_len * request.micro_batch_size * (shape.num_layers + 1) * shape.hidden_size * act_bytes
+    return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
+
+
+def chunked_loss(request: PlanRequest) -> bool:
+    """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
+    return request.loss_chunk_tokens > 0 and request.objective != "dpo"
 
 
 def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
@@ -352,10 +367,12 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     backward's fp32 gradient of the same size while that is alive. Gemma 2's tanh soft-capping
     keeps one more copy. Rows are the micro-batch's tokens, or with the chunked loss (loss.py) one
     chunk, plus the trained rows of the hidden states it gathers and their gradient
-    (2 x tokens x hidden)."""
-    tokens = request.seq_len * request.micro_batch_size
+    (2 x tokens x hidden). DPO's answer log-probabilities (preference.sequence_logps) take the
+    full logits of twice the rows (the chunked loss does not serve them yet); the reference's
+    no-grad forward runs before the policy's and leaves only one number per row behind."""
+    tokens = request.seq_len * request.rows_per_micro_batch
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
-    if request.loss_chunk_tokens <= 0:
+    if not chunked_loss(request):
         return tokens * shape.vocab_size * per_entry
     rows = min(request.loss_chunk_tokens, tokens)
     return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
@@ -447,6 +464,7 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         offload_s=(_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0)
         # each micro-batch's block inputs go to the host in forward and come back in backward
         + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
+        prepass_s_per_pair=_prepass_s_per_pair(shape, method, request, cluster),
     )
 
 
@@ -506,14 +524,26 @@ def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster:
     head. Params are the matmul ones a token passes through (blocks' active parameters and the LM
     head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
     < 10% for these models."""
-    matmul_params = shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
-    tokens = request.seq_len * request.micro_batch_size * request.grad_accum_steps
+    tokens = request.seq_len * request.rows_per_micro_batch * request.grad_accum_steps
     factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
-    flops = factor * matmul_params * tokens
-    if request.loss_chunk_tokens > 0:
+    if request.objective == "dpo" and method != "full":
+        factor += 2  # the reference: one more forward with the adapters disabled
+    flops = factor * _matmul_params(shape) * tokens
+    if chunked_loss(request):
         flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
     seconds = flops / (cluster.tflops * 1e12)
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+
+
+def _matmul_params(shape: ModelShape) -> int:
+    return shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
+
+
+def _prepass_s_per_pair(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
+    """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
+    if request.objective != "dpo" or method != "full":
+        return 0.0
+    return 2 * _matmul_params(shape) * 2 * request.seq_len / (cluster.tflops * 1e12 * cluster.world_size)
 
 
 def _offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:

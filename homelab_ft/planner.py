@@ -349,6 +349,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
         quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,
         dtype=recipe.model.dtype, reduce_dtype=recipe.sharding.reduce_dtype, headroom=recipe.planner.headroom,
+        objective=recipe.objective,
     )
 
 
@@ -382,7 +383,8 @@ def format_plan(p: Plan) -> str:
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
         f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
         + (" act_offload" if r.activation_offload else "") + (" optim_in_bwd" if r.optimizer_in_backward else "")
-        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}",
+        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
+        + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
         "",
         "  option                       weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
     ]
@@ -407,5 +409,8 @@ def format_plan(p: Plan) -> str:
     if p.chosen is not None and rejected:
         lines.append("rejected " + rejected[0].reason)
         lines += [f"         {o.reason}" for o in rejected[1:]]
+    if p.chosen is not None and p.chosen.prepass_s_per_pair:
+        lines.append(f"dpo      the reference is scored once before step 1: ~{p.chosen.prepass_s_per_pair * 1000:.1f} s "
+                     "per 1000 pairs (cached beside the tokenised data)")
     lines += [f"warning  {w}" for w in p.warnings]
     return "\n".join(lines)

@@ -96,6 +96,9 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
 
 
 def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:
+    if old.objective != new.objective:
+        raise UserError(f"{saved} is a run with objective {old.objective}, not {new.objective}; resume needs the "
+                        "same objective (to preference-tune an SFT result, export it and train from the export)")
     if (old.model.path, old.method) != (new.model.path, new.method):
         raise UserError(
             f"{saved} is a run of {old.model.path} ({old.method}), not {new.model.path} ({new.method}); "

@@ -17,13 +17,24 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft import checkpoint, distributed, logs, modeling, preflight, runlock, steps, stopping
+from homelab_ft import (
+    checkpoint,
+    distributed,
+    logs,
+    modeling,
+    preference,
+    preflight,
+    runlock,
+    steps,
+    stopping,
+)
 from homelab_ft.config import Recipe
-from homelab_ft.data import collate, prepare_data
+from homelab_ft.data import collate, prepare_for
 from homelab_ft.errors import Stopped
 from homelab_ft.loss import token_loss_sum
 from homelab_ft.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.offload import activations_on_host
+from homelab_ft.preference_data import collate_pairs
 from homelab_ft.rundir import init_run_dir
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.sampling import MicroBatchSampler
@@ -90,15 +101,19 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     losses: list[float] = []
     eval_loss = None
     progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main and logs.info_enabled())
+    # objective: dpo swaps the batch builder, the step and the evaluation; the loop stays one loop.
+    dpo = recipe.objective == "dpo"
+    collate_fn, step_fn = (collate_pairs, dpo_step) if dpo else (collate, train_step)
     loop_start = time.perf_counter()
     for step in range(s.start_step + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [
-            collate([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
+            collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
             for _ in range(cfg.grad_accum_steps)
         ]
         lr = s.scheduler.get_last_lr()[0]  # the rate this step uses (train_step advances the schedule)
-        loss, grad_norm, trained, read = train_step(s, micro_batches)
+        loss, grad_norm, trained, read, *more = step_fn(s, micro_batches)
+        pair_metrics = more[0] if more else {}
         elapsed = time.perf_counter() - t0
         losses.append(loss)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
@@ -113,15 +128,21 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
                     "tokens_per_s": read / elapsed,
                     "epoch": s.sampler.epoch,
                     "time_s": time.perf_counter() - loop_start,
+                    **pair_metrics,
                 }
             )
-        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}", refresh=False)
+        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}", refresh=False,
+                             **preference.progress_fields(pair_metrics))
         progress.update(1)
 
         last = step == cfg.max_steps
         if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-            eval_loss = evaluate(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
-            s.logger.log({"step": step, "eval_loss": eval_loss})
+            eval_metrics = {}
+            if dpo:
+                eval_loss, eval_metrics = evaluate_pairs(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
+            else:
+                eval_loss = evaluate(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
+            s.logger.log({"step": step, "eval_loss": eval_loss, **eval_metrics})
             progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
         # Every rank learns whether any rank was asked to stop, so all stop after the same step.
         signum = distributed.all_reduce_max(stopping.requested(), env)
@@ -194,6 +215,39 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     return loss, float(grad_norm), global_tokens, read
 
 
+def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int, dict]:
+    """One optimizer step of preference tuning (objective: dpo); the arithmetic is preference.py's.
+
+    Per micro-batch: the reference log-probabilities (no grad: the adapters disabled, or the cache),
+    then one forward of the chosen + rejected rows and the backward of the pair losses scaled by
+    world_size / (pairs in the step on all ranks). Returns train_step's four values and the step's
+    per-pair means of preference.METRICS (all ranks).
+    """
+    env, model = s.env, s.model
+    global_pairs = int(distributed.all_reduce_sum(sum(preference.num_pairs(mb) for mb in micro_batches), env))
+    scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_pairs)
+
+    model.train()
+    sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
+    for i, mb in enumerate(micro_batches):
+        reference = preference.reference_logps(model, mb, env.device)
+        with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+            policy, num_tokens = preference.policy_logps(model, mb, env.device)
+            losses, stats = preference.pair_losses(policy, reference, num_tokens, s.recipe.dpo)
+            (losses.sum() * scale).backward()
+        sums += stats.cpu()
+    grad_norm = distributed.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+
+    means = (distributed.all_reduce_sum_tensor(sums, env) / max(global_pairs, 1)).tolist()
+    metrics = dict(zip(preference.METRICS, means, strict=True))
+    trained = int(distributed.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env))
+    read = int(distributed.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
+    return metrics.pop("loss"), float(grad_norm), trained, read, metrics
+
+
 def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> Session:
     """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
@@ -212,13 +266,20 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     # rank 0 fails here, torchrun stops the waiting ranks.)
     if not env.is_main:
         distributed.barrier(env)
-    data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
+    data = prepare_for(recipe, tokenizer, base_dir=base_dir)
     if env.is_main:
         distributed.barrier(env)
     init_run_dir(recipe, env=env, resume_from=inputs.resume_from)
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
     model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    if recipe.objective == "dpo" and not rung.adapters_enabled:
+        # A full fine-tune's reference: scored now, with the starting weights (before a resume loads
+        # a checkpoint), or read from the cache a previous run wrote.
+        from homelab_ft.reference_cache import attach_reference
+
+        data = attach_reference(data, model, env=env, recipe=recipe, model_dir=model_dir, pad_token_id=tokenizer.pad_token_id,
+                                dtype=modeling.resolve_dtype(recipe.model.dtype, env.device))
     trainable, total = modeling.count_params(model)
     optimizer = steps.build_optimizer(model, cfg)
     scheduler = steps.build_scheduler(optimizer, cfg)
@@ -230,7 +291,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         world_size=env.world_size,
         shuffle=recipe.data.shuffle,
     )
-    fingerprint = f"{rung.method}:{recipe.model.path}:{total}"
+    fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
         info = {**rung.to_dict(), "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
         (run_dir / "run.json").write_text(json.dumps(info, indent=1))
@@ -369,3 +430,29 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
     total_tokens = distributed.all_reduce_sum(tokens, env)
     return distributed.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
 
+
+@torch.no_grad()
+def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tuple[float, dict]:
+    """Mean DPO loss per held-out pair and the means of the other preference.METRICS (`eval_` keys),
+    all ranks together, with evaluate's batch schedule (every rank runs the same forwards)."""
+    model.eval()
+    size = recipe.train.micro_batch_size
+    batches = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
+    if recipe.train.eval_max_batches:
+        batches = batches[: recipe.train.eval_max_batches]
+    rounds = -(-len(batches) // env.world_size)
+    sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
+    pairs = 0
+    for r in range(rounds):
+        index = r * env.world_size + env.rank
+        real = index < len(batches)
+        mb = collate_pairs([rows[i] for i in batches[index if real else env.rank % len(batches)]], pad_token_id=pad_token_id)
+        reference = preference.reference_logps(model, mb, env.device)
+        policy, num_tokens = preference.policy_logps(model, mb, env.device)
+        _, stats = preference.pair_losses(policy, reference, num_tokens, recipe.dpo)
+        if real:
+            sums += stats.cpu()
+            pairs += preference.num_pairs(mb)
+    means = (distributed.all_reduce_sum_tensor(sums, env) / max(distributed.all_reduce_sum(pairs, env), 1)).tolist()
+    metrics = {f"eval_{k}": v for k, v in zip(preference.METRICS, means, strict=True)}
+    return metrics.pop("eval_loss"), metrics

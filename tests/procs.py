@@ -41,3 +41,16 @@ def write_chat_data(
             a = answer_prefix + " ".join(rng.choice(words) for _ in range(rng.randint(1, max_a_words)))
             fh.write(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}) + "\n")
     return path
+
+
+def write_pair_data(path: Path, num_rows: int, *, seed: int = 0, max_q_words: int = 8) -> Path:
+    """Preference pairs over the tiny tokenizer's words: the chosen answer says yes, the rejected no."""
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over lazy dog capital paris".split()
+    with path.open("w") as fh:
+        for _ in range(num_rows):
+            q = " ".join(rng.choice(words) for _ in range(rng.randint(2, max_q_words)))
+            tail = " ".join(rng.choice(words) for _ in range(rng.randint(0, 3)))
+            fh.write(json.dumps({"prompt": q, "chosen": f"answer: yes {tail}".strip(),
+                                 "rejected": f"answer: no {' '.join(rng.choice(words) for _ in range(rng.randint(0, 3)))}".strip()}) + "\n")
+    return path

@@ -335,3 +335,30 @@ def test_activation_offload_moves_block_inputs_to_host():
     assert lean.offload_s == pytest.approx(2 * tokens * 33 * 4096 * 2 / 12e9)
     cpu = Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=64 * GiB, host_ram_bytes=64 * GiB)
     assert est(on, cpu).memory == est(request, cpu).memory  # host RAM is the device: nothing to gain
+
+
+@pytest.mark.parametrize("method", ["qlora", "lora", "full"])
+def test_dpo_prices_the_doubled_sequences_and_the_reference(method):
+    """A DPO micro-batch of B pairs is 2B sequences in one forward: its activations and logits are an
+    SFT micro-batch of 2B rows; adapters add a no-grad reference forward to every step (2 of the
+    6 FLOPs per parameter and token on top of LoRA's 4); a full fine-tune pays a one-time pre-pass."""
+    s, c = shape("llama-3-8b"), gpus(1, 80)
+    sft2 = PlanRequest(method=method, seq_len=1024, micro_batch_size=4)
+    dpo = dataclasses.replace(sft2, micro_batch_size=2, objective="dpo")
+    strategy = "no_shard"
+    a = estimate(s, method=method, strategy=strategy, cpu_offload=False, request=sft2, cluster=c)
+    b = estimate(s, method=method, strategy=strategy, cpu_offload=False, request=dpo, cluster=c)
+    assert b.memory.activations == a.memory.activations and b.memory.logits == a.memory.logits
+    assert b.compute_s == pytest.approx(a.compute_s * (1 if method == "full" else 1.5))
+    assert (b.prepass_s_per_pair > 0) == (method == "full") and a.prepass_s_per_pair == 0
+    if method == "full":
+        # one forward of both answers per pair: a third of the training FLOPs of one pair
+        assert b.prepass_s_per_pair == pytest.approx(b.compute_s / (3 * 2))
+
+
+def test_dpo_recipe_reaches_the_planner():
+    from homelab_ft.config import recipe_from_dict
+    from homelab_ft.planner import request_from_recipe
+
+    request = request_from_recipe(recipe_from_dict({"objective": "dpo", "train": {"micro_batch_size": 3}}))
+    assert request.objective == "dpo" and request.rows_per_micro_batch == 6

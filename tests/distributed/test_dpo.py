@@ -1,0 +1,98 @@
+"""DPO across ranks: 2-process gloo runs against one process on the whole batch.
+
+One process with micro-batch 2B sees exactly the pairs that 2 ranks with B see (sampling.py); the
+pairs differ in length, and the loss is a mean over the step's pairs on all ranks, so the gradients
+(and every logged loss) must match. LoRA under DDP and under FSDP2 take their reference from the
+same forward with adapters disabled; the full fine-tune under FSDP2 scores its reference in a
+pre-pass shared out over the ranks, each run with its own cache so both pre-passes are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from procs import run_checked, write_pair_data
+
+WORKER = Path(__file__).with_name("worker.py")
+TOL = 1e-5
+STEPS = 4
+
+
+def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, strategy: str = "no_shard",
+            train: dict | None = None, cache: str | None = None) -> dict:
+    return {
+        "name": name,
+        "method": method,
+        "objective": "dpo",
+        "dpo": {"beta": 0.5, "sft_weight": 0.1},
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"sources": [{"path": str(tmp / "pairs.jsonl")}], "max_length": 96,
+                 "cache_dir": str(tmp / "cache" / (cache or name))},
+        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
+                  "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 2, "keep_last": 5, "device": "cpu",
+                  **(train or {})},
+        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
+        "cluster": {"nodes": 1, "gpus_per_node": procs},
+        "sharding": {"strategy": strategy} if procs > 1 else {},
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, tiny_model_dir) -> dict:
+    tmp = tmp_path_factory.mktemp("dpo")
+    write_pair_data(tmp / "pairs.jsonl", 48)
+    two = {
+        "lora_ddp": _recipe(tmp, tiny_model_dir, "lora_ddp", procs=2, method="lora"),
+        "lora_fsdp": _recipe(tmp, tiny_model_dir, "lora_fsdp", procs=2, method="lora", strategy="full_shard"),
+        "full_fsdp": _recipe(tmp, tiny_model_dir, "full_fsdp", procs=2, method="full", strategy="full_shard"),
+    }
+    jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
+    for name in ("lora_ddp", "full_fsdp"):
+        jobs.append({"kind": "train", "name": f"{name}_resume",
+                     "recipe": _recipe(tmp, tiny_model_dir, f"{name}_resume", procs=2, method=two[name]["method"],
+                                       strategy=two[name]["sharding"]["strategy"], train={"resume": True}, cache=name),
+                     "copy_run": {"src": two[name]["output"]["dir"], "keep_step": 2}})
+    spec = tmp / "two.json"
+    spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 str(WORKER), str(spec), str(tmp / "two.out.json")])
+    out = json.loads((tmp / "two.out.json").read_text())
+    one = [{"kind": "train", "name": f"ref_{m}", "recipe": _recipe(tmp, tiny_model_dir, f"ref_{m}", procs=1, method=m)}
+           for m in ("lora", "full")]
+    spec1 = tmp / "one.json"
+    spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
+    run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    out.update(json.loads((tmp / "one.out.json").read_text()))
+    for name in ("lora_ddp", "full_fsdp", "ref_full"):
+        rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+        out[name]["margins"] = [r["reward_margin"] for r in rows if "reward_margin" in r]
+    return out
+
+
+def _max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (a, b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", ["lora_ddp", "lora_fsdp"])
+def test_lora_dpo_matches_one_process(results, name):
+    ref = results["ref_lora"]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(results[name]["losses"], ref) <= TOL
+
+
+def test_full_dpo_with_cached_reference_matches_one_process(results):
+    """Each run scored its own reference (the 2-rank pre-pass against the 1-process one)."""
+    ref = results["ref_full"]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(results["full_fsdp"]["losses"], ref) <= TOL
+    assert _max_diff(results["full_fsdp"]["margins"], results["ref_full"]["margins"]) <= TOL
+
+
+@pytest.mark.parametrize("name", ["lora_ddp", "full_fsdp"])
+def test_resume_at_step_2_gives_the_same_losses(results, name):
+    assert _max_diff(results[f"{name}_resume"]["losses"], results[name]["losses"][2:]) <= TOL

@@ -1,0 +1,147 @@
+"""End to end DPO on a tiny Llama: LoRA (reference = adapters off) train -> metrics -> crash and
+resume -> export; and a full fine-tune whose reference comes from the cached pre-pass."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import procs
+import pytest
+import torch
+import yaml
+
+from homelab_ft.cli import main
+from homelab_ft.metrics import read_metrics
+
+PAIR_KEYS = {"reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected"}
+
+
+def write_recipe(tmp: Path, model_dir: Path, *, method: str = "lora", **train) -> Path:
+    procs.write_pair_data(tmp / "pairs.jsonl", 32)
+    procs.write_pair_data(tmp / "eval.jsonl", 8, seed=1)
+    recipe = {
+        "method": method,
+        "objective": "dpo",
+        "dpo": {"beta": 0.5},
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
+        "data": {"sources": [{"path": "pairs.jsonl"}], "eval_sources": [{"path": "eval.jsonl"}], "max_length": 96,
+                 "cache_dir": str(tmp / "cache")},
+        "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 5e-3 if method == "lora" else 1e-3,
+                  "eval_every": 3, "save_every": 3, "keep_last": 5, "device": "cpu", **train},
+        "output": {"tensorboard": True},
+    }
+    path = tmp / "dpo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def train_rows(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+def test_lora_dpo_train_resume_export(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    assert "32 training pairs" in capsys.readouterr().out
+    rows = train_rows(run)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert PAIR_KEYS <= set(rows[1])
+    # LoRA's B starts at 0: the policy is the reference, every margin 0, the loss ln 2 exactly
+    assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[1]["reward_margin"] == pytest.approx(0, abs=1e-6) and rows[1]["reward_accuracy"] == 0
+    assert rows[6]["loss"] < rows[1]["loss"] - 0.05 and rows[6]["reward_margin"] > 0 and rows[6]["reward_accuracy"] > 0.5
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert {"eval_reward_accuracy", "eval_reward_margin"} <= set(evals[0])
+    assert evals[-1]["eval_loss"] < math.log(2) and evals[-1]["eval_reward_accuracy"] > 0.5
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((run / "tensorboard").iterdir()).parent)).Reload()
+    assert {"reward_accuracy", "reward_margin", "eval_reward_accuracy"} <= set(events.Tags()["scalars"])
+
+    # crash after step 3, resume: the same losses and rewards
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume"]) == 0
+    resumed = train_rows(run)
+    for step in (4, 5, 6):
+        assert resumed[step]["loss"] == pytest.approx(rows[step]["loss"], abs=1e-6), step
+        assert resumed[step]["reward_margin"] == pytest.approx(rows[step]["reward_margin"], abs=1e-6), step
+
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 0  # export compares logits itself
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.arange(3, 20).reshape(1, -1)
+    with torch.no_grad():
+        assert (merged(input_ids=ids).logits - base(input_ids=ids).logits).abs().max() > 1e-3
+
+
+def test_full_dpo_uses_a_cached_reference(tmp_path, tiny_model_dir, caplog):
+    recipe = write_recipe(tmp_path, tiny_model_dir, method="full", max_steps=3, eval_every=0, save_every=0)
+    first, second = tmp_path / "a", tmp_path / "b"
+    assert main(["train", str(recipe), "--run-dir", str(first), "output.tensorboard=false"]) == 0
+    cached = list((tmp_path / "cache").glob("reference-*.safetensors"))
+    assert len(cached) == 1
+    a = train_rows(first)
+    assert a[1]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the pre-pass scored the starting weights
+    assert a[3]["loss"] < a[1]["loss"]
+    stamp = cached[0].stat().st_mtime_ns
+    assert main(["train", str(recipe), "--run-dir", str(second), "output.tensorboard=false"]) == 0
+    assert cached[0].stat().st_mtime_ns == stamp  # read, not scored again
+    b = train_rows(second)
+    for step in a:
+        assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-6)
+
+
+def test_data_inspect_shows_pairs(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 32 pairs in 32 rows (chosen + rejected: 2 token rows each)" in out
+    assert "first training pair" in out
+    assert "chosen:\n" in out and "[[answer: yes" in out and "[[answer: no" in out
+
+
+def test_qlora_dpo_reference_is_the_4bit_base(tmp_path, tiny_model_dir):
+    """QLoRA: the adapters disabled leave the 4-bit base, so step 1 is ln 2 as for LoRA; eval passes
+    between steps run the reference and the policy forwards on the quantized layers too."""
+    pytest.importorskip("bitsandbytes")
+    recipe = write_recipe(tmp_path, tiny_model_dir, method="qlora", max_steps=4, eval_every=2, save_every=0)
+    run = tmp_path / "qlora"
+    assert main(["train", str(recipe), "--run-dir", str(run), "output.tensorboard=false", "train.lr=1e-2"]) == 0
+    rows = train_rows(run)
+    assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert rows[4]["loss"] < rows[1]["loss"] and rows[4]["reward_margin"] > 0
+
+
+def test_resuming_an_sft_run_as_dpo_is_refused(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=1, eval_every=0, save_every=0)
+    run = tmp_path / "run"
+    sft = ["objective=sft", "data.sources=[{path: sft.jsonl}]", "data.eval_sources=[]", "output.tensorboard=false"]
+    procs.write_chat_data(tmp_path / "sft.jsonl", 16)
+    assert main(["train", str(recipe), "--run-dir", str(run), *sft]) == 0
+    saved = (run / "recipe.yaml").read_text()
+    capsys.readouterr()
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "train.max_steps=2"]) == 2
+    assert "is a run with objective sft, not dpo" in capsys.readouterr().err
+    assert (run / "recipe.yaml").read_text() == saved  # refused before anything was touched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_dpo_on_cuda_in_bf16(tmp_path, tiny_model_dir, method):
+    """The GPU path: bf16 weights, fp32 answer log-probabilities, the reference on the device
+    (adapters off) or cached from the device pre-pass; step 1 is ln 2 within bf16 rounding."""
+    recipe = write_recipe(tmp_path, tiny_model_dir, method=method, max_steps=3, eval_every=3, save_every=0)
+    run = tmp_path / method
+    assert main(["train", str(recipe), "--run-dir", str(run), "train.device=cuda", "model.dtype=bfloat16",
+                 "output.tensorboard=false"]) == 0
+    rows = train_rows(run)
+    assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-2)
+    assert all(math.isfinite(r["reward_margin"]) for r in rows.values())
