@@ -1,6 +1,6 @@
 """GGUF export benchmark (not a test): seconds and peak host memory to write a GGUF vs safetensors.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/gguf_export.py [--rounds 2] [--skip-1b]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/gguf_export.py [--rounds 2] [--skip-demo] [--skip-1b]
 
 For the demo model (SmolLM2-135M-Instruct, fp32 on disk after its one-time conversion) and for a
 random ~1.1B Llama (bf16 on disk, built here), each contender runs in its own child process, in
@@ -65,15 +65,22 @@ def run_child(kind: str, model_dir: Path, out: Path) -> dict:
 
 
 def make_1b(out_dir: Path) -> Path:
-    """A random Llama of ~1.1B parameters (TinyLlama's shape), saved in bf16 with a tiny tokenizer."""
+    """A random Llama of ~1.1B parameters (TinyLlama's shape), saved in bf16 with a tiny tokenizer.
+
+    Built in a child process: Linux carries a process's peak RSS across fork + exec, so a parent
+    that once held the 4.4 GB model would report that peak for every contender it starts."""
+    if not (out_dir / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--build-1b", str(out_dir)], check=True)
+    return out_dir
+
+
+def _build_1b(out_dir: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny import make_tokenizer
 
-    if (out_dir / "config.json").is_file():
-        return out_dir
     make_tokenizer(out_dir)
     config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                          num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
@@ -82,7 +89,6 @@ def make_1b(out_dir: Path) -> Path:
     with torch.device("cpu"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out_dir)
-    return out_dir
 
 
 def bench(label: str, model_dir: Path, kinds: list[str], *, rounds: int, scratch: Path) -> None:
@@ -108,15 +114,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-1b", action="store_true")
+    parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--scratch", type=Path, default=None, help="where models and outputs go (default: a temp dir)")
+    parser.add_argument("--build-1b", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.build_1b:
+        _build_1b(args.build_1b)
+        return 0
     from homelab_ft.modeling import resolve_model_dir
 
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="bench-gguf-"))
     scratch.mkdir(parents=True, exist_ok=True)
-    demo = resolve_model_dir("smollm2")
-    bench("SmolLM2-135M (fp32 on disk)", demo, ["safetensors", "gguf-f16", "gguf-q8_0", "gguf-q8_0+check"],
-          rounds=args.rounds, scratch=scratch)
+    if not args.skip_demo:
+        bench("SmolLM2-135M (fp32 on disk)", resolve_model_dir("smollm2"),
+              ["safetensors", "gguf-f16", "gguf-q8_0", "gguf-q8_0+check"], rounds=args.rounds, scratch=scratch)
     if not args.skip_1b:
         bench("random Llama 1.1B (bf16 on disk)", make_1b(scratch / "llama-1b"), ["safetensors", "gguf-f16", "gguf-q8_0"],
               rounds=1, scratch=scratch)

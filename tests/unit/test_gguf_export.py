@@ -144,10 +144,9 @@ def test_a_wrong_layout_is_caught(models, tmp_path, monkeypatch):
     back other weights (and the logits move by whole units): the check refuses them even at f32."""
     from dataclasses import replace
 
-    families = dict(gguf_export.FAMILIES)
-    families["llama"] = replace(families["llama"], permute_qk=False)
-    families["gemma2"] = replace(families["gemma2"], norm_plus_one=False)
-    monkeypatch.setattr(gguf_export, "FAMILIES", families)
+    families = gguf_export.FAMILIES
+    monkeypatch.setitem(families, "llama", replace(families["llama"], permute_qk=False))
+    monkeypatch.setitem(families, "gemma2", replace(families["gemma2"], norm_plus_one=False))
     for family in ("llama", "gemma2"):
         path = write(models(family), tmp_path / family, "f32")
         with pytest.raises(RuntimeError, match="reads back different"):
@@ -374,3 +373,14 @@ def test_adapter_gguf_refuses_dora(tmp_path):
         adapter_alpha(tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_rslora": True}))
     assert adapter_alpha(tmp_path) == 16.0  # alpha * sqrt(r): llama.cpp's alpha / r is then rsLoRA's alpha / sqrt(r)
+
+
+def test_a_failed_check_leaves_nothing(models, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    run = make_run(tmp_path, models("llama"))
+    monkeypatch.setitem(gguf_export.FAMILIES, "llama", replace(gguf_export.FAMILIES["llama"], permute_qk=False))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="GGUF check failed"):
+        main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"])
+    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
