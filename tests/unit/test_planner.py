@@ -343,8 +343,10 @@ def test_dpo_prices_the_doubled_sequences_and_the_reference(method):
     SFT micro-batch of 2B rows; adapters add a no-grad reference forward to every step (2 of the
     6 FLOPs per parameter and token on top of LoRA's 4); a full fine-tune pays a one-time pre-pass."""
     s, c = shape("llama-3-8b"), gpus(1, 80)
-    sft2 = PlanRequest(method=method, seq_len=1024, micro_batch_size=4)
-    dpo = dataclasses.replace(sft2, micro_batch_size=2, objective="dpo")
+    # DPO's log-probabilities take full logits (the chunked loss serves SFT only), so the SFT
+    # comparison runs unchunked; the DPO request's own loss_chunk_tokens is ignored
+    sft2 = PlanRequest(method=method, seq_len=1024, micro_batch_size=4, loss_chunk_tokens=0)
+    dpo = dataclasses.replace(sft2, micro_batch_size=2, objective="dpo", loss_chunk_tokens=128)
     strategy = "no_shard"
     a = estimate(s, method=method, strategy=strategy, cpu_offload=False, request=sft2, cluster=c)
     b = estimate(s, method=method, strategy=strategy, cpu_offload=False, request=dpo, cluster=c)
