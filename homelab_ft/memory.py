@@ -114,6 +114,9 @@ class Memory:
     gathered: int
     """Unsharded parameters (and one block's gradients) FSDP holds while computing."""
     overhead: int
+    recomputed: int = 0
+    """The part of `activations` that is one block recomputed by activation checkpointing: it
+    never coexists with the logits, which backward frees before it reaches the blocks."""
     gradients_in_backward: int = 0
     """Gradients alive at the activation peak (the start of backward): the LM head's, made by the
     first backward op while every activation is still held, and with gradient accumulation the
@@ -125,10 +128,10 @@ class Memory:
 
     @property
     def forward_backward(self) -> int:
-        """Bytes held at the start of backward: activations, the loss's logits and gathered units
-        at their largest, next to weights and optimizer state."""
-        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations + self.logits
-                + self.gathered)
+        """Bytes held during forward and backward: activations, the loss's logits (or, later, a
+        recomputed block) and gathered units at their largest, next to weights and optimizer state."""
+        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations - self.recomputed
+                + max(self.recomputed, self.logits) + self.gathered)
 
     @property
     def optimizer_step(self) -> int:
@@ -291,6 +294,26 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
     block inputs wait in host RAM and only the running block's input is back on the device.
     """
     tokens = request.seq_len * request.micro_batch_size
+    per_block = _block_activation_bytes(shape, method, request, act_bytes)
+    if request.activation_checkpointing and offloaded:
+        per_token = shape.hidden_size * act_bytes + max(per_block)
+    elif request.activation_checkpointing:
+        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
+    else:
+        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
+    return tokens * per_token
+
+
+def recomputed_block_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> int:
+    """The part of `activation_bytes` that one block recomputed by activation checkpointing holds:
+    it exists only once backward has reached the blocks, after the loss has freed its logits."""
+    if not request.activation_checkpointing:
+        return 0
+    return request.seq_len * request.micro_batch_size * max(_block_activation_bytes(shape, method, request, act_bytes))
+
+
+def _block_activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> list[int]:
+    """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
         q = shape.num_attention_heads * shape.head_dim
@@ -302,13 +325,7 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
                 nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
             nbytes += len(targets) * request.lora_r * act_bytes
         per_block.append(nbytes)
-    if request.activation_checkpointing and offloaded:
-        per_token = shape.hidden_size * act_bytes + max(per_block)
-    elif request.activation_checkpointing:
-        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
-    else:
-        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
-    return tokens * per_token
+    return per_block
 
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
@@ -395,6 +412,7 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
         activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_offload),
+        recomputed=recomputed_block_bytes(shape, method, request, act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
