@@ -121,6 +121,11 @@ class Memory:
     """Gradients alive at the activation peak (the start of backward): the LM head's, made by the
     first backward op while every activation is still held, and with gradient accumulation the
     sums of the earlier micro-batches. The others appear as backward frees activations."""
+    step_temporary: int = 0
+    """What the optimizer step allocates besides its state (optimizer_step_bytes)."""
+    step_in_backward: bool = False
+    """train.optimizer_in_backward: the step's temporaries appear inside backward, one parameter at
+    a time, after the loss has freed its logits."""
 
     @property
     def model_state(self) -> int:
@@ -130,13 +135,14 @@ class Memory:
     def forward_backward(self) -> int:
         """Bytes held during forward and backward: activations, the loss's logits (or, later, a
         recomputed block) and gathered units at their largest, next to weights and optimizer state."""
+        in_backward = self.step_temporary if self.step_in_backward else 0
         return (self.weights + self.optimizer + self.gradients_in_backward + self.activations - self.recomputed
-                + max(self.recomputed, self.logits) + self.gathered)
+                + max(self.recomputed, self.logits, in_backward) + self.gathered)
 
     @property
     def optimizer_step(self) -> int:
         """Bytes held by the optimizer step: every gradient exists, activations are gone."""
-        return self.model_state
+        return self.model_state + (0 if self.step_in_backward else self.step_temporary)
 
     @property
     def total(self) -> int:
@@ -264,6 +270,23 @@ def largest_param(shape: ModelShape) -> int:
     for block in shape.blocks:
         biggest = max(biggest, *(lin.weight_params for lin in block.linears), block.expert_params // 2)
     return biggest
+
+
+def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int, largest: int,
+                         state_bytes: int) -> int:
+    """Temporaries of one optimizer step over `params` parameters (largest tensor: `largest`).
+
+    torch's AdamW (torch/optim/adamw.py) on GPUs takes the multi-tensor path, whose
+    `_foreach_sqrt(exp_avg_sqs)` copies every second moment at once (1 x the states' dtype per
+    parameter); on the CPU it loops over tensors, and `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+    holds two temporaries of the largest one (measured: bench/memory.py). bitsandbytes' 8-bit
+    AdamW updates each tensor in place in one kernel.
+    """
+    if request.optimizer != "adamw":
+        return 0
+    if cluster.device == "cuda":
+        return params * state_bytes
+    return 2 * largest * state_bytes
 
 
 def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
@@ -407,6 +430,17 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
     # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
+    if in_backward:  # one parameter at a time, inside backward (the LM head's while activations live)
+        step_temp = optimizer_step_bytes(request, cluster, params=largest_param(shape), largest=largest_param(shape),
+                                         state_bytes=state_bytes) // shards
+    elif method == "full":
+        step_temp = optimizer_step_bytes(request, cluster, params=trainable, largest=largest_param(shape),
+                                         state_bytes=state_bytes) // shards
+    else:
+        largest_adapter = max(lin.in_features + lin.out_features for b in shape.blocks for lin in _targeted(b, request)) \
+            * request.lora_r if trainable else 0
+        step_temp = optimizer_step_bytes(request, cluster, params=trainable, largest=largest_adapter,
+                                         state_bytes=state_bytes) // shards
     device = Memory(
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
@@ -418,6 +452,8 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
+        step_temporary=int(0 if cpu_offload else step_temp),
+        step_in_backward=in_backward,
     )
     host = _host_bytes(device, offloaded=int(offloaded) + act_host, base_bytes=base_bytes, shards=shards,
                        cpu_offload=cpu_offload, cluster=cluster)
