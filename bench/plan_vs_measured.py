@@ -51,7 +51,8 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
         "method": method,
         "model": {"path": str(model_dir)},
         "data": {"max_length": seq_len},
-        "train": {"device": device, "micro_batch_size": batch, "lr": 1e-4},
+        # this bench runs transformers' own loss (full logits): price that, not the chunked loss
+        "train": {"device": device, "micro_batch_size": batch, "lr": 1e-4, "loss_chunk_tokens": 0},
     })
     env = distributed.setup(device_pref=device)
     model = build_model(recipe, model_dir=model_dir, rung=Rung(method=method, strategy="no_shard", cpu_offload=False),

@@ -121,10 +121,18 @@ class Memory:
     gathered: int
     """Unsharded parameters (and one block's gradients) FSDP holds while computing."""
     overhead: int
+    recomputed: int = 0
+    """The part of `activations` that is one block recomputed by activation checkpointing: it
+    never coexists with the logits, which backward frees before it reaches the blocks."""
     gradients_in_backward: int = 0
     """Gradients alive at the activation peak (the start of backward): the LM head's, made by the
     first backward op while every activation is still held, and with gradient accumulation the
     sums of the earlier micro-batches. The others appear as backward frees activations."""
+    step_temporary: int = 0
+    """What the optimizer step allocates besides its state (optimizer_step_bytes)."""
+    step_in_backward: bool = False
+    """train.optimizer_in_backward: the step's temporaries appear inside backward, one parameter at
+    a time, after the loss has freed its logits."""
 
     @property
     def model_state(self) -> int:
@@ -132,15 +140,16 @@ class Memory:
 
     @property
     def forward_backward(self) -> int:
-        """Bytes held at the start of backward: activations, the loss's logits and gathered units
-        at their largest, next to weights and optimizer state."""
-        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations + self.logits
-                + self.gathered)
+        """Bytes held during forward and backward: activations, the loss's logits (or, later, a
+        recomputed block) and gathered units at their largest, next to weights and optimizer state."""
+        in_backward = self.step_temporary if self.step_in_backward else 0
+        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations - self.recomputed
+                + max(self.recomputed, self.logits, in_backward) + self.gathered)
 
     @property
     def optimizer_step(self) -> int:
         """Bytes held by the optimizer step: every gradient exists, activations are gone."""
-        return self.model_state
+        return self.model_state + (0 if self.step_in_backward else self.step_temporary)
 
     @property
     def total(self) -> int:
@@ -302,6 +311,23 @@ def largest_param(shape: ModelShape) -> int:
     return biggest
 
 
+def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int, largest: int,
+                         state_bytes: int) -> int:
+    """Temporaries of one optimizer step over `params` parameters (largest tensor: `largest`).
+
+    torch's AdamW (torch/optim/adamw.py) on GPUs takes the multi-tensor path, whose
+    `_foreach_sqrt(exp_avg_sqs)` copies every second moment at once (1 x the states' dtype per
+    parameter); on the CPU it loops over tensors, and `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+    holds two temporaries of the largest one (measured: bench/memory.py). bitsandbytes' 8-bit
+    AdamW updates each tensor in place in one kernel.
+    """
+    if request.optimizer != "adamw":
+        return 0
+    if cluster.device == "cuda":
+        return params * state_bytes
+    return 2 * largest * state_bytes
+
+
 def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
     """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
     8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
@@ -330,6 +356,26 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
     block inputs wait in host RAM and only the running block's input is back on the device.
     """
     tokens = request.seq_len * request.rows_per_micro_batch
+    per_block = _block_activation_bytes(shape, method, request, act_bytes)
+    if request.activation_checkpointing and offloaded:
+        per_token = shape.hidden_size * act_bytes + max(per_block)
+    elif request.activation_checkpointing:
+        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
+    else:
+        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
+    return tokens * per_token
+
+
+def recomputed_block_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> int:
+    """The part of `activation_bytes` that one block recomputed by activation checkpointing holds:
+    it exists only once backward has reached the blocks, after the loss has freed its logits."""
+    if not request.activation_checkpointing:
+        return 0
+    return request.seq_len * request.rows_per_micro_batch * max(_block_activation_bytes(shape, method, request, act_bytes))
+
+
+def _block_activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> list[int]:
+    """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
         q = shape.num_attention_heads * shape.head_dim
@@ -341,13 +387,7 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
                 nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
             nbytes += len(targets) * request.lora_r * act_bytes
         per_block.append(nbytes)
-    if request.activation_checkpointing and offloaded:
-        per_token = shape.hidden_size * act_bytes + max(per_block)
-    elif request.activation_checkpointing:
-        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
-    else:
-        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
-    return tokens * per_token
+    return per_block
 
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
@@ -438,16 +478,30 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
     # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
+    if in_backward:  # one parameter at a time, inside backward (the LM head's while activations live)
+        step_temp = optimizer_step_bytes(request, cluster, params=largest_param(shape), largest=largest_param(shape),
+                                         state_bytes=state_bytes) // shards
+    elif method == "full":
+        step_temp = optimizer_step_bytes(request, cluster, params=trainable, largest=largest_param(shape),
+                                         state_bytes=state_bytes) // shards
+    else:
+        largest_adapter = max(lin.in_features + lin.out_features for b in shape.blocks for lin in _targeted(b, request)) \
+            * request.lora_r if trainable else 0
+        step_temp = optimizer_step_bytes(request, cluster, params=trainable, largest=largest_adapter,
+                                         state_bytes=state_bytes) // shards
     device = Memory(
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
         activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_offload),
+        recomputed=recomputed_block_bytes(shape, method, request, act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
         overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
+        step_temporary=int(0 if cpu_offload else step_temp),
+        step_in_backward=in_backward,
     )
     # Sharded loads: LoRA/full take rank 0's whole copy; QLoRA fills its shards tensor by tensor.
     sharded_load = shards > 1 or cpu_offload
