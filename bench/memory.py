@@ -101,7 +101,8 @@ def measure_row(name: str, model_dir: Path, args) -> int:
     import torch
 
     from homelab_ft import distributed, loss, steps
-    from homelab_ft.trainer import Rung, build_model, train_step
+    from homelab_ft.rung import Rung
+    from homelab_ft.trainer import build_model, train_step
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)
@@ -143,7 +144,7 @@ def predict_row(name: str, model_dir: Path, args) -> int:
     from homelab_ft.config import ClusterConfig
     from homelab_ft.hardware import detect, resolve_cluster
     from homelab_ft.memory import estimate
-    from homelab_ft.planner import request_from_recipe
+    from homelab_ft.planner import option_rung, request_from_recipe
     from homelab_ft.shapes import model_shape, read_model_config
 
     kind, train, method = ROWS[name]
@@ -151,8 +152,7 @@ def predict_row(name: str, model_dir: Path, args) -> int:
     shape = model_shape(read_model_config(str(model_dir)))
     cluster = resolve_cluster(ClusterConfig(device=args.device, vram_gib=80 if args.device == "cuda" else None),
                               detected=detect())
-    m = estimate(shape, method=method, strategy="no_shard", cpu_offload=False, request=request_from_recipe(recipe),
-                 cluster=cluster).memory
+    m = estimate(shape, rung=option_rung(method, "no_shard", False, request=request_from_recipe(recipe), cluster=cluster), request=request_from_recipe(recipe), cluster=cluster).memory
     if kind == "loss":
         return m.logits
     return m.total - m.overhead - m.weights - m.optimizer

@@ -116,13 +116,12 @@ def predict(method: str, recipe, model_dir: Path, *, device: str):
     from homelab_ft.config import ClusterConfig
     from homelab_ft.hardware import detect, resolve_cluster
     from homelab_ft.memory import estimate
-    from homelab_ft.planner import request_from_recipe
+    from homelab_ft.planner import option_rung, request_from_recipe
     from homelab_ft.shapes import model_shape, read_model_config
 
     shape = model_shape(read_model_config(str(model_dir)))
     cluster = resolve_cluster(ClusterConfig(device=device, vram_gib=80 if device == "cuda" else None), detected=detect())
-    return estimate(shape, method=method, strategy="no_shard", cpu_offload=False,
-                    request=request_from_recipe(recipe), cluster=cluster)
+    return estimate(shape, rung=option_rung(method, "no_shard", False, request=request_from_recipe(recipe), cluster=cluster), request=request_from_recipe(recipe), cluster=cluster)
 
 
 def main() -> int:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from homelab_ft.rung import Rung
 from homelab_ft.shapes import ModelShape
 
 GiB = 1024**3
@@ -422,17 +423,11 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
 # one option
 
 
-def shard_factor(strategy: Strategy, cluster: Cluster) -> int:
-    """Ranks a parameter is split over: all of them, or the GPUs of one node for HYBRID_SHARD."""
-    if strategy == "no_shard":
-        return 1
-    return cluster.gpus_per_node if strategy == "hybrid_shard" else cluster.world_size
-
-
-def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offload: bool,
-             request: PlanRequest, cluster: Cluster) -> Estimate:
-    """Peak memory per device, host RAM, traffic and time per step for one option."""
-    shards = shard_factor(strategy, cluster)
+def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> Estimate:
+    """Peak memory per device, host RAM, traffic and time per step for one option: the `rung` the
+    trainer would run (rung.py), whose properties say how parameters are spread."""
+    method, strategy, cpu_offload = rung.method, rung.strategy, rung.cpu_offload
+    shards = rung.shard_size  # all ranks, one node's for HYBRID_SHARD, 1 unsharded
     w_bytes = weight_bytes(request, cluster)
     act_bytes = w_bytes if method != "qlora" else qlora_compute_bytes(request, cluster)
     base_bytes, block_bytes = base_weight_bytes(shape, method, request, cluster)
@@ -462,8 +457,8 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
     block_grads = shape.max_block_params * (w_bytes + _reduce_bytes(request)) if method == "full" else 0
     if shards == 1 and not cpu_offload:
         gathered = 0
-    elif strategy == "shard_grad_op":
-        # reshard_after_forward=False: every block stays gathered from its forward to its backward.
+    elif not rung.reshard_after_forward:
+        # SHARD_GRAD_OP: every block stays gathered from its forward to its backward.
         gathered = base_bytes + block_grads
     else:
         # FSDP2 keeps the root module (embeddings, final norm, LM head) unsharded from its forward
@@ -510,7 +505,7 @@ def estimate(shape: ModelShape, *, method: Method, strategy: Strategy, cpu_offlo
     else:
         loading = base_bytes if sharded_load else 0
     host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
-    comm_bytes, comm_s = _communication(base_bytes, trainable, strategy=strategy, request=request, cluster=cluster)
+    comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
@@ -538,7 +533,7 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
 
 
-def _communication(base_bytes: int, trainable: int, *, strategy: Strategy, request: PlanRequest,
+def _communication(base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
                    cluster: Cluster) -> tuple[int, float]:
     """Bytes each rank sends per optimizer step, and the seconds that takes.
 
@@ -558,16 +553,16 @@ def _communication(base_bytes: int, trainable: int, *, strategy: Strategy, reque
     inter_bw = cluster.inter_link_gbit * 1e9 / 8 * ETHERNET_EFFICIENCY
     if n == 1:
         return 0, 0.0
-    if strategy == "hybrid_shard":
+    if rung.hybrid_enabled:
         intra = (2 * accum * base_bytes + grads) * (g - 1) / g
         inter = 2 * grads / g * (nodes - 1) / nodes
         return int(intra + inter), intra / intra_bw + inter / inter_bw
-    if strategy == "no_shard":
+    if not rung.fsdp_enabled:
         sent = 2 * grads * (n - 1) / n
-    elif strategy == "full_shard":
-        sent = (2 * accum * base_bytes + grads) * (n - 1) / n
     else:
-        sent = (accum * base_bytes + grads) * (n - 1) / n
+        # weights gathered for forward, and again for backward unless SHARD_GRAD_OP kept them
+        gathers = 2 if rung.reshard_after_forward else 1
+        sent = (gathers * accum * base_bytes + grads) * (n - 1) / n
     return int(sent), sent / (inter_bw if nodes > 1 else intra_bw)
 
 

@@ -131,13 +131,14 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
     if request.method != "auto" and request.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
         strategy = request.strategy if cluster.world_size > 1 or request.cpu_offload else NO_SHARD
-        _rung(request.method, strategy, request.cpu_offload, request=request, cluster=cluster)
+        option_rung(request.method, strategy, request.cpu_offload, request=request, cluster=cluster)
     elif request.strategy == HYBRID_SHARD and cluster.nodes < 2:
         raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
                         "it needs cluster.nodes >= 2; on one machine use full_shard")
 
 
-def _rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> Rung:
+def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> Rung:
+    """The validated rung of one option on this cluster (raises RungError for one the trainer refuses)."""
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
                 optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits)
@@ -152,10 +153,10 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
     for method in LADDER:
         for strategy, offload in _strategies(cluster):
             try:
-                rung = _rung(method, strategy, offload, request=request, cluster=cluster)
+                rung = option_rung(method, strategy, offload, request=request, cluster=cluster)
             except RungError:
                 continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
-            est = estimate(shape, method=method, strategy=strategy, cpu_offload=offload, request=request, cluster=cluster)
+            est = estimate(shape, rung=rung, request=request, cluster=cluster)
             fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
             estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
             out.append(Option(

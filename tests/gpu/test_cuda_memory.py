@@ -49,9 +49,10 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.config import ClusterConfig, recipe_from_dict
     from homelab_ft.hardware import detect, resolve_cluster
     from homelab_ft.memory import estimate
-    from homelab_ft.planner import request_from_recipe
+    from homelab_ft.planner import option_rung, request_from_recipe
+    from homelab_ft.rung import Rung
     from homelab_ft.shapes import model_shape, read_model_config
-    from homelab_ft.trainer import Rung, build_model, train_step
+    from homelab_ft.trainer import build_model, train_step
 
     method, train, *lora = CASES[name]
     recipe = recipe_from_dict({
@@ -75,8 +76,7 @@ def test_peak_matches_the_plan(model_dir, name):
 
     shape = model_shape(read_model_config(str(model_dir)))
     cluster = resolve_cluster(ClusterConfig(device="cuda"), detected=detect())
-    memory = estimate(shape, method=method, strategy="no_shard", cpu_offload=False,
-                      request=request_from_recipe(recipe), cluster=cluster).memory
+    memory = estimate(shape, rung=option_rung(method, "no_shard", False, request=request_from_recipe(recipe), cluster=cluster), request=request_from_recipe(recipe), cluster=cluster).memory
     planned = memory.total - memory.overhead
     del model, optimizer, s
     torch.cuda.empty_cache()

@@ -11,6 +11,7 @@ import pytest
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
 from homelab_ft.memory import Cluster, GiB, PlanRequest, estimate, quant_state_bytes
+from homelab_ft.planner import option_rung
 from homelab_ft.rung import Rung
 from homelab_ft.shapes import model_shape
 from homelab_ft.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
@@ -65,13 +66,13 @@ def test_planner_keeps_quant_constants_whole_per_rank():
     cluster = Cluster(device="cuda", nodes=1, gpus_per_node=2, device_bytes=24 * GiB, host_ram_bytes=64 * GiB,
                       inter_link_gbit=1.0, tflops=40.0)
     request = PlanRequest(seq_len=1024, micro_batch_size=1, activation_checkpointing=True, method="qlora")
-    one = estimate(shape, method="qlora", strategy="no_shard", cpu_offload=False, request=request, cluster=cluster)
-    two = estimate(shape, method="qlora", strategy="full_shard", cpu_offload=False, request=request, cluster=cluster)
+    one = estimate(shape, rung=option_rung("qlora", "no_shard", False, request=request, cluster=cluster), request=request, cluster=cluster)
+    two = estimate(shape, rung=option_rung("qlora", "full_shard", False, request=request, cluster=cluster), request=request, cluster=cluster)
     states = quant_state_bytes(shape, request)
     assert 0.9 * GiB < states < 1.2 * GiB  # ~1/64 byte per weight with double quantisation
     assert two.memory.weights == pytest.approx((one.memory.weights - states) / 2 + states, abs=2)
     # loading holds one tensor per rank, never the model: far below the 37 GiB NF4 base
-    offload = estimate(shape, method="qlora", strategy="full_shard", cpu_offload=True, request=request, cluster=cluster)
+    offload = estimate(shape, rung=option_rung("qlora", "full_shard", True, request=request, cluster=cluster), request=request, cluster=cluster)
     assert offload.host_bytes < 64 * GiB
 
 
