@@ -73,35 +73,36 @@ class Cluster:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the recipe asks for; every default matches the recipe's (config.py)."""
+    """What the recipe asks for (planner.request_from_recipe). No defaults here: the recipe's live once,
+    in config.py, and `planner.default_request()` is a recipe that sets nothing."""
 
-    method: Literal["auto", "qlora", "lora", "full"] = "auto"
-    strategy: Literal["auto", "no_shard", "full_shard", "shard_grad_op", "hybrid_shard"] = "auto"
-    cpu_offload: bool = False
+    method: Literal["auto", "qlora", "lora", "full"]
+    strategy: Literal["auto", "no_shard", "full_shard", "shard_grad_op", "hybrid_shard"]
+    cpu_offload: bool
     """True forces offload. False forbids it when a strategy is named; with `auto` the planner may
     still choose it when nothing else fits."""
-    seq_len: int = 512
-    micro_batch_size: int = 4
-    grad_accum_steps: int = 1
-    activation_checkpointing: bool = False
-    activation_offload: bool = False
+    seq_len: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: bool
+    activation_offload: bool
     """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
-    loss_chunk_tokens: int = 128
+    loss_chunk_tokens: int
     """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
-    optimizer_in_backward: bool = False
+    optimizer_in_backward: bool
     """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
-    lora_r: int = 16
-    lora_dtype: Literal["float32", "compute"] = "float32"
-    lora_dropout: float = 0.05
-    lora_targets: tuple[str, ...] = ("all-linear",)
-    quant_bits: int = 4
-    double_quant: bool = True
-    quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = "adamw"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    headroom: float = 0.1
-    objective: Literal["sft", "dpo"] = "sft"
+    lora_r: int
+    lora_dtype: Literal["float32", "compute"]
+    lora_dropout: float
+    lora_targets: tuple[str, ...]
+    quant_bits: int
+    double_quant: bool
+    quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"]
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"]
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    reduce_dtype: Literal["float32", "bfloat16"]
+    headroom: float
+    objective: Literal["sft", "dpo"]
     """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
 
     @property

@@ -354,6 +354,13 @@ def request_from_recipe(recipe) -> PlanRequest:
     )
 
 
+def default_request(**changes) -> PlanRequest:
+    """The request of a recipe that sets nothing (config.py's defaults), with `changes` applied."""
+    from homelab_ft.config import recipe_from_dict
+
+    return dataclasses.replace(request_from_recipe(recipe_from_dict({})), **changes)
+
+
 def plan_for_recipe(recipe, *, cluster: Cluster | None = None) -> Plan:
     """Read the model's config, describe the cluster (recipe, else detected), and plan."""
     from homelab_ft import hardware

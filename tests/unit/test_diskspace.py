@@ -6,7 +6,8 @@ import shutil
 from collections import namedtuple
 
 from homelab_ft import diskspace
-from homelab_ft.memory import Cluster, PlanRequest
+from homelab_ft.memory import Cluster
+from homelab_ft.planner import default_request
 
 
 def _option(method: str, trainable: int):
@@ -17,10 +18,10 @@ def _option(method: str, trainable: int):
 def test_checkpoint_bytes_per_trainable_parameter():
     gpu = Cluster(nodes=1, gpus_per_node=2, device="cuda", device_bytes=24 << 30, host_ram_bytes=64 << 30)
     # LoRA: fp32 adapter + two fp32 AdamW moments + the safetensors copy of the adapter
-    assert diskspace.checkpoint_bytes(_option("lora", 1000), request=PlanRequest(), cluster=gpu) == 16_000
+    assert diskspace.checkpoint_bytes(_option("lora", 1000), request=default_request(), cluster=gpu) == 16_000
     # full fine-tune in bf16 on GPUs: 2 bytes of weight + AdamW's two moments in the param dtype
-    assert diskspace.checkpoint_bytes(_option("full", 1000), request=PlanRequest(), cluster=gpu) == 6_000
-    eight_bit = PlanRequest(optimizer="adamw_8bit")
+    assert diskspace.checkpoint_bytes(_option("full", 1000), request=default_request(), cluster=gpu) == 6_000
+    eight_bit = default_request(optimizer="adamw_8bit")
     assert diskspace.checkpoint_bytes(_option("full", 256_000), request=eight_bit, cluster=gpu) == 256_000 * (2 + 2 + 8 / 256)
 
 

@@ -52,7 +52,8 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     """`lora.dtype: compute` keeps bf16 adapters (and so bf16 AdamW moments) on a bf16 base only."""
     from homelab_ft import steps
     from homelab_ft.config import TrainConfig
-    from homelab_ft.memory import Cluster, PlanRequest, adapter_bytes
+    from homelab_ft.memory import Cluster, adapter_bytes
+    from homelab_ft.planner import default_request
 
     cfg = ModelConfig(path=str(tiny_model_dir))
     model = modeling.load_model(cfg, tiny_model_dir, dtype=base, device=torch.device("cpu"))
@@ -65,7 +66,7 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {want}
     # the planner prices the same bytes per adapter parameter
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[base]
-    request = PlanRequest(method="lora", dtype=name, lora_dtype=lora_dtype)
+    request = default_request(method="lora", dtype=name, lora_dtype=lora_dtype)
     cluster = Cluster(device="cuda", nodes=1, gpus_per_node=1, device_bytes=1, host_ram_bytes=1)
     assert adapter_bytes("lora", request, cluster) == torch.empty((), dtype=want).element_size()
 

@@ -24,8 +24,8 @@ from homelab_ft.hardware import (
     parse_size,
     resolve_cluster,
 )
-from homelab_ft.memory import Cluster, GiB, PlanRequest, estimate
-from homelab_ft.planner import LADDER, option_rung, plan
+from homelab_ft.memory import Cluster, GiB, estimate
+from homelab_ft.planner import LADDER, default_request, option_rung, plan
 from homelab_ft.rung import RungError
 from homelab_ft.shapes import model_shape
 
@@ -43,7 +43,7 @@ def gpus(count: int, vram_gib: float = 24, *, nodes: int = 1, link_gbit: float =
 
 
 # The QLoRA recipes' settings: 2k tokens, checkpointed activations.
-LONG = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
+LONG = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
 
 DECISIONS = [
     # model, request, cluster, (method, strategy, cpu_offload) chosen
@@ -92,7 +92,7 @@ def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
 
 def test_peak_is_the_larger_phase_not_the_sum():
     """Full fine-tune of a 1B model: gradients and activations never peak together."""
-    request = PlanRequest(seq_len=2048, micro_batch_size=4, method="full")
+    request = default_request(seq_len=2048, micro_batch_size=4, method="full")
     est = estimate(shape("llama-3.2-1b"), rung=option_rung("full", "no_shard", False, request=request, cluster=gpus(1)), request=request, cluster=gpus(1))
     m = est.memory
     head = 128256 * 2048 * 2  # the tied embedding/head gradient, made first in backward
@@ -109,7 +109,7 @@ def test_peak_is_the_larger_phase_not_the_sum():
 
 
 def test_1b_lora_and_full_both_fit_on_24gb():
-    p = plan(shape("llama-3.2-1b"), request=PlanRequest(), cluster=gpus(1))
+    p = plan(shape("llama-3.2-1b"), request=default_request(), cluster=gpus(1))
     fitting = {o.method for o in p.options if o.fits and o.strategy == "no_shard"}
     assert {"lora", "full"} <= fitting
 
@@ -156,7 +156,7 @@ def test_cpu_plan_uses_host_ram():
                               detected=Detected(0, None, None, 8 * GiB, 2))
     assert cluster.device_bytes == 16 * GiB
     p = plan(model_shape(json.loads((ROOT / "homelab_ft/assets/smollm2-135m-instruct.config.json").read_text())),
-             request=PlanRequest(method="lora"), cluster=cluster)
+             request=default_request(method="lora"), cluster=cluster)
     assert p.chosen is not None and p.chosen.label == "lora no_shard"
     assert all(not o.cpu_offload for o in p.options)
 
@@ -179,7 +179,7 @@ def test_nothing_fits_gives_closest_and_what_would_fit():
 
 MODELS = ["llama-3.2-1b", "llama-3-8b", "qwen3-8b", "gemma-2-9b", "phi-3-mini-4k", "qwen1.5-moe-a2.7b"]
 requests = st.builds(
-    PlanRequest,
+    default_request,
     seq_len=st.sampled_from([256, 512, 1024, 2048]),
     micro_batch_size=st.integers(1, 8),
     grad_accum_steps=st.integers(1, 4),
@@ -231,9 +231,9 @@ def test_more_gpus_never_raise_per_gpu_model_state_under_full_shard(name, reques
 
 def test_bad_requests_and_flags():
     with pytest.raises(UserError, match=r"data.max_length=9000 .*max_position_embeddings=8192"):
-        plan(shape("llama-3-8b"), request=PlanRequest(seq_len=9000), cluster=gpus(1))
+        plan(shape("llama-3-8b"), request=default_request(seq_len=9000), cluster=gpus(1))
     with pytest.raises(UserError, match="hybrid_shard.*cluster.nodes >= 2"):
-        plan(shape("llama-3-8b"), request=PlanRequest(strategy="hybrid_shard"), cluster=gpus(2))
+        plan(shape("llama-3-8b"), request=default_request(strategy="hybrid_shard"), cluster=gpus(2))
     with pytest.raises(UserError, match="at least one GPU"):
         parse_gpus("0x24GB")
     for bad in ("24", "2x", "twox24GB", "2x24XB"):
@@ -297,7 +297,7 @@ def test_plan_command_json_flags_and_exit_codes(tmp_path):
 
 
 def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
-    request = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full")
+    request = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full")
     llama = shape("llama-3.2-1b")
     plain = estimate(llama, rung=option_rung("full", "no_shard", False, request=request, cluster=gpus(1)), request=request, cluster=gpus(1))
     lean = estimate(llama, rung=option_rung("full", "no_shard", False, request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(1)), request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(1))
@@ -317,7 +317,7 @@ def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
 
 
 def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
-    request = PlanRequest(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full",
+    request = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full",
                           strategy="no_shard")
     p = plan(shape("llama-3.2-1b"), request=request, cluster=gpus(1, 11))
     assert not p.fits
@@ -325,7 +325,7 @@ def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
 
 
 def test_activation_offload_moves_block_inputs_to_host():
-    request = PlanRequest(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora")
+    request = default_request(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora")
     llama = shape("llama-3-8b")
 
     def est(req, cluster):
@@ -349,7 +349,7 @@ def test_dpo_prices_the_doubled_sequences_and_the_reference(method):
     s, c = shape("llama-3-8b"), gpus(1, 80)
     # DPO's log-probabilities take full logits (the chunked loss serves SFT only), so the SFT
     # comparison runs unchunked; the DPO request's own loss_chunk_tokens is ignored
-    sft2 = PlanRequest(method=method, seq_len=1024, micro_batch_size=4, loss_chunk_tokens=0)
+    sft2 = default_request(method=method, seq_len=1024, micro_batch_size=4, loss_chunk_tokens=0)
     dpo = dataclasses.replace(sft2, micro_batch_size=2, objective="dpo", loss_chunk_tokens=128)
     strategy = "no_shard"
     a = estimate(s, rung=option_rung(method, strategy, False, request=sft2, cluster=c), request=sft2, cluster=c)

@@ -11,7 +11,7 @@ import pytest
 
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.memory import Cluster, GiB, PlanRequest
-from homelab_ft.planner import plan
+from homelab_ft.planner import default_request, plan
 from homelab_ft.rung import Rung, RungError, rung_for
 from homelab_ft.shapes import model_shape
 
@@ -97,12 +97,12 @@ CLUSTERS = [
 ]
 MODELS = sorted(p.stem for p in CONFIGS.glob("*.json"))
 REQUESTS = [
-    PlanRequest(seq_len=1024, micro_batch_size=1, activation_checkpointing=True),
-    PlanRequest(seq_len=512, optimizer="adamw_8bit"),
-    PlanRequest(seq_len=512, optimizer="paged_adamw_8bit", method="lora"),
-    PlanRequest(seq_len=256, method="full", strategy="auto", cpu_offload=True),
-    PlanRequest(seq_len=256, optimizer_in_backward=True),
-    PlanRequest(seq_len=512, quant_bits=8),  # an 8-bit base is never offered sharded
+    default_request(seq_len=1024, micro_batch_size=1, activation_checkpointing=True),
+    default_request(seq_len=512, optimizer="adamw_8bit"),
+    default_request(seq_len=512, optimizer="paged_adamw_8bit", method="lora"),
+    default_request(seq_len=256, method="full", strategy="auto", cpu_offload=True),
+    default_request(seq_len=256, optimizer_in_backward=True),
+    default_request(seq_len=512, quant_bits=8),  # an 8-bit base is never offered sharded
 ]
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
-from homelab_ft.memory import Cluster, GiB, PlanRequest, estimate, quant_state_bytes
-from homelab_ft.planner import option_rung
+from homelab_ft.memory import Cluster, GiB, estimate, quant_state_bytes
+from homelab_ft.planner import default_request, option_rung
 from homelab_ft.rung import Rung
 from homelab_ft.shapes import model_shape
 from homelab_ft.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
@@ -65,7 +65,7 @@ def test_planner_keeps_quant_constants_whole_per_rank():
     shape = model_shape(json.loads((CONFIGS / "llama-3-70b.json").read_text()))
     cluster = Cluster(device="cuda", nodes=1, gpus_per_node=2, device_bytes=24 * GiB, host_ram_bytes=64 * GiB,
                       inter_link_gbit=1.0, tflops=40.0)
-    request = PlanRequest(seq_len=1024, micro_batch_size=1, activation_checkpointing=True, method="qlora")
+    request = default_request(seq_len=1024, micro_batch_size=1, activation_checkpointing=True, method="qlora")
     one = estimate(shape, rung=option_rung("qlora", "no_shard", False, request=request, cluster=cluster), request=request, cluster=cluster)
     two = estimate(shape, rung=option_rung("qlora", "full_shard", False, request=request, cluster=cluster), request=request, cluster=cluster)
     states = quant_state_bytes(shape, request)
