@@ -289,18 +289,13 @@ def all_reduce_sum(value: float | int | torch.Tensor, env: DistEnv) -> float:
 def reshard(model: nn.Module) -> None:
     """Free the weights FSDP2 still holds gathered after a forward with no backward.
 
-    The root unit (reshard_after_forward=False, see `parallelize`) and, under SHARD_GRAD_OP, every
-    block keep their weights unsharded until a backward reshards them; while gathered, the
-    module's registered parameters are the full tensors, not the shards the optimizer holds, so an
-    optimizer built after a no-grad pre-pass holds the wrong tensors and a checkpoint after an
-    eval pass fails in `get_optimizer_state_dict` with KeyError 0 (measured, torch 2.13).
-    (main has the same function from another issue; keep one.)
+    The root unit keeps its weights unsharded after forward (reshard_after_forward=False, see
+    `parallelize`) until backward reshards them; while gathered, the module's registered
+    parameters are the full tensors, so an optimizer built after a no-grad pre-pass would hold
+    those instead of the shards. A no-op for modules FSDP2 does not manage.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def all_reduce_sum_tensor(tensor: torch.Tensor, env: DistEnv) -> torch.Tensor:
