@@ -361,6 +361,9 @@ temporaries per value (abs, scaled, clamp, bucketize indices ...): measured +130
 the fused kernel needs no temporaries and 70B's largest layer is ~900 chunks, a few ms."""
 
 
+CUDA_QUANT_CHUNK_VALUES = 1 << 24
+
+
 def quantize_4bit(weight: torch.Tensor, *, quant_type: str, double_quant: bool, storage_dtype: torch.dtype):
     """`bnb.functional.quantize_4bit(weight, blocksize=64, ...)`, bit for bit, in chunks.
 
@@ -372,9 +375,11 @@ def quantize_4bit(weight: torch.Tensor, *, quant_type: str, double_quant: bool, 
     import bitsandbytes.functional as bnbf
 
     flat = weight.reshape(-1)
+    # CUDA's fused kernel has no temporaries to cap: big chunks, ~15 calls for 70B's widest layer
+    chunk = QUANT_CHUNK_VALUES if weight.device.type == "cpu" else CUDA_QUANT_CHUNK_VALUES
     packed, absmax = [], []
-    for start in range(0, flat.numel(), QUANT_CHUNK_VALUES):
-        part, state = bnbf.quantize_4bit(flat[start:start + QUANT_CHUNK_VALUES], blocksize=64, compress_statistics=False,
+    for start in range(0, flat.numel(), chunk):
+        part, state = bnbf.quantize_4bit(flat[start:start + chunk], blocksize=64, compress_statistics=False,
                                          quant_type=quant_type, quant_storage=torch.uint8)
         packed.append(part.reshape(-1))
         absmax.append(state.absmax)

@@ -453,6 +453,7 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tu
         if real:
             sums += stats.cpu()
             pairs += preference.num_pairs(mb)
+    distributed.reshard(model)  # no backward follows: free what FSDP2 left gathered
     means = (distributed.all_reduce_sum_tensor(sums, env) / max(distributed.all_reduce_sum(pairs, env), 1)).tolist()
     metrics = {f"eval_{k}": v for k, v in zip(preference.METRICS, means, strict=True)}
     return metrics.pop("eval_loss"), metrics

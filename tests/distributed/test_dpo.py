@@ -30,7 +30,8 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, s
         "dpo": {"beta": 0.5, "sft_weight": 0.1},
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(tmp / "pairs.jsonl")}], "max_length": 96,
+        # 6 pairs held out: every run evaluates at its last step, right before its checkpoint
+        "data": {"sources": [{"path": str(tmp / "pairs.jsonl")}], "max_length": 96, "eval_fraction": 0.125,
                  "cache_dir": str(tmp / "cache" / (cache or name))},
         "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
                   "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 2, "keep_last": 5, "device": "cpu",
@@ -91,6 +92,13 @@ def test_full_dpo_with_cached_reference_matches_one_process(results):
     assert len(ref) == STEPS and ref[-1] < ref[0]
     assert _max_diff(results["full_fsdp"]["losses"], ref) <= TOL
     assert _max_diff(results["full_fsdp"]["margins"], results["ref_full"]["margins"]) <= TOL
+
+
+@pytest.mark.parametrize(("name", "ref"), [("lora_ddp", "ref_lora"), ("lora_fsdp", "ref_lora"), ("full_fsdp", "ref_full")])
+def test_eval_over_ranks_matches_one_process(results, name, ref):
+    """The held-out DPO loss over 2 ranks (3 pairs each) is the one-process loss over the 6 pairs."""
+    assert results[ref]["eval_loss"] is not None
+    assert abs(results[name]["eval_loss"] - results[ref]["eval_loss"]) <= TOL
 
 
 @pytest.mark.parametrize("name", ["lora_ddp", "full_fsdp"])
