@@ -353,14 +353,20 @@ class _Encoder:
             return None
 
     def _fit(self, ids: list[int], labels: list[int]):
-        status = OK
-        if len(ids) > self.cfg.max_length:
-            if self.cfg.overlong == "drop":
-                return [], [], TOO_LONG
-            ids, labels, status = ids[: self.cfg.max_length], labels[: self.cfg.max_length], TRUNCATED
-        if all(x == IGNORE_INDEX for x in labels):
-            return [], [], NO_TARGET
-        return ids, labels, status
+        return fit_row(ids, labels, self.cfg)
+
+
+def fit_row(ids: list[int], labels: list[int], cfg: DataConfig) -> tuple[list[int], list[int], int]:
+    """One tokenised row cut to `data.max_length` (or dropped, `overlong: drop`), with its status;
+    a row left with no trained token is NO_TARGET. SFT samples and each side of a DPO pair."""
+    status = OK
+    if len(ids) > cfg.max_length:
+        if cfg.overlong == "drop":
+            return [], [], TOO_LONG
+        ids, labels, status = ids[: cfg.max_length], labels[: cfg.max_length], TRUNCATED
+    if all(x == IGNORE_INDEX for x in labels):
+        return [], [], NO_TARGET
+    return ids, labels, status
 
 
 def _kept(ds):

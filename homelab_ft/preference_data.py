@@ -180,14 +180,7 @@ class _PairEncoder:
         return out
 
     def _fit(self, ids: list[int], labels: list[int]):
-        status = OK
-        if len(ids) > self.cfg.max_length:
-            if self.cfg.overlong == "drop":
-                return [], [], TOO_LONG
-            ids, labels, status = ids[: self.cfg.max_length], labels[: self.cfg.max_length], TRUNCATED
-        if all(x == IGNORE_INDEX for x in labels):
-            return [], [], NO_TARGET
-        return ids, labels, status
+        return data.fit_row(ids, labels, self.cfg)
 
 
 def _kept(ds):

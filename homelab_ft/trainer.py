@@ -411,17 +411,10 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
     with no batch left re-runs its first one and counts nothing from it.
     """
     model.eval()
-    size = recipe.train.micro_batch_size
-    batches = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
-    if recipe.train.eval_max_batches:
-        batches = batches[: recipe.train.eval_max_batches]
-    rounds = -(-len(batches) // env.world_size)
     loss_sum = torch.zeros((), device=env.device)
     tokens = 0
-    for r in range(rounds):
-        index = r * env.world_size + env.rank
-        real = index < len(batches)
-        mb = collate([rows[i] for i in batches[index if real else env.rank % len(batches)]], pad_token_id=pad_token_id)
+    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
+        mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
         summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens)
         if real:
             loss_sum += summed
@@ -436,17 +429,10 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tu
     """Mean DPO loss per held-out pair and the means of the other preference.METRICS (`eval_` keys),
     all ranks together, with evaluate's batch schedule (every rank runs the same forwards)."""
     model.eval()
-    size = recipe.train.micro_batch_size
-    batches = [list(range(i, min(i + size, len(rows)))) for i in range(0, len(rows), size)]
-    if recipe.train.eval_max_batches:
-        batches = batches[: recipe.train.eval_max_batches]
-    rounds = -(-len(batches) // env.world_size)
     sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
     pairs = 0
-    for r in range(rounds):
-        index = r * env.world_size + env.rank
-        real = index < len(batches)
-        mb = collate_pairs([rows[i] for i in batches[index if real else env.rank % len(batches)]], pad_token_id=pad_token_id)
+    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
+        mb = collate_pairs([rows[i] for i in indices], pad_token_id=pad_token_id)
         reference = preference.reference_logps(model, mb, env.device)
         policy, num_tokens = preference.policy_logps(model, mb, env.device)
         _, stats = preference.pair_losses(policy, reference, num_tokens, recipe.dpo)
@@ -457,3 +443,17 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tu
     means = (distributed.all_reduce_sum_tensor(sums, env) / max(distributed.all_reduce_sum(pairs, env), 1)).tolist()
     metrics = {f"eval_{k}": v for k, v in zip(preference.METRICS, means, strict=True)}
     return metrics.pop("eval_loss"), metrics
+
+
+def _eval_batches(num_rows: int, *, recipe: Recipe, env):
+    """(row indices, counts) for this rank's eval forwards. Every rank runs the same number of
+    forwards (sharded forwards are collective); a rank with no batch left re-runs one of the
+    first ones and counts nothing from it."""
+    size = recipe.train.micro_batch_size
+    batches = [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]
+    if recipe.train.eval_max_batches:
+        batches = batches[: recipe.train.eval_max_batches]
+    for r in range(-(-len(batches) // env.world_size)):
+        index = r * env.world_size + env.rank
+        real = index < len(batches)
+        yield batches[index if real else env.rank % len(batches)], real
