@@ -41,7 +41,7 @@ test: install ## run the test suite (CPU; distributed tests as 2-process gloo ru
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-gpu: install ## on a CUDA GPU: peak memory of every rung and memory switch against the plan
-	$(PY) -m pytest -q -p no:cacheprovider -m cuda -rs tests/gpu
+	$(PY) -m pytest -q -p no:cacheprovider -m cuda -rs tests
 	$(PY) bench/memory.py --device cuda --hidden 1024 --intermediate 2816 --layers 4
 
 test-all: install ## also the slow tests that use the real SmolLM2 weights

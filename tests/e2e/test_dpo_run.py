@@ -133,6 +133,7 @@ def test_resuming_an_sft_run_as_dpo_is_refused(tmp_path, tiny_model_dir, capsys)
     assert (run / "recipe.yaml").read_text() == saved  # refused before anything was touched
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_dpo_on_cuda_in_bf16(tmp_path, tiny_model_dir, method):
