@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from homelab_ft.config import TrainConfig
 from homelab_ft.errors import UserError
-
-IGNORE_INDEX = -100
+from homelab_ft.templates import IGNORE_INDEX  # the one definition: transformers' -100
 
 
 def trained_tokens(labels: torch.Tensor) -> int:
