@@ -152,8 +152,83 @@ def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
 
 
 def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, name: str) -> float:
-    """Merge in the dtype the export is saved in (fp32, or the base's bf16/fp16 that the weights
-    were published in): an 8B model then needs 16 GB of host RAM to merge, not 32 GB."""
+    """The adapter merged into the base, one base safetensors file at a time (merge.py), then
+    checked. Adapters merge.py cannot stream take PEFT's in-memory merge (`_write_merged_in_memory`)."""
+    from homelab_ft import merge
+
+    reason = merge.unsupported_reason(ckpt / "adapter", model_dir)
+    if reason is not None:
+        log.info("export: %s, so the adapter is merged in memory with PEFT", reason)
+        return _write_merged_in_memory(ckpt, model_dir, recipe, out, dtype=dtype, name=name)
+
+    save_dtype = _save_dtype(dtype, model_dir)
+    stats = merge.merge_files(ckpt / "adapter", model_dir, out, dtype=save_dtype)
+    modeling.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
+    log.info("export: merged %d adapted weights file by file (%d base file(s), %s)", stats["merged"], stats["files"],
+             save_dtype)
+    # The logit check loads base + adapter and then the export, one after the other; a model too
+    # big for that (a 70B is 141 GB in bf16) gets its merged weights re-read and recomputed instead.
+    # Two models in memory one after the other, each up to twice its file size (bf16 read as fp32).
+    if 4 * merge.base_bytes(model_dir) < _available_ram_bytes():
+        return _check_logits(ckpt, model_dir, recipe, out, save_dtype=save_dtype)
+    worst = merge.check_written(ckpt / "adapter", model_dir, out, dtype=save_dtype)
+    if worst > 0:
+        raise RuntimeError(f"export check failed: a merged weight read back differs by {worst:.2e} from base + adapter")
+    log.info("export check: merged weights read back equal base + adapter (model too large for a logit check here)")
+    return worst
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _check_logits(ckpt: Path, model_dir: Path, recipe, out: Path, *, save_dtype) -> float:
+    """Logits of the written export against base + adapter on a chat-formatted probe."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model.eval()
+    probe = _probe_ids(modeling.load_tokenizer(recipe.model, model_dir))
+    with torch.no_grad():
+        expected = peft_model(input_ids=probe).logits.float()
+    del peft_model
+    gc.collect()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=save_dtype)
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits.float()
+    return _judge(got, expected, save_dtype=save_dtype)
+
+
+def _judge(got, expected, *, save_dtype) -> float:
+    import torch
+
+    diff = float((got - expected).abs().max())
+    # In fp32, merging only reorders sums: relative errors of ~1e-7 per op that grow through the
+    # layers, ~1e-4 on SmolLM2's logits of magnitude ~25 (measured 8e-5..1.0e-4). So the bound is
+    # 1e-4 per unit of logit magnitude (1e-4 flat for logits within +-1). In bf16 the merged weight
+    # is rounded once more; the bound there only catches real mistakes (a wrong or missing adapter
+    # moves logits by whole units).
+    scale = float(expected.abs().max())
+    tolerance = FP32_TOLERANCE * max(1.0, scale) if save_dtype == torch.float32 else 0.05 * scale
+    if diff > tolerance:
+        raise RuntimeError(f"export check failed: merged logits differ from base + adapter by {diff:.2e} > {tolerance:.2e}")
+    log.info("export check: max |logit difference| merged vs base + adapter = %.2e (%s)", diff, save_dtype)
+    return diff
+
+
+def _write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, name: str) -> float:
+    """PEFT's merge_and_unload, in the dtype the export is saved in (fp32, or the base's bf16/fp16
+    that the weights were published in): an 8B model then needs 16 GB of host RAM, not 32 GB."""
     import gc
 
     import torch
@@ -177,18 +252,7 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=save_dtype)
     with torch.no_grad():
         got = reloaded(input_ids=probe).logits.float()
-    diff = float((got - expected).abs().max())
-    # In fp32, merging only reorders sums: relative errors of ~1e-7 per op that grow through the
-    # layers, ~1e-4 on SmolLM2's logits of magnitude ~25 (measured 8e-5..1.0e-4). So the bound is
-    # 1e-4 per unit of logit magnitude (1e-4 flat for logits within +-1). In bf16 the merged weight
-    # is rounded once more; the bound there only catches real mistakes (a wrong or missing adapter
-    # moves logits by whole units).
-    scale = float(expected.abs().max())
-    tolerance = FP32_TOLERANCE * max(1.0, scale) if save_dtype == torch.float32 else 0.05 * scale
-    if diff > tolerance:
-        raise RuntimeError(f"export check failed: merged logits differ from base + adapter by {diff:.2e} > {tolerance:.2e}")
-    log.info("export check: max |logit difference| merged vs base + adapter = %.2e (%s)", diff, save_dtype)
-    return diff
+    return _judge(got, expected, save_dtype=save_dtype)
 
 
 def _write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
