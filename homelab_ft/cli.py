@@ -158,7 +158,7 @@ def _cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, overrides)
     base_dir = args.recipe.resolve().parent
 
-    from homelab_ft import preflight, trainer
+    from homelab_ft import distributed, preflight, trainer
 
     handoff = launch.received_handoff()
     if handoff is not None:
@@ -178,7 +178,7 @@ def _cmd_train(args) -> int:
     if plan.chosen is None:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
-    inputs = preflight.check_inputs(recipe, rung=rung, device_type=preflight.device_type(recipe.train.device))
+    inputs = preflight.check_inputs(recipe, rung=rung, device_type=distributed.device_type(recipe.train.device))
     if plan.checkpoint_bytes:
         from homelab_ft.diskspace import space_warning
 

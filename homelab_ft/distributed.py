@@ -51,6 +51,13 @@ def _env_int(name: str) -> int | None:
     return int(value) if value not in (None, "") else None
 
 
+def device_type(pref: str) -> str:
+    """`train.device` resolved: cuda when asked (refused without a GPU) or, with `auto`, available."""
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device=cuda but torch sees no CUDA GPU; use train.device=cpu or auto")
+    return "cuda" if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def setup(*, device_pref: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """Read torchrun's environment and create the process group (gloo on CPU, NCCL on CUDA).
 
@@ -62,9 +69,7 @@ def setup(*, device_pref: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     rank = _env_int("RANK") or 0
     local_rank = _env_int("LOCAL_RANK") or 0
     local_world = _env_int("LOCAL_WORLD_SIZE") or world_size
-    if device_pref == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device=cuda but torch sees no CUDA GPU; use train.device=cpu or auto")
-    use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
+    use_cuda = device_type(device_pref) == "cuda"
     if use_cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -140,11 +145,10 @@ def build_mesh(env: DistEnv, rung: Rung):
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    device_type = env.device.type
     if rung.hybrid_enabled:
         per_node = env.world_size // env.num_nodes
-        return init_device_mesh(device_type, (env.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("shard",))
+        return init_device_mesh(env.device.type, (env.num_nodes, per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("shard",))
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

@@ -155,6 +155,7 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     """The adapter merged into the base, one base safetensors file at a time (merge.py), then
     checked. Adapters merge.py cannot stream take PEFT's in-memory merge (`_write_merged_in_memory`)."""
     from homelab_ft import merge
+    from homelab_ft.hardware import available_ram_bytes
 
     reason = merge.unsupported_reason(ckpt / "adapter", model_dir)
     if reason is not None:
@@ -169,24 +170,13 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     # The logit check loads base + adapter and then the export, one after the other; a model too
     # big for that (a 70B is 141 GB in bf16) gets its merged weights re-read and recomputed instead.
     # Two models in memory one after the other, each up to twice its file size (bf16 read as fp32).
-    if 4 * merge.base_bytes(model_dir) < _available_ram_bytes():
+    if 4 * merge.base_bytes(model_dir) < available_ram_bytes():
         return _check_logits(ckpt, model_dir, recipe, out, save_dtype=save_dtype)
     worst = merge.check_written(ckpt / "adapter", model_dir, out, dtype=save_dtype)
     if worst > 0:
         raise RuntimeError(f"export check failed: a merged weight read back differs by {worst:.2e} from base + adapter")
     log.info("export check: merged weights read back equal base + adapter (model too large for a logit check here)")
     return worst
-
-
-def _available_ram_bytes() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _check_logits(ckpt: Path, model_dir: Path, recipe, out: Path, *, save_dtype) -> float:

@@ -76,14 +76,24 @@ def _nvidia_smi() -> tuple[list[str], list[int]]:
 
 
 def _meminfo_total() -> int:
+    total = _meminfo("MemTotal")
+    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_ram_bytes() -> int:
+    """Host RAM the kernel could give a new allocation now (MemAvailable; 0 when unknown)."""
+    return _meminfo("MemAvailable") or 0
+
+
+def _meminfo(key: str) -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemTotal:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
 
 
 def gpu_tflops(name: str | None) -> float:

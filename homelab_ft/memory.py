@@ -474,17 +474,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
     # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
-    if in_backward:  # one parameter at a time, inside backward (the LM head's while activations live)
-        step_temp = optimizer_step_bytes(request, cluster, params=largest_param(shape), largest=largest_param(shape),
-                                         state_bytes=state_bytes) // shards
-    elif method == "full":
-        step_temp = optimizer_step_bytes(request, cluster, params=trainable, largest=largest_param(shape),
-                                         state_bytes=state_bytes) // shards
-    else:
-        largest_adapter = max(lin.in_features + lin.out_features for b in shape.blocks for lin in _targeted(b, request)) \
-            * request.lora_r if trainable else 0
-        step_temp = optimizer_step_bytes(request, cluster, params=trainable, largest=largest_adapter,
-                                         state_bytes=state_bytes) // shards
+    step_temp = _step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
+                                      in_backward=in_backward) // shards
     device = Memory(
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
@@ -499,12 +490,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         step_temporary=int(0 if cpu_offload else step_temp),
         step_in_backward=in_backward,
     )
-    # Sharded loads: LoRA/full take rank 0's whole copy; QLoRA fills its shards tensor by tensor.
-    sharded_load = shards > 1 or cpu_offload
-    if method == "qlora" and sharded_load:
-        loading = cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster)
-    else:
-        loading = base_bytes if sharded_load else 0
+    loading = _loading_bytes(shape, method, request, cluster, base_bytes=base_bytes,
+                             sharded=shards > 1 or cpu_offload)
     host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
     comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster)
     return Estimate(
@@ -516,6 +503,32 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
         prepass_s_per_pair=_prepass_s_per_pair(shape, method, request, cluster),
     )
+
+
+def _step_temporary_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster, *,
+                          trainable: int, state_bytes: int, in_backward: bool) -> int:
+    """The optimizer step's temporaries before sharding: with the step in backward, one parameter
+    at a time (the LM head's while activations live); else the whole step over the trainable set."""
+    if in_backward:
+        return optimizer_step_bytes(request, cluster, params=largest_param(shape), largest=largest_param(shape),
+                                    state_bytes=state_bytes)
+    if method == "full":
+        largest = largest_param(shape)
+    else:
+        largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in _targeted(b, request)) \
+            * request.lora_r if trainable else 0
+    return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)
+
+
+def _loading_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
+                   sharded: bool) -> int:
+    """Host RAM of a sharded load on node 0: LoRA/full take rank 0's whole copy; QLoRA fills its
+    shards tensor by tensor, on every local rank. Single-device loads stream from the page cache."""
+    if not sharded:
+        return 0
+    if method == "qlora":
+        return cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster)
+    return base_bytes
 
 
 def _reduce_bytes(request: PlanRequest) -> int:

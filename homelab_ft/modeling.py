@@ -69,14 +69,16 @@ def convert_gguf(gguf_path: Path) -> Path:
     The directory is written under a temporary name and renamed when complete, so an interrupted
     conversion is redone rather than half-loaded.
     """
-    from homelab_ft.shapes import read_gguf
-
-    read_gguf(gguf_path)  # a damaged file is refused in one line, before anything is written
     out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
     if (out / "config.json").is_file():
-        return out
+        return out  # these bytes were checked and converted before
     from filelock import FileLock
 
+    from homelab_ft.shapes import read_gguf
+
+    # Parsing the header and tensor index takes seconds for a large file, so only a file about to
+    # be converted is checked: a damaged one is refused in one line, before anything is written.
+    read_gguf(gguf_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Several processes (torchrun ranks, two runs) may ask at once: one converts, the rest wait.
     with FileLock(str(out) + ".lock"):

@@ -21,7 +21,16 @@ from dataclasses import dataclass
 from homelab_ft.diskspace import checkpoint_bytes
 from homelab_ft.errors import UserError
 from homelab_ft.memory import Cluster, Estimate, GiB, PlanRequest, estimate
-from homelab_ft.rung import FULL_SHARD, HYBRID_SHARD, METHODS, NO_SHARD, SHARD_GRAD_OP, Rung, RungError
+from homelab_ft.rung import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    METHODS,
+    NO_SHARD,
+    SHARD_GRAD_OP,
+    Rung,
+    RungError,
+    effective_strategy,
+)
 from homelab_ft.shapes import MAX_UNQUANTIZABLE_FRACTION, ModelShape
 
 LADDER = METHODS
@@ -130,7 +139,7 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
         )
     if request.method != "auto" and request.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
-        strategy = request.strategy if cluster.world_size > 1 or request.cpu_offload else NO_SHARD
+        strategy = effective_strategy(request.strategy, world_size=cluster.world_size, cpu_offload=request.cpu_offload)
         option_rung(request.method, strategy, request.cpu_offload, request=request, cluster=cluster)
     elif request.strategy == HYBRID_SHARD and cluster.nodes < 2:
         raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "

@@ -176,15 +176,6 @@ def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None
     prepare_for(recipe, tokenizer, base_dir=base_dir)
 
 
-def device_type(pref: str) -> str:
-    """`train.device` resolved the way distributed.setup resolves it (cuda when asked or available)."""
-    import torch
-
-    if pref == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device=cuda but torch sees no CUDA GPU; use train.device=cpu or auto")
-    return "cuda" if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()) else "cpu"
-
-
 def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:
     """A torchrun worker's inputs: the parent checked them moments ago (including the hashes of the
     checkpoint it chose to resume from), so nothing is read again."""

@@ -166,12 +166,15 @@ def default_strategy(method: str, *, world_size: int) -> str:
     return FULL_SHARD
 
 
+def effective_strategy(strategy: str, *, world_size: int, cpu_offload: bool) -> str:
+    """One process without offload never shards, whatever the recipe names: there is nothing to shard."""
+    return strategy if world_size > 1 or cpu_offload else NO_SHARD
+
+
 def rung_for(recipe, chosen=None) -> Rung:
     """The rung a recipe trains with. Explicit recipe choices win; `auto` ones take the planner's
     `chosen` option (a planner.Option, or None when nothing fit); with neither, the defaults above
     (a full fine-tune when the recipe asks for the optimizer step in backward, which only it takes).
-
-    One process without offload never shards, whatever the recipe names: there is nothing to shard.
     """
     world_size = recipe.cluster.nodes * recipe.cluster.gpus_per_node
     taken = chosen if chosen is not None and recipe.method in ("auto", chosen.method) else None
@@ -184,8 +187,6 @@ def rung_for(recipe, chosen=None) -> Rung:
     else:
         strategy = default_strategy(method, world_size=world_size)
     offload = recipe.sharding.cpu_offload or bool(taken and taken.cpu_offload and recipe.sharding.strategy in ("auto", taken.strategy))
-    if world_size == 1 and not offload:
-        strategy = NO_SHARD
-    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=recipe.cluster.nodes,
+    return Rung(method=method, strategy=effective_strategy(strategy, world_size=world_size, cpu_offload=offload), cpu_offload=offload, nodes=recipe.cluster.nodes,
                 procs_per_node=recipe.cluster.gpus_per_node, optimizer=recipe.train.optimizer,
                 optimizer_in_backward=recipe.train.optimizer_in_backward, quant_bits=recipe.quant.bits)
