@@ -214,6 +214,14 @@ class ClusterConfig:
     """Ethernet speed between nodes in Gbit/s (1, 2.5, 10 ...)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """What the planner plans for; `cpu` plans host RAM as the device memory."""
+    gpu_name: str | None = None
+    """GPU model name (as nvidia-smi prints it) for its throughput; default: detected on this machine."""
+    inter_latency_ms: Annotated[float, Field(ge=0)] | None = None
+    """Latency of a small collective between nodes; default: the planner's assumption for Ethernet."""
+    intra_link_gbit: Annotated[float, Field(gt=0)] | None = None
+    """Measured collective bandwidth between processes of one node; default: from `intra_link`."""
+    intra_latency_ms: Annotated[float, Field(ge=0)] | None = None
+    """Latency of a small collective inside a node; default: the planner's assumption for `intra_link`."""
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -118,7 +118,7 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected) -> Cluster:
             source=source,
         )
     if cfg.vram_gib is not None:
-        vram, tflops = int(cfg.vram_gib * GiB), gpu_tflops(None)
+        vram, tflops = int(cfg.vram_gib * GiB), gpu_tflops(cfg.gpu_name)
     elif detected.vram_bytes is not None:
         vram, tflops = detected.vram_bytes, gpu_tflops(detected.gpu_name)
     else:
