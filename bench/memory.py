@@ -101,14 +101,14 @@ def measure_row(name: str, model_dir: Path, args) -> int:
     import torch
 
     from homelab_ft import distributed, loss, steps
-    from homelab_ft.rung import Rung
+    from homelab_ft.rung import rung_for
     from homelab_ft.trainer import build_model, train_step
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)
     env = distributed.setup(device_pref=args.device)
     torch.manual_seed(0)
-    model = build_model(recipe, model_dir=model_dir, rung=Rung(method=method, strategy="no_shard", cpu_offload=False),
+    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
     ids = torch.randint(0, VOCAB, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone()}
@@ -132,7 +132,7 @@ def measure_row(name: str, model_dir: Path, args) -> int:
             loss_step()
         return meter.peak
     optimizer = steps.build_optimizer(model, recipe.train)
-    session = SimpleNamespace(env=env, model=model, recipe=recipe, optimizer=optimizer,
+    session = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                               scheduler=steps.build_scheduler(optimizer, recipe.train))
     train_step(session, [batch])  # creates the optimizer state
     with PeakMeter(env.device) as meter:

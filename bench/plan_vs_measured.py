@@ -43,7 +43,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
 
     from homelab_ft import distributed, steps
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.rung import Rung
+    from homelab_ft.rung import rung_for
     from homelab_ft.trainer import build_model
 
     torch.manual_seed(0)
@@ -55,7 +55,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
         "train": {"device": device, "micro_batch_size": batch, "lr": 1e-4, "loss_chunk_tokens": 0},
     })
     env = distributed.setup(device_pref=device)
-    model = build_model(recipe, model_dir=model_dir, rung=Rung(method=method, strategy="no_shard", cpu_offload=False),
+    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
     optimizer = steps.build_optimizer(model, recipe.train)
     vocab = model.config.vocab_size

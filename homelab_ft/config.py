@@ -144,16 +144,18 @@ class TrainConfig:
     optimizer: Literal[OPTIMIZERS] = "adamw"
     """8-bit and paged AdamW come from bitsandbytes (optimizer state in 8 bits: ~75% less than
     AdamW's fp32 moments); paged AdamW falls back to plain 8-bit AdamW on CPU."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward: ~30% slower steps, far less memory."""
+    activation_checkpointing: bool | Literal["auto"] = "auto"
+    """Recompute each block's activations in backward: ~30% slower steps, far less memory. `auto`:
+    the planner turns it on only when the chosen option fits no other way (and says so)."""
     loss_chunk_tokens: NonNegInt = 128
     """Compute the LM head and cross-entropy this many trained tokens at a time, recomputing each
     chunk in backward (loss.py): the full-vocabulary logits never exist (7.4 GB -> 0.23 GB for
     Llama 3 at 2 x 2048 tokens). 0: the model's full logits and one cross-entropy."""
-    activation_offload: bool = False
+    activation_offload: bool | Literal["auto"] = "auto"
     """With activation_checkpointing: keep each block's checkpointed input in host RAM (pinned on
     CUDA) until backward needs it (offload.py): layers x tokens x hidden fewer bytes per GPU, at the
-    cost of two PCIe copies of them per step."""
+    cost of two PCIe copies of them per step. `auto`: on a GPU, the planner turns it on (with
+    checkpointing) only when checkpointing alone does not fit."""
     optimizer_in_backward: bool = False
     """Full fine-tunes: step each parameter from its gradient hook and free the gradient at once, so
     the full set of gradients never exists (saves ~2 B/param in bf16; optim_backward.py). Needs
@@ -178,7 +180,7 @@ class TrainConfig:
 
     def __post_init__(self):
         # Refusals that depend on this section alone; rung-dependent ones: optim_backward.py.
-        if self.activation_offload and not self.activation_checkpointing:
+        if self.activation_offload is True and self.activation_checkpointing is False:
             raise ValueError("train.activation_offload moves the checkpointed block inputs to host RAM; set "
                              "train.activation_checkpointing=true as well (offloading every activation is slower "
                              "than recomputing them)")

@@ -328,7 +328,9 @@ def pinned_rung_args(rung: Rung) -> list[str]:
     """Overrides that fix the rung on every node of a multi-node launch, so no node can decide
     differently from the plan made where `launch` ran."""
     return [f"method={rung.method}", f"sharding.strategy={rung.strategy}",
-            f"sharding.cpu_offload={str(rung.cpu_offload).lower()}"]
+            f"sharding.cpu_offload={str(rung.cpu_offload).lower()}",
+            f"train.activation_checkpointing={str(rung.activation_checkpointing).lower()}",
+            f"train.activation_offload={str(rung.activation_offload).lower()}"]
 
 
 def launch_commands(

@@ -9,6 +9,7 @@ worked example and bench/plan_vs_measured.py checks the model-state bytes agains
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -84,8 +85,10 @@ class PlanRequest:
     seq_len: int
     micro_batch_size: int
     grad_accum_steps: int
-    activation_checkpointing: bool
-    activation_offload: bool
+    activation_checkpointing: bool | Literal["auto"]
+    """The recipe's setting; `auto` lets the planner turn it on (planner.saver_levels). What an
+    estimate prices is the rung's value."""
+    activation_offload: bool | Literal["auto"]
     """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
     loss_chunk_tokens: int
     """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
@@ -428,6 +431,9 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     """Peak memory per device, host RAM, traffic and time per step for one option: the `rung` the
     trainer would run (rung.py), whose properties say how parameters are spread."""
     method, strategy, cpu_offload = rung.method, rung.strategy, rung.cpu_offload
+    # The request may leave the savers to the planner (`auto`); the rung carries what runs.
+    request = dataclasses.replace(request, activation_checkpointing=rung.activation_checkpointing,
+                                  activation_offload=rung.activation_offload)
     shards = rung.shard_size  # all ranks, one node's for HYBRID_SHARD, 1 unsharded
     w_bytes = weight_bytes(request, cluster)
     act_bytes = w_bytes if method != "qlora" else qlora_compute_bytes(request, cluster)

@@ -146,11 +146,28 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
                         "it needs cluster.nodes >= 2; on one machine use full_shard")
 
 
-def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> Rung:
-    """The validated rung of one option on this cluster (raises RungError for one the trainer refuses)."""
+def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
+                savers: tuple[bool, bool] | None = None) -> Rung:
+    """The validated rung of one option on this cluster (raises RungError for one the trainer refuses).
+    `savers` is (activation checkpointing, activation offload); default: the request's first level."""
+    checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
-                optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits)
+                optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
+                activation_checkpointing=checkpointing, activation_offload=act_offload)
+
+
+def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:
+    """The (activation checkpointing, activation offload) settings one option is priced with, fastest
+    first: what the recipe fixes stays fixed, what it leaves `auto` is tried off, then on. The cheap
+    savers come before any costlier rung, offload or GPU: `evaluate` keeps, per option, the first
+    level that fits. Activation offload only helps where there is a GPU to offload from."""
+    ckpt, off = request.activation_checkpointing, request.activation_offload
+    levels = []
+    for c in ([False, True] if ckpt == "auto" else [ckpt]):
+        offs = [off] if isinstance(off, bool) else [False, True] if c and cluster.device == "cuda" else [False]
+        levels += [(c, o) for o in offs if c or not o]
+    return levels or [(True, True)]
 
 
 def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
@@ -159,14 +176,23 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
     budget = int(cluster.device_bytes * (1 - request.headroom))
     host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
     out = []
+    levels = saver_levels(request, cluster)
     for method in LADDER:
         for strategy, offload in _strategies(cluster):
             try:
-                rung = option_rung(method, strategy, offload, request=request, cluster=cluster)
+                rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level)
+                         for level in levels]
             except RungError:
                 continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
-            est = estimate(shape, rung=rung, request=request, cluster=cluster)
-            fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+            saver_note = ""
+            for rung in rungs:  # the first saver level that fits, else the leanest
+                est = estimate(shape, rung=rung, request=request, cluster=cluster)
+                fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+                if fits or rung is rungs[-1]:
+                    break
+                saver_note = f"{_next_saver(rung)}=auto turned on: without it {_gib(est.memory.total)} GiB"
+            if saver_note and fits:
+                reason += f" ({saver_note})"
             estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
             out.append(Option(
                 **estimated, budget_bytes=budget,
@@ -186,6 +212,11 @@ def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | Non
             # communication with compute is never perfect, and fewer collectives fail less.
             return min(candidates, key=lambda o: (round(o.step_s, 3), o.comm_bytes, o.memory.total))
     return None
+
+
+def _next_saver(rung: Rung) -> str:
+    """The recipe key of what the next saver level adds to `rung` (for the note on an option that needed it)."""
+    return "train.activation_offload" if rung.activation_checkpointing else "train.activation_checkpointing"
 
 
 def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
@@ -399,18 +430,18 @@ def format_plan(p: Plan) -> str:
         f"cluster  {c.nodes} node(s) x {device}, host RAM {_gib(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
         f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
-        + (" act_offload" if r.activation_offload else "") + (" optim_in_bwd" if r.optimizer_in_backward else "")
+        f" act_offload={str(r.activation_offload).lower()}" + (" optim_in_bwd" if r.optimizer_in_backward else "")
         + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
         "",
-        "  option                       weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
+        "  option                             weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
     ]
     for o in p.options:
         m = o.memory
         mark = ">" if o is p.chosen else " "
         verdict = ("fits" if o.fits else "no") + ("" if o.allowed else " (not requested)")
         lines.append(
-            f"{mark} {o.label:28s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
+            f"{mark} {o.label:34s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
             f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total):>6} "
             f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.step_s:>7.2f}  {verdict}"
         )

@@ -47,6 +47,10 @@ class Rung:
     """Each parameter is stepped from its gradient hook (optim_backward.py): full fine-tunes only."""
     quant_bits: int = 4
     """qlora only: 4 (NF4/FP4, shardable, see sharded_qlora.py) or 8 (LLM.int8, one replica per rank)."""
+    activation_checkpointing: bool = False
+    """Each block's activations are recomputed in backward (the recipe's value, or the planner's when `auto`)."""
+    activation_offload: bool = False
+    """The checkpointed block inputs wait in host RAM (offload.py); only with checkpointing."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -107,12 +111,11 @@ class Rung:
 
     @property
     def label(self) -> str:
-        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}"
+        savers = " +act-offload" if self.activation_offload else " +ckpt" if self.activation_checkpointing else ""
+        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}"
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "strategy": self.strategy, "cpu_offload": self.cpu_offload,
-                "nodes": self.nodes, "procs_per_node": self.procs_per_node, "optimizer": self.optimizer,
-                "optimizer_in_backward": self.optimizer_in_backward, "quant_bits": self.quant_bits}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict) -> Rung:
@@ -151,6 +154,9 @@ def _validate(r: Rung) -> None:
         raise RungError("train.optimizer_in_backward needs FSDP on several ranks (DDP reduces gradients after the "
                         "per-parameter step would run); set sharding.strategy=full_shard or "
                         "train.optimizer_in_backward=false")
+    if r.activation_offload and not r.activation_checkpointing:
+        raise RungError("train.activation_offload moves the checkpointed block inputs to host RAM; set "
+                        "train.activation_checkpointing=true (or auto) as well")
     if r.bnb_optimizer_enabled and r.fsdp_enabled:
         raise RungError(f"train.optimizer={r.optimizer} cannot update FSDP2-sharded parameters (bitsandbytes "
                         "optimizers take plain tensors, not DTensor shards); use train.optimizer=adamw, or "
@@ -187,6 +193,20 @@ def rung_for(recipe, chosen=None) -> Rung:
     else:
         strategy = default_strategy(method, world_size=world_size)
     offload = recipe.sharding.cpu_offload or bool(taken and taken.cpu_offload and recipe.sharding.strategy in ("auto", taken.strategy))
+    train = recipe.train
+    act_offload = _saver(train.activation_offload, taken.rung.activation_offload if taken else None)
+    # offload asked for explicitly brings the checkpointing it needs when that is left to `auto`
+    checkpointing = _saver(train.activation_checkpointing, taken.rung.activation_checkpointing if taken else None) or (
+        act_offload and train.activation_checkpointing == "auto")
     return Rung(method=method, strategy=effective_strategy(strategy, world_size=world_size, cpu_offload=offload), cpu_offload=offload, nodes=recipe.cluster.nodes,
-                procs_per_node=recipe.cluster.gpus_per_node, optimizer=recipe.train.optimizer,
-                optimizer_in_backward=recipe.train.optimizer_in_backward, quant_bits=recipe.quant.bits)
+                procs_per_node=recipe.cluster.gpus_per_node, optimizer=train.optimizer,
+                optimizer_in_backward=train.optimizer_in_backward, quant_bits=recipe.quant.bits,
+                activation_checkpointing=checkpointing, activation_offload=act_offload and checkpointing)
+
+
+def _saver(setting: bool | str, planned: bool | None) -> bool:
+    """A memory saver's value: the recipe's `true`/`false`, else (`auto`) what the planner chose for
+    the option it picked (on only when the option fits no other way), else off."""
+    if isinstance(setting, bool):
+        return setting
+    return bool(planned)

@@ -209,7 +209,7 @@ def build(recipe, *, model_dir: Path, rung, env) -> nn.Module:
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     groups = load_groups(model)  # before fully_shard renames the block classes (FSDPLlamaDecoderLayer)
     model = parallelize(model, env, rung=rung, param_dtype=storage_dtype, reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
-                        activation_checkpointing=recipe.train.activation_checkpointing)
+                        activation_checkpointing=rung.activation_checkpointing)
     model.to_empty(device=torch.device("cpu") if rung.cpu_offload else env.device)
     sharded_loading._restore_buffers(model, buffers)
     fill_from_safetensors(model, groups, Path(model_dir), compute_device=env.device)

@@ -93,6 +93,7 @@ class Session:
     logger: MetricsLogger
     fingerprint: str
     start_step: int
+    rung: Rung
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> TrainResult:
@@ -198,7 +199,7 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     for i, mb in enumerate(micro_batches):
         # Only the last micro-batch of the step reduces gradients across ranks.
         with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            with activations_on_host(enabled=s.recipe.train.activation_offload, pin_memory=env.device.type == "cuda"):
+            with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
                 summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
             (summed * scale).backward()
         loss_sum += summed.detach()
@@ -311,7 +312,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d",
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
              len(data.train), start + 1, cfg.max_steps)
-    return Session(recipe, env, model, optimizer, scheduler, sampler, data, tokenizer.pad_token_id, logger, fingerprint, start)
+    return Session(recipe, env, model, optimizer, scheduler, sampler, data, tokenizer.pad_token_id, logger, fingerprint, start, rung)
 
 
 def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
@@ -335,10 +336,10 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
             quantization_config=quant.bnb_config(recipe.quant, device=env.device),
         )
         quant.after_load(model)
-        model = quant.prepare_for_training(model, activation_checkpointing=cfg.activation_checkpointing)
+        model = quant.prepare_for_training(model, activation_checkpointing=rung.activation_checkpointing)
     else:
         model = modeling.load_model(recipe.model, model_dir, dtype=dtype, device=env.device)
-    if cfg.activation_checkpointing and not env.distributed and not rung.quantized_enabled:
+    if rung.activation_checkpointing and not env.distributed and not rung.quantized_enabled:
         model.activation_checkpointing_enable()
     if rung.adapters_enabled:
         compute = dtype
@@ -361,7 +362,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
             rung=rung,
             param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
             reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
-            activation_checkpointing=cfg.activation_checkpointing,
+            activation_checkpointing=rung.activation_checkpointing,
         )
     return model
 
@@ -399,7 +400,7 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
         rung=rung,
         param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
         reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
-        activation_checkpointing=recipe.train.activation_checkpointing,
+        activation_checkpointing=rung.activation_checkpointing,
     )
 
 

@@ -50,7 +50,7 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.hardware import detect, resolve_cluster
     from homelab_ft.memory import estimate
     from homelab_ft.planner import option_rung, request_from_recipe
-    from homelab_ft.rung import Rung
+    from homelab_ft.rung import rung_for
     from homelab_ft.shapes import model_shape, read_model_config
     from homelab_ft.trainer import build_model, train_step
 
@@ -63,10 +63,10 @@ def test_peak_matches_the_plan(model_dir, name):
     env = distributed.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build_model(recipe, model_dir=model_dir, rung=Rung(method=method, strategy="no_shard", cpu_offload=False),
+    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
     optimizer = steps.build_optimizer(model, recipe.train)
-    s = SimpleNamespace(env=env, model=model, recipe=recipe, optimizer=optimizer,
+    s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                         scheduler=steps.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, VOCAB, (1, 2048), generator=torch.Generator().manual_seed(0))
     for _ in range(3):

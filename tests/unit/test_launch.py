@@ -144,7 +144,7 @@ def test_launch_pins_the_planned_rung_on_every_node(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
     commands = launch.launch_commands(hosts, str(recipe), [], port=29500, iface=None)
-    tails = {tuple(c.argv[-3:]) for c in commands}
+    tails = {tuple(c.argv[-5:]) for c in commands}
     assert len(tails) == 1 and next(iter(tails))[0].startswith("method=")
     assert "sharding.strategy=" in commands[0].shell_line()
 

@@ -10,6 +10,7 @@ from homelab_ft import loss
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
 from homelab_ft.offload import MIN_OFFLOAD_BYTES, activations_on_host
+from homelab_ft.rung import rung_for
 
 
 def _llama():
@@ -56,5 +57,7 @@ def test_offload_moves_the_checkpointed_block_inputs_and_changes_nothing(monkeyp
 
 def test_offload_needs_checkpointing():
     with pytest.raises(UserError, match="set train.activation_checkpointing=true as well"):
-        recipe_from_dict({"train": {"activation_offload": True}})
+        recipe_from_dict({"train": {"activation_offload": True, "activation_checkpointing": False}})
     recipe_from_dict({"train": {"activation_offload": True, "activation_checkpointing": True}})
+    # left to `auto`, checkpointing comes with the offload that needs it
+    assert rung_for(recipe_from_dict({"method": "lora", "train": {"activation_offload": True}})).activation_checkpointing

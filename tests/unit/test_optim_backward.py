@@ -45,7 +45,7 @@ def _train(*, tied: bool, in_backward: bool, num_steps: int = 3):
     model = _llama(tied=tied)
     optimizer = steps.build_optimizer(model, recipe.train)
     assert isinstance(optimizer, OptimizerInBackward) == in_backward
-    s = SimpleNamespace(env=ENV, model=model, recipe=recipe, optimizer=optimizer,
+    s = SimpleNamespace(env=ENV, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                         scheduler=steps.build_scheduler(optimizer, recipe.train))
     losses, norms = [], []
     for mb in _batches(1) * num_steps:  # the same rows every step: the loss must fall

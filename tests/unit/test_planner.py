@@ -25,7 +25,7 @@ from homelab_ft.hardware import (
     resolve_cluster,
 )
 from homelab_ft.memory import Cluster, GiB, estimate
-from homelab_ft.planner import LADDER, default_request, option_rung, plan
+from homelab_ft.planner import LADDER, default_request, option_rung, plan, saver_levels
 from homelab_ft.rung import RungError
 from homelab_ft.shapes import model_shape
 
@@ -75,7 +75,7 @@ def test_8b_on_24gb_rejects_lora_with_numbers():
     # the cheap saver comes first among the suggestions, before a lighter rung or more GPUs
     p = plan(shape("llama-3-8b"), request=dataclasses.replace(full_logits, method="lora", strategy="no_shard"),
              cluster=gpus(1))
-    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=128: lora no_shard fits")
+    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=128: lora no_shard +ckpt fits")
 
 
 def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
@@ -165,7 +165,7 @@ def test_nothing_fits_gives_closest_and_what_would_fit():
     req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2, loss_chunk_tokens=0)
     p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
     assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
-    assert p.closest.label == "lora no_shard"
+    assert p.closest.label == "lora no_shard +act-offload"  # the leanest saver level of the requested option
     for change in ("train.loss_chunk_tokens=128", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
         assert any(s.startswith(change) or f" {change}" in s.split(":")[0] for s in p.suggestions), (change, p.suggestions)
     need = next(s for s in p.suggestions if s.startswith("GPUs with >="))
@@ -321,7 +321,7 @@ def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
                           strategy="no_shard")
     p = plan(shape("llama-3.2-1b"), request=request, cluster=gpus(1, 11))
     assert not p.fits
-    assert p.suggestions[0].startswith("train.optimizer_in_backward=true train.max_grad_norm=0: full no_shard fits")
+    assert p.suggestions[0].startswith("train.optimizer_in_backward=true train.max_grad_norm=0: full no_shard +ckpt fits")
 
 
 def test_activation_offload_moves_block_inputs_to_host():
@@ -368,3 +368,24 @@ def test_dpo_recipe_reaches_the_planner():
 
     request = request_from_recipe(recipe_from_dict({"objective": "dpo", "train": {"micro_batch_size": 3}}))
     assert request.objective == "dpo" and request.rows_per_micro_batch == 6
+
+
+def test_auto_savers_turn_on_only_when_needed_and_say_so():
+    """`auto` checkpointing / activation offload: off when the option fits without them (faster
+    steps), on before any costlier rung, offload or GPU, and the chosen line says why."""
+    auto = dataclasses.replace(default_request(method="qlora", seq_len=2048, micro_batch_size=2),
+                               activation_checkpointing="auto", activation_offload="auto")
+    llama = shape("llama-3-8b")
+    p = plan(llama, request=auto, cluster=gpus(1))
+    assert p.chosen.label == "qlora no_shard +ckpt" and p.chosen.rung.activation_checkpointing
+    assert "train.activation_checkpointing=auto turned on: without it" in p.chosen.reason
+    plain = option_rung("qlora", "no_shard", False, request=auto, cluster=gpus(1), savers=(False, False))
+    assert estimate(llama, rung=plain, request=auto, cluster=gpus(1)).memory.total > 21.6 * GiB
+    short = plan(llama, request=dataclasses.replace(auto, seq_len=256, micro_batch_size=1), cluster=gpus(1))
+    assert short.chosen.label == "qlora no_shard" and "auto turned on" not in short.chosen.reason
+    # explicit settings are never changed; offload is tried only after checkpointing alone
+    fixed = plan(llama, request=dataclasses.replace(auto, activation_checkpointing=False), cluster=gpus(1))
+    assert not fixed.fits and all(not o.rung.activation_checkpointing for o in fixed.options)
+    assert saver_levels(auto, gpus(1)) == [(False, False), (True, False), (True, True)]
+    cpu = dataclasses.replace(gpus(1), device="cpu")
+    assert saver_levels(auto, cpu) == [(False, False), (True, False)]  # nothing to offload to

@@ -69,9 +69,11 @@ def _recipe(**sections):
 def test_rung_for_takes_explicit_choices_then_the_plan():
     class Chosen:
         method, strategy, cpu_offload = "full", "shard_grad_op", False
+        rung = Rung("full", "shard_grad_op", False, procs_per_node=2, activation_checkpointing=True)
 
     two = {"gpus_per_node": 2}
-    assert rung_for(_recipe(cluster=two), Chosen()) == Rung("full", "shard_grad_op", False, procs_per_node=2)
+    assert rung_for(_recipe(cluster=two), Chosen()) == Chosen.rung  # `auto` savers too take the plan's
+    assert not rung_for(_recipe(cluster=two, train={"activation_checkpointing": False}), Chosen()).activation_checkpointing
     assert rung_for(_recipe(method="lora", cluster=two), Chosen()).strategy == "no_shard"  # plan chose another method
     assert rung_for(_recipe(method="full", cluster=two), None).strategy == "full_shard"
     assert rung_for(_recipe(method="full", sharding={"strategy": "full_shard"}), None).strategy == "no_shard"  # 1 process
@@ -112,6 +114,8 @@ def _recipe_for(option, cluster: Cluster, request: PlanRequest, *, auto: bool):
         "sharding": {"strategy": "auto" if auto else option.strategy, "cpu_offload": option.cpu_offload and not auto},
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "train": {"optimizer": request.optimizer,
+                  **({} if auto else {"activation_checkpointing": option.rung.activation_checkpointing,
+                                      "activation_offload": option.rung.activation_offload}),
                   **({"optimizer_in_backward": True, "max_grad_norm": 0} if request.optimizer_in_backward else {})},
         "quant": {"bits": request.quant_bits},
     }
