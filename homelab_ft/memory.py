@@ -20,10 +20,12 @@ from homelab_ft.shapes import ModelShape
 GiB = 1024**3
 
 # CUDA context + cuBLAS/cuDNN workspaces: ~0.5-0.8 GiB per process with torch 2.x on Ampere/Ada
-# (nvidia-smi after `torch.zeros(1, device="cuda")` and one bf16 matmul), plus ~0.5 GiB the caching
-# allocator holds in fragmented blocks during a training step. Spikes above that are what the
-# planner's headroom fraction is for.
-CUDA_OVERHEAD_BYTES = int(1.25 * GiB)
+# (nvidia-smi after `torch.zeros(1, device="cuda")` and one bf16 matmul).
+CUDA_CONTEXT_BYTES = int(0.75 * GiB)
+# What the caching allocator holds in fragmented blocks during a training step (reserved minus
+# allocated at the peak, ~0.5 GiB for 8B-class steps). Spikes above that are what the planner's
+# headroom fraction is for.
+CUDA_FRAGMENTATION_BYTES = int(0.5 * GiB)
 # A CPU training process before any tensor: python + torch + transformers + peft resident set.
 CPU_PROCESS_BYTES = int(0.6 * GiB)
 # Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
@@ -125,7 +127,14 @@ class Memory:
     logits: int
     gathered: int
     """Unsharded parameters (and one block's gradients) FSDP holds while computing."""
-    overhead: int
+    context: int
+    """The process before any tensor: the CUDA context and library workspaces (on the CPU the
+    python + torch resident set)."""
+    fragmentation: int = 0
+    """What the CUDA caching allocator reserves beyond the allocated peak."""
+    pageable: int = 0
+    """The part of `optimizer` that paged_adamw_8bit keeps in CUDA unified memory: the driver moves
+    it to host RAM when the GPU runs out (planner: spilled)."""
     recomputed: int = 0
     """The part of `activations` that is one block recomputed by activation checkpointing: it
     never coexists with the logits, which backward frees before it reaches the blocks."""
@@ -138,6 +147,10 @@ class Memory:
     step_in_backward: bool = False
     """train.optimizer_in_backward: the step's temporaries appear inside backward, one parameter at
     a time, after the loss has freed its logits."""
+
+    @property
+    def overhead(self) -> int:
+        return self.context + self.fragmentation
 
     @property
     def model_state(self) -> int:
@@ -181,6 +194,9 @@ class Estimate:
     prepass_s_per_pair: float
     """DPO of a full fine-tune: the one no-grad forward per pair (both answers) that caches the
     reference's log-probabilities before step 1; 0 otherwise (adapters run the reference in every step)."""
+    spilled_bytes: int
+    """Paged optimizer state the planner expects in host RAM because the GPU is full (see
+    `with_paged_spill`); counted in `host_bytes` and, as PCIe traffic, in `offload_s`."""
 
     @property
     def step_s(self) -> float:
@@ -331,6 +347,50 @@ def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int,
     if cluster.device == "cuda":
         return params * state_bytes
     return 2 * largest * state_bytes
+
+
+# bitsandbytes' Optimizer8bit.get_state_buffer pages only the state of tensors with >= 1e5 elements.
+PAGED_MIN_NUMEL = 100_000
+
+
+def pageable_optimizer_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> int:
+    """Optimizer state that paged_adamw_8bit allocates in CUDA unified memory (0 otherwise).
+
+    The driver migrates such pages to host RAM when the GPU is oversubscribed and back when the
+    step touches them, so this state may spill instead of failing the run. Only tensors of at
+    least PAGED_MIN_NUMEL elements are paged: every large weight of a full fine-tune; of LoRA's
+    A (r x in) and B (out x r) only those that big (r=16 on a 4096-wide model: A and B of the
+    14336-wide MLP projections, not the attention ones). On the CPU paged AdamW is plain 8-bit.
+    """
+    if request.optimizer != "paged_adamw_8bit" or cluster.device != "cuda":
+        return 0
+    per_param = optimizer_bytes_per_param(request, 0)
+    if method == "full":
+        big = shape.embedding_params + shape.vocab_size * shape.hidden_size * (not shape.tie_word_embeddings)
+        for block in shape.blocks:
+            linears = sum(n for lin in block.linears if (n := lin.in_features * lin.out_features) >= PAGED_MIN_NUMEL)
+            experts = block.params - block.linear_weight_params if shape.is_moe else 0
+            big += block.num_blocks * (linears + experts)
+        return int(big * per_param)
+    r = request.lora_r
+    big = sum(block.num_blocks * sum(n for lin in _targeted(block, request)
+                                     for n in (r * lin.in_features, r * lin.out_features) if n >= PAGED_MIN_NUMEL)
+              for block in shape.blocks)
+    return int(big * per_param)
+
+
+def with_paged_spill(est: Estimate, *, budget: int) -> Estimate:
+    """`est` with the paged optimizer state that does not fit under `budget` moved to host RAM.
+
+    The driver pages the state out when the GPU is full and in again when the optimizer step reads
+    and writes it: each spilled byte crosses PCIe twice per step, unoverlapped. An estimate that
+    would still not fit with all of it spilled is returned unchanged.
+    """
+    over = est.memory.total - budget
+    if over <= 0 or over > est.memory.pageable:
+        return est
+    return dataclasses.replace(est, spilled_bytes=over, host_bytes=est.host_bytes + over,
+                               offload_s=est.offload_s + 2 * over / OFFLOAD_BYTES_PER_S)
 
 
 def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
@@ -490,7 +550,9 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         recomputed=recomputed_block_bytes(shape, method, request, act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),
-        overhead=CUDA_OVERHEAD_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
+        context=CUDA_CONTEXT_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
+        fragmentation=CUDA_FRAGMENTATION_BYTES if cluster.device == "cuda" else 0,
+        pageable=int(0 if cpu_offload else pageable_optimizer_bytes(shape, method, request, cluster) / shards),
         gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
         step_temporary=int(0 if cpu_offload else step_temp),
@@ -507,7 +569,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         offload_s=(_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0)
         # each micro-batch's block inputs go to the host in forward and come back in backward
         + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
-        prepass_s_per_pair=_prepass_s_per_pair(shape, method, request, cluster),
+        prepass_s_per_pair=_prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
     )
 
 

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 from homelab_ft.diskspace import checkpoint_bytes
 from homelab_ft.errors import UserError
-from homelab_ft.memory import Cluster, Estimate, GiB, PlanRequest, estimate
+from homelab_ft.memory import (
+    OFFLOAD_BYTES_PER_S,
+    Cluster,
+    Estimate,
+    GiB,
+    PlanRequest,
+    estimate,
+    with_paged_spill,
+)
 from homelab_ft.rung import (
     FULL_SHARD,
     HYBRID_SHARD,
@@ -186,7 +194,7 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
             saver_note = ""
             for rung in rungs:  # the first saver level that fits, else the leanest
-                est = estimate(shape, rung=rung, request=request, cluster=cluster)
+                est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
                 fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
                 if fits or rung is rungs[-1]:
                     break
@@ -253,7 +261,7 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
         return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
                        "cannot quantize (quant.py refuses); use lora or full")
     limit = f"{_gib(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
-    total = est.memory.total
+    total = est.memory.total - est.spilled_bytes
     if total > budget:
         biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
                       key=lambda k: getattr(est.memory, k))
@@ -262,7 +270,9 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
     if cluster.device == "cuda" and est.host_bytes > host_budget:
         return False, (f"{name}: host RAM {_gib(est.host_bytes)} GiB per node > "
                        f"{_gib(cluster.host_ram_bytes)} GiB - {request.headroom:.0%} headroom")
-    return True, f"{name}: {_gib(total)} GiB per {device} <= {limit}"
+    spill = (f" (paged optimizer state: {_gib(est.spilled_bytes)} GiB spills to host RAM, "
+             f"~{2 * est.spilled_bytes / OFFLOAD_BYTES_PER_S:.1f} s/step of paging)") if est.spilled_bytes else ""
+    return True, f"{name}: {_gib(total)} GiB per {device} <= {limit}{spill}"
 
 
 def _unquantizable_fraction(shape: ModelShape) -> float:
@@ -440,9 +450,10 @@ def format_plan(p: Plan) -> str:
         m = o.memory
         mark = ">" if o is p.chosen else " "
         verdict = ("fits" if o.fits else "no") + ("" if o.allowed else " (not requested)")
+        verdict += f" (paged optimizer: {_gib(o.spilled_bytes)} GiB in host RAM)" if o.spilled_bytes else ""
         lines.append(
             f"{mark} {o.label:34s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
-            f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total):>6} "
+            f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total - o.spilled_bytes):>6} "
             f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.step_s:>7.2f}  {verdict}"
         )
     lines.append("  (GiB per device; host: GiB on node 0; step s: max(compute, comm) + offload)")

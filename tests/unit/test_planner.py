@@ -389,3 +389,39 @@ def test_auto_savers_turn_on_only_when_needed_and_say_so():
     assert saver_levels(auto, gpus(1)) == [(False, False), (True, False), (True, True)]
     cpu = dataclasses.replace(gpus(1), device="cpu")
     assert saver_levels(auto, cpu) == [(False, False), (True, False)]  # nothing to offload to
+
+
+def test_paged_optimizer_state_may_spill_to_host_ram():
+    """paged_adamw_8bit keeps big tensors' state in CUDA unified memory: an option that is over the
+    budget by no more than that state fits, with the spill in host RAM and its paging in the step."""
+    request = default_request(method="full", strategy="no_shard", seq_len=2048, micro_batch_size=2,
+                              activation_checkpointing=True, activation_offload=False, optimizer="paged_adamw_8bit")
+    llama = shape("llama-3.2-1b")
+    rung = option_rung("full", "no_shard", False, request=request, cluster=gpus(1, 8))
+    est = estimate(llama, rung=rung, request=request, cluster=gpus(1, 8))
+    # every weight of this model has >= 1e5 elements except the norms: nearly all state is paged
+    assert 0.99 * est.memory.optimizer <= est.memory.pageable <= est.memory.optimizer
+    budget = int(8 * GiB * 0.9)
+    assert est.memory.total > budget > est.memory.total - est.memory.pageable
+    p = plan(llama, request=request, cluster=gpus(1, 8))
+    over = est.memory.total - budget
+    assert p.chosen is not None and p.chosen.spilled_bytes == over
+    assert p.chosen.host_bytes == est.host_bytes + over and p.chosen.offload_s > est.offload_s
+    assert "GiB spills to host RAM" in p.chosen.reason
+    # plain 8-bit AdamW has nothing pageable and does not fit
+    eight = plan(llama, request=dataclasses.replace(request, optimizer="adamw_8bit"), cluster=gpus(1, 8))
+    assert not eight.fits
+    # LoRA: only A/B matrices of >= 1e5 elements are paged (r=16: the 14336-wide MLP ones of Llama 3)
+    lora = dataclasses.replace(request, method="lora")
+    est = estimate(shape("llama-3-8b"), rung=option_rung("lora", "no_shard", False, request=lora, cluster=gpus(1)),
+                   request=lora, cluster=gpus(1))
+    assert 0 < est.memory.pageable < est.memory.optimizer
+
+
+def test_cuda_context_and_fragmentation_are_separate_items():
+    est = estimate(shape("llama-3.2-1b"), rung=option_rung("lora", "no_shard", False, request=LONG, cluster=gpus(1)),
+                   request=LONG, cluster=gpus(1))
+    assert est.memory.context == int(0.75 * GiB) and est.memory.fragmentation == int(0.5 * GiB)
+    assert est.memory.overhead == est.memory.context + est.memory.fragmentation
+    p = plan(shape("llama-3.2-1b"), request=LONG, cluster=gpus(1)).to_dict()
+    assert p["chosen"]["memory"]["context"] and p["chosen"]["memory"]["fragmentation"]
