@@ -1,0 +1,110 @@
+"""`homelab-ft doctor` on a 2-node cluster of network namespaces joined by a tbf-shaped veth pair.
+
+Each test does what a user does: `doctor --hosts` prints one command per node, and each line runs
+on its node (here: inside its namespace), one CPU process per node over gloo. The measured link
+must come within 20% of the shaped rate, and the cluster file must be one `plan` takes. A node
+given another torch version (a fake distribution record first on its PYTHONPATH, which is where
+pip's metadata, and so doctor, reads versions from) is a FAIL line naming both; a node that never
+joins ends the head's wait with one line naming it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import netns
+import pytest
+from procs import REPO, child_env
+
+from homelab_ft import clusterfile
+from homelab_ft.config import recipe_from_dict
+from homelab_ft.planner import plan_for_recipe
+
+pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
+
+
+def _node_lines(link, tmp_path, *extra: str) -> list[str]:
+    """The printed per-node commands of `doctor --hosts` (run on the head node)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("".join(f"{n.addr}\n" for n in link.nodes))
+    proc = subprocess.run(link.nodes[0].wrap([sys.executable, "-m", "homelab_ft", "doctor", "--hosts", str(hosts),
+                                              "--iface", netns.IFACE, *extra]),
+                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert len(lines) == 2
+    return lines
+
+
+def _run_on_nodes(link, lines, envs) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen(n.wrap(["bash", "-c", line]), env=env, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for n, line, env in zip(link.nodes, lines, envs, strict=True)]
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def _fake_torch(tmp_path, version: str) -> str:
+    """A directory whose torch distribution record says `version` (the real torch still runs)."""
+    site = tmp_path / "fake-site"
+    info = site / f"torch-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+    return str(site)
+
+
+@pytest.mark.parametrize("rate_mbit, other_torch", [(50, None), (200, "2.99.0")])
+def test_doctor_measures_the_shaped_link_and_reports_another_torch(tmp_path, tiny_model_dir, rate_mbit, other_torch):
+    out = tmp_path / "cluster.yaml"
+    with netns.shaped_link(rate_mbit) as link:
+        lines = _node_lines(link, tmp_path, "--out", str(out), "--run-dir", str(tmp_path / "run"), "--join-timeout", "120")
+        envs = [child_env(), child_env()]
+        if other_torch:
+            envs[1]["PYTHONPATH"] = f"{_fake_torch(tmp_path, other_torch)}:{envs[1]['PYTHONPATH']}"
+        head, other = _run_on_nodes(link, lines, envs)
+    a, b = (n.addr for n in link.nodes)
+    table = head.stdout
+    assert f"all-reduce between nodes  {a} <-> {b}" in table, head.stderr[-3000:]
+    assert f"interface                 {a}" in table and f"lan0 ({b})" in table
+    assert "shared run dir" in table and f"wrote {out}" in table
+    assert other.stdout == ""  # the table is the head's alone
+
+    measured = clusterfile.read(out)
+    assert measured["nodes"] == 2 and measured["gpus_per_node"] == 1 and measured["device"] == "cpu"
+    assert measured["inter_link_gbit"] == pytest.approx(rate_mbit / 1000, rel=0.2), table
+    assert 0 < measured["inter_latency_ms"] < 50
+    recipe = recipe_from_dict({"method": "lora", "model": {"path": str(tiny_model_dir)}},
+                              overrides=clusterfile.overrides(out))
+    plan = plan_for_recipe(recipe)
+    assert plan.cluster.inter_link_gbit == measured["inter_link_gbit"] and plan.cluster.nodes == 2
+
+    torch_line = next(ln for ln in table.splitlines() if ln.startswith("torch "))
+    if other_torch is None:
+        assert (head.returncode, other.returncode) == (0, 0), head.stderr[-3000:] + other.stderr[-3000:]
+        assert torch_line.split()[1] == "all" and torch_line.endswith("ok")
+        assert "0 FAIL" in table
+    else:
+        assert (head.returncode, other.returncode) == (2, 2)
+        assert torch_line.endswith("FAIL") and f"{b}: {other_torch}" in torch_line and f"{a}: 2." in torch_line
+        assert "fix: install the same torch on every node" in table
+
+
+def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path):
+    timeout_s = 8
+    with netns.shaped_link(None) as link:
+        head_line = _node_lines(link, tmp_path, "--join-timeout", str(timeout_s))[0]
+        start = time.monotonic()
+        proc = subprocess.run(link.nodes[0].wrap(["bash", "-c", head_line]), env=child_env(), cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+    b = link.nodes[1].addr
+    assert proc.returncode == 2
+    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert f"within {timeout_s} s (waiting for {b})" in errors[0] and "TCP port 29500 is open" in errors[0]
+    assert elapsed < timeout_s + 30  # the timeout plus interpreter start-up on a busy 2-core machine
