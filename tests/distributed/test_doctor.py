@@ -10,6 +10,7 @@ joins ends the head's wait with one line naming it.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -108,3 +109,23 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path):
     assert len(errors) == 1, proc.stderr[-3000:]
     assert f"within {timeout_s} s (waiting for {b})" in errors[0] and "TCP port 29500 is open" in errors[0]
     assert elapsed < timeout_s + 30  # the timeout plus interpreter start-up on a busy 2-core machine
+
+
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client")
+def test_run_names_every_host_ssh_cannot_reach_before_launching(tmp_path):
+    """Real ssh from the head namespace: nothing listens on port 22 of the other node, and the third
+    address is on the link's subnet but held by nobody."""
+    with netns.shaped_link(None) as link:
+        a, b = link.nodes
+        nobody = a.addr.rsplit(".", 1)[0] + ".3"
+        hosts = tmp_path / "hosts"
+        hosts.write_text(f"{a.addr}\n{b.addr}\n{nobody}\n")
+        start = time.monotonic()
+        proc = subprocess.run(a.wrap([sys.executable, "-m", "homelab_ft", "doctor", "--hosts", str(hosts), "--run"]),
+                              env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{hosts}: ssh cannot reach {a.addr} (" in proc.stderr
+    assert f"; {b.addr} (" in proc.stderr and f"; {nobody} (" in proc.stderr and "Connection refused" in proc.stderr
+    assert elapsed < 40
