@@ -80,10 +80,8 @@ def is_local_address(host: str) -> bool:
 
 
 def check_port(head: str, port: int) -> None:
-    """When this machine is the head: the rendezvous port must be free (torchrun's store would
-    otherwise connect to whatever holds it and wait there until the join timeout)."""
-    if not is_local_address(head):
-        return
+    """On the head: the rendezvous port must be free (torchrun's store would otherwise connect to
+    whatever holds it and wait there until the join timeout)."""
     family = socket.AF_INET6 if ":" in head else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         # as the store binds: TIME_WAIT leftovers of an earlier run do not count as in use
@@ -147,15 +145,18 @@ def prepare(*, recipe_path: str | None, overrides: list[str], hostfile: str | No
         from homelab_ft.config import load_recipe
 
         recipe = load_recipe(recipe_path, overrides)  # a broken recipe stops here, before any launch
-    check_iface(iface)
+    if run and not hostfile:
+        raise UserError("--run starts the nodes of a hostfile over ssh; add --hosts HOSTFILE, or drop --run to check "
+                        "this machine alone")
     if nproc_per_node is None:
         detected = hardware.detect().gpu_count
         # CPU: two processes on one machine, so there are collectives to time; one per node across nodes
         nproc_per_node = recipe.cluster.gpus_per_node if recipe else (detected or (1 if hostfile else 2))
     if nproc_per_node < 1:
         raise UserError(f"--nproc-per-node {nproc_per_node}: needs at least 1 process per node")
-    args = [*([f"{o}" for o in overrides]), *worker_args]
+    args = [*overrides, *worker_args]
     if not hostfile:
+        check_iface(iface)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # timing collectives needs no compute threads
         if iface:
@@ -168,7 +169,10 @@ def prepare(*, recipe_path: str | None, overrides: list[str], hostfile: str | No
     hosts = launch.parse_hostfile(path.read_text(encoding="utf-8"), source=str(path))
     if not 1 <= port <= 65535:
         raise UserError(f"--port {port} is not a TCP port (1-65535)")
-    check_port(hosts[0].rdzv_address, port)
+    if is_local_address(hosts[0].rdzv_address):
+        # this machine is the head: its interface and port are checked here (elsewhere, by the workers)
+        check_iface(iface)
+        check_port(hosts[0].rdzv_address, port)
     if run:
         check_reachable(hosts, hostfile=str(path))
     import sys
@@ -199,7 +203,10 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             found[key] = None
     found["cuda"] = torch.version.cuda
-    found["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    found["nccl"] = None
+    if torch.cuda.is_available():
+        nccl = torch.cuda.nccl.version()  # (2, 27, 3); an int such as 2708 from torch before 1.13
+        found["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     found["homelab-ft"] = homelab_ft.__version__
     return found
 

@@ -74,6 +74,7 @@ def test_doctor_measures_the_shaped_link_and_reports_another_torch(tmp_path, tin
     assert f"interface                 {a}" in table and f"lan0 ({b})" in table
     assert "shared run dir" in table and f"wrote {out}" in table
     assert other.stdout == ""  # the table is the head's alone
+    assert "Traceback" not in head.stderr + other.stderr and "Error" not in head.stderr + other.stderr
 
     measured = clusterfile.read(out)
     assert measured["nodes"] == 2 and measured["gpus_per_node"] == 1 and measured["device"] == "cpu"

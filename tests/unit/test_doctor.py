@@ -223,9 +223,16 @@ def test_an_interface_that_does_not_exist_stops_before_launch(capsys, monkeypatc
     assert "--iface nosuch0: no such network interface on this machine" in err and "lo" in err
 
 
+def test_run_needs_a_hostfile(capsys):
+    code, _, err = _doctor(capsys, "--run")
+    assert code == 2 and "--run starts the nodes of a hostfile over ssh; add --hosts HOSTFILE" in err
+
+
 def test_a_rendezvous_port_in_use_on_the_head_stops_before_launch(capsys, tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n10.0.0.2\n")
+    code, _, err = _doctor(capsys, "--hosts", str(hosts), "--iface", "nosuch0")
+    assert code == 2 and "--iface nosuch0: no such network interface" in err  # this machine is the head
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
