@@ -256,7 +256,9 @@ def _cmd_doctor(args) -> int:
     from homelab_ft import doctor, launch
 
     if launch.under_torchrun():
-        outcome = doctor.run_rank(recipe_path=args.recipe, overrides=list(args.overrides), iface=args.iface,
+        from homelab_ft.doctor_rank import run_rank
+
+        outcome = run_rank(recipe_path=args.recipe, overrides=list(args.overrides), iface=args.iface,
                                   run_dir=args.run_dir, out=args.out, join_timeout_s=args.join_timeout)
         if outcome.table is not None:
             print(outcome.table)

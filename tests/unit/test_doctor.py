@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from homelab_ft import cli, clusterfile, doctor, launch
+from homelab_ft import cli, clusterfile, doctor, doctor_rank, launch
 from homelab_ft import doctor_report as report
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.doctor_report import FAIL, OK, WARN, LinkResult, Needs, NodeFacts, Timing
@@ -284,5 +284,5 @@ def test_standalone_on_this_machine_runs_doctor_under_torchrun(monkeypatch):
 
 
 def test_token_probe_uses_the_nearest_existing_parent(tmp_path):
-    path, ok = doctor.write_token(str(tmp_path / "runs" / "new"))
+    path, ok = doctor_rank.write_token(str(tmp_path / "runs" / "new"))
     assert ok and Path(path).parent == tmp_path and Path(path).read_text() == Path(path).name
