@@ -19,30 +19,32 @@ import netns
 import pytest
 from procs import REPO, child_env
 
-from homelab_ft import clusterfile
+from homelab_ft import cli, clusterfile
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.planner import plan_for_recipe
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
 
 
-def _node_lines(link, tmp_path, *extra: str) -> list[str]:
-    """The printed per-node commands of `doctor --hosts` (run on the head node)."""
+def _node_lines(capsys, link, tmp_path, *extra: str) -> list[str]:
+    """The per-node commands `doctor --hosts` prints (the CLI in this process: a second interpreter
+    would add seconds of start-up; the checks the head makes on itself are in tests/unit/test_doctor.py)."""
     hosts = tmp_path / "hosts"
     hosts.write_text("".join(f"{n.addr}\n" for n in link.nodes))
-    proc = subprocess.run(link.nodes[0].wrap([sys.executable, "-m", "homelab_ft", "doctor", "--hosts", str(hosts),
-                                              "--iface", netns.IFACE, *extra]),
-                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+    capsys.readouterr()
+    code = cli.main(["doctor", "--hosts", str(hosts), "--iface", netns.IFACE, "--workdir", str(REPO), *extra])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = [ln for ln in out.splitlines() if ln and not ln.startswith("#")]
     assert len(lines) == 2
     return lines
 
 
-def _run_on_nodes(link, lines, envs) -> list[subprocess.CompletedProcess]:
+def _run_on_nodes(link, lines, envs, *, nodes=None) -> list[subprocess.CompletedProcess]:
+    """Each line on its node (`link.nodes`, or `nodes`), all at once."""
     procs = [subprocess.Popen(n.wrap(["bash", "-c", line]), env=env, cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-             for n, line, env in zip(link.nodes, lines, envs, strict=True)]
+             for n, line, env in zip(nodes or link.nodes, lines, envs, strict=True)]
     done = []
     for proc in procs:
         out, err = proc.communicate(timeout=240)
@@ -60,10 +62,11 @@ def _fake_torch(tmp_path, version: str) -> str:
 
 
 @pytest.mark.parametrize("rate_mbit, other_torch", [(50, None), (200, "2.99.0")])
-def test_doctor_measures_the_shaped_link_and_reports_another_torch(tmp_path, tiny_model_dir, rate_mbit, other_torch):
+def test_doctor_measures_the_shaped_link_and_reports_another_torch(capsys, tmp_path, tiny_model_dir, rate_mbit,
+                                                                   other_torch):
     out = tmp_path / "cluster.yaml"
     with netns.shaped_link(rate_mbit) as link:
-        lines = _node_lines(link, tmp_path, "--out", str(out), "--run-dir", str(tmp_path / "run"), "--join-timeout", "120")
+        lines = _node_lines(capsys, link, tmp_path, "--out", str(out), "--run-dir", str(tmp_path / "run"), "--join-timeout", "120")
         envs = [child_env(), child_env()]
         if other_torch:
             envs[1]["PYTHONPATH"] = f"{_fake_torch(tmp_path, other_torch)}:{envs[1]['PYTHONPATH']}"
@@ -96,19 +99,25 @@ def test_doctor_measures_the_shaped_link_and_reports_another_torch(tmp_path, tin
         assert "fix: install the same torch on every node" in table
 
 
-def test_a_node_that_never_joins_is_named_within_the_join_timeout(tmp_path):
-    timeout_s = 8
-    with netns.shaped_link(None) as link:
-        head_line = _node_lines(link, tmp_path, "--join-timeout", str(timeout_s))[0]
+def test_a_node_that_never_joins_is_named_within_the_join_timeout(capsys, tmp_path):
+    """Two clusters at once (both sides mostly wait): on one only the head starts, on the other only
+    the second node, so one reports the node that never came and the other the head it cannot reach."""
+    timeout_s = 6
+    with netns.shaped_link(None) as lonely_head, netns.shaped_link(None) as headless:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        head_line = _node_lines(capsys, lonely_head, tmp_path / "a", "--join-timeout", str(timeout_s))[0]
+        second_line = _node_lines(capsys, headless, tmp_path / "b", "--join-timeout", str(timeout_s))[1]
         start = time.monotonic()
-        proc = subprocess.run(link.nodes[0].wrap(["bash", "-c", head_line]), env=child_env(), cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        head, second = _run_on_nodes(None, [head_line, second_line], [child_env(), child_env()],
+                                     nodes=[lonely_head.nodes[0], headless.nodes[1]])
         elapsed = time.monotonic() - start
-    b = link.nodes[1].addr
-    assert proc.returncode == 2
-    errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    assert f"within {timeout_s} s (waiting for {b})" in errors[0] and "TCP port 29500 is open" in errors[0]
+    for proc in (head, second):
+        errors = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    missing, head_addr = lonely_head.nodes[1].addr, headless.nodes[0].addr
+    assert f"within {timeout_s} s (waiting for {missing})" in head.stderr and "TCP port 29500 is open" in head.stderr
+    assert f"could not reach the rendezvous at {head_addr}:29500 (the head node" in second.stderr
     assert elapsed < timeout_s + 30  # the timeout plus interpreter start-up on a busy 2-core machine
 
 
