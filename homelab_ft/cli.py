@@ -262,6 +262,8 @@ def _cmd_doctor(args) -> int:
                                   run_dir=args.run_dir, out=args.out, join_timeout_s=args.join_timeout)
         if outcome.table is not None:
             print(outcome.table)
+            if outcome.error:
+                raise UserError(outcome.error)
             if outcome.written:
                 print(f"\nwrote {outcome.written}: pass it to plan and train with --cluster {outcome.written}")
         return outcome.code

@@ -14,6 +14,7 @@ untimed operation, so a link costs a few seconds of all-reduce and all-gather wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -105,30 +106,29 @@ def probe_dir_of(run_dir: str) -> Path:
     return path
 
 
-def write_token(run_dir: str) -> tuple[str, bool]:
-    """Rank 0: a token file the other nodes look for; (its path, whether it could be written)."""
+def write_token(run_dir: str) -> str:
+    """Rank 0: a token file the other nodes look for; its path. A directory rank 0 cannot write
+    is reported by the `run dir` line (os.access), so a failed write only leaves nothing to find."""
     path = probe_dir_of(run_dir) / f"{TOKEN_PREFIX}{secrets.token_hex(8)}"
-    try:
+    with contextlib.suppress(OSError):
         path.write_text(path.name, encoding="ascii")
-    except OSError:
-        return str(path), False
-    return str(path), True
+    return str(path)
 
 
-def node_facts(*, name: str, address: str, nproc: int, device: str, iface_given: str | None, token_path: str,
-               head: bool) -> NodeFacts:
-    probe = Path(token_path).parent
+def node_facts(*, name: str, address: str, nproc: int, device: str, iface_given: str | None, run_dir: str,
+               token_path: str, head: bool) -> NodeFacts:
+    """This node's facts. Disk is measured where the run directory (or its nearest existing parent)
+    is on this node; the token is looked for at rank 0's path, which a shared mount also has."""
+    probe = probe_dir_of(run_dir)
     iface = hardware.interface_holding(address)
     gpus, no_peer = gpu_facts() if device == "cuda" else ([], [])
-    sees = None if head else Path(token_path).is_file()
-    writable = os.access(probe, os.W_OK) if probe.exists() else False
     return NodeFacts(
         name=name, hostname=socket.gethostname(), versions=versions(), nproc=nproc, device=device, gpus=gpus,
         no_peer_access=no_peer, nvlink=device == "cuda" and len(gpus) > 1 and hardware.gpus_joined_by_nvlink(),
         address=address, iface=iface, iface_given=iface_given, nic_speed_mbit=hardware.nic_speed_mbit(iface),
-        probe_dir=str(probe if probe.exists() else Path(token_path).parent), writable=writable, sees_token=sees,
-        free_disk_bytes=shutil.disk_usage(probe).free if probe.exists() else None,
-        host_ram_bytes=hardware.detect().host_ram_bytes, available_ram_bytes=hardware.available_ram_bytes(),
+        probe_dir=str(probe), writable=os.access(probe, os.W_OK), sees_token=None if head else Path(token_path).is_file(),
+        free_disk_bytes=shutil.disk_usage(probe).free, host_ram_bytes=hardware.detect().host_ram_bytes,
+        available_ram_bytes=hardware.available_ram_bytes(),
     )
 
 
@@ -207,6 +207,8 @@ class Outcome:
     """Rank 0 only: the table to print."""
     written: str | None = None
     """Rank 0 only: the cluster file written (--out)."""
+    error: str | None = None
+    """Rank 0 only: why --out could not be written (after the table, which still prints)."""
 
 
 def run_rank(*, recipe_path: str | None, overrides: list[str], iface: str | None, run_dir: str | None,
@@ -234,12 +236,12 @@ def run_rank(*, recipe_path: str | None, overrides: list[str], iface: str | None
         raise UserError("homelab-ft doctor runs under torchrun; start it as `homelab-ft doctor`")
     token = [write_token(run_dir) if env.is_main else None]
     dist.broadcast_object_list(token, src=0)
-    token_path, _ = token[0]
+    token_path = token[0]
     name = address if env.num_nodes > 1 else socket.gethostname()
     facts = None
     if local_rank == 0:
         facts = node_facts(name=name, address=address, nproc=local_world, device=device_type, iface_given=iface,
-                           token_path=token_path, head=env.is_main)
+                           run_dir=run_dir, token_path=token_path, head=env.is_main)
     gathered: list = [None] * env.world_size
     dist.all_gather_object(gathered, dataclasses.asdict(facts) if facts else None)
     nodes = [NodeFacts(**f) for f in gathered if f is not None]
@@ -251,6 +253,8 @@ def run_rank(*, recipe_path: str | None, overrides: list[str], iface: str | None
     outcome = Outcome(code=0)
     if env.is_main:
         outcome = _report(nodes, links, recipe=recipe, recipe_path=recipe_path, overrides=overrides, out=out)
+        if outcome.error:
+            outcome = dataclasses.replace(outcome, code=2)
     code = [outcome.code]
     dist.broadcast_object_list(code, src=0)
     distributed.teardown(env)
@@ -312,7 +316,11 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
                     "verdicts": [dataclasses.asdict(line) for line in lines]}
         header = (f"written by `homelab-ft doctor` at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: `cluster:` is what "
                   "`homelab-ft plan/train --cluster` read; `measured:` is the record behind it")
-        clusterfile.write(out, cluster=values, measured=measured, header=header)
+        try:
+            clusterfile.write(out, cluster=values, measured=measured, header=header)
+        except OSError as err:
+            return Outcome(code=2, table=table, error=f"--out {out}: cannot write it ({err.strerror}); choose a "
+                                                      "path this user can write on the head node")
     return Outcome(code=doctor_report.exit_code(lines), table=table, written=out)
 
 

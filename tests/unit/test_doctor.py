@@ -284,5 +284,5 @@ def test_standalone_on_this_machine_runs_doctor_under_torchrun(monkeypatch):
 
 
 def test_token_probe_uses_the_nearest_existing_parent(tmp_path):
-    path, ok = doctor_rank.write_token(str(tmp_path / "runs" / "new"))
-    assert ok and Path(path).parent == tmp_path and Path(path).read_text() == Path(path).name
+    path = doctor_rank.write_token(str(tmp_path / "runs" / "new"))
+    assert Path(path).parent == tmp_path and Path(path).read_text() == Path(path).name
