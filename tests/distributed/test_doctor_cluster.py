@@ -118,7 +118,9 @@ def test_a_node_that_never_joins_is_named_within_the_join_timeout(capsys, tmp_pa
     missing, head_addr = lonely_head.nodes[1].addr, headless.nodes[0].addr
     assert f"within {timeout_s} s (waiting for {missing})" in head.stderr and "TCP port 29500 is open" in head.stderr
     assert f"could not reach the rendezvous at {head_addr}:29500 (the head node" in second.stderr
-    assert elapsed < timeout_s + 30  # the timeout plus interpreter start-up on a busy 2-core machine
+    # the timeout plus interpreter start-up on a busy 2-core machine (load 8 here at times), far from
+    # the default 300 s: the given timeout was the one honoured
+    assert elapsed < timeout_s + 60, elapsed
 
 
 @pytest.mark.skipif(shutil.which("ssh") is None, reason="no ssh client")
@@ -138,4 +140,4 @@ def test_run_names_every_host_ssh_cannot_reach_before_launching(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"{hosts}: ssh cannot reach {a.addr} (" in proc.stderr
     assert f"; {b.addr} (" in proc.stderr and f"; {nobody} (" in proc.stderr and "Connection refused" in proc.stderr
-    assert elapsed < 40
+    assert elapsed < 60  # one ssh connect timeout (5 s) for all hosts at once, plus start-up
