@@ -267,7 +267,7 @@ def _cmd_doctor(args) -> int:
             if outcome.written:
                 print(f"\nwrote {outcome.written}: pass it to plan and train with --cluster {outcome.written}")
         return outcome.code
-    worker_args = [f"--join-timeout={args.join_timeout}"]
+    worker_args = [f"--join-timeout={args.join_timeout}", *["--quiet"] * args.quiet, *["--verbose"] * args.verbose]
     for flag, value in (("--iface", args.iface), ("--run-dir", args.run_dir), ("--out", args.out)):
         if value:
             worker_args.append(f"{flag}={value}")

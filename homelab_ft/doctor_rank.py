@@ -252,7 +252,7 @@ def run_rank(*, recipe_path: str | None, overrides: list[str], iface: str | None
     links = _time_links(env, nodes, local_rank=local_rank, local_world=local_world)
     outcome = Outcome(code=0)
     if env.is_main:
-        outcome = _report(nodes, links, recipe=recipe, recipe_path=recipe_path, overrides=overrides, out=out)
+        outcome = _report(nodes, links, recipe=recipe, recipe_path=recipe_path, out=out)
         if outcome.error:
             outcome = dataclasses.replace(outcome, code=2)
     code = [outcome.code]
@@ -300,11 +300,11 @@ def _time_links(env, nodes: list[NodeFacts], *, local_rank: int, local_world: in
 
 
 def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_path: str | None,
-            overrides: list[str], out: str | None) -> Outcome:
+            out: str | None) -> Outcome:
     from homelab_ft import clusterfile, doctor_report
 
     values = doctor_report.cluster_values(nodes, links)
-    needs = plan_needs(recipe, recipe_path, overrides, values) if recipe is not None else None
+    needs = plan_needs(recipe, values, label=recipe_path) if recipe is not None else None
     lines = doctor_report.all_lines(nodes, links, needs=needs,
                                     assumed_gbit=recipe.cluster.inter_link_gbit if recipe is not None else None)
     device = "NCCL (CUDA)" if nodes[0].device == "cuda" else "gloo (CPU)"
@@ -324,24 +324,26 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
     return Outcome(code=doctor_report.exit_code(lines), table=table, written=out)
 
 
-def plan_needs(recipe, recipe_path: str, overrides: list[str], values: dict) -> Needs:
+def plan_needs(recipe, values: dict, *, label: str) -> Needs:
     """What `plan` needs per node for the recipe on this cluster: the measured RAM, GPUs and links
-    replace the recipe's guesses (as `--cluster` does); nodes and processes stay the recipe's."""
+    replace the recipe's guesses (as `--cluster` does); nodes and processes stay the recipe's.
+    `label` names the recipe in the table."""
+    from homelab_ft.config import recipe_from_dict, recipe_to_dict
     from homelab_ft.planner import plan_for_recipe
 
     mine = (values["nodes"], values["gpus_per_node"])
     wanted = (recipe.cluster.nodes, recipe.cluster.gpus_per_node)
     if mine != wanted:
-        return Needs(recipe=recipe_path, option=None,
+        return Needs(recipe=label, option=None,
                      problem=(f"the recipe runs {wanted[0]} node(s) x {wanted[1]} process(es), this check ran "
                               f"{mine[0]} x {mine[1]}; set cluster.nodes={mine[0]} cluster.gpus_per_node={mine[1]} "
                               "or check with the recipe's layout (--hosts, --nproc-per-node)"))
     measured = [f"cluster.{k}={json.dumps(v)}" for k, v in values.items() if k not in ("nodes", "gpus_per_node")]
     try:
-        plan = plan_for_recipe(_load(recipe_path, [*overrides, *measured]))
+        plan = plan_for_recipe(recipe_from_dict(recipe_to_dict(recipe), overrides=measured, source=label))
     except UserError as err:
-        return Needs(recipe=recipe_path, option=None, problem=str(err))
+        return Needs(recipe=label, option=None, problem=str(err))
     if plan.chosen is None:
-        return Needs(recipe=recipe_path, option=None)
-    return Needs(recipe=recipe_path, option=plan.chosen.label, host_ram_bytes=plan.chosen.host_bytes,
+        return Needs(recipe=label, option=None)
+    return Needs(recipe=label, option=plan.chosen.label, host_ram_bytes=plan.chosen.host_bytes,
                  disk_bytes=(recipe.train.keep_last + 1) * (plan.checkpoint_bytes or 0))

@@ -286,3 +286,16 @@ def test_standalone_on_this_machine_runs_doctor_under_torchrun(monkeypatch):
 def test_token_probe_uses_the_nearest_existing_parent(tmp_path):
     path = doctor_rank.write_token(str(tmp_path / "runs" / "new"))
     assert Path(path).parent == tmp_path and Path(path).read_text() == Path(path).name
+
+
+def test_plan_needs_prices_the_recipe_on_the_measured_cluster():
+    recipe = recipe_from_dict({"method": "lora", "model": {"path": "smollm2"}, "train": {"keep_last": 2},
+                               "cluster": {"nodes": 2, "gpus_per_node": 1, "device": "cpu"}})
+    measured = {"nodes": 2, "gpus_per_node": 1, "device": "cpu", "host_ram_gib": 16.0, "inter_link_gbit": 0.19}
+    needs = doctor_rank.plan_needs(recipe, measured, label="r.yaml")
+    assert needs.problem == "" and needs.option.startswith("lora") and needs.recipe == "r.yaml"
+    assert 0 < needs.host_ram_bytes < 16 * 2**30 and needs.disk_bytes > 0 and needs.disk_bytes % 3 == 0
+    other = doctor_rank.plan_needs(recipe, {**measured, "nodes": 3}, label="r.yaml")
+    assert other.option is None and "set cluster.nodes=3 cluster.gpus_per_node=1" in other.problem
+    tight = doctor_rank.plan_needs(recipe, {**measured, "host_ram_gib": 0.01}, label="r.yaml")
+    assert tight.option is None and tight.problem == ""  # priced with the measured RAM: nothing fits in 10 MiB
