@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipes(sub)
     _add_data(sub)
     _add_launch(sub)
+    _add_doctor(sub)
     return parser
 
 
@@ -223,6 +224,61 @@ def _cmd_launch(args) -> int:
     if args.run:
         return run_over_ssh(commands)
     for command in commands:
+        print(f"# on {command.host.address}:")
+        print(command.shell_line())
+    return 0
+
+
+# --------------------------------------------------------------------------------------------- doctor
+
+
+def _add_doctor(sub) -> None:
+    from homelab_ft.launch import DEFAULT_PORT
+
+    p = sub.add_parser("doctor", help="check this machine or a cluster through the launcher a run uses; measure its links")
+    p.add_argument("recipe", nargs="?", help="also check disk and host RAM against what `plan` needs for this recipe")
+    _overrides(p)
+    p.add_argument("--hosts", help="hostfile: one host per line, the head node first (default: this machine alone)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous TCP port on the head node (with --hosts)")
+    p.add_argument("--iface", help="network interface to use (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
+    p.add_argument("--nproc-per-node", type=int,
+                   help="processes per node (default: the recipe's, else one per GPU, else 2 on one CPU machine, 1 per node)")
+    p.add_argument("--workdir", help="directory of this checkout on every node (default: the current one)")
+    p.add_argument("--join-timeout", type=int, default=300, help="seconds to wait for all nodes to join")
+    p.add_argument("--run", action="store_true", help="start the commands over ssh instead of printing them")
+    p.add_argument("--run-dir", help="directory to check for free space and sharing (default: the recipe's, else runs)")
+    p.add_argument("--out", help="write the measured cluster to this YAML file (for --cluster)")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args) -> int:
+    """Exit 0 when every line is ok or warn, 2 when one FAILs (or a check before launch fails)."""
+    from homelab_ft import doctor, launch
+
+    if launch.under_torchrun():
+        from homelab_ft.doctor_rank import run_rank
+
+        outcome = run_rank(recipe_path=args.recipe, overrides=list(args.overrides), iface=args.iface,
+                                  run_dir=args.run_dir, out=args.out, join_timeout_s=args.join_timeout)
+        if outcome.table is not None:
+            print(outcome.table)
+            if outcome.error:
+                raise UserError(outcome.error)
+            if outcome.written:
+                print(f"\nwrote {outcome.written}: pass it to plan and train with --cluster {outcome.written}")
+        return outcome.code
+    worker_args = [f"--join-timeout={args.join_timeout}", *["--quiet"] * args.quiet, *["--verbose"] * args.verbose]
+    for flag, value in (("--iface", args.iface), ("--run-dir", args.run_dir), ("--out", args.out)):
+        if value:
+            worker_args.append(f"{flag}={value}")
+    started = doctor.prepare(recipe_path=args.recipe, overrides=list(args.overrides), hostfile=args.hosts,
+                             iface=args.iface, port=args.port, nproc_per_node=args.nproc_per_node, run=args.run,
+                             worker_args=worker_args, join_timeout_s=args.join_timeout, workdir=args.workdir)
+    if started.argv:
+        return launch.run_supervised(started.argv, env=started.env)
+    if args.run:
+        return launch.run_over_ssh(started.commands)
+    for command in started.commands:
         print(f"# on {command.host.address}:")
         print(command.shell_line())
     return 0

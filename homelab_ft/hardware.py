@@ -193,3 +193,75 @@ def cluster_overrides(*, gpus: str | None = None, nodes: int | None = None, link
     if host_ram is not None:
         out.append(f"cluster.host_ram_gib={parse_size(host_ram, flag='--host-ram') / GiB}")
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# network interfaces and GPU links (for `homelab-ft doctor`)
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Each interface's addresses (IPv4 via the SIOCGIFADDR ioctl, IPv6 from /proc/net/if_inet6),
+    without iproute2 or psutil. Linux; elsewhere only the names."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+
+    found: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in found:
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            found[name].append(socket.inet_ntoa(raw[20:24]))
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 6 and words[5] in found:
+                    found[words[5]].append(str(ipaddress.IPv6Address(bytes.fromhex(words[0]))))
+    except OSError:
+        pass
+    return found
+
+
+def interface_holding(address: str) -> str | None:
+    """The interface that has `address` (the local end of a connection), or None."""
+    import ipaddress
+
+    try:
+        wanted = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    for name, addresses in interface_addresses().items():
+        if any(ipaddress.ip_address(a) == wanted for a in addresses):
+            return name
+    return None
+
+
+def nic_speed_mbit(iface: str | None) -> int | None:
+    """The negotiated line rate from /sys/class/net/IF/speed (Mbit/s); None when the driver has none
+    (loopback, Wi-Fi, some virtual NICs report -1 or refuse the read)."""
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/speed", encoding="ascii") as f:
+            speed = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return speed if speed > 0 else None
+
+
+def gpus_joined_by_nvlink() -> bool:
+    """Whether `nvidia-smi topo -m` shows an NVLink (NV1, NV2 ...) between this node's GPUs."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return re.search(r"\bNV\d+\b", out) is not None

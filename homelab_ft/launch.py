@@ -63,15 +63,21 @@ def under_torchrun(environ=os.environ) -> bool:
 
 
 def standalone_command(
-    recipe_path: str, train_args: list[str], *, nproc_per_node: int, python: str = sys.executable
+    recipe_path: str | None, train_args: list[str], *, nproc_per_node: int, python: str = sys.executable,
+    command: str = "train",
 ) -> list[str]:
-    """`homelab-ft train` re-run under torchrun on this machine (`--standalone`: a local rendezvous
-    on a free port, so two runs on one machine do not collide). torchrun's agent runs inside
-    `homelab_ft.supervise`, which reports a failed rank in one line (see there)."""
+    """`homelab-ft train` (or `doctor`: `command`) re-run under torchrun on this machine
+    (`--standalone`: a local rendezvous on a free port, so two runs on one machine do not collide).
+    torchrun's agent runs inside `homelab_ft.supervise`, which reports a failed rank in one line
+    (see there)."""
     return [
         python, "-m", "homelab_ft.supervise", "--standalone", f"--nproc-per-node={nproc_per_node}",
-        "-m", "homelab_ft", "train", recipe_path, *train_args,
+        *_subcommand(command, recipe_path, train_args),
     ]
+
+
+def _subcommand(command: str, recipe_path: str | None, args: list[str]) -> list[str]:
+    return ["-m", "homelab_ft", command, *([recipe_path] if recipe_path else []), *args]
 
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -201,7 +207,7 @@ def _is_ip(text: str) -> bool:
 
 def node_commands(
     hosts: list[Host],
-    recipe_path: str,
+    recipe_path: str | None,
     train_args: list[str],
     *,
     nodes: int,
@@ -213,13 +219,21 @@ def node_commands(
     workdir: str | None = None,
     python: str = "python",
     num_threads: int | None = None,
+    command: str = "train",
 ) -> list[NodeCommand]:
     """The torchrun command for each node, with c10d rendezvous on the head node (the first host).
 
     c10d needs no extra service: the agent on the head node hosts the store. Ranks are assigned
     node by node (rank = node * nproc_per_node + local_rank), which HYBRID_SHARD's 2-D mesh relies
     on to put each shard group inside one node. `join_timeout_s` bounds the wait for the other
-    nodes, so a wrong address ends with an error rather than a hang.
+    nodes, so a wrong address ends with an error rather than a hang; the agent runs inside
+    `homelab_ft.supervise` (torchrun's own agent), which turns that timeout into one line naming
+    the nodes of the hostfile ($HOMELAB_FT_NODES) that may be missing.
+
+    `--local-addr` is the node's hostfile address: without it the node that becomes rank 0 tells
+    the others to reach its workers at its host name, which Debian and Ubuntu map to 127.0.1.1 in
+    /etc/hosts, so the other nodes' workers would look for it on themselves. `command` is the
+    subcommand the workers run (`train`, or `doctor` to check the same path).
     """
     if len(hosts) != nodes:
         raise UserError(
@@ -237,17 +251,24 @@ def node_commands(
         env["GLOO_SOCKET_IFNAME"] = iface
     if num_threads:
         env["OMP_NUM_THREADS"] = str(num_threads)
-    argv_tail = ["-m", "homelab_ft", "train", recipe_path, *train_args]
+    from homelab_ft.supervise import NODES_VAR
+
+    env[NODES_VAR] = ",".join(h.rdzv_address for h in hosts)
+    argv_tail = _subcommand(command, recipe_path, train_args)
     commands = []
     for host in hosts:
         argv = [
-            python, "-m", "torch.distributed.run",
+            python, "-m", "homelab_ft.supervise",
             f"--nnodes={nodes}",
             f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={head}:{port}",
             f"--rdzv-id={run_id}",
-            f"--rdzv-conf=join_timeout={join_timeout_s}",
+            # read_timeout: how long a node waits to reach the head's store (torch's 60 s otherwise);
+            # is_host: torchrun guesses it from the IPs the host *name* resolves to, which misses
+            # the LAN address where /etc/hosts maps the name to 127.0.1.1, and then no node hosts it
+            f"--rdzv-conf=join_timeout={join_timeout_s},read_timeout={join_timeout_s},is_host={int(host == hosts[0])}",
+            f"--local-addr={host.rdzv_address}",
             *argv_tail,
         ]
         commands.append(NodeCommand(host=host, argv=argv, env=dict(env), workdir=workdir))

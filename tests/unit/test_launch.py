@@ -44,15 +44,22 @@ def test_node_commands_share_one_c10d_rendezvous_on_the_head():
     cmds = launch.node_commands(hosts, "r.yaml", ["train.lr=1e-4"], nodes=2, nproc_per_node=2, port=29600,
                                 iface="enp3s0", run_id="job1", workdir="/srv/ft", python="python")
     assert [c.host.address for c in cmds] == ["me@box1", "box2"]
-    for c in cmds:
-        assert c.argv[:3] == ["python", "-m", "torch.distributed.run"]
+    for c, head, addr in zip(cmds, (1, 0), ("box1", "box2"), strict=True):
+        # torchrun's own agent, run by homelab_ft.supervise (one-line rendezvous failures)
+        assert c.argv[:3] == ["python", "-m", "homelab_ft.supervise"]
         assert "--nnodes=2" in c.argv and "--nproc-per-node=2" in c.argv
         assert "--rdzv-backend=c10d" in c.argv and "--rdzv-endpoint=box1:29600" in c.argv
         assert "--rdzv-id=job1" in c.argv
+        # the head hosts the store whatever its host name resolves to; each node names its own address
+        assert f"--rdzv-conf=join_timeout=300,read_timeout=300,is_host={head}" in c.argv
+        assert f"--local-addr={addr}" in c.argv
         assert c.argv[-4:] == ["homelab_ft", "train", "r.yaml", "train.lr=1e-4"]
-        assert c.env == {"NCCL_SOCKET_IFNAME": "enp3s0", "GLOO_SOCKET_IFNAME": "enp3s0"}
+        assert c.env == {"NCCL_SOCKET_IFNAME": "enp3s0", "GLOO_SOCKET_IFNAME": "enp3s0", "HOMELAB_FT_NODES": "box1,box2"}
     line = cmds[1].shell_line()
-    assert line.startswith("cd /srv/ft && GLOO_SOCKET_IFNAME=enp3s0 NCCL_SOCKET_IFNAME=enp3s0 python -m torch.distributed.run")
+    assert line.startswith("cd /srv/ft && GLOO_SOCKET_IFNAME=enp3s0 HOMELAB_FT_NODES=box1,box2 NCCL_SOCKET_IFNAME=enp3s0 "
+                           "python -m homelab_ft.supervise")
+    doctor = launch.node_commands(hosts, None, ["--out=c.yaml"], nodes=2, nproc_per_node=1, command="doctor")
+    assert doctor[0].argv[-4:] == ["-m", "homelab_ft", "doctor", "--out=c.yaml"]
     assert launch.ssh_argv(cmds[1])[:5] == ["ssh", "-o", "BatchMode=yes", "--", "box2"]
 
 

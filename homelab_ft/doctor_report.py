@@ -1,0 +1,413 @@
+"""`homelab-ft doctor`'s verdicts and table, as pure functions over what the nodes reported.
+
+doctor.py probes each node and times the collectives; this module turns those facts into one line
+per check with a verdict (ok / warn / FAIL) and, for every line that is not ok, the fix. It also
+does the bandwidth arithmetic and the `cluster:` values of the cluster file. No torch, no I/O:
+the unit tests feed it facts and read the table.
+
+Bandwidth is reported as the *bus bandwidth* of a ring collective (NCCL-tests' busbw): the bytes
+each rank sends per second, in Gbit/s, which is directly comparable to the line rate of the link
+between two nodes. A ring all-reduce of S bytes over n ranks sends 2 (n-1)/n x S per rank
+(reduce-scatter, then all-gather); an all-gather of S bytes per rank sends (n-1) x S per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+GiB = 2**30
+
+VERSION_KEYS = ("python", "torch", "cuda", "nccl", "transformers", "peft", "bitsandbytes", "homelab-ft")
+MUST_MATCH = {"python", "torch", "nccl", "transformers", "peft", "homelab-ft"}
+"""A mismatch here is a FAIL: ranks on different torch/NCCL versions can hang in a collective or
+disagree on a checkpoint's format, and different transformers/peft/homelab-ft versions build
+different models from the same recipe. CUDA runtime and bitsandbytes differences only warn."""
+REQUIRED = {"python", "torch", "transformers", "peft", "homelab-ft"}
+
+SLOW_LINK_FRACTION = 0.5
+"""Below half the NIC's line rate the link is not what the hardware promises (TCP and gloo reach
+90-97% of it on a clean link: 47.6 of 50 Mbit/s measured through a tbf-shaped namespace pair)."""
+HIGH_LATENCY_MS = 5.0
+"""A wired LAN's small all-reduce takes 0.1-1 ms; above 5 ms the path runs over Wi-Fi, a VPN or a
+congested switch, and FSDP's many small collectives per step add up."""
+
+
+@dataclass(frozen=True)
+class Line:
+    check: str
+    node: str
+    result: str
+    verdict: str = OK
+    fix: str = ""
+
+
+@dataclass
+class NodeFacts:
+    """What one node reported (from its local rank 0); JSON-able, so it also goes into `measured:`."""
+
+    name: str
+    """How the table names the node: the address it reached the rendezvous from, or, on one
+    machine, its host name."""
+    hostname: str
+    versions: dict[str, str | None]
+    nproc: int
+    device: str
+    """`cuda` or `cpu`: what the ranks of this node compute on."""
+    gpus: list[dict] = field(default_factory=list)
+    """Per local GPU: name, memory_bytes, capability (e.g. "8.6"), bf16."""
+    no_peer_access: list[list[int]] = field(default_factory=list)
+    """Pairs of local GPUs that cannot reach each other's memory directly (peer-to-peer)."""
+    nvlink: bool = False
+    address: str = ""
+    iface: str | None = None
+    """The interface holding `address` (the one the rendezvous and gloo used)."""
+    iface_given: str | None = None
+    nic_speed_mbit: int | None = None
+    """/sys/class/net/IF/speed: the negotiated line rate, when the driver reports one."""
+    probe_dir: str = ""
+    writable: bool = True
+    sees_token: bool | None = None
+    """Whether this node found the token rank 0 wrote into the run directory; None on rank 0's node."""
+    free_disk_bytes: int | None = None
+    host_ram_bytes: int = 0
+    available_ram_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed collective: `nbytes` per rank (the all-reduce's tensor, the all-gather's input)."""
+
+    op: str
+    nbytes: int
+    seconds: float
+    ranks: int
+
+    @property
+    def sent_bytes(self) -> float:
+        return sent_bytes_per_rank(self.op, self.nbytes, self.ranks)
+
+    @property
+    def bus_gbit(self) -> float:
+        return bus_gbit(self.op, self.nbytes, self.seconds, self.ranks)
+
+
+def sent_bytes_per_rank(op: str, nbytes: int, ranks: int) -> float:
+    """Bytes each rank sends in a ring `op` over `ranks` ranks (see the module docstring)."""
+    if op == "all_reduce":
+        return 2 * (ranks - 1) / ranks * nbytes
+    if op == "all_gather":
+        return (ranks - 1) * nbytes
+    raise ValueError(op)
+
+
+def bus_gbit(op: str, nbytes: int, seconds: float, ranks: int) -> float:
+    return sent_bytes_per_rank(op, nbytes, ranks) * 8 / 1e9 / seconds
+
+
+@dataclass(frozen=True)
+class LinkResult:
+    """The collectives timed over one group: one rank per node (`inter`), or one node's ranks."""
+
+    scope: str
+    """`inter-node` or `intra-node`."""
+    where: str
+    ranks: int
+    backend: str
+    timings: tuple[Timing, ...]
+
+    def best(self, op: str) -> Timing | None:
+        """The timing that stands for the link. Between nodes: the largest size, the asymptote that
+        big transfers see (smaller ones can ride a switch's or shaper's burst allowance: 64 KiB read
+        187 Mbit/s on a 200 Mbit/s tbf link whose 4 MiB read 128). Inside a node: the highest bus
+        bandwidth (NCCL-tests' peak busbw); on CPU the largest buffers outgrow the caches."""
+        mine = [t for t in self.timings if t.op == op and t.nbytes > 4]
+        if not mine:
+            return None
+        if self.scope == "inter-node":
+            return max(mine, key=lambda t: t.nbytes)
+        return max(mine, key=lambda t: t.bus_gbit)
+
+    @property
+    def latency_ms(self) -> float | None:
+        small = [t for t in self.timings if t.op == "all_reduce"]
+        return min(small, key=lambda t: t.nbytes).seconds * 1e3 if small else None
+
+    @property
+    def gbit(self) -> float | None:
+        """The link's bandwidth for the cluster file: the all-reduce's best bus bandwidth."""
+        big = self.best("all_reduce")
+        return big.bus_gbit if big else None
+
+    def to_dict(self) -> dict:
+        return {"scope": self.scope, "where": self.where, "ranks": self.ranks, "backend": self.backend,
+                "latency_ms": _round(self.latency_ms),
+                "results": [{"op": t.op, "bytes": t.nbytes, "seconds": round(t.seconds, 6),
+                             "bus_gbit": round(t.bus_gbit, 4)} for t in self.timings]}
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What `plan` says one node needs for the recipe (planner.plan_for_recipe)."""
+
+    recipe: str
+    option: str | None
+    """The chosen rung's label, or None when nothing fits."""
+    host_ram_bytes: int = 0
+    disk_bytes: int = 0
+    """keep_last + 1 checkpoints, the most a run holds at once (diskspace.space_warning)."""
+    problem: str = ""
+    """Why the plan could not be made or what in the recipe disagrees with this cluster."""
+
+
+# ------------------------------------------------------------------------------------------------
+# formatting helpers
+
+
+def rate(gbit: float | None) -> str:
+    if gbit is None:
+        return "?"
+    return f"{gbit:.2f} Gbit/s" if gbit >= 1 else f"{gbit * 1000:.1f} Mbit/s"
+
+
+def size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+# ------------------------------------------------------------------------------------------------
+# checks
+
+
+def version_lines(nodes: list[NodeFacts]) -> list[Line]:
+    """One line per library: the version everywhere, or which node has which."""
+    lines = []
+    for key in VERSION_KEYS:
+        seen = {n.name: n.versions.get(key) for n in nodes}
+        values = sorted({v or "not installed" for v in seen.values()})
+        if len(values) == 1:
+            value = values[0]
+            where = "all" if len(nodes) > 1 else nodes[0].name
+            if value == "not installed" and key in REQUIRED:
+                lines.append(Line(key, where, value, FAIL, f"install {key} (`make install` sets up every dependency)"))
+            elif value == "not installed" and key in ("cuda", "nccl"):
+                lines.append(Line(key, where, "none (CPU build of torch)" if key == "cuda" else "none"))
+            elif value == "not installed":
+                lines.append(Line(key, where, value, WARN, "QLoRA needs it: pip install bitsandbytes"))
+            else:
+                lines.append(Line(key, where, value))
+            continue
+        if key == "python":
+            minor = {".".join((v or "").split(".")[:2]) for v in seen.values()}
+            verdict = FAIL if len(minor) > 1 else WARN
+        else:
+            verdict = FAIL if key in MUST_MATCH else WARN
+        detail = ", ".join(f"{name}: {v or 'not installed'}" for name, v in seen.items())
+        head = nodes[0].versions.get(key)
+        fix = (f"install the same {key} on every node (the head node has {head or 'none'}); `make install` in the "
+               "same checkout on each gives identical versions")
+        lines.append(Line(key, "differs", detail, verdict, fix))
+    return lines
+
+
+def gpu_lines(nodes: list[NodeFacts]) -> list[Line]:
+    lines = []
+    for n in nodes:
+        if n.device != "cuda":
+            lines.append(Line("GPUs", n.name, f"none; {n.nproc} CPU process(es) over gloo"))
+            continue
+        kinds: dict[str, int] = {}
+        for g in n.gpus:
+            label = f"{g['name']} {g['memory_bytes'] / GiB:.1f} GiB, cc {g['capability']}, bf16 {'yes' if g['bf16'] else 'no'}"
+            kinds[label] = kinds.get(label, 0) + 1
+        result = "; ".join(f"{count}x {label}" for label, count in kinds.items())
+        if any(not g["bf16"] for g in n.gpus):
+            lines.append(Line("GPUs", n.name, result, WARN,
+                              "no bf16 on this GPU (compute capability < 8.0): training runs in fp16/fp32, which needs "
+                              "more memory; plan with cluster.gpu_name set to it"))
+        else:
+            lines.append(Line("GPUs", n.name, result))
+        if len(n.gpus) > 1:
+            if n.no_peer_access:
+                pairs = ", ".join(f"{a}<->{b}" for a, b in n.no_peer_access)
+                lines.append(Line("peer-to-peer", n.name, f"no P2P between GPUs {pairs}", WARN,
+                                  "collectives inside this node go through host memory: enable P2P (disable ACS/IOMMU "
+                                  "for the PCIe switch in the BIOS) or expect slower intra-node traffic"))
+            else:
+                lines.append(Line("peer-to-peer", n.name, "every pair of GPUs" + (" (NVLink)" if n.nvlink else " (PCIe)")))
+    names = {g["name"] for n in nodes for g in n.gpus}
+    if len(names) > 1:
+        lines.append(Line("GPU models", "differs", ", ".join(sorted(names)), WARN,
+                          "the slowest GPU sets every step's pace and the smallest the memory plan; the cluster file "
+                          "records the smallest"))
+    return lines
+
+
+def interface_lines(nodes: list[NodeFacts]) -> list[Line]:
+    lines = []
+    for n in nodes:
+        speed = f", NIC {rate(n.nic_speed_mbit / 1000)}" if n.nic_speed_mbit else ""
+        result = f"{n.iface or '?'} ({n.address}){speed}"
+        if n.iface_given and n.iface and n.iface != n.iface_given:
+            lines.append(Line("interface", n.name, result, WARN,
+                              f"the rendezvous went over {n.iface}, not --iface {n.iface_given}: put this node's "
+                              f"{n.iface_given} address in the hostfile, or pass --iface {n.iface}"))
+        elif n.iface is None:
+            lines.append(Line("interface", n.name, f"no interface holds {n.address}", WARN,
+                              "pass --iface with the LAN interface (`ip -br addr` lists them)"))
+        else:
+            lines.append(Line("interface", n.name, result))
+    return lines
+
+
+def link_lines(link: LinkResult, *, expected_gbit: float | None, expected_from: str,
+               assumed_gbit: float | None = None) -> list[Line]:
+    """Bandwidth of each collective (its best size) next to what the link should give, and
+    the small all-reduce's latency. `assumed_gbit`: the recipe's cluster.inter_link_gbit."""
+    lines = []
+    label = "between nodes" if link.scope == "inter-node" else "inside node"
+    for op in ("all_reduce", "all_gather"):
+        big = link.best(op)
+        if big is None:
+            continue
+        result = f"{rate(big.bus_gbit)} at {size(big.nbytes)}"
+        if expected_gbit:
+            share = big.bus_gbit / expected_gbit
+            result += f" ({share:.0%}" if share >= 0.1 else f" ({share:.1%}"
+            result += f" of the {expected_from}'s {rate(expected_gbit)})"
+        check = f"{op.replace('_', '-')} {label}"
+        if link.scope == "inter-node" and expected_gbit and big.bus_gbit < SLOW_LINK_FRACTION * expected_gbit:
+            lines.append(Line(check, link.where, result, WARN,
+                              f"the link carries under {SLOW_LINK_FRACTION:.0%} of the {expected_from}'s speed: check the "
+                              "negotiated speed (`ethtool IF`), the cable and switch port, other traffic, or a slower "
+                              "interface on the path (--iface)"))
+        elif link.scope == "inter-node" and op == "all_reduce" and assumed_gbit and big.bus_gbit < SLOW_LINK_FRACTION * assumed_gbit:
+            lines.append(Line(check, link.where, result, WARN,
+                              f"the recipe assumes cluster.inter_link_gbit={assumed_gbit:g}; plan with the measured link "
+                              "(write it with --out cluster.yaml and pass --cluster cluster.yaml)"))
+        else:
+            lines.append(Line(check, link.where, result))
+    latency = link.latency_ms
+    if latency is not None:
+        result = f"{latency:.2f} ms (4-byte all-reduce)"
+        if link.scope == "inter-node" and latency > HIGH_LATENCY_MS:
+            lines.append(Line(f"latency {label}", link.where, result, WARN,
+                              "a wired LAN answers in under 1 ms: check for Wi-Fi, a VPN or a busy switch on the path"))
+        else:
+            lines.append(Line(f"latency {label}", link.where, result))
+    return lines
+
+
+def storage_lines(nodes: list[NodeFacts], needs: Needs | None) -> list[Line]:
+    lines = []
+    for n in nodes:
+        if not n.writable:
+            lines.append(Line("run dir", n.name, f"{n.probe_dir} is not writable", FAIL,
+                              "choose a --run-dir this user can write to"))
+    if len(nodes) > 1:
+        blind = [n.name for n in nodes if n.sees_token is False]
+        where = nodes[0].probe_dir
+        if blind:
+            lines.append(Line("shared run dir", ", ".join(blind), f"does not see {where} of {nodes[0].name}", FAIL,
+                              "every rank writes its own shards of each checkpoint: mount the run directory over NFS "
+                              "(same path on every node) or pass a --run-dir on such a mount"))
+        else:
+            lines.append(Line("shared run dir", "all", f"{where} is the same directory on every node"))
+    for n in nodes:
+        if n.free_disk_bytes is None:
+            continue
+        result = f"{size(n.free_disk_bytes)} free at {n.probe_dir}"
+        if needs and needs.disk_bytes and n.free_disk_bytes < needs.disk_bytes:
+            lines.append(Line("disk", n.name, result + f", the run needs {size(needs.disk_bytes)}", FAIL,
+                              "free space or lower train.keep_last (checkpoints are written before the oldest is "
+                              "removed), or choose another --run-dir"))
+        else:
+            lines.append(Line("disk", n.name, result + (f", the run needs {size(needs.disk_bytes)}" if needs and needs.disk_bytes else "")))
+    for n in nodes:
+        result = f"{size(n.host_ram_bytes)} total, {size(n.available_ram_bytes)} available"
+        need = needs.host_ram_bytes if needs else 0
+        if need and n.host_ram_bytes < need:
+            lines.append(Line("host RAM", n.name, result + f", the plan needs {size(need)}", FAIL,
+                              "the plan's host RAM does not fit this node: see `homelab-ft plan` for a lighter option "
+                              "(no cpu_offload, a smaller model) or add RAM"))
+        elif need and n.available_ram_bytes < need:
+            lines.append(Line("host RAM", n.name, result + f", the plan needs {size(need)}", WARN,
+                              "other programs hold the memory the run needs; close them before training"))
+        else:
+            lines.append(Line("host RAM", n.name, result + (f", the plan needs {size(need)}" if need else "")))
+    return lines
+
+
+def plan_lines(needs: Needs | None) -> list[Line]:
+    if needs is None:
+        return []
+    if needs.problem:
+        return [Line("plan", needs.recipe, needs.problem, FAIL,
+                     f"run `homelab-ft plan {needs.recipe}` and change the recipe or the cluster")]
+    if needs.option is None:
+        return [Line("plan", needs.recipe, "no rung of the ladder fits this cluster", FAIL,
+                     f"`homelab-ft plan {needs.recipe}` lists what would fit")]
+    return [Line("plan", needs.recipe, needs.option)]
+
+
+def all_lines(nodes: list[NodeFacts], links: list[LinkResult], *, needs: Needs | None = None,
+              assumed_gbit: float | None = None) -> list[Line]:
+    lines = version_lines(nodes) + gpu_lines(nodes) + interface_lines(nodes)
+    nic = [n.nic_speed_mbit for n in nodes if n.nic_speed_mbit]
+    for link in links:
+        if link.scope == "inter-node" and len(nic) == len(nodes):
+            lines += link_lines(link, expected_gbit=min(nic) / 1000, expected_from="NIC", assumed_gbit=assumed_gbit)
+        else:
+            lines += link_lines(link, expected_gbit=None, expected_from="", assumed_gbit=assumed_gbit)
+    return lines + storage_lines(nodes, needs) + plan_lines(needs)
+
+
+def exit_code(lines: list[Line]) -> int:
+    return 2 if any(line.verdict == FAIL for line in lines) else 0
+
+
+def format_table(lines: list[Line], *, title: str) -> str:
+    """Columns CHECK / NODE / RESULT / VERDICT; each line that is not ok is followed by its fix."""
+    header = Line("CHECK", "NODE", "RESULT", "VERDICT")
+    widths = [max(len(getattr(line, name)) for line in [header, *lines]) for name in ("check", "node", "result")]
+    out = [title, ""]
+    for line in [header, *lines]:
+        cells = [line.check.ljust(widths[0]), line.node.ljust(widths[1]), line.result.ljust(widths[2]), line.verdict]
+        out.append("  ".join(cells).rstrip())
+        if line.fix:
+            out.append(" " * (widths[0] + 2) + f"fix: {line.fix}")
+    failed = sum(line.verdict == FAIL for line in lines)
+    warned = sum(line.verdict == WARN for line in lines)
+    out += ["", f"{failed} FAIL, {warned} warn, {len(lines) - failed - warned} ok"]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# the cluster file
+
+
+def cluster_values(nodes: list[NodeFacts], links: list[LinkResult]) -> dict:
+    """The cluster file's `cluster:` section (config.ClusterConfig keys) from what was measured."""
+    values: dict = {"nodes": len(nodes), "gpus_per_node": min(n.nproc for n in nodes)}
+    cuda = all(n.device == "cuda" for n in nodes)
+    values["device"] = "cuda" if cuda else "cpu"
+    if cuda:
+        gpus = [g for n in nodes for g in n.gpus]
+        smallest = min(gpus, key=lambda g: g["memory_bytes"])
+        values["vram_gib"] = round(smallest["memory_bytes"] / GiB, 2)
+        values["gpu_name"] = smallest["name"]
+        values["intra_link"] = "nvlink" if all(n.nvlink for n in nodes) else "pcie"
+    values["host_ram_gib"] = round(min(n.host_ram_bytes for n in nodes) / GiB, 2)
+    for scope, prefix in (("inter-node", "inter"), ("intra-node", "intra")):
+        mine = [link for link in links if link.scope == scope and link.gbit]
+        if mine:
+            slowest = min(mine, key=lambda link: link.gbit)
+            values[f"{prefix}_link_gbit"] = round(slowest.gbit, 4)
+            values[f"{prefix}_latency_ms"] = round(max(link.latency_ms or 0.0 for link in mine), 4)
+    return values
