@@ -368,3 +368,23 @@ def test_dpo_recipe_reaches_the_planner():
 
     request = request_from_recipe(recipe_from_dict({"objective": "dpo", "train": {"micro_batch_size": 3}}))
     assert request.objective == "dpo" and request.rows_per_micro_batch == 6
+
+
+@pytest.mark.parametrize("name,tied", [("llama-3-8b", False), ("llama-3.2-1b", True)])
+def test_fsdp_gathers_the_head_through_the_loss_and_untied_embeddings_only_briefly(name, tied):
+    """distributed.shard_ends: an untied embedding is its own unit, gathered only for its forward,
+    so it is not at the peak; the LM head (its own unit) and the root's final norm are. A tied
+    embedding is the head and stays gathered in the root unit."""
+    llama = shape(name)
+    assert llama.tie_word_embeddings == tied
+    request = dataclasses.replace(LONG, method="full")
+    full = estimate(llama, rung=option_rung("full", "full_shard", False, request=request, cluster=gpus(2)),
+                    request=request, cluster=gpus(2)).memory
+    grad_op = estimate(llama, rung=option_rung("full", "shard_grad_op", False, request=request, cluster=gpus(2)),
+                       request=request, cluster=gpus(2)).memory
+    head = llama.vocab_size * llama.hidden_size
+    block = llama.max_block_params * 2
+    block_grads = llama.max_block_params * (2 + 4)  # bf16 gradients and their fp32 reduce copy
+    assert full.gathered == (head + llama.hidden_size) * 2 + 2 * block + block_grads
+    embed_once = 0 if tied else head  # in the untied total, resharded after its forward
+    assert grad_op.gathered == (llama.total_params - embed_once) * 2 + block_grads
