@@ -507,7 +507,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = _loading_bytes(shape, method, request, cluster, base_bytes=base_bytes,
                              sharded=shards > 1 or cpu_offload)
     host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
-    comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster)
+    comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster,
+                                        grad_bytes=state_bytes)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
@@ -562,7 +563,7 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
 
 
 def _communication(base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
-                   cluster: Cluster) -> tuple[int, float]:
+                   cluster: Cluster, grad_bytes: int = 4) -> tuple[int, float]:
     """Bytes each rank sends per optimizer step, and the seconds that takes.
 
     Ring collectives: an all-gather or reduce-scatter of B bytes sends B x (N-1)/N per rank, an
@@ -576,6 +577,10 @@ def _communication(base_bytes: int, trainable: int, *, rung: Rung, request: Plan
     """
     n, g, nodes = cluster.world_size, cluster.gpus_per_node, cluster.nodes
     grads = trainable * _reduce_bytes(request)
+    if not rung.fsdp_enabled:
+        # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
+        # (distributed._replicate: torch's bf16 hook needs NCCL)
+        grads = trainable * (min(_reduce_bytes(request), grad_bytes) if cluster.device == "cuda" else grad_bytes)
     accum = request.grad_accum_steps
     intra_bw = LINK_BYTES_PER_S["cpu" if cluster.device == "cpu" else cluster.intra_link]
     inter_bw = cluster.inter_link_gbit * 1e9 / 8 * ETHERNET_EFFICIENCY

@@ -80,12 +80,15 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     # optimizer in backward: no accumulation and no clipping (config.py refuses both with it)
     in_bwd = {"grad_accum_steps": 1, "max_grad_norm": 0.0, "optimizer_in_backward": True}
     two["optim_bwd"] = _recipe(tmp, tied_dir, "optim_bwd", procs=2, train=in_bwd)
+    # untied: the head's own unit reduce-scatters (and so steps) right after the loss, mid-backward
+    two["optim_bwd_untied"] = _recipe(tmp, tiny_model_dir, "optim_bwd_untied", procs=2, train=in_bwd)
     resume2 = _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True})
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
     jobs.append({"kind": "train", "name": "resume2", "recipe": resume2,
                  "copy_run": {"src": two["full_shard"]["output"]["dir"], "keep_step": 3}})
     jobs.append({"kind": "lora_hf_load", "name": "lora_hf_load", "model_dir": str(tiny_model_dir)})
     jobs.append({"kind": "lora_hf_load", "name": "tied_lora_load", "model_dir": str(tied_dir)})
+    jobs.append({"kind": "ddp_reduce", "name": "ddp_reduce"})
     jobs.append({"kind": "ends", "name": "ends", "model_dir": str(tiny_model_dir)})
     jobs.append({"kind": "ends", "name": "tied_ends", "model_dir": str(tied_dir)})
     jobs.append({"kind": "memory", "name": "memory", "model_dir": str(tiny_model_dir), "strategy": "full_shard"})
@@ -130,6 +133,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
          "copy_run": {"src": two["tied_full"]["output"]["dir"], "keep_step": 3}},
         {"kind": "train", "name": "ref_no_accum", "recipe": _recipe(tmp, tied_dir, "ref_no_accum", procs=1,
                                                                     train={**in_bwd, "optimizer_in_backward": False})},
+        {"kind": "train", "name": "ref_no_accum_untied", "recipe": _recipe(tmp, tiny_model_dir, "ref_no_accum_untied", procs=1,
+                                                                           train={**in_bwd, "optimizer_in_backward": False})},
         {"kind": "train", "name": "optim_bwd_resume1", "recipe": _recipe(tmp, tied_dir, "optim_bwd_resume1", procs=1,
                                                                          train={**in_bwd, "resume": True}),
          "copy_run": {"src": two["optim_bwd"]["output"]["dir"], "keep_step": 3}},
@@ -232,6 +237,8 @@ def test_optimizer_in_backward_matches_one_adamw_and_resumes(results):
     assert len(ref) == STEPS and ref[-1] < ref[0]
     assert _max_diff(got, ref) <= TOL
     assert _max_diff(results["optim_bwd_resume1"]["losses"], got[3:]) <= TOL
+    untied = results["ref_no_accum_untied"]["losses"]
+    assert _max_diff(results["optim_bwd_untied"]["losses"], untied) <= TOL
 
 
 @pytest.mark.parametrize("name", ["head_lora_fsdp", "head_lora_ddp"])
@@ -273,3 +280,10 @@ def test_tied_ends_stay_in_the_root_unit(results):
     events = [tuple(e) for e in got["events"]]
     assert [e for e in events if e[0] == "block_backward"] == [("block_backward", "head gathered=True")]
     assert [e for e in events if e[1] == "" and e[0] != "backward"] == [("all_gather", ""), ("post_backward", "")]
+
+
+def test_ddp_on_gloo_reduces_fp32_gradients_in_fp32(results):
+    """sharding.reduce_dtype under no_shard: torch's bf16 compression hook for DDP needs NCCL, so
+    on gloo fp32 gradients are all-reduced in fp32 whatever reduce_dtype says, as the planner
+    prices a CPU cluster's traffic (on GPUs the hook halves it; tests/gpu cannot run it here)."""
+    assert results["ddp_reduce"] == {"float32": 1 + 1.5 / 4096, "bfloat16": 1 + 1.5 / 4096}

@@ -11,6 +11,7 @@ one of
   {"kind": "qlora_shards", "name": ..., "recipe": {...}}   (sharded 4-bit base: bytes, load peak, forward)
   {"kind": "export_run", "name": ..., "run_dir": ..., "out": ...}
   {"kind": "ends", "name": ..., "model_dir": ...}   (which FSDP2 unit holds the embeddings and LM head)
+  {"kind": "ddp_reduce", "name": ...}   (the dtype DDP all-reduces fp32 gradients in, per reduce_dtype)
 """
 
 from __future__ import annotations
@@ -131,6 +132,20 @@ def run_ends(job: dict, env) -> dict:
         "grads": {"embed": embed.weight.grad is not None, "head": head.weight.grad is not None},
         "events": events,
     }
+
+
+def run_ddp_reduce(env) -> dict:
+    """One fp32 gradient per rank, 1 + (rank + 1) / 4096, all-reduced by `parallelize`'s DDP with each
+    reduce_dtype: fp32 averages it exactly (1 + 1.5 / 4096); bf16 (8 significant bits) would round
+    each half to 0.5 first, an average of exactly 1.0."""
+    out = {}
+    for name in ("float32", "bfloat16"):
+        layer = torch.nn.Linear(1, 1, bias=False)
+        wrapped = distributed.parallelize(layer, env, rung=Rung("lora", "no_shard", False, procs_per_node=env.world_size),
+                                          reduce_dtype=getattr(torch, name))
+        wrapped(torch.full((1, 1), 1 + (env.rank + 1) / 4096)).sum().backward()
+        out[name] = float(layer.weight.grad)
+    return out
 
 
 def run_export(job: dict, env, base_dir: Path) -> dict:
@@ -358,6 +373,8 @@ def main(spec_path: str, out_path: str) -> int:
             results[job["name"]] = run_token_counts(job, base_dir)
         elif job["kind"] == "qlora_shards":
             results[job["name"]] = run_qlora_shards(job, env)
+        elif job["kind"] == "ddp_reduce":
+            results[job["name"]] = run_ddp_reduce(env)
         elif job["kind"] == "ends":
             results[job["name"]] = run_ends(job, env)
         elif job["kind"] == "export_run":

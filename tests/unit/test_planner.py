@@ -142,6 +142,15 @@ def test_fsdp_traffic_is_three_times_weights_with_equal_dtypes():
     assert est.comm_bytes == pytest.approx(3 * s.total_params * 2 * 3 / 4, rel=1e-6)
     ddp = estimate(s, rung=option_rung("lora", "no_shard", False, request=req, cluster=gpus(4)), request=req, cluster=gpus(4))
     assert ddp.comm_bytes == pytest.approx(2 * ddp.trainable_params * 2 * 3 / 4, rel=1e-6)
+    # DDP reduces bf16 gradients in bf16 whatever reduce_dtype says (distributed._replicate)
+    full = dataclasses.replace(LONG, method="full")
+    full_ddp = estimate(s, rung=option_rung("full", "no_shard", False, request=full, cluster=gpus(4)), request=full, cluster=gpus(4))
+    assert full.reduce_dtype == "float32"
+    assert full_ddp.comm_bytes == pytest.approx(2 * s.total_params * 2 * 3 / 4, rel=1e-6)
+    # torch's bf16 hook for DDP needs NCCL: on CPU processes fp32 adapter gradients stay fp32
+    cpus = dataclasses.replace(gpus(4), device="cpu")
+    cpu_ddp = estimate(s, rung=option_rung("lora", "no_shard", False, request=req, cluster=cpus), request=req, cluster=cpus)
+    assert cpu_ddp.comm_bytes == pytest.approx(2 * cpu_ddp.trainable_params * 4 * 3 / 4, rel=1e-6)
 
 
 def test_mixtral_qlora_is_refused_for_unquantizable_experts():
