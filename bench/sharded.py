@@ -10,6 +10,18 @@ Prints tokens/s of each, per-rank model-state bytes (params + grads + AdamW mome
 and bytes moved by FSDP's all-gathers and reduce-scatters per step / the FSDP theory for
 FULL_SHARD, 3 x parameter bytes x (N-1)/N (all-gather in forward, again in backward,
 reduce-scatter of gradients). Goals: <= 1.02 and <= 1.05. One thread per rank (2-core machine).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/sharded.py --ends
+
+The model's ends as FSDP2 units of their own (distributed.shard_ends) against the embeddings and
+LM head gathered in the root unit for the whole step: a 2-layer Llama with Llama 3's 128,256-entry
+vocabulary (hidden 256, fp32: embedding and head 131 MB each), 2 gloo ranks of full_shard, the
+trainer's own model build and `train_step` (chunked loss), one row of 256 tokens per rank (two
+loss chunks). Per rank, the peak a step adds to what is resident before it, measured as
+bench/memory.py measures it (VmHWM reset through /proc/self/clear_refs, glibc serving large
+blocks with mmap), after a warm-up step; the larger of the two ranks, the smaller of two runs of
+each variant interleaved, next to the planner's figure for the same step (memory.total -
+overhead - weights - optimizer). ~10 minutes on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -118,6 +130,104 @@ def child(mode: str, model_dir: str) -> dict:
     return result
 
 
+ENDS_VOCAB, ENDS_SEQ = 128256, 256
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _ends_recipe(model_dir: str, method: str):
+    from homelab_ft.config import recipe_from_dict
+
+    return recipe_from_dict({
+        "method": method, "model": {"path": model_dir}, "lora": {"r": 16, "dropout": 0.0},
+        "data": {"max_length": ENDS_SEQ}, "cluster": {"gpus_per_node": 2}, "sharding": {"strategy": "full_shard"},
+        "train": {"device": "cpu", "micro_batch_size": 1, "lr": 1e-4, "max_grad_norm": 1.0},
+    })
+
+
+def ends_child(variant: str, method: str, model_dir: str) -> dict:
+    """One rank: the peak bytes one training step adds, with the ends in the root unit (`root`) or
+    as units of their own (`units`)."""
+    import gc
+    from types import SimpleNamespace
+
+    from homelab_ft import distributed, steps
+    from homelab_ft.rung import rung_for
+    from homelab_ft.trainer import build_model, train_step
+
+    if variant == "root":  # before: parallelize without shard_ends keeps both ends in the root unit
+        distributed.shard_ends = lambda model, **fsdp: None
+    env = distributed.setup(device_pref="cpu", timeout_s=120)
+    recipe = _ends_recipe(model_dir, method)
+    torch.manual_seed(0)
+    model = build_model(recipe, model_dir=Path(model_dir), rung=rung_for(recipe), env=env)
+    optimizer = steps.build_optimizer(model, recipe.train)
+    session = SimpleNamespace(env=env, model=model, recipe=recipe, optimizer=optimizer,
+                              scheduler=steps.build_scheduler(optimizer, recipe.train))
+    ids = torch.randint(0, ENDS_VOCAB, (1, ENDS_SEQ), generator=torch.Generator().manual_seed(env.rank))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    train_step(session, [batch])  # the optimizer state, kernel workspaces and gloo buffers
+    gc.collect()
+    distributed.barrier(env)
+    Path("/proc/self/clear_refs").write_text("5")
+    start = _status_bytes("VmRSS")
+    train_step(session, [batch])
+    peak = torch.tensor([_status_bytes("VmHWM") - start], dtype=torch.float64)
+    torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    distributed.teardown(env)
+    return {"peak": float(peak)}
+
+
+def ends_planned(method: str, model_dir: str) -> int:
+    from homelab_ft.config import ClusterConfig
+    from homelab_ft.hardware import detect, resolve_cluster
+    from homelab_ft.memory import estimate
+    from homelab_ft.planner import option_rung, request_from_recipe
+    from homelab_ft.shapes import model_shape, read_model_config
+
+    recipe = _ends_recipe(model_dir, method)
+    request = request_from_recipe(recipe)
+    cluster = resolve_cluster(ClusterConfig(device="cpu", gpus_per_node=2), detected=detect())
+    shape = model_shape(read_model_config(model_dir))
+    m = estimate(shape, rung=option_rung(method, "full_shard", False, request=request, cluster=cluster),
+                 request=request, cluster=cluster).memory
+    return m.total - m.overhead - m.weights - m.optimizer
+
+
+def ends_main() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="131072",
+               TRANSFORMERS_VERBOSITY="error")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        config = LlamaConfig(vocab_size=ENDS_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ENDS_SEQ)
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(model_dir)
+        print(f"Llama: vocab {ENDS_VOCAB}, hidden 256, 2 layers, fp32; 2 gloo ranks full_shard, 1 x {ENDS_SEQ} "
+              f"tokens per rank; peak a step adds per rank (larger rank), MB")
+        measured: dict[tuple[str, str], list[float]] = {}
+        for method in ("full", "lora"):
+            for _ in range(2):
+                for variant in ("root", "units"):  # interleaved: load on the shared machine drifts
+                    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            __file__, "--ends-child", variant, method, str(model_dir)]
+                    proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+                    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][0]
+                    measured.setdefault((method, variant), []).append(json.loads(line.removeprefix("RESULT "))["peak"])
+            root, units = min(measured[(method, "root")]), min(measured[(method, "units")])
+            planned = ends_planned(method, str(model_dir))
+            print(f"{method:5s} ends in root {root / 1e6:7.1f}   own units {units / 1e6:7.1f}   "
+                  f"saved {(root - units) / 1e6:6.1f} (embedding {ENDS_VOCAB * 256 * 4 / 1e6:.1f})   "
+                  f"planned (units) {planned / 1e6:7.1f}  measured/planned {units / planned:5.3f}")
+
+
 def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,6 +252,16 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--ends-child":
+        result = ends_child(sys.argv[2], sys.argv[3], sys.argv[4])
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        from homelab_ft.distributed import exit_now
+
+        exit_now(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "--ends":
+        ends_main()
+        raise SystemExit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         result = child(sys.argv[2], sys.argv[3])
         if int(os.environ.get("RANK", "0")) == 0:

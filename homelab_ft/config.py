@@ -235,7 +235,9 @@ class ShardingConfig:
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Dtype of gathered weights during compute; `auto`: the model dtype."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype gradients are reduced in; fp32 keeps small per-rank contributions from rounding away."""
+    """Dtype gradients are reduced in; fp32 keeps small per-rank contributions from rounding away.
+    DDP (no_shard) reduces gradients that are already bf16 in bf16 whatever this says, and on
+    gloo (CPU) fp32 gradients in fp32 (torch's bf16 hook for DDP needs NCCL)."""
 
 
 @dataclass(frozen=True, config=_STRICT)

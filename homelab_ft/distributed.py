@@ -179,7 +179,8 @@ def parallelize(
     reduce_dtype: torch.dtype | None = torch.float32,
     activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Apply activation checkpointing, then FSDP2 to every transformer block, then to the root.
+    """Apply activation checkpointing, then FSDP2 to every transformer block, to the model's ends
+    (untied embeddings and LM head, `shard_ends`), then to the root.
 
     full_shard:    parameters gathered before each block and freed after it, in forward and
                    again in backward (reshard_after_forward=True): ~3 x params bytes moved per step.
@@ -197,7 +198,7 @@ def parallelize(
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     if not rung.fsdp_enabled:
-        return _replicate(model, env)
+        return _replicate(model, env, reduce_dtype=reduce_dtype)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = build_mesh(env, rung)
@@ -208,8 +209,9 @@ def parallelize(
     blocks = transformer_blocks(model)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-    # The root unit holds embeddings, final norm and LM head; its weights are needed first in
-    # backward, so freeing them after forward would only be re-gathered at once (torchtitan does the same).
+    shard_ends(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    # The root unit keeps what is left (final norm, a tied embedding = head): needed again first in
+    # backward, so freeing it after forward would only re-gather it at once (torchtitan does the same).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -221,7 +223,38 @@ def parallelize(
     return model
 
 
-def _replicate(model: nn.Module, env: DistEnv) -> nn.Module:
+def shard_ends(model: nn.Module, **fsdp) -> None:
+    """Untied input embeddings and LM head as FSDP2 units of their own, not in the root unit.
+
+    In the root (reshard_after_forward=False) both stayed gathered from the first forward to the
+    end of backward on every rank: 2 x 128,256 x 4,096 x 2 B = 2.1 GB for Llama-3-8B in bf16, 4.2 GB
+    for Llama-3-70B. As units of their own (bench/sharded.py measures the per-rank peak):
+    - embeddings: gathered for their forward and resharded after it; never gathered in backward
+      (`set_unshard_in_backward(False)`: an embedding's backward reads only the token ids, so its
+      gradient fills the unsharded gradient without the weight, and is reduce-scattered when
+      backward ends). Only for a plain nn.Embedding: a LoRA-wrapped one needs its adapters in backward.
+    - LM head: gathered from its forward until its post-backward, which FSDP2 registers on the
+      head's input (the final hidden states) and so fires once, right after the loss's backward,
+      before the blocks' backward (the chunked loss runs inside that call, see loss.py). Hence
+      reshard_after_forward=False: resharding after forward would only re-gather it at once.
+    A tied embedding is one Parameter used by both modules, and FSDP2 manages a Parameter in one
+    unit: it stays in the root unit, as it must be gathered at both ends of forward and backward.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    if embed is None or head is None:
+        return
+    if {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}:
+        return  # tied: stays in the root unit
+    fully_shard(embed, reshard_after_forward=True, **fsdp)
+    if isinstance(embed, nn.Embedding):
+        embed.set_unshard_in_backward(False)
+    fully_shard(head, reshard_after_forward=False, **fsdp)
+
+
+def _replicate(model: nn.Module, env: DistEnv, *, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """NO_SHARD: DistributedDataParallel over the trainable parameters only.
 
     Chosen over FSDP2 with a replicate mesh because DDP never touches the storage of parameters
@@ -238,6 +271,15 @@ def _replicate(model: nn.Module, env: DistEnv) -> nn.Module:
     DDP._set_params_and_buffers_to_ignore_for_model(model, frozen)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     wrapped = DDP(model, device_ids=device_ids)
+    # DDP all-reduces gradients in their own dtype; `sharding.reduce_dtype: bfloat16` over fp32
+    # gradients (PEFT's fp32 adapters) takes torch's bf16 compression hook: half the bytes on the
+    # wire, as the planner prices it. Gradients already in bf16 are reduced in bf16 either way.
+    # torch 2.13 accepts the hook only with NCCL ("BF16 all reduce communication hook required
+    # CUDA 11+ and NCCL 2.10+"), so on gloo gradients stay in their dtype (priced so too).
+    if reduce_dtype == torch.bfloat16 and env.backend == "nccl":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        wrapped.register_comm_hook(state=None, hook=default_hooks.bf16_compress_hook)
     setattr(wrapped, _DEFERS_SYNC, True)
     return wrapped
 

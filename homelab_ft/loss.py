@@ -16,11 +16,20 @@ step).
 The head is called from inside the model's own forward, through a forward pre-hook on the output
 embedding module: the hook computes the chunked loss from the hidden states it receives and hands
 the head an empty slice, so the model's logits are [batch, 0, vocab]. Going through the top-level
-forward keeps every wrapper in charge of what it does there: FSDP2's root unit has its weights
-(embeddings, LM head) gathered and keeps them so until its backward; DDP prepares its gradient
-reduction; PEFT applies a LoRA adapter on the head when `lm_head` is targeted. The loss is the
-same summed cross-entropy as `steps.token_loss_sum`, so the normalisation over trained tokens
-across micro-batches and ranks (steps.loss_scale) is unchanged.
+forward keeps every wrapper in charge of what it does there: DDP prepares its gradient reduction;
+PEFT applies a LoRA adapter on the head when `lm_head` is targeted; FSDP2's hooks on the head's own
+unit (distributed.shard_ends; a tied head sits in the root unit) run before ours, so the head is
+gathered when the hook runs and the hidden states it receives carry FSDP2's post-backward hook.
+The chunks then call the head's `forward` directly, past its module hooks: through FSDP2's hooks
+every chunk, and every chunk recomputed in backward, would register a post-backward of its own,
+and the head would be all-gathered and its gradient reduce-scattered once per chunk (measured with
+torch 2.13, 2 gloo ranks: 5 chunks, 5 all-gathers and 5 reduce-scatters of the head per
+micro-batch). As it is, the head (reshard_after_forward=False) stays gathered from its forward
+through the chunks' recompute, and its one post-backward fires when the gradient of the hidden
+states is complete, i.e. after the last chunk's backward and before the blocks' backward: one
+all-gather and one reduce-scatter per micro-batch, and the head is sharded again while backward
+runs through the blocks. The loss is the same summed cross-entropy as `steps.token_loss_sum`, so
+the normalisation over trained tokens across micro-batches and ranks (steps.loss_scale) is unchanged.
 
 What some architectures do to the logits after the head is applied per chunk too: Gemma 2/3's tanh
 soft-capping (`final_logit_softcapping`), Cohere's `logit_scale` and Granite's `logits_scaling`.
@@ -93,7 +102,9 @@ def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, *, head: nn.Mod
     keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
     targets = targets.index_select(0, keep)
-    recompute = torch.is_grad_enabled() and rows.requires_grad
+    # A head with trainable weights (LoRA on lm_head over a frozen trunk) needs the recompute even
+    # when the hidden states need no gradient; without it every chunk's logits would wait for backward.
+    recompute = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in head.parameters()))
     total = None
     for start in range(0, max(rows.size(0), 1), chunk_tokens):
         x, y = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens]
@@ -107,8 +118,9 @@ def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, *, head: nn.Mod
 
 def _chunk_loss(x: torch.Tensor, y: torch.Tensor, head: nn.Module, transform: LogitTransform) -> torch.Tensor:
     # Same operations as the model's forward + steps.token_loss_sum: head and any transform in the
-    # activation dtype, then cross-entropy on an fp32 copy.
-    logits = transform(head(x))
+    # activation dtype, then cross-entropy on an fp32 copy. `head.forward`, not `head(...)`: the
+    # head's module hooks already ran for the model's own call (see the module docstring).
+    logits = transform(head.forward(x))
     return F.cross_entropy(logits.float(), y, reduction="sum")
 
 

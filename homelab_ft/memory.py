@@ -323,6 +323,18 @@ def base_weight_bytes(shape: ModelShape, method: Method, request: PlanRequest, c
     return total, max(block_bytes)
 
 
+def gathered_end_params(shape: ModelShape) -> int:
+    """Parameters outside the blocks that FSDP2 holds gathered at the activation peak (the loss and
+    the start of backward), as distributed.shard_ends places them: the LM head, a unit of its own
+    gathered from its forward until its post-backward right after the loss, and the root unit's
+    final norm. Untied embeddings are a unit of their own, gathered only while their forward runs,
+    before any activation exists, and never in backward. A tied embedding is the head: it stays in
+    the root unit, gathered from the first forward to the end of backward."""
+    if shape.tie_word_embeddings:
+        return shape.root_params
+    return shape.root_params - shape.embedding_params
+
+
 def largest_param(shape: ModelShape) -> int:
     """Elements of the largest single parameter: the embedding for any vocabulary of 32k and up,
     else a block's widest linear or half of its stacked MoE experts (gate_up and down tensors)."""
@@ -500,13 +512,13 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     base_bytes, block_bytes = base_weight_bytes(shape, method, request, cluster)
     if method == "full":
         trainable, state_bytes = shape.total_params, w_bytes
-        root_bytes = shape.root_params * w_bytes
+        end_bytes = w_bytes
     else:
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
         # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
         # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
         trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
-        root_bytes = shape.root_params * (qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes)
+        end_bytes = qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes
         base_bytes += trainable * state_bytes
     # A sharded 4-bit base splits the packed bytes; the quantisation constants stay whole per rank.
     replicated = quant_state_bytes(shape, request) if method == "qlora" and shards > 1 else 0
@@ -522,23 +534,25 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
     # the reduce dtype for the reduce-scatter (full fine-tuning; adapter gradients are tiny).
     block_grads = shape.max_block_params * (w_bytes + _reduce_bytes(request)) if method == "full" else 0
+    ends_bytes = gathered_end_params(shape) * end_bytes
     if shards == 1 and not cpu_offload:
         gathered = 0
     elif not rung.reshard_after_forward:
-        # SHARD_GRAD_OP: every block stays gathered from its forward to its backward.
-        gathered = base_bytes + block_grads
+        # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
+        # embeddings are resharded after theirs (distributed.shard_ends).
+        gathered = base_bytes - (shape.root_params - gathered_end_params(shape)) * end_bytes + block_grads
     else:
-        # FSDP2 keeps the root module (embeddings, final norm, LM head) unsharded from its forward
-        # to its backward (the root is not resharded after forward) and holds the running block
-        # plus one prefetched block.
-        gathered = root_bytes + 2 * block_bytes + block_grads
+        # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
+        # loss and its backward, and the running block plus one prefetched block.
+        gathered = ends_bytes + 2 * block_bytes + block_grads
 
     resident = weights + gradients + optimizer
     offloaded = resident if cpu_offload else 0
     act_offload = request.activation_offload and request.activation_checkpointing and cluster.device == "cuda"
     act_host = offloaded_activation_bytes(shape, request, act_bytes) if act_offload else 0
-    # The LM head's gradient is the first one backward makes (with FSDP2 unsharded in the root
-    # unit until its post-backward); a tied head's is the embedding's. Adapters' are negligible.
+    # The LM head's gradient is the first one backward makes (with FSDP2 unsharded until the head
+    # unit's post-backward right after the loss, a tied head's in the root unit until backward
+    # ends); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
     step_temp = _step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
@@ -561,7 +575,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = _loading_bytes(shape, method, request, cluster, base_bytes=base_bytes,
                              sharded=shards > 1 or cpu_offload)
     host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
-    comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster)
+    comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster,
+                                        grad_bytes=state_bytes)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
@@ -616,7 +631,7 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
 
 
 def _communication(base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
-                   cluster: Cluster) -> tuple[int, float]:
+                   cluster: Cluster, grad_bytes: int = 4) -> tuple[int, float]:
     """Bytes each rank sends per optimizer step, and the seconds that takes.
 
     Ring collectives: an all-gather or reduce-scatter of B bytes sends B x (N-1)/N per rank, an
@@ -630,6 +645,10 @@ def _communication(base_bytes: int, trainable: int, *, rung: Rung, request: Plan
     """
     n, g, nodes = cluster.world_size, cluster.gpus_per_node, cluster.nodes
     grads = trainable * _reduce_bytes(request)
+    if not rung.fsdp_enabled:
+        # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
+        # (distributed._replicate: torch's bf16 hook needs NCCL)
+        grads = trainable * (min(_reduce_bytes(request), grad_bytes) if cluster.device == "cuda" else grad_bytes)
     accum = request.grad_accum_steps
     intra_bw = LINK_BYTES_PER_S["cpu" if cluster.device == "cpu" else cluster.intra_link]
     inter_bw = cluster.inter_link_gbit * 1e9 / 8 * ETHERNET_EFFICIENCY

@@ -6,9 +6,10 @@ standalone run of many jobs, a 2-node x 1-process HYBRID_SHARD run over c10d on 
 checkpoint. One process with micro-batch 2B sees exactly the rows that 2 ranks with B see
 (sampling.py), and rows differ in length, so ranks train unequal token counts.
 
-Most jobs use an untied tiny Llama; the `tied_*` jobs use one with `tie_word_embeddings=True`
-(SmolLM2, Llama 3.2, Qwen2.5 small, Gemma): its file stores only the embedding, and a sharded
-build that lost the tie started SmolLM2-135M at loss ln(vocab) = 10.8 instead of 0.6.
+Most jobs use an untied tiny Llama, whose embeddings and LM head are FSDP2 units of their own; the
+`tied_*` jobs use one with `tie_word_embeddings=True` (SmolLM2, Llama 3.2, Qwen2.5 small, Gemma),
+whose one shared Parameter stays in the root unit: its file stores only the embedding, and a
+sharded build that lost the tie started SmolLM2-135M at loss ln(vocab) = 10.8 instead of 0.6.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         "unchunked_fsdp": _recipe(tmp, tied_dir, "unchunked_fsdp", procs=2, train={"loss_chunk_tokens": 0}),
         "head_lora_ddp": _recipe(tmp, tiny_model_dir, "head_lora_ddp", procs=2, method="lora",
                                  sharding={"strategy": "no_shard"}, lora={"target_modules": ["q_proj", "lm_head"]}),
+        # LoRA on the head under FSDP2: the head (its adapters with it) is a unit of its own
+        "head_lora_fsdp": _recipe(tmp, tiny_model_dir, "head_lora_fsdp", procs=2, method="lora",
+                                  lora={"target_modules": ["q_proj", "lm_head"]}),
         "unchunked_head_lora_ddp": _recipe(tmp, tiny_model_dir, "unchunked_head_lora_ddp", procs=2, method="lora",
                                            sharding={"strategy": "no_shard"}, train={"loss_chunk_tokens": 0},
                                            lora={"target_modules": ["q_proj", "lm_head"]}),
@@ -76,12 +80,17 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     # optimizer in backward: no accumulation and no clipping (config.py refuses both with it)
     in_bwd = {"grad_accum_steps": 1, "max_grad_norm": 0.0, "optimizer_in_backward": True}
     two["optim_bwd"] = _recipe(tmp, tied_dir, "optim_bwd", procs=2, train=in_bwd)
+    # untied: the head's own unit reduce-scatters (and so steps) right after the loss, mid-backward
+    two["optim_bwd_untied"] = _recipe(tmp, tiny_model_dir, "optim_bwd_untied", procs=2, train=in_bwd)
     resume2 = _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True})
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
     jobs.append({"kind": "train", "name": "resume2", "recipe": resume2,
                  "copy_run": {"src": two["full_shard"]["output"]["dir"], "keep_step": 3}})
     jobs.append({"kind": "lora_hf_load", "name": "lora_hf_load", "model_dir": str(tiny_model_dir)})
     jobs.append({"kind": "lora_hf_load", "name": "tied_lora_load", "model_dir": str(tied_dir)})
+    jobs.append({"kind": "ddp_reduce", "name": "ddp_reduce"})
+    jobs.append({"kind": "ends", "name": "ends", "model_dir": str(tiny_model_dir)})
+    jobs.append({"kind": "ends", "name": "tied_ends", "model_dir": str(tied_dir)})
     jobs.append({"kind": "memory", "name": "memory", "model_dir": str(tiny_model_dir), "strategy": "full_shard"})
     jobs.append({"kind": "export", "name": "export", "recipe": two["full_shard"],
                  "checkpoint": str(Path(two["full_shard"]["output"]["dir"]) / "checkpoints" / f"step_{STEPS:06d}"),
@@ -116,12 +125,16 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
          "copy_run": {"src": two["full_shard"]["output"]["dir"], "keep_step": 3}},
         {"kind": "token_counts", "name": "tokens", "recipe": two["full_shard"], "world_size": 2},
         {"kind": "train", "name": "ref_tied", "recipe": _recipe(tmp, tied_dir, "ref_tied", procs=1)},
+        {"kind": "train", "name": "ref_head_lora", "recipe": _recipe(tmp, tiny_model_dir, "ref_head_lora", procs=1,
+                                                                     method="lora", lora={"target_modules": ["q_proj", "lm_head"]})},
         {"kind": "train", "name": "ref_eval", "recipe": _recipe(tmp, tiny_model_dir, "ref_eval", procs=1, data=UNEVEN_EVAL,
                                                                 train={"max_steps": 2})},
         {"kind": "train", "name": "tied_resume1", "recipe": _recipe(tmp, tied_dir, "tied_resume1", procs=1, train={"resume": True}),
          "copy_run": {"src": two["tied_full"]["output"]["dir"], "keep_step": 3}},
         {"kind": "train", "name": "ref_no_accum", "recipe": _recipe(tmp, tied_dir, "ref_no_accum", procs=1,
                                                                     train={**in_bwd, "optimizer_in_backward": False})},
+        {"kind": "train", "name": "ref_no_accum_untied", "recipe": _recipe(tmp, tiny_model_dir, "ref_no_accum_untied", procs=1,
+                                                                           train={**in_bwd, "optimizer_in_backward": False})},
         {"kind": "train", "name": "optim_bwd_resume1", "recipe": _recipe(tmp, tied_dir, "optim_bwd_resume1", procs=1,
                                                                          train={**in_bwd, "resume": True}),
          "copy_run": {"src": two["optim_bwd"]["output"]["dir"], "keep_step": 3}},
@@ -224,3 +237,53 @@ def test_optimizer_in_backward_matches_one_adamw_and_resumes(results):
     assert len(ref) == STEPS and ref[-1] < ref[0]
     assert _max_diff(got, ref) <= TOL
     assert _max_diff(results["optim_bwd_resume1"]["losses"], got[3:]) <= TOL
+    untied = results["ref_no_accum_untied"]["losses"]
+    assert _max_diff(results["optim_bwd_untied"]["losses"], untied) <= TOL
+
+
+@pytest.mark.parametrize("name", ["head_lora_fsdp", "head_lora_ddp"])
+def test_lora_on_the_head_matches_one_process(results, name):
+    """LoRA on lm_head with the chunked loss: FSDP2 (the head, adapters included, a unit of its
+    own) and DDP on 2 ranks train as one process does."""
+    ref = results["ref_head_lora"]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(results[name]["losses"], ref) <= TOL
+
+
+def test_untied_ends_are_units_of_their_own(results):
+    """The embeddings are sharded again as soon as their forward ends and are not gathered in
+    backward; the LM head stays gathered through the chunked loss, is all-gathered once and
+    reduce-scattered once per micro-batch (5 chunks here: not once per chunk), and is sharded
+    again before backward reaches the blocks."""
+    got = results["ends"]
+    assert got["embed_unit"] and got["head_unit"]
+    assert got["gathered_after_forward"] == {"embed": False, "head": True}
+    assert got["gathered_after_backward"] == {"embed": False, "head": False}
+    assert got["grads"] == {"embed": True, "head": True}
+    events = [tuple(e) for e in got["events"]]
+    backward = events.index(("backward", ""))
+    assert [e for e in events if e[1] == "lm_head"] == [("all_gather", "lm_head"), ("post_backward", "lm_head")]
+    assert events.index(("post_backward", "lm_head")) > backward
+    assert [e for e in events if e[0] == "block_backward"] == [("block_backward", "head gathered=False")]
+    assert [e for e in events if e[1] == "model.embed_tokens"] == [("all_gather", "model.embed_tokens"),
+                                                                    ("post_backward", "model.embed_tokens")]
+    assert events.index(("post_backward", "model.embed_tokens")) > backward
+
+
+def test_tied_ends_stay_in_the_root_unit(results):
+    """A tied embedding is one Parameter for both ends: it stays in the root unit, gathered from
+    the first forward to the end of backward (the root's post-backward)."""
+    got = results["tied_ends"]
+    assert not got["embed_unit"] and not got["head_unit"]
+    assert got["gathered_after_forward"] == {"embed": True, "head": True}
+    assert got["gathered_after_backward"] == {"embed": False, "head": False}
+    events = [tuple(e) for e in got["events"]]
+    assert [e for e in events if e[0] == "block_backward"] == [("block_backward", "head gathered=True")]
+    assert [e for e in events if e[1] == "" and e[0] != "backward"] == [("all_gather", ""), ("post_backward", "")]
+
+
+def test_ddp_on_gloo_reduces_fp32_gradients_in_fp32(results):
+    """sharding.reduce_dtype under no_shard: torch's bf16 compression hook for DDP needs NCCL, so
+    on gloo fp32 gradients are all-reduced in fp32 whatever reduce_dtype says, as the planner
+    prices a CPU cluster's traffic (on GPUs the hook halves it; tests/gpu cannot run it here)."""
+    assert results["ddp_reduce"] == {"float32": 1 + 1.5 / 4096, "bfloat16": 1 + 1.5 / 4096}

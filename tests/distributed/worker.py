@@ -10,6 +10,8 @@ one of
   {"kind": "token_counts", "name": ..., "recipe": {...}, "world_size": 2}
   {"kind": "qlora_shards", "name": ..., "recipe": {...}}   (sharded 4-bit base: bytes, load peak, forward)
   {"kind": "export_run", "name": ..., "run_dir": ..., "out": ...}
+  {"kind": "ends", "name": ..., "model_dir": ...}   (which FSDP2 unit holds the embeddings and LM head)
+  {"kind": "ddp_reduce", "name": ...}   (the dtype DDP all-reduces fp32 gradients in, per reduce_dtype)
 """
 
 from __future__ import annotations
@@ -75,6 +77,75 @@ def run_memory(job: dict, env) -> dict:
     states = sum(local(v) for s in optimizer.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
     params = sum(local(p) for p in model.parameters())
     return {"params": params / total, "grads": grads / total, "optim": states / (2 * total)}
+
+
+def run_ends(job: dict, env) -> dict:
+    """One chunked-loss forward and backward of a full_shard model, recording when the embeddings
+    and the LM head are gathered: their own units (untied) or the root's (tied), all-gathers and
+    post-backwards per unit (counted on FSDP2's param groups: torch 2.13 internals, so a torch
+    that renames them fails here loudly), and the head's state while backward runs the blocks."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.loss import token_loss_sum
+
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+    model = distributed.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    events: list[tuple[str, str]] = []
+    unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
+
+    def counted_unshard(group, async_op=False):
+        before = group.is_unsharded or group._all_gather_result is not None
+        unshard(group, async_op)
+        if not before and (group.is_unsharded or group._all_gather_result is not None):
+            events.append(("all_gather", group._module_fqn))
+
+    def counted_post_backward(group, *args):
+        events.append(("post_backward", group._module_fqn))
+        return post_backward(group, *args)
+
+    def gathered(module) -> bool:
+        return not isinstance(module.weight, DTensor)
+
+    def in_block_backward(module, grad_output):
+        events.append(("block_backward", f"head gathered={gathered(head)}"))
+
+    model.model.layers[-1].register_full_backward_pre_hook(in_block_backward)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(env.rank))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    FSDPParamGroup.unshard, FSDPParamGroup.post_backward = counted_unshard, counted_post_backward
+    try:
+        summed = token_loss_sum(model, {"input_ids": ids, "labels": labels}, device=env.device, chunk_tokens=8)
+        after_forward = {"embed": gathered(embed), "head": gathered(head)}
+        events.append(("backward", ""))
+        summed.backward()
+    finally:
+        FSDPParamGroup.unshard, FSDPParamGroup.post_backward = unshard, post_backward
+    return {
+        "embed_unit": isinstance(embed, FSDPModule), "head_unit": isinstance(head, FSDPModule),
+        "gathered_after_forward": after_forward,
+        "gathered_after_backward": {"embed": gathered(embed), "head": gathered(head)},
+        "grads": {"embed": embed.weight.grad is not None, "head": head.weight.grad is not None},
+        "events": events,
+    }
+
+
+def run_ddp_reduce(env) -> dict:
+    """One fp32 gradient per rank, 1 + (rank + 1) / 4096, all-reduced by `parallelize`'s DDP with each
+    reduce_dtype: fp32 averages it exactly (1 + 1.5 / 4096); bf16 (8 significant bits) would round
+    each half to 0.5 first, an average of exactly 1.0."""
+    out = {}
+    for name in ("float32", "bfloat16"):
+        layer = torch.nn.Linear(1, 1, bias=False)
+        wrapped = distributed.parallelize(layer, env, rung=Rung("lora", "no_shard", False, procs_per_node=env.world_size),
+                                          reduce_dtype=getattr(torch, name))
+        wrapped(torch.full((1, 1), 1 + (env.rank + 1) / 4096)).sum().backward()
+        out[name] = float(layer.weight.grad)
+    return out
 
 
 def run_export(job: dict, env, base_dir: Path) -> dict:
@@ -302,6 +373,10 @@ def main(spec_path: str, out_path: str) -> int:
             results[job["name"]] = run_token_counts(job, base_dir)
         elif job["kind"] == "qlora_shards":
             results[job["name"]] = run_qlora_shards(job, env)
+        elif job["kind"] == "ddp_reduce":
+            results[job["name"]] = run_ddp_reduce(env)
+        elif job["kind"] == "ends":
+            results[job["name"]] = run_ends(job, env)
         elif job["kind"] == "export_run":
             results[job["name"]] = run_export_run(job)
         elif job["kind"] == "export":

@@ -166,3 +166,33 @@ def test_logit_transform_reads_the_config():
     plain = loss.LogitTransform.from_config(LlamaConfig())
     x = torch.randn(3, 4)
     assert torch.equal(plain(x), x)
+
+
+def _saved_vocab_tensors(model, batch, *, chunk_tokens: int) -> int:
+    """Vocab-wide activations that the forward keeps for backward (outside the recomputed chunks;
+    weights, such as lora_B seen transposed, are not counted)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.dim() >= 1 and t.shape[-1] == VOCAB and t.untyped_storage().data_ptr() not in weights:
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        summed = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
+    summed.backward()
+    return len(saved)
+
+
+def test_lora_on_the_head_alone_recomputes_its_chunks():
+    """LoRA on lm_head over a frozen trunk: the hidden states need no gradient but the head does;
+    each chunk's logits must still be recomputed in backward, not kept (checked through what the
+    forward saves for backward: nothing vocab-wide, against the full-logits path that keeps it)."""
+    from homelab_ft.modeling import attach_lora
+
+    model = attach_lora(_llama(tied=False), LoraConfig(r=4, dropout=0.0, target_modules=["lm_head"]))
+    batch = _batch(5)
+    assert _saved_vocab_tensors(model, batch, chunk_tokens=0) > 0  # the check can fail
+    assert _saved_vocab_tensors(model, batch, chunk_tokens=4) == 0
+    _assert_parity(model, batch, 4)

@@ -142,6 +142,15 @@ def test_fsdp_traffic_is_three_times_weights_with_equal_dtypes():
     assert est.comm_bytes == pytest.approx(3 * s.total_params * 2 * 3 / 4, rel=1e-6)
     ddp = estimate(s, rung=option_rung("lora", "no_shard", False, request=req, cluster=gpus(4)), request=req, cluster=gpus(4))
     assert ddp.comm_bytes == pytest.approx(2 * ddp.trainable_params * 2 * 3 / 4, rel=1e-6)
+    # DDP reduces bf16 gradients in bf16 whatever reduce_dtype says (distributed._replicate)
+    full = dataclasses.replace(LONG, method="full")
+    full_ddp = estimate(s, rung=option_rung("full", "no_shard", False, request=full, cluster=gpus(4)), request=full, cluster=gpus(4))
+    assert full.reduce_dtype == "float32"
+    assert full_ddp.comm_bytes == pytest.approx(2 * s.total_params * 2 * 3 / 4, rel=1e-6)
+    # torch's bf16 hook for DDP needs NCCL: on CPU processes fp32 adapter gradients stay fp32
+    cpus = dataclasses.replace(gpus(4), device="cpu")
+    cpu_ddp = estimate(s, rung=option_rung("lora", "no_shard", False, request=req, cluster=cpus), request=req, cluster=cpus)
+    assert cpu_ddp.comm_bytes == pytest.approx(2 * cpu_ddp.trainable_params * 4 * 3 / 4, rel=1e-6)
 
 
 def test_mixtral_qlora_is_refused_for_unquantizable_experts():
@@ -425,3 +434,23 @@ def test_cuda_context_and_fragmentation_are_separate_items():
     assert est.memory.overhead == est.memory.context + est.memory.fragmentation
     p = plan(shape("llama-3.2-1b"), request=LONG, cluster=gpus(1)).to_dict()
     assert p["chosen"]["memory"]["context"] and p["chosen"]["memory"]["fragmentation"]
+
+
+@pytest.mark.parametrize("name,tied", [("llama-3-8b", False), ("llama-3.2-1b", True)])
+def test_fsdp_gathers_the_head_through_the_loss_and_untied_embeddings_only_briefly(name, tied):
+    """distributed.shard_ends: an untied embedding is its own unit, gathered only for its forward,
+    so it is not at the peak; the LM head (its own unit) and the root's final norm are. A tied
+    embedding is the head and stays gathered in the root unit."""
+    llama = shape(name)
+    assert llama.tie_word_embeddings == tied
+    request = dataclasses.replace(LONG, method="full")
+    full = estimate(llama, rung=option_rung("full", "full_shard", False, request=request, cluster=gpus(2)),
+                    request=request, cluster=gpus(2)).memory
+    grad_op = estimate(llama, rung=option_rung("full", "shard_grad_op", False, request=request, cluster=gpus(2)),
+                       request=request, cluster=gpus(2)).memory
+    head = llama.vocab_size * llama.hidden_size
+    block = llama.max_block_params * 2
+    block_grads = llama.max_block_params * (2 + 4)  # bf16 gradients and their fp32 reduce copy
+    assert full.gathered == (head + llama.hidden_size) * 2 + 2 * block + block_grads
+    embed_once = 0 if tied else head  # in the untied total, resharded after its forward
+    assert grad_op.gathered == (llama.total_params - embed_once) * 2 + block_grads
