@@ -171,11 +171,15 @@ def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, boo
     savers come before any costlier rung, offload or GPU: `evaluate` keeps, per option, the first
     level that fits. Activation offload only helps where there is a GPU to offload from."""
     ckpt, off = request.activation_checkpointing, request.activation_offload
+    if isinstance(ckpt, bool):
+        ckpts = [ckpt]
+    else:  # offload asked for explicitly brings the checkpointing it needs (as rung_for does)
+        ckpts = [True] if off is True else [False, True]
     levels = []
-    for c in ([False, True] if ckpt == "auto" else [ckpt]):
+    for c in ckpts:
         offs = [off] if isinstance(off, bool) else [False, True] if c and cluster.device == "cuda" else [False]
-        levels += [(c, o) for o in offs if c or not o]
-    return levels or [(True, True)]
+        levels += [(c, o) for o in offs]
+    return levels
 
 
 def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:

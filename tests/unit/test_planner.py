@@ -193,6 +193,7 @@ requests = st.builds(
     micro_batch_size=st.integers(1, 8),
     grad_accum_steps=st.integers(1, 4),
     activation_checkpointing=st.booleans(),
+    activation_offload=st.just(False),  # `auto` would let a longer request pick another saver level
     optimizer=st.sampled_from(["adamw", "adamw_8bit"]),
 )
 
@@ -398,6 +399,7 @@ def test_auto_savers_turn_on_only_when_needed_and_say_so():
     assert saver_levels(auto, gpus(1)) == [(False, False), (True, False), (True, True)]
     cpu = dataclasses.replace(gpus(1), device="cpu")
     assert saver_levels(auto, cpu) == [(False, False), (True, False)]  # nothing to offload to
+    assert saver_levels(dataclasses.replace(auto, activation_offload=True), gpus(1)) == [(True, True)]
 
 
 def test_paged_optimizer_state_may_spill_to_host_ram():
