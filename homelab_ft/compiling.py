@@ -60,9 +60,9 @@ def check_available(*, device_type: str) -> None:
     if not callable(getattr(torch, "compile", None)):
         raise UserError(f"train.compile=true needs torch.compile (torch >= 2.0; this is torch {torch.__version__}); "
                         f"upgrade torch {_OFF}")
-    import torch._dynamo
+    from torch import _dynamo
 
-    if not torch._dynamo.is_dynamo_supported():
+    if not _dynamo.is_dynamo_supported():
         import sys
 
         raise UserError(f"train.compile=true: torch {torch.__version__} cannot compile on Python "
@@ -97,10 +97,15 @@ def cxx_compiler() -> str | None:
     return None
 
 
-def compile_blocks(model: nn.Module, *, backend: str = BACKEND) -> int:
-    """torch.compile every transformer block of `model` in place; returns how many."""
+def compile_blocks(model: nn.Module, *, backend: str | None = None) -> int:
+    """torch.compile every transformer block of `model` in place; returns how many.
+
+    `backend` (default BACKEND) is for tests: `aot_eager` traces the same graphs through dynamo and
+    AOTAutograd without inductor's code generation.
+    """
     from homelab_ft.distributed import transformer_blocks
 
+    backend = backend or BACKEND
     blocks = transformer_blocks(model)
     for block in blocks:
         block.compile(backend=backend)
@@ -109,7 +114,11 @@ def compile_blocks(model: nn.Module, *, backend: str = BACKEND) -> int:
     return len(blocks)
 
 
+def compiled(fn):
+    """`fn` compiled once per process and backend (the loss's cross-entropy: loss.py)."""
+    return _compiled(fn, BACKEND)
+
+
 @functools.cache
-def compiled(fn, *, backend: str = BACKEND):
-    """`fn` compiled once per process (the loss's cross-entropy: loss.py)."""
+def _compiled(fn, backend: str):
     return torch.compile(fn, backend=backend)

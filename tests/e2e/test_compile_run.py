@@ -25,8 +25,9 @@ from homelab_ft.trainer import build_model, train_step
 ENV = distributed.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
 TOL = 1e-4
 NUM_STEPS = 3
-# 2 rows x 24 tokens with the first 5 labels masked: 2 x 19 = 38 trained positions, 2 chunks of 19
-SEQ, MASKED, CHUNK = 24, 5, 19
+# 2 rows x 24 tokens, the first label masked: 2 x 23 trained positions, 2 loss chunks of 23 (the
+# shapes of tests/distributed/test_compile_fsdp.py, so inductor's cache serves one test from the other)
+SEQ, MASKED, CHUNK = 24, 1, 23
 
 
 def _batches(vocab: int) -> list[dict]:
