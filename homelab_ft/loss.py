@@ -120,8 +120,9 @@ def logits_loss_sum(logits: torch.Tensor, y: torch.Tensor, transform: LogitTrans
 
     The head's matmul stays outside: it may be a PEFT LoRA layer or live in FSDP2's root unit, and
     inductor has nothing to fuse in a GEMM. What follows it is elementwise and row reductions,
-    which inductor fuses: the fp32 upcast, log-softmax and its backward run without an fp32
-    [chunk, vocab] copy and log-softmax in memory (only the per-row log-sum-exp is kept).
+    which inductor fuses, so the fp32 log-softmax is never stored: bench/compile.py measured the
+    peak of a chunk's forward + backward at 8.2 bytes per logit compiled against 12.3 eager (fp32
+    on CPU; in bf16 the fp32 copy of the logits goes too).
     """
     return F.cross_entropy(transform(logits).float(), y, reduction="sum")
 
