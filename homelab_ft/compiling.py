@@ -3,8 +3,8 @@
 Per block, as torchtitan (`distributed/compile.py`: `block.compile(...)` after activation
 checkpointing, before FSDP2) and torchtune (`training.compile_model`: `m.compile()` per layer)
 do, rather than the whole model: every block of a model runs the same code, so dynamo traces one
-graph and reuses it for all of them (one graph for 2 or 80 layers: parameters are graph inputs,
-not constants), and compile time does not grow with depth. `nn.Module.compile()` compiles the
+graph and reuses it for all of them (parameters are graph inputs, not constants; measured: one
+graph for both blocks of the test Llama), and compile time does not grow with depth. `nn.Module.compile()` compiles the
 module's call in place: the module tree, parameter names and state_dict keys stay as they are
 (no `_orig_mod.` prefix), so checkpoints, PEFT adapters, DCP and export see the same model.
 
@@ -15,14 +15,18 @@ The order with the other wrappers, as torch 2.13 and transformers 5.x arrange it
   checkpoint, torchtitan's order. The backward graph recomputes the block's forward inside one
   compiled kernel sequence.
 - FSDP2: `fully_shard`'s hooks gather the block's weights before its call and free them after;
-  dynamo leaves FSDP2's hooks out of the graph (`torch._dynamo.config.skip_fsdp_hooks`, on by
-  default), so the graph sees the gathered weights as ordinary inputs. Since `compile()` only sets
+  FSDP2 marks them `_dynamo_disable` (torch/distributed/fsdp/_fully_shard/_fsdp_state.py), so they
+  run eagerly around the graph, which sees the gathered weights as ordinary inputs. Since `compile()` only sets
   an attribute used at the first call, compiling before or after `fully_shard` is the same; it is
   applied once the model is fully built (`fully_shard` renames the block class, which
   `distributed.transformer_blocks` still finds through its bases).
 - LoRA (PEFT): the adapter's linear layers are ordinary modules inside the block; dropout > 0 is
   compiled to inductor's own random numbers, so a compiled run's dropout masks differ from an
-  eager run's (the parity tests use dropout 0).
+  eager run's (the parity tests use dropout 0). A bitsandbytes 4-bit base (QLoRA) compiles too:
+  bitsandbytes registers its kernels as torch custom ops (measured on CPU: no graph break,
+  gradients within 5e-7 of eager).
+- activation offload: the compiled graph saves its inputs for backward through autograd, so the
+  offload's saved-tensor hooks (offload.py) still see them.
 
 Shapes: `dynamic=None` (torch's default): the first call compiles for its exact shapes; when the
 padded length changes, the block is compiled once more with symbolic shapes and serves every
@@ -33,7 +37,8 @@ second run of the same model starts faster).
 Inductor needs, on CPU, a C++ compiler and Python's headers (it builds each kernel as a Python
 extension: torch/_inductor/codecache.py includes Python.h) and, on CUDA, Triton on a GPU of compute
 capability >= 7.0. Without them the first step would fail deep inside torch after the model is
-loaded; `check_available` refuses the recipe before anything starts instead.
+loaded (torch 2.13 without g++: `InductorError: InvalidCxxCompiler` at the first call; there is
+no fallback to eager); `check_available` refuses the recipe before anything starts instead.
 """
 
 from __future__ import annotations
