@@ -122,7 +122,7 @@ def logits_loss_sum(logits: torch.Tensor, y: torch.Tensor, transform: LogitTrans
     inductor has nothing to fuse in a GEMM. What follows it is elementwise and row reductions,
     which inductor fuses, so the fp32 log-softmax is never stored: bench/compile.py measured the
     peak of a chunk's forward + backward at 8.2 bytes per logit compiled against 12.3 eager (fp32
-    on CPU; in bf16 the fp32 copy of the logits goes too).
+    on CPU; in bf16 the fp32 copy of the logits should go too: tests/gpu/test_cuda_compile.py).
     """
     return F.cross_entropy(transform(logits).float(), y, reduction="sum")
 
