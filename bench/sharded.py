@@ -167,7 +167,7 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=Path(model_dir), rung=rung_for(recipe), env=env)
     optimizer = steps.build_optimizer(model, recipe.train)
-    session = SimpleNamespace(env=env, model=model, recipe=recipe, optimizer=optimizer,
+    session = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                               scheduler=steps.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, ENDS_VOCAB, (1, ENDS_SEQ), generator=torch.Generator().manual_seed(env.rank))
     batch = {"input_ids": ids, "labels": ids.clone()}

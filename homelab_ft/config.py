@@ -160,6 +160,10 @@ class TrainConfig:
     """Full fine-tunes: step each parameter from its gradient hook and free the gradient at once, so
     the full set of gradients never exists (saves ~2 B/param in bf16; optim_backward.py). Needs
     grad_accum_steps=1 and max_grad_norm=0 (the global norm is only known after every step ran)."""
+    compile: bool = False
+    """torch.compile each transformer block in place and each loss chunk's cross-entropy
+    (compiling.py): fused kernels, same parameter names. The first step also compiles (tens of
+    seconds per block graph on a CPU); needs a C++ compiler on CPU, Triton on CUDA."""
     eval_every: NonNegInt = 0
     """Evaluate on the held-out split every N steps (0: only at the end, if there is a split)."""
     eval_max_batches: PositiveInt | None = None

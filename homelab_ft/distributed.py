@@ -161,7 +161,8 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # through the bases: fully_shard turns LlamaDecoderLayer into an FSDPLlamaDecoderLayer subclass
+    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not blocks:
         raise UserError(
             f"{type(model).__name__} declares no `_no_split_modules`, so its transformer blocks are "

@@ -477,6 +477,14 @@ def chunked_loss(request: PlanRequest) -> bool:
     return request.loss_chunk_tokens > 0 and request.objective != "dpo"
 
 
+# train.compile (compiling.py) is priced as eager, on purpose. Its fused kernels only free
+# intermediates: the compiled cross-entropy stores no fp32 log-softmax (bench/compile.py: a loss
+# chunk peaks at 8.2 B per logit instead of 12.3), and AOTAutograd's min-cut partitioner picks
+# what a compiled block saves for backward to keep it small, recomputing cheap elementwise results
+# instead of storing them; so the eager figures below are an upper bound (tests/gpu/
+# test_cuda_compile.py checks a compiled step's peak against eager's). Its speed (1.1-1.2x tokens
+# per CPU-second, bench/compile.py) is not credited to step time either, and the first step's
+# compiling (seconds to minutes per distinct block graph) is a one-off that step time leaves out.
 def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
     """The loss's peak: logits of `rows` tokens x vocab, often the largest single item without
     chunking. Per row and vocab entry: the LM head output (activation dtype); its fp32 copy

@@ -46,6 +46,10 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
     The data is checked by `data.prepare_data` (rows are validated while tokenising), which the
     caller runs after this and still before the run directory is created.
     """
+    if recipe.train.compile:
+        from homelab_ft import compiling
+
+        compiling.check_available(device_type=device_type)
     resume_from = rundir.check_run_dir(recipe)
     where = locate(recipe.model.path)
     model_dir = modeling.resolve_model_dir(where)  # converts a GGUF once; a damaged one is refused

@@ -19,6 +19,7 @@ import torch
 
 from homelab_ft import (
     checkpoint,
+    compiling,
     distributed,
     logs,
     modeling,
@@ -200,7 +201,8 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
         # Only the last micro-batch of the step reduces gradients across ranks.
         with distributed.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
             with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
-                summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens)
+                summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
+                                        compiled=s.recipe.train.compile)
             (summed * scale).backward()
         loss_sum += summed.detach()
     if s.recipe.train.optimizer_in_backward:  # every parameter already stepped from its gradient hook
@@ -274,6 +276,8 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
     model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
+        compiling.compile_blocks(model)
     if recipe.objective == "dpo" and not rung.adapters_enabled:
         # A full fine-tune's reference: scored now, with the starting weights (before a resume loads
         # a checkpoint), or read from the cache a previous run wrote.
@@ -416,7 +420,8 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
     tokens = 0
     for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
         mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
-        summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens)
+        summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
+                                compiled=recipe.train.compile)
         if real:
             loss_sum += summed
             tokens += steps.trained_tokens(mb["labels"])

@@ -3,7 +3,8 @@
 Starting torchrun costs several seconds on 2 cores, so one launch runs many trainer runs and
 checks: `python worker.py SPEC.json OUT.json`. SPEC: {"base_dir": ..., "jobs": [...]}, each job
 one of
-  {"kind": "train", "name": ..., "recipe": {...}, "copy_run": {"src": ..., "keep_step": 3}?}
+  {"kind": "train", "name": ..., "recipe": {...}, "copy_run": {"src": ..., "keep_step": 3}?,
+   "compile_backend": "aot_eager"?}
   {"kind": "memory", "name": ..., "model_dir": ..., "strategy": ...}
   {"kind": "export", "name": ..., "recipe": {...}, "checkpoint": ..., "out": ...}
   {"kind": "lora_hf_load", "name": ..., "model_dir": ...}
@@ -50,6 +51,10 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
             torch.distributed.barrier()
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     rung = rung_for(recipe)
+    if "compile_backend" in job:  # aot_eager: dynamo and AOTAutograd without inductor's minutes of g++
+        from homelab_ft import compiling
+
+        compiling.BACKEND = job["compile_backend"]
     result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
     return {"losses": result.losses, "eval_loss": None if result.eval_loss is None else float(result.eval_loss)}
 
