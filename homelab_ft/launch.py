@@ -239,7 +239,7 @@ def node_commands(
         env["OMP_NUM_THREADS"] = str(num_threads)
     argv_tail = ["-m", "homelab_ft", "train", recipe_path, *train_args]
     commands = []
-    for host in hosts:
+    for number, host in enumerate(hosts):
         argv = [
             python, "-m", "torch.distributed.run",
             f"--nnodes={nodes}",
@@ -247,7 +247,12 @@ def node_commands(
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={head}:{port}",
             f"--rdzv-id={run_id}",
-            f"--rdzv-conf=join_timeout={join_timeout_s}",
+            # Who hosts the store is said, not guessed: torch guesses from the machine's hostname
+            # and its addresses, which misses an address of a second NIC (the head then waits for
+            # a store nobody starts). --local-addr is the address the others reach this node at;
+            # by default torchrun advertises socket.getfqdn(), which may resolve to another NIC.
+            f"--rdzv-conf=join_timeout={join_timeout_s},is_host={str(number == 0).lower()}",
+            f"--local-addr={host.rdzv_address}",
             *argv_tail,
         ]
         commands.append(NodeCommand(host=host, argv=argv, env=dict(env), workdir=workdir))

@@ -51,6 +51,9 @@ def test_node_commands_share_one_c10d_rendezvous_on_the_head():
         assert "--rdzv-id=job1" in c.argv
         assert c.argv[-4:] == ["homelab_ft", "train", "r.yaml", "train.lr=1e-4"]
         assert c.env == {"NCCL_SOCKET_IFNAME": "enp3s0", "GLOO_SOCKET_IFNAME": "enp3s0"}
+    # the head hosts the rendezvous store, and each node advertises its hostfile address
+    assert "--rdzv-conf=join_timeout=300,is_host=true" in cmds[0].argv and "--local-addr=box1" in cmds[0].argv
+    assert "--rdzv-conf=join_timeout=300,is_host=false" in cmds[1].argv and "--local-addr=box2" in cmds[1].argv
     line = cmds[1].shell_line()
     assert line.startswith("cd /srv/ft && GLOO_SOCKET_IFNAME=enp3s0 NCCL_SOCKET_IFNAME=enp3s0 python -m torch.distributed.run")
     assert launch.ssh_argv(cmds[1])[:5] == ["ssh", "-o", "BatchMode=yes", "--", "box2"]
