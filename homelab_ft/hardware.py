@@ -96,6 +96,14 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
+def cpu_cores_per_process(cores: int, processes: int) -> float:
+    """Cores one CPU training process computes on: its whole share, or a fraction of one core
+    when there are more processes than cores (the kernel time-slices them)."""
+    if processes > cores:
+        return max(1, cores) / processes
+    return cores // processes
+
+
 def gpu_tflops(name: str | None) -> float:
     """Sustained training TFLOPS of a GPU from its name (peak x MFU)."""
     peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if name and key in name), UNKNOWN_GPU_PEAK_TFLOPS)
@@ -118,7 +126,7 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
         return Cluster(
             device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
             device_bytes=host // cfg.gpus_per_node, host_ram_bytes=host, intra_link=cfg.intra_link,
-            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * max(1, cores // cfg.gpus_per_node),
+            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cpu_cores_per_process(cores, cfg.gpus_per_node),
             source=source, **links,
         )
     if cfg.vram_gib is not None:

@@ -41,6 +41,14 @@ ETHERNET_EFFICIENCY = 0.9
 # (nccl-tests); NVLink ~10 us. CPU/gloo on one machine: 0.38 ms measured here (2 processes over
 # loopback TCP on a loaded 2-core machine, 200 tiny all-reduces).
 LATENCY_S = {"ethernet": 0.2e-3, "pcie": 0.02e-3, "nvlink": 0.01e-3, "cpu": 0.38e-3}
+# gloo (every CPU run) is slower at FSDP2's collectives than the ring model: its reduce_scatter_tensor
+# takes as long as an all-reduce of the whole input (2 MiB per rank: 374 ms vs 358 ms for the 4 MiB
+# all-reduce at 100 Mbit, 1.91 s vs 1.98 s at 20, 36 ms vs 35 ms at 1000), and its
+# all_gather_into_tensor reaches ~0.7 of the all-reduce's bus bandwidth (0.62-0.75 at 0.5-2 MiB and
+# 20-1000 Mbit); measured between two namespace nodes with torch 2.13 (bench/network.py's links).
+# NCCL's ring collectives reach the link's bus bandwidth for all three.
+GLOO_REDUCE_SCATTER_FACTOR = 2.0
+GLOO_ALL_GATHER_EFFICIENCY = 0.7
 # torch DDP's gradient buckets (DistributedDataParallel's bucket_cap_mb=25 and the smaller first
 # bucket, dist._DEFAULT_FIRST_BUCKET_BYTES): each bucket is all-reduced as soon as its gradients
 # are ready, so all but the last one overlap the rest of backward.
@@ -634,11 +642,24 @@ class Communication:
 
 def _collective_s(nbytes: float, *, ranks: int, bytes_per_s: float, hop_s: float, all_reduce: bool = False) -> float:
     """A ring all-gather or reduce-scatter of `nbytes` (the full buffer) over `ranks`: N-1 steps,
-    each sending 1/N of it; an all-reduce is both, twice the steps and bytes."""
+    each sending 1/N of it; an all-reduce is both, twice the steps and bytes. `bytes_per_s` is
+    the all-reduce bus bandwidth (what doctor measures)."""
     if ranks <= 1:
         return 0.0
     steps = (ranks - 1) * (2 if all_reduce else 1)
     return steps * hop_s + steps * nbytes / ranks / bytes_per_s
+
+
+def _gather_s(nbytes: float, *, gloo: bool, **link) -> float:
+    """FSDP2's all-gather (see GLOO_ALL_GATHER_EFFICIENCY)."""
+    if gloo:
+        link = dict(link, bytes_per_s=link["bytes_per_s"] * GLOO_ALL_GATHER_EFFICIENCY)
+    return _collective_s(nbytes, **link)
+
+
+def _scatter_s(nbytes: float, *, gloo: bool, **link) -> float:
+    """FSDP2's reduce-scatter: on gloo as long as an all-reduce of the input (GLOO_REDUCE_SCATTER_FACTOR)."""
+    return _collective_s(nbytes, **link, all_reduce=gloo)
 
 
 def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
@@ -704,23 +725,25 @@ def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: 
     # the node's g replica groups of HYBRID_SHARD share its one NIC
     nic = dict(bytes_per_s=cluster.inter_bytes_per_s / g, hop_s=cluster.inter_hop_s)
 
+    gloo = cluster.device == "cpu"
+
     def reduce_s(nbytes: float) -> float:
         """One unit's gradients: reduce-scattered over its shard group, and with HYBRID_SHARD the
         shard all-reduced with the replicas on the other nodes."""
         if not nbytes:
             return 0.0
         across = _collective_s(nbytes / shards, ranks=nodes, all_reduce=True, **nic) if rung.hybrid_enabled else 0.0
-        return _collective_s(nbytes, ranks=shards, **link) + across
+        return _scatter_s(nbytes, ranks=shards, gloo=gloo, **link) + across
 
-    root_gather = _collective_s(root_bytes, ranks=shards, **link)
-    gathers_s = accum * (root_gather + gathers * units * _collective_s(block_bytes, ranks=shards, **link))
+    root_gather = _gather_s(root_bytes, ranks=shards, gloo=gloo, **link)
+    gathers_s = accum * (root_gather + gathers * units * _gather_s(block_bytes, ranks=shards, gloo=gloo, **link))
     grad_root = grads * root_bytes / base_bytes if rung.method == "full" else 0.0
     grad_block = (grads - grad_root) / max(1, units)
     grads_s = syncs * (reduce_s(grad_root) + units * reduce_s(grad_block))
     sent = (gathers * accum * base_bytes + syncs * grads) * (shards - 1) / shards
     if rung.hybrid_enabled:
         sent += syncs * 2 * grads / shards * (nodes - 1) / nodes
-    if cluster.device == "cpu":
+    if gloo:
         return Communication(sent_bytes=int(sent), gathers_s=0.0, grads_s=0.0, backward_window=0.0,
                              exposed_s=gathers_s + grads_s + loop)
     # Nothing computes before the root's first all-gather, nor after the last unit's reduction (the

@@ -195,3 +195,22 @@ def test_launch_pins_the_measured_cluster_on_every_node(tmp_path, capsys):
             assert pinned in line, line
     commands = launch.launch_commands(hosts, str(recipe), clusterfile.overrides(path), port=29500, iface=None)
     assert all("--cluster" not in c.argv for c in commands)
+
+
+def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
+    """CPU runs use gloo, whose reduce_scatter_tensor takes as long as an all-reduce of its input
+    and whose all_gather_into_tensor reaches GLOO_ALL_GATHER_EFFICIENCY of the all-reduce's bus
+    bandwidth (measured between namespace nodes, see memory.py); NCCL's reach the link's."""
+    from homelab_ft.memory import GLOO_ALL_GATHER_EFFICIENCY
+
+    links = dict(gbit=1.0, inter_link_measured=True, inter_latency_s=0.0)
+    request = dataclasses.replace(LONG, dtype="float32")
+    nccl = est("full", "full_shard", cluster(**links), request)
+    gloo = est("full", "full_shard", cluster(device="cpu", **links), request)
+    weights = LLAMA_1B.total_params * 4
+    root, blocks = LLAMA_1B.root_params * 4, weights - LLAMA_1B.root_params * 4
+    gathered = (root + 2 * blocks) / 2  # each rank sends half of every gathered unit
+    bw = 1e9 / 8
+    assert nccl.comm_s == pytest.approx((gathered + weights / 2) / bw, rel=1e-3)
+    assert gloo.comm_s == pytest.approx((gathered / GLOO_ALL_GATHER_EFFICIENCY + weights) / bw, rel=1e-3)
+    assert nccl.comm_bytes == gloo.comm_bytes  # the bytes the ring moves are the same
