@@ -659,7 +659,7 @@ def _gather_s(nbytes: float, *, gloo: bool, **link) -> float:
 
 def _scatter_s(nbytes: float, *, gloo: bool, **link) -> float:
     """FSDP2's reduce-scatter: on gloo as long as an all-reduce of the input (GLOO_REDUCE_SCATTER_FACTOR)."""
-    return _collective_s(nbytes, **link, all_reduce=gloo)
+    return _collective_s(nbytes, **link) * (GLOO_REDUCE_SCATTER_FACTOR if gloo else 1.0)
 
 
 def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
