@@ -685,15 +685,18 @@ def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: 
     - FSDP2 on CUDA issues each unit's all-gather on its own stream while the previous unit
       computes (implicit forward prefetch, explicit backward prefetch) and reduce-scatters a
       unit's gradients while the next one runs backward. Compute hides everything up to its own
-      length except the root unit's forward all-gather (nothing runs before it) and its
-      reduce-scatter (nothing runs after it): step = max(compute, overlappable) + exposed.
-    - FSDP2 on CPU/gloo hides nothing: without streams it calls every collective with
-      async_op=False (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), so the process
-      waits for each one: step = compute + communication (measured, bench/network.py).
+      length except the root unit's forward all-gather (nothing runs before it) and the last
+      unit's reduction (nothing runs after it); gradient reductions hide only behind backward:
+      step = max(compute, overlappable) + exposed. Not yet measured on GPUs (no multi-GPU
+      machine here): the stream design, as torchtitan's traces show it.
+    - FSDP2 on CPU/gloo hides nothing: without streams it calls every collective synchronously
+      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py), so the
+      process waits for each one: step = compute + communication (measured, bench/network.py).
     - DDP all-reduces each bucket from a gradient hook on gloo's or NCCL's own thread/stream while
       backward goes on, on CPU and CUDA alike; only the bucket that fills last (the first layers')
-      waits at the end of backward. The window is the last micro-batch's backward: 2/3 of a full
-      fine-tune's compute (4 of its 6 FLOPs per parameter) and 1/2 of LoRA's (2 of 4).
+      waits at the end of backward. The window is the last micro-batch's backward
+      (_backward_fraction): 2/3 of a full fine-tune's compute, 1/2 of LoRA's, more with
+      activation checkpointing's recomputation.
     - The loop's small all-reduces (LOOP_ALL_REDUCES, + the gradient norm under FSDP2) sit
       between steps, exposed everywhere.
     """
