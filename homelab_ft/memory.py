@@ -688,7 +688,7 @@ def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: 
       length except the root unit's forward all-gather (nothing runs before it) and the last
       unit's reduction (nothing runs after it); gradient reductions hide only behind backward:
       step = max(compute, overlappable) + exposed. Not yet measured on GPUs (no multi-GPU
-      machine here): the stream design, as torchtitan's traces show it.
+      machine here): it follows FSDP2's stream design (_fsdp_param_group.py).
     - FSDP2 on CPU/gloo hides nothing: without streams it calls every collective synchronously
       (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py), so the
       process waits for each one: step = compute + communication (measured, bench/network.py).
