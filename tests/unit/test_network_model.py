@@ -214,3 +214,19 @@ def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
     assert nccl.comm_s == pytest.approx((gathered + weights / 2) / bw, rel=1e-3)
     assert gloo.comm_s == pytest.approx((gathered / GLOO_ALL_GATHER_EFFICIENCY + weights) / bw, rel=1e-3)
     assert nccl.comm_bytes == gloo.comm_bytes  # the bytes the ring moves are the same
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_train_and_launch_refuse_a_bad_cluster_file_before_anything_starts(tmp_path, capsys, command):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("format: homelab-ft-cluster/1\ncluster: {inter_link_gbit: fast}\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"method: auto\nmodel:\n  path: smollm2\ndata:\n  sources: [{{path: demo:train}}]\n"
+                      f"output:\n  dir: {tmp_path / 'run'}\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.0.0.1\n10.0.0.2\n")
+    extra = ["--hosts", str(hosts)] if command == "launch" else []
+    assert main([command, str(recipe), *extra, "--cluster", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cluster.inter_link_gbit" in err
+    assert not (tmp_path / "run").exists()
