@@ -108,8 +108,24 @@ def _add_plan(sub) -> None:
     p.add_argument("--nodes", type=int, help="number of machines")
     p.add_argument("--link", help="Ethernet speed between nodes, e.g. 1Gbit, 2.5Gbit, 10GbE")
     p.add_argument("--host-ram", help="RAM per node, e.g. 64GB (default: recipe, else detected)")
+    _cluster_file(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
+
+
+def _cluster_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", type=Path, metavar="FILE",
+                   help="cluster file written by `homelab-ft doctor`: its measured values replace the recipe's "
+                        "cluster section (flags such as --gpus/--link still win)")
+
+
+def _with_cluster_file(args, overrides: list[str]) -> list[str]:
+    """The recipe's overrides, then the --cluster file's values (which a flag after them may replace)."""
+    if args.cluster is None:
+        return overrides
+    from homelab_ft import clusterfile
+
+    return [*overrides, *clusterfile.overrides(args.cluster)]
 
 
 def _cmd_plan(args) -> int:
@@ -119,7 +135,8 @@ def _cmd_plan(args) -> int:
     from homelab_ft.planner import format_plan, plan_for_recipe
 
     flags = cluster_overrides(gpus=args.gpus, nodes=args.nodes, link=args.link, host_ram=args.host_ram)
-    result = plan_for_recipe(load_recipe(args.recipe, list(args.overrides) + flags))
+    result = plan_for_recipe(load_recipe(args.recipe, _with_cluster_file(args, list(args.overrides)) + flags),
+                             cluster_file=args.cluster.name if args.cluster else None)
     print(result.to_json() if args.json else format_plan(result))
     return 0 if result.fits else 2
 
@@ -137,6 +154,7 @@ def _add_train(sub) -> None:
     resume.add_argument("--resume-or-start", action="store_true",
                         help="continue from the newest complete checkpoint, or start a new run when there is none")
     p.add_argument("--overwrite", action="store_true", help="replace a run directory that holds another run")
+    _cluster_file(p)
     p.set_defaults(func=_cmd_train)
 
 
@@ -147,7 +165,8 @@ def _cmd_train(args) -> int:
     from homelab_ft.config import load_recipe
     from homelab_ft.rung import rung_for
 
-    overrides = list(args.overrides)
+    # torchrun's workers get the file's values as plain overrides: they need not read the file
+    overrides = _with_cluster_file(args, list(args.overrides))
     if args.run_dir:
         overrides.append(f"output.dir={args.run_dir}")
     if args.resume:
@@ -166,7 +185,8 @@ def _cmd_train(args) -> int:
         trainer.train(recipe, plan=handoff.plan, rung=handoff.rung, inputs=preflight.inputs_in_worker(recipe, handoff),
                       base_dir=base_dir)
         return 0
-    plan = planner.plan_for_recipe(recipe)  # a refused combination stops here, with its fix
+    # a refused combination stops here, with its fix
+    plan = planner.plan_for_recipe(recipe, cluster_file=args.cluster.name if args.cluster else None)
     if plan.chosen is None and recipe.method == "auto":
         print(planner.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
@@ -213,13 +233,16 @@ def _add_launch(sub) -> None:
     p.add_argument("--workdir", help="directory of this checkout on every node (default: the current one)")
     p.add_argument("--join-timeout", type=int, default=300, help="seconds to wait for all nodes to join")
     p.add_argument("--run", action="store_true", help="start the commands over ssh instead of printing them")
+    _cluster_file(p)
     p.set_defaults(func=_cmd_launch)
 
 
 def _cmd_launch(args) -> int:
     from homelab_ft.launch import launch_commands, run_over_ssh
 
-    commands = launch_commands(args.hosts, args.recipe, list(args.overrides), port=args.port, iface=args.iface,
+    # the file's values are pinned on every node's command line: the other nodes need not have it
+    commands = launch_commands(args.hosts, args.recipe, _with_cluster_file(args, list(args.overrides)),
+                               port=args.port, iface=args.iface,
                                workdir=args.workdir, join_timeout_s=args.join_timeout)
     if args.run:
         return run_over_ssh(commands)

@@ -79,5 +79,12 @@ def read(path: str | Path) -> dict[str, Any]:
 
 
 def overrides(path: str | Path) -> list[str]:
-    """The file's `cluster:` values as `cluster.key=value` recipe overrides (values as JSON, which YAML reads)."""
-    return [f"cluster.{key}={json.dumps(value)}" for key, value in read(path).items() if value is not None]
+    """The file's `cluster:` values as `cluster.key=value` recipe overrides (values as JSON, which YAML reads).
+
+    Its `inter_link_gbit` is a measured collective bandwidth, so it is marked as such
+    (`inter_link_measured`): the planner uses it as it is instead of taking ~90% of a nominal speed."""
+    values = read(path)
+    out = [f"cluster.{key}={json.dumps(value)}" for key, value in values.items() if value is not None]
+    if values.get("inter_link_gbit") is not None and "inter_link_measured" not in values:
+        out.append("cluster.inter_link_measured=true")
+    return out

@@ -96,26 +96,38 @@ def _meminfo(key: str) -> int | None:
     return None
 
 
+def cpu_cores_per_process(cores: int, processes: int) -> float:
+    """Cores one CPU training process computes on: its whole share, or a fraction of one core
+    when there are more processes than cores (the kernel time-slices them)."""
+    if processes > cores:
+        return max(1, cores) / processes
+    return cores // processes
+
+
 def gpu_tflops(name: str | None) -> float:
     """Sustained training TFLOPS of a GPU from its name (peak x MFU)."""
     peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if name and key in name), UNKNOWN_GPU_PEAK_TFLOPS)
     return peak * MFU
 
 
-def resolve_cluster(cfg: ClusterConfig, *, detected: Detected) -> Cluster:
-    """The recipe's cluster section, with what it leaves open filled from `detected`."""
+def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str | None = None) -> Cluster:
+    """The recipe's cluster section, with what it leaves open filled from `detected`.
+    `cluster_file`: the name of the `--cluster` file whose values the section holds, for the plan."""
     device = cfg.device
     if device == "auto":
         device = "cuda" if cfg.vram_gib is not None or detected.gpu_count > 0 else "cpu"
     host = int(cfg.host_ram_gib * GiB) if cfg.host_ram_gib is not None else detected.host_ram_bytes
     source = "recipe/flags" if cfg.vram_gib is not None or cfg.host_ram_gib is not None else "detected"
+    if cluster_file:
+        source = f"cluster file {cluster_file}"
+    links = _links(cfg)
     if device == "cpu":
         cores = detected.cpu_cores
         return Cluster(
             device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
             device_bytes=host // cfg.gpus_per_node, host_ram_bytes=host, intra_link=cfg.intra_link,
-            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * max(1, cores // cfg.gpus_per_node),
-            source=source,
+            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cpu_cores_per_process(cores, cfg.gpus_per_node),
+            source=source, **links,
         )
     if cfg.vram_gib is not None:
         vram, tflops = int(cfg.vram_gib * GiB), gpu_tflops(cfg.gpu_name)
@@ -129,8 +141,15 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected) -> Cluster:
     return Cluster(
         device="cuda", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, device_bytes=vram,
         host_ram_bytes=host, intra_link=cfg.intra_link, inter_link_gbit=cfg.inter_link_gbit,
-        tflops=tflops, source=source,
+        tflops=tflops, source=source, **links,
     )
+
+
+def _links(cfg: ClusterConfig) -> dict:
+    """The measured link keys of a cluster section as the planner's Cluster fields (ms -> s)."""
+    ms = lambda value: None if value is None else value / 1000  # noqa: E731
+    return dict(inter_link_measured=cfg.inter_link_measured, inter_latency_s=ms(cfg.inter_latency_ms),
+                intra_link_gbit=cfg.intra_link_gbit, intra_latency_s=ms(cfg.intra_latency_ms))
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,7 +208,8 @@ def cluster_overrides(*, gpus: str | None = None, nodes: int | None = None, link
             raise UserError(f"--nodes {nodes}: needs at least 1 node")
         out.append(f"cluster.nodes={nodes}")
     if link is not None:
-        out.append(f"cluster.inter_link_gbit={parse_link(link)}")
+        # a nominal speed replaces a measured one (a --cluster file's): collectives get ~90% of it
+        out += [f"cluster.inter_link_gbit={parse_link(link)}", "cluster.inter_link_measured=false"]
     if host_ram is not None:
         out.append(f"cluster.host_ram_gib={parse_size(host_ram, flag='--host-ram') / GiB}")
     return out

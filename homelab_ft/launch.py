@@ -256,7 +256,7 @@ def node_commands(
     env[NODES_VAR] = ",".join(h.rdzv_address for h in hosts)
     argv_tail = _subcommand(command, recipe_path, train_args)
     commands = []
-    for host in hosts:
+    for number, host in enumerate(hosts):
         argv = [
             python, "-m", "homelab_ft.supervise",
             f"--nnodes={nodes}",
@@ -264,10 +264,13 @@ def node_commands(
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={head}:{port}",
             f"--rdzv-id={run_id}",
-            # read_timeout: how long a node waits to reach the head's store (torch's 60 s otherwise);
-            # is_host: torchrun guesses it from the IPs the host *name* resolves to, which misses
-            # the LAN address where /etc/hosts maps the name to 127.0.1.1, and then no node hosts it
-            f"--rdzv-conf=join_timeout={join_timeout_s},read_timeout={join_timeout_s},is_host={int(host == hosts[0])}",
+            # Who hosts the store is said, not guessed: torch guesses from the IPs the machine's
+            # hostname resolves to, which misses the LAN address where /etc/hosts maps the name to
+            # 127.0.1.1 or the address of a second NIC (the head then waits for a store nobody
+            # starts). read_timeout: how long a node waits to reach the head's store (torch's 60 s
+            # otherwise). --local-addr is the address the others reach this node at; by default
+            # torchrun advertises socket.getfqdn(), which may resolve to another NIC.
+            f"--rdzv-conf=join_timeout={join_timeout_s},read_timeout={join_timeout_s},is_host={str(number == 0).lower()}",
             f"--local-addr={host.rdzv_address}",
             *argv_tail,
         ]

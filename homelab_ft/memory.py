@@ -37,6 +37,33 @@ CUDA_HOST_PROCESS_BYTES = 2 * GiB
 # ~90% of line rate on large messages). CPU/gloo inside a machine: shared-memory copies, ~5 GB/s.
 LINK_BYTES_PER_S = {"pcie": 10e9, "nvlink": 50e9, "cpu": 5e9}
 ETHERNET_EFFICIENCY = 0.9
+# Latency of a tiny all-reduce between two ranks when the cluster file has no measurement. Ethernet:
+# ~0.2 ms for NCCL's socket transport or gloo between two homelab machines (two kernel TCP stack
+# passes each way plus NIC interrupt moderation, ~25-50 us a hop on 1-10 GbE, and the library's
+# own ~50 us). PCIe: NCCL's small-message all-reduce between two GPUs of one machine, ~20 us
+# (nccl-tests); NVLink ~10 us. CPU/gloo on one machine: 0.38 ms measured here (2 processes over
+# loopback TCP on a loaded 2-core machine, 200 tiny all-reduces).
+LATENCY_S = {"ethernet": 0.2e-3, "pcie": 0.02e-3, "nvlink": 0.01e-3, "cpu": 0.38e-3}
+# gloo (every CPU run) is slower at FSDP2's collectives than the ring model: its reduce_scatter_tensor
+# takes as long as an all-reduce of the whole input (2 MiB per rank: 374 ms vs 358 ms for the 4 MiB
+# all-reduce at 100 Mbit, 1.91 s vs 1.98 s at 20, 36 ms vs 35 ms at 1000), and its
+# all_gather_into_tensor reaches ~0.7 of the all-reduce's bus bandwidth (0.62-0.75 at 0.5-2 MiB and
+# 20-1000 Mbit); measured between two namespace nodes with torch 2.13 (bench/network.py's links).
+# NCCL's ring collectives reach the link's bus bandwidth for all three.
+GLOO_REDUCE_SCATTER_FACTOR = 2.0
+GLOO_ALL_GATHER_EFFICIENCY = 0.7
+# torch DDP's gradient buckets (DistributedDataParallel's bucket_cap_mb=25 and the smaller first
+# bucket, dist._DEFAULT_FIRST_BUCKET_BYTES): each bucket is all-reduced as soon as its gradients
+# are ready, so all but the last one overlap the rest of backward.
+DDP_BUCKET_BYTES = 25 * 1024**2
+DDP_FIRST_BUCKET_BYTES = 1024**2
+# Small all-reduces the training loop issues every optimizer step whatever the strategy
+# (trainer.py): the stop request, the global trained-token count, the loss sum and the read-token
+# count; FSDP2 adds one for the global gradient norm (distributed.clip_grad_norm_).
+LOOP_ALL_REDUCES = 4
+# The trainer defers FSDP2's gradient reduce-scatter to the last micro-batch only when fewer than
+# this fraction of parameters train (distributed.parallelize): adapters, not a full fine-tune.
+DEFER_SYNC_TRAINABLE_FRACTION = 0.05
 # Host<->device copies of CPU offload: pinned-memory PCIe 4.0 x16 transfers reach ~12 GB/s.
 OFFLOAD_BYTES_PER_S = 12e9
 # torch's foreach AdamW on the CPU is memory-bound (~28 bytes read/written per fp32 parameter);
@@ -67,11 +94,46 @@ class Cluster:
     tflops: float = 40.0
     """Sustained training throughput per device in TFLOPS (peak x utilisation; see hardware.py)."""
     source: str = "recipe"
-    """Where the description came from (recipe, flags, detected), shown in the plan."""
+    """Where the description came from (recipe, flags, detected, a cluster file), shown in the plan."""
+    inter_link_measured: bool = False
+    """`inter_link_gbit` is a measured collective bus bandwidth (a cluster file), used as it is;
+    otherwise it is the nominal Ethernet speed, of which collectives get ETHERNET_EFFICIENCY."""
+    inter_latency_s: float | None = None
+    """Measured tiny all-reduce between nodes; None: LATENCY_S["ethernet"]."""
+    intra_link_gbit: float | None = None
+    """Measured collective bus bandwidth inside a node; None: LINK_BYTES_PER_S of the link kind."""
+    intra_latency_s: float | None = None
+    """Measured tiny all-reduce inside a node; None: LATENCY_S of the link kind."""
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def intra_kind(self) -> str:
+        return "cpu" if self.device == "cpu" else self.intra_link
+
+    @property
+    def inter_bytes_per_s(self) -> float:
+        """Bytes per second one rank's ring collective moves between nodes."""
+        efficiency = 1.0 if self.inter_link_measured else ETHERNET_EFFICIENCY
+        return self.inter_link_gbit * 1e9 / 8 * efficiency
+
+    @property
+    def intra_bytes_per_s(self) -> float:
+        if self.intra_link_gbit is not None:
+            return self.intra_link_gbit * 1e9 / 8
+        return LINK_BYTES_PER_S[self.intra_kind]
+
+    @property
+    def inter_hop_s(self) -> float:
+        """One ring step's latency between nodes: a tiny all-reduce of two ranks takes two steps
+        (reduce-scatter then all-gather), so half of what doctor measures."""
+        return (self.inter_latency_s if self.inter_latency_s is not None else LATENCY_S["ethernet"]) / 2
+
+    @property
+    def intra_hop_s(self) -> float:
+        return (self.intra_latency_s if self.intra_latency_s is not None else LATENCY_S[self.intra_kind]) / 2
 
 
 @dataclass(frozen=True)
@@ -189,6 +251,9 @@ class Estimate:
     comm_bytes: int
     """Bytes each rank sends per optimizer step."""
     comm_s: float
+    """Seconds of communication per optimizer step: every collective's bytes and latency."""
+    comm_hidden_s: float
+    """The part of `comm_s` that runs while the device computes (FSDP2 prefetch, DDP buckets)."""
     compute_s: float
     offload_s: float
     prepass_s_per_pair: float
@@ -200,9 +265,9 @@ class Estimate:
 
     @property
     def step_s(self) -> float:
-        """FSDP prefetch overlaps collectives with compute; offload copies and the CPU optimizer
-        step are not overlapped."""
-        return max(self.compute_s, self.comm_s) + self.offload_s
+        """Compute plus the communication that compute does not hide (see `_communication`);
+        offload copies and the CPU optimizer step are not overlapped."""
+        return self.compute_s + self.comm_s - self.comm_hidden_s + self.offload_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -583,12 +648,13 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = _loading_bytes(shape, method, request, cluster, base_bytes=base_bytes,
                              sharded=shards > 1 or cpu_offload)
     host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
-    comm_bytes, comm_s = _communication(base_bytes, trainable, rung=rung, request=request, cluster=cluster,
-                                        grad_bytes=state_bytes)
+    compute_s = _compute_s(shape, method, request, cluster)
+    comm = _communication(shape, base_bytes, trainable, rung=rung, request=request, cluster=cluster,
+                          root_bytes=shape.root_params * end_bytes, grad_bytes=state_bytes)
     return Estimate(
         method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
-        trainable_params=trainable, comm_bytes=comm_bytes, comm_s=comm_s,
-        compute_s=_compute_s(shape, method, request, cluster),
+        trainable_params=trainable, comm_bytes=comm.sent_bytes, comm_s=comm.seconds,
+        comm_hidden_s=comm.hidden_s(compute_s), compute_s=compute_s,
         offload_s=(_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0)
         # each micro-batch's block inputs go to the host in forward and come back in backward
         + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
@@ -638,41 +704,168 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
 
 
-def _communication(base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
-                   cluster: Cluster, grad_bytes: int = 4) -> tuple[int, float]:
-    """Bytes each rank sends per optimizer step, and the seconds that takes.
+@dataclass(frozen=True)
+class Communication:
+    """One option's collectives per optimizer step, split by what compute can hide."""
 
-    Ring collectives: an all-gather or reduce-scatter of B bytes sends B x (N-1)/N per rank, an
-    all-reduce twice that. FULL_SHARD all-gathers the weights in forward and again in backward of
-    every micro-batch and reduce-scatters gradients once per step (no sync while accumulating):
-    with equal dtypes that is the familiar ~3 x parameter bytes x (N-1)/N. SHARD_GRAD_OP skips the
-    backward all-gather. DDP (no_shard) all-reduces the trainable gradients only: for LoRA/QLoRA
-    just the adapters. HYBRID_SHARD does FULL_SHARD inside a node and all-reduces each rank's
-    gradient shard across nodes, so only that crosses Ethernet. A ring that spans nodes runs at
-    the speed of its slowest hop, the Ethernet link.
+    sent_bytes: int
+    """Bytes each rank sends."""
+    gathers_s: float
+    """Weight all-gathers that run while earlier units compute (FSDP2 prefetch on CUDA)."""
+    grads_s: float
+    """Gradient reductions that run while later units compute backward (FSDP2, DDP buckets)."""
+    backward_window: float
+    """Fraction of the step's compute that gradient reductions can hide behind: the synced
+    micro-batch's backward."""
+    exposed_s: float
+    """Seconds nothing overlaps: the first all-gather, the last reduction, the loop's small
+    all-reduces, and on CPU/gloo every FSDP2 collective."""
+
+    @property
+    def seconds(self) -> float:
+        return self.gathers_s + self.grads_s + self.exposed_s
+
+    def hidden_s(self, compute_s: float) -> float:
+        """Collectives share one link, so together they hide behind at most the whole compute."""
+        return min(compute_s, self.gathers_s + min(self.grads_s, self.backward_window * compute_s))
+
+
+def _collective_s(nbytes: float, *, ranks: int, bytes_per_s: float, hop_s: float, all_reduce: bool = False) -> float:
+    """A ring all-gather or reduce-scatter of `nbytes` (the full buffer) over `ranks`: N-1 steps,
+    each sending 1/N of it; an all-reduce is both, twice the steps and bytes. `bytes_per_s` is
+    the all-reduce bus bandwidth (what doctor measures)."""
+    if ranks <= 1:
+        return 0.0
+    steps = (ranks - 1) * (2 if all_reduce else 1)
+    return steps * hop_s + steps * nbytes / ranks / bytes_per_s
+
+
+def _gather_s(nbytes: float, *, gloo: bool, **link) -> float:
+    """FSDP2's all-gather (see GLOO_ALL_GATHER_EFFICIENCY)."""
+    if gloo:
+        link = dict(link, bytes_per_s=link["bytes_per_s"] * GLOO_ALL_GATHER_EFFICIENCY)
+    return _collective_s(nbytes, **link)
+
+
+def _scatter_s(nbytes: float, *, gloo: bool, **link) -> float:
+    """FSDP2's reduce-scatter: on gloo as long as an all-reduce of the input (GLOO_REDUCE_SCATTER_FACTOR)."""
+    return _collective_s(nbytes, **link) * (GLOO_REDUCE_SCATTER_FACTOR if gloo else 1.0)
+
+
+def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
+                   cluster: Cluster, root_bytes: int, grad_bytes: int = 4) -> Communication:
+    """Bytes each rank sends per optimizer step, the seconds that takes, and how much of it compute hides.
+
+    Ring collectives: an all-gather or reduce-scatter of B bytes sends B x (N-1)/N per rank in
+    N-1 steps, an all-reduce twice that; each step also costs the link's hop latency (half a
+    measured tiny 2-rank all-reduce). A ring that spans nodes runs at its slowest hop, the Ethernet.
+
+    What FSDP2 sends (distributed.parallelize: one unit per transformer block plus the root with
+    embeddings, final norm and head, which stays gathered from forward to backward): every
+    micro-batch all-gathers each unit in forward and, with reshard_after_forward (FULL_SHARD,
+    HYBRID_SHARD), each block again in backward: ~3 x weight bytes x (N-1)/N per step with one
+    reduce-scatter of equal dtype. Gradients are reduce-scattered per unit, on every micro-batch
+    for a full fine-tune under FULL_SHARD/HYBRID_SHARD (the trainer does not defer it: a deferred
+    sync keeps a whole unsharded gradient per rank) and once per step otherwise. HYBRID_SHARD does
+    that inside a node and all-reduces each rank's gradient shard with its replicas on the other
+    nodes: only that crosses Ethernet, but all `gpus_per_node` replica groups cross the one NIC at
+    once. DDP (no_shard) all-reduces the trainable gradients once per step in DDP's buckets.
+
+    Overlap, as FSDP2 and DDP actually schedule it:
+    - FSDP2 on CUDA issues each unit's all-gather on its own stream while the previous unit
+      computes (implicit forward prefetch, explicit backward prefetch) and reduce-scatters a
+      unit's gradients while the next one runs backward. Compute hides everything up to its own
+      length except the root unit's forward all-gather (nothing runs before it) and the last
+      unit's reduction (nothing runs after it); gradient reductions hide only behind backward:
+      step = max(compute, overlappable) + exposed. Not yet measured on GPUs (no multi-GPU
+      machine here): it follows FSDP2's stream design (_fsdp_param_group.py).
+    - FSDP2 on CPU/gloo hides nothing: without streams it calls every collective synchronously
+      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py), so the
+      process waits for each one: step = compute + communication (measured, bench/network.py).
+    - DDP all-reduces each bucket from a gradient hook on gloo's or NCCL's own thread/stream while
+      backward goes on, on CPU and CUDA alike; only the bucket that fills last (the first layers')
+      waits at the end of backward. The window is the last micro-batch's backward
+      (_backward_fraction): 2/3 of a full fine-tune's compute, 1/2 of LoRA's, more with
+      activation checkpointing's recomputation.
+    - The loop's small all-reduces (LOOP_ALL_REDUCES, + the gradient norm under FSDP2) sit
+      between steps, exposed everywhere.
     """
     n, g, nodes = cluster.world_size, cluster.gpus_per_node, cluster.nodes
+    if n == 1:
+        return Communication(sent_bytes=0, gathers_s=0.0, grads_s=0.0, backward_window=0.0, exposed_s=0.0)
     grads = trainable * _reduce_bytes(request)
     if not rung.fsdp_enabled:
         # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
         # (distributed._replicate: torch's bf16 hook needs NCCL)
         grads = trainable * (min(_reduce_bytes(request), grad_bytes) if cluster.device == "cuda" else grad_bytes)
     accum = request.grad_accum_steps
-    intra_bw = LINK_BYTES_PER_S["cpu" if cluster.device == "cpu" else cluster.intra_link]
-    inter_bw = cluster.inter_link_gbit * 1e9 / 8 * ETHERNET_EFFICIENCY
-    if n == 1:
-        return 0, 0.0
-    if rung.hybrid_enabled:
-        intra = (2 * accum * base_bytes + grads) * (g - 1) / g
-        inter = 2 * grads / g * (nodes - 1) / nodes
-        return int(intra + inter), intra / intra_bw + inter / inter_bw
+    intra = dict(bytes_per_s=cluster.intra_bytes_per_s, hop_s=cluster.intra_hop_s)
+    # a ring over every rank waits on its slowest hop: Ethernet as soon as it spans nodes
+    ring = dict(bytes_per_s=cluster.inter_bytes_per_s, hop_s=cluster.inter_hop_s) if nodes > 1 else intra
+    loop = (LOOP_ALL_REDUCES + rung.fsdp_enabled) * _collective_s(8, ranks=n, all_reduce=True, **ring)
+    backward = _backward_fraction(rung.method, request)
+
     if not rung.fsdp_enabled:
-        sent = 2 * grads * (n - 1) / n
-    else:
-        # weights gathered for forward, and again for backward unless SHARD_GRAD_OP kept them
-        gathers = 2 if rung.reshard_after_forward else 1
-        sent = (gathers * accum * base_bytes + grads) * (n - 1) / n
-    return int(sent), sent / (inter_bw if nodes > 1 else intra_bw)
+        buckets = _ddp_buckets(grads)
+        total = sum(_collective_s(b, ranks=n, all_reduce=True, **ring) for b in buckets)
+        last = _collective_s(buckets[-1], ranks=n, all_reduce=True, **ring)
+        return Communication(sent_bytes=int(2 * grads * (n - 1) / n), gathers_s=0.0, grads_s=total - last,
+                             backward_window=backward / accum, exposed_s=last + loop)
+
+    units = shape.num_layers
+    block_bytes = (base_bytes - root_bytes) / max(1, units)
+    gathers = 2 if rung.reshard_after_forward else 1
+    deferred = not rung.reshard_after_forward or trainable < DEFER_SYNC_TRAINABLE_FRACTION * shape.total_params
+    syncs = 1 if deferred else accum
+    shards = rung.shard_size
+    link = intra if rung.hybrid_enabled else ring
+    # the node's g replica groups of HYBRID_SHARD share its one NIC
+    nic = dict(bytes_per_s=cluster.inter_bytes_per_s / g, hop_s=cluster.inter_hop_s)
+
+    gloo = cluster.device == "cpu"
+
+    def reduce_s(nbytes: float) -> float:
+        """One unit's gradients: reduce-scattered over its shard group, and with HYBRID_SHARD the
+        shard all-reduced with the replicas on the other nodes."""
+        if not nbytes:
+            return 0.0
+        across = _collective_s(nbytes / shards, ranks=nodes, all_reduce=True, **nic) if rung.hybrid_enabled else 0.0
+        return _scatter_s(nbytes, ranks=shards, gloo=gloo, **link) + across
+
+    root_gather = _gather_s(root_bytes, ranks=shards, gloo=gloo, **link)
+    gathers_s = accum * (root_gather + gathers * units * _gather_s(block_bytes, ranks=shards, gloo=gloo, **link))
+    grad_root = grads * root_bytes / base_bytes if rung.method == "full" else 0.0
+    grad_block = (grads - grad_root) / max(1, units)
+    grads_s = syncs * (reduce_s(grad_root) + units * reduce_s(grad_block))
+    sent = (gathers * accum * base_bytes + syncs * grads) * (shards - 1) / shards
+    if rung.hybrid_enabled:
+        sent += syncs * 2 * grads / shards * (nodes - 1) / nodes
+    if gloo:
+        return Communication(sent_bytes=int(sent), gathers_s=0.0, grads_s=0.0, backward_window=0.0,
+                             exposed_s=gathers_s + grads_s + loop)
+    # Nothing computes before the root's first all-gather, nor after the last unit's reduction (the
+    # root's when it trains, else the first block's).
+    first, last = accum * root_gather, reduce_s(grad_root or grad_block)
+    return Communication(sent_bytes=int(sent), gathers_s=gathers_s - first, grads_s=grads_s - last,
+                         backward_window=backward / syncs, exposed_s=first + last + loop)
+
+
+def _backward_fraction(method: Method, request: PlanRequest) -> float:
+    """Backward's share of a step's FLOPs (see _compute_s): 4 of 6 per parameter and token for a
+    full fine-tune, 2 of 4 for adapters, plus the forward that activation checkpointing recomputes
+    in backward; a DPO adapter step's reference forward is forward work."""
+    forward = 2 + (2 if request.objective == "dpo" and method != "full" else 0)
+    backward = (4 if method == "full" else 2) + (2 if request.activation_checkpointing else 0)
+    return backward / (forward + backward)
+
+
+def _ddp_buckets(grad_bytes: float) -> list[float]:
+    """DDP's buckets in the order they fill in backward: a small first one, then full-size ones."""
+    if grad_bytes <= DDP_FIRST_BUCKET_BYTES:
+        return [grad_bytes]
+    rest = grad_bytes - DDP_FIRST_BUCKET_BYTES
+    full, tail = divmod(rest, DDP_BUCKET_BYTES)
+    return [DDP_FIRST_BUCKET_BYTES] + [DDP_BUCKET_BYTES] * int(full) + ([tail] if tail else [])
 
 
 def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:

@@ -42,6 +42,9 @@ from homelab_ft.rung import (
 from homelab_ft.shapes import MAX_UNQUANTIZABLE_FRACTION, ModelShape
 
 LADDER = METHODS
+STEP_TIME_TIE = 0.05
+"""Step times closer than this fraction are below what the time model resolves (bench/network.py
+measured its predictions within ~25% on slow links); the option moving fewer bytes wins them."""
 
 
 @dataclass(frozen=True)
@@ -220,9 +223,12 @@ def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | Non
     for rung in rungs:
         candidates = [o for o in options if o.method == rung and o.allowed and o.fits]
         if candidates:
-            # Equal step times (compute-bound) go to the option that moves fewer bytes: overlap of
-            # communication with compute is never perfect, and fewer collectives fail less.
-            return min(candidates, key=lambda o: (round(o.step_s, 3), o.comm_bytes, o.memory.total))
+            # Step times within STEP_TIME_TIE of the fastest are a tie, which goes to the option that
+            # moves fewer bytes: overlap of communication with compute is never perfect, and fewer
+            # collectives fail less.
+            fastest = min(o.step_s for o in candidates)
+            tied = [o for o in candidates if o.step_s <= fastest * (1 + STEP_TIME_TIE)]
+            return min(tied, key=lambda o: (o.comm_bytes, round(o.step_s, 3), o.memory.total))
     return None
 
 
@@ -369,8 +375,8 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
     if chosen is None:
         return tuple(out)
     if chosen.comm_s > chosen.compute_s and chosen.comm_s > 0:
-        link = (f"{cluster.inter_link_gbit:g} Gbit/s Ethernet" if cluster.nodes > 1
-                else cluster.intra_link if cluster.device == "cuda" else "gloo")
+        link = (f"{cluster.inter_link_gbit:g} Gbit/s" + ("" if cluster.inter_link_measured else " Ethernet")
+                if cluster.nodes > 1 else cluster.intra_link if cluster.device == "cuda" else "gloo")
         advice = ("hybrid_shard keeps weight traffic inside each node, and LoRA/QLoRA with no_shard "
                   "(adapter-only data parallelism) sends only the adapter gradients"
                   if chosen.method == "full" else "fewer, larger optimizer steps (grad_accum_steps) amortise it")
@@ -415,17 +421,36 @@ def default_request(**changes) -> PlanRequest:
     return dataclasses.replace(request_from_recipe(recipe_from_dict({})), **changes)
 
 
-def plan_for_recipe(recipe, *, cluster: Cluster | None = None) -> Plan:
-    """Read the model's config, describe the cluster (recipe, else detected), and plan."""
+def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None) -> Plan:
+    """Read the model's config, describe the cluster (recipe, else detected), and plan.
+    `cluster_file`: the `--cluster` file whose values the recipe's cluster section holds (named in the plan)."""
     from homelab_ft import hardware
     from homelab_ft.shapes import locate_config, model_shape
 
     config, source = locate_config(recipe.model.path)
     shape = model_shape(config)
     if cluster is None:
-        cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect())
+        cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(), cluster_file=cluster_file)
     return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,
                 config_source=source)
+
+
+def link_text(c: Cluster, *, inter: bool) -> str:
+    """The link the plan assumed: bandwidth a collective gets, latency of a tiny all-reduce, and
+    whether each was measured (a cluster file from `doctor`) or assumed from the link kind."""
+    if inter:
+        name = f"{c.inter_link_gbit:g} Gbit/s" + ("" if c.inter_link_measured else " Ethernet")
+        bw_measured, latency_measured = c.inter_link_measured, c.inter_latency_s is not None
+        bytes_per_s, hop_s = c.inter_bytes_per_s, c.inter_hop_s
+    else:
+        name = "gloo" if c.device == "cpu" else c.intra_link
+        bw_measured, latency_measured = c.intra_link_gbit is not None, c.intra_latency_s is not None
+        bytes_per_s, hop_s = c.intra_bytes_per_s, c.intra_hop_s
+    if bw_measured == latency_measured:
+        how = "measured" if bw_measured else "assumed"
+    else:
+        how = f"{'bandwidth' if bw_measured else 'latency'} measured, {'latency' if bw_measured else 'bandwidth'} assumed"
+    return f"{name} ({bytes_per_s / 1e6:.0f} MB/s, {2 * hop_s * 1000:.2f} ms all-reduce latency, {how})"
 
 
 def format_plan(p: Plan) -> str:
@@ -435,10 +460,10 @@ def format_plan(p: Plan) -> str:
     device = (f"{c.gpus_per_node}x {_gib(c.device_bytes)} GiB GPU" if c.device == "cuda"
               else f"CPU, {c.gpus_per_node} process(es), {_gib(c.device_bytes)} GiB RAM each")
     links = ""
-    if c.gpus_per_node > 1 and c.device == "cuda":
-        links += f", {c.intra_link} inside a node"
+    if c.gpus_per_node > 1:
+        links += f", {link_text(c, inter=False)} inside a node"
     if c.nodes > 1:
-        links += f", {c.inter_link_gbit:g} Gbit/s Ethernet between nodes"
+        links += f", {link_text(c, inter=True)} between nodes"
     lines = [
         f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
         f"cluster  {c.nodes} node(s) x {device}, host RAM {_gib(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
@@ -448,7 +473,7 @@ def format_plan(p: Plan) -> str:
         + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
         "",
-        "  option                             weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  step s  verdict",
+        "  option                             weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
     ]
     for o in p.options:
         m = o.memory
@@ -458,9 +483,10 @@ def format_plan(p: Plan) -> str:
         lines.append(
             f"{mark} {o.label:34s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
             f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total - o.spilled_bytes):>6} "
-            f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.step_s:>7.2f}  {verdict}"
+            f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.comm_s:>7.2f} {o.step_s:>7.2f}  {verdict}"
         )
-    lines.append("  (GiB per device; host: GiB on node 0; step s: max(compute, comm) + offload)")
+    lines.append("  (GiB per device; host: GiB on node 0; comm s: seconds of collectives per step; "
+                 "step s: compute + the communication it does not hide + offload)")
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")

@@ -20,6 +20,7 @@ def test_round_trip_as_overrides(tmp_path):
     assert (c.nodes, c.device, c.vram_gib, c.gpu_name, c.inter_link_gbit, c.inter_latency_ms) == (
         2, "cuda", 23.6, "NVIDIA GeForce RTX 3090", 0.94, 0.21)
     assert c.intra_link_gbit is None
+    assert c.inter_link_measured  # a measured bandwidth: the planner takes it as it is
     assert not list(tmp_path.glob(".*.tmp"))
 
 

@@ -252,7 +252,7 @@ def test_without_run_it_prints_each_nodes_command(capsys, tmp_path):
     assert lines[0] == "# on 10.0.0.1:" and lines[2] == "# on me@10.0.0.2:"
     assert "-m homelab_ft.supervise --nnodes=2 --nproc-per-node=1" in lines[3]
     assert lines[3].endswith("-m homelab_ft doctor --join-timeout=30 --iface=lo --out=c.yaml")
-    assert "--local-addr=10.0.0.2" in lines[3] and "is_host=0" in lines[3] and "is_host=1" in lines[1]
+    assert "--local-addr=10.0.0.2" in lines[3] and "is_host=false" in lines[3] and "is_host=true" in lines[1]
 
 
 def test_an_unreachable_host_stops_run_before_launch(capsys, tmp_path, monkeypatch):

@@ -44,7 +44,7 @@ def test_node_commands_share_one_c10d_rendezvous_on_the_head():
     cmds = launch.node_commands(hosts, "r.yaml", ["train.lr=1e-4"], nodes=2, nproc_per_node=2, port=29600,
                                 iface="enp3s0", run_id="job1", workdir="/srv/ft", python="python")
     assert [c.host.address for c in cmds] == ["me@box1", "box2"]
-    for c, head, addr in zip(cmds, (1, 0), ("box1", "box2"), strict=True):
+    for c, head, addr in zip(cmds, ("true", "false"), ("box1", "box2"), strict=True):
         # torchrun's own agent, run by homelab_ft.supervise (one-line rendezvous failures)
         assert c.argv[:3] == ["python", "-m", "homelab_ft.supervise"]
         assert "--nnodes=2" in c.argv and "--nproc-per-node=2" in c.argv
