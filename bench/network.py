@@ -7,7 +7,7 @@ Two network namespaces joined by a tbf-shaped veth pair (tests/netns.py) are two
 trainer runs on them exactly as `homelab-ft launch --iface lan0` starts it (launch.node_commands,
 torchrun c10d rendezvous across the link, gloo). For each rate (about 20, 100 and 1000 Mbit) and
 strategy this prints the measured seconds per step beside `memory.estimate`'s prediction for the
-same cluster, described as a cluster file (`cluster_file_for`: what `homelab-ft doctor` writes):
+same cluster, described by the cluster file `homelab-ft doctor` writes after measuring the link (`cluster_file_for`):
 - 2 nodes x 1 process: FSDP2 FULL_SHARD (full fine-tune) and adapter-only DDP (LoRA no_shard);
 - 2 nodes x 2 processes (4 processes on this machine's 2 cores, each at half a core):
   FULL_SHARD, HYBRID_SHARD and LoRA DDP.
@@ -46,11 +46,10 @@ import netns  # noqa: E402  (tests/netns.py)
 from procs import child_env, write_chat_data  # noqa: E402
 
 from homelab_ft import clusterfile, hardware, launch  # noqa: E402
-from homelab_ft.memory import ETHERNET_EFFICIENCY, GiB, estimate  # noqa: E402
+from homelab_ft.memory import GiB, estimate  # noqa: E402
 
 WARMUP, STEPS = 1, 3
 SEQ = 256
-PROBE_PORT = 29400
 CELLS = (  # (label, method, strategy, processes per node)
     ("full_shard", "full", "full_shard", 1),
     ("lora ddp", "lora", "no_shard", 1),
@@ -85,75 +84,24 @@ def recipe_for(tmp: Path, model_dir: Path, name: str, *, method: str, strategy: 
 # the cluster file
 
 
-def probe_link(link: netns.Link, *, per_node: int) -> dict:
-    """Tiny all-reduce latency and all-reduce bus bandwidth with gloo inside the namespaces, between
-    the nodes (ranks 0 and per_node) and, with 2 processes per node, inside one (ranks 0 and 1)."""
-    world = 2 * per_node
-    procs = []
-    for rank in range(world):
-        node = link.nodes[rank // per_node]
-        env = {**child_env(), "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": link.nodes[0].addr,
-               "MASTER_PORT": str(PROBE_PORT + per_node), "GLOO_SOCKET_IFNAME": netns.IFACE, "PER_NODE": str(per_node)}
-        procs.append(subprocess.Popen(node.wrap([sys.executable, __file__, "--probe"]), env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+def cluster_file_for(link: netns.Link, path: Path, *, per_node: int) -> Path:
+    """The cluster as `homelab-ft doctor` measures it, as a user would run it: `doctor --hosts`
+    prints one command per node (the same launcher path as training), each runs inside its
+    namespace, and the head writes the cluster file (all-reduce bus bandwidth and tiny all-reduce
+    latency between the nodes and, with 2 processes per node, inside one)."""
+    hosts = path.with_suffix(".hosts")
+    hosts.write_text("".join(f"{n.addr}\n" for n in link.nodes))
+    printed = subprocess.run(
+        [sys.executable, "-m", "homelab_ft", "doctor", "--hosts", str(hosts), "--iface", netns.IFACE,
+         "--workdir", str(ROOT), "--nproc-per-node", str(per_node), "--out", str(path),
+         "--run-dir", str(path.parent / "doctor-run"), "--join-timeout", "120"],
+        env=child_env(), cwd=ROOT, capture_output=True, text=True, check=True)
+    lines = [ln for ln in printed.stdout.splitlines() if ln and not ln.startswith("#")]
+    procs = [subprocess.Popen(node.wrap(["bash", "-c", line]), env=child_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node, line in zip(link.nodes, lines, strict=True)]
     outs = [p.communicate(timeout=300) for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError("probe failed:\n" + "\n".join(err[-2000:] for _, err in outs))
-    return json.loads(outs[0][0].strip().splitlines()[-1])
-
-
-def _probe_main() -> None:
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    rank, per_node = dist.get_rank(), int(os.environ["PER_NODE"])
-    pairs = {"inter": [0, per_node]} | ({"intra": [0, 1]} if per_node > 1 else {})
-    groups = {name: dist.new_group(ranks) for name, ranks in pairs.items()}
-    result = {}
-    for name, ranks in pairs.items():  # every rank runs every group's turn, members measure
-        dist.barrier()
-        if rank not in ranks:
-            continue
-        group = groups[name]
-        tiny = torch.zeros(1)
-        for _ in range(10):
-            dist.all_reduce(tiny, group=group)
-        t0 = time.perf_counter()
-        for _ in range(50):
-            dist.all_reduce(tiny, group=group)
-        latency = (time.perf_counter() - t0) / 50
-        buffer = torch.zeros(1024 * 1024)  # 4 MiB: an FSDP2 unit of this bench's model is ~1.6 MB
-        dist.all_reduce(buffer, group=group)
-        seconds = float("inf")
-        for _ in range(3):  # the fastest of three: other processes on this machine only slow it
-            t0 = time.perf_counter()
-            dist.all_reduce(buffer, group=group)
-            seconds = min(seconds, time.perf_counter() - t0)
-        # all-reduce bus bandwidth: bytes each rank sends (2 x (N-1)/N of the buffer) per second
-        result[name] = {"latency_s": latency, "bytes_per_s": buffer.numel() * 4 / max(seconds - latency, 1e-9)}
-    dist.barrier()
-    if rank == 0:
-        print(json.dumps(result))
-    dist.destroy_process_group()
-
-
-def cluster_file_for(link: netns.Link, path: Path, *, per_node: int, measured: dict | None = None) -> Path:
-    """The cluster as `homelab-ft doctor` would describe it: measured gloo latency and bandwidth
-    between the nodes (and inside one), else the shaped rate at TCP's efficiency. When doctor is
-    merged this becomes its measurement."""
-    measured = measured or probe_link(link, per_node=per_node)
-    inter = measured["inter"]
-    cluster = {"nodes": 2, "gpus_per_node": per_node, "device": "cpu", "host_ram_gib": 8.0,
-               "inter_link_gbit": round(inter["bytes_per_s"] * 8 / 1e9, 5),
-               "inter_latency_ms": round(inter["latency_s"] * 1000, 4)}
-    if "intra" in measured:
-        cluster |= {"intra_link_gbit": round(measured["intra"]["bytes_per_s"] * 8 / 1e9, 5),
-                    "intra_latency_ms": round(measured["intra"]["latency_s"] * 1000, 4)}
-    clusterfile.write(path, cluster=cluster, measured={"link": {"shaped_mbit": link.rate_mbit,
-                                                                "shaped_bytes_per_s": (link.rate_mbit or 0) * 1e6 / 8 * ETHERNET_EFFICIENCY},
-                                                       **measured},
-                      header="bench/network.py: two namespace nodes over a tbf-shaped veth pair")
+    if not path.is_file():
+        raise RuntimeError("doctor wrote no cluster file:\n" + "\n".join(out + err[-2000:] for out, err in outs))
     return path
 
 
@@ -330,7 +278,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--probe"]:
-        _probe_main()
-        sys.exit(0)
     sys.exit(main())

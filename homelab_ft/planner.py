@@ -473,7 +473,7 @@ def format_plan(p: Plan) -> str:
         + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
         "",
-        "  option                             weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
+        "  option                                weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
     ]
     for o in p.options:
         m = o.memory
@@ -481,7 +481,7 @@ def format_plan(p: Plan) -> str:
         verdict = ("fits" if o.fits else "no") + ("" if o.allowed else " (not requested)")
         verdict += f" (paged optimizer: {_gib(o.spilled_bytes)} GiB in host RAM)" if o.spilled_bytes else ""
         lines.append(
-            f"{mark} {o.label:34s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
+            f"{mark} {o.label:37s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
             f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total - o.spilled_bytes):>6} "
             f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.comm_s:>7.2f} {o.step_s:>7.2f}  {verdict}"
         )

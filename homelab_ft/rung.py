@@ -111,7 +111,7 @@ class Rung:
 
     @property
     def label(self) -> str:
-        savers = " +act-offload" if self.activation_offload else " +ckpt" if self.activation_checkpointing else ""
+        savers = " +act-off" if self.activation_offload else " +ckpt" if self.activation_checkpointing else ""
         return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}"
 
     def to_dict(self) -> dict:
