@@ -199,7 +199,16 @@ def _cmd_train(args) -> int:
     if plan.chosen is None:
         print(f"warning: the planner expects method {recipe.method} not to fit (run `homelab-ft plan` for the "
               "numbers); trying anyway", file=sys.stderr)
-    inputs = preflight.check_inputs(recipe, rung=rung, device_type=distributed.device_type(recipe.train.device))
+    device_type = distributed.device_type(recipe.train.device)
+    inputs = preflight.check_inputs(recipe, rung=rung, device_type=device_type)
+    if rung.activation_offload:
+        from homelab_ft.hardware import available_ram_bytes
+        from homelab_ft.memory import activation_offload_host_bytes
+
+        preflight.check_activation_offload(
+            rung, device_type=device_type, available_bytes=available_ram_bytes(),
+            offloaded_bytes=plan.cluster.gpus_per_node * activation_offload_host_bytes(
+                plan.shape, rung=rung, request=plan.request, cluster=plan.cluster))
     if plan.checkpoint_bytes:
         from homelab_ft.diskspace import space_warning
 

@@ -537,6 +537,15 @@ def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_byte
     return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
+def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
+    """Host bytes per rank the rung's activation offload holds (0 when off, or without a GPU to
+    offload from); preflight refuses a run whose node has not that much RAM available."""
+    if not (rung.activation_offload and rung.activation_checkpointing and cluster.device == "cuda"):
+        return 0
+    act_bytes = weight_bytes(request, cluster) if rung.method != "qlora" else qlora_compute_bytes(request, cluster)
+    return offloaded_activation_bytes(shape, request, act_bytes)
+
+
 def chunked_loss(request: PlanRequest) -> bool:
     """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
     return request.loss_chunk_tokens > 0 and request.objective != "dpo"
@@ -621,8 +630,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
 
     resident = weights + gradients + optimizer
     offloaded = resident if cpu_offload else 0
-    act_offload = request.activation_offload and request.activation_checkpointing and cluster.device == "cuda"
-    act_host = offloaded_activation_bytes(shape, request, act_bytes) if act_offload else 0
+    act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded until the head
     # unit's post-backward right after the loss, a tied head's in the root unit until backward
     # ends); a tied head's is the embedding's. Adapters' are negligible.
@@ -633,7 +641,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         weights=int(0 if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
-        activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_offload),
+        activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_host > 0),
         recomputed=recomputed_block_bytes(shape, method, request, act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(gathered),

@@ -73,6 +73,18 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
 # the model folder
 
 
+def check_activation_offload(rung: Rung, *, device_type: str, offloaded_bytes: int, available_bytes: int) -> None:
+    """Activation offload needs host RAM for the block inputs of every local rank (the planner's
+    `offloaded_activation_bytes`); refuse it when this machine has not that much available now,
+    instead of letting the kernel's OOM killer end the run mid-step. On the CPU it is a no-op."""
+    if not rung.activation_offload or device_type != "cuda" or not available_bytes:
+        return
+    if offloaded_bytes > available_bytes:
+        raise UserError(f"train.activation_offload: the checkpointed block inputs need {offloaded_bytes / 2**30:.1f} GiB "
+                        f"of host RAM on this node, but only {available_bytes / 2**30:.1f} GiB is available; set "
+                        "train.activation_offload=false (checkpointing alone), or lower micro_batch_size/max_length")
+
+
 def check_model_files(model_dir: Path, *, converted: bool = False) -> None:
     """Weights are present and every safetensors file is as long as its header says."""
     where = "the converted GGUF in " if converted else ""

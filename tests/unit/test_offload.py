@@ -61,3 +61,16 @@ def test_offload_needs_checkpointing():
     recipe_from_dict({"train": {"activation_offload": True, "activation_checkpointing": True}})
     # left to `auto`, checkpointing comes with the offload that needs it
     assert rung_for(recipe_from_dict({"method": "lora", "train": {"activation_offload": True}})).activation_checkpointing
+
+
+def test_activation_offload_without_host_ram_to_spare_is_refused():
+    from homelab_ft.errors import UserError
+    from homelab_ft.preflight import check_activation_offload
+    from homelab_ft.rung import Rung
+
+    rung = Rung("lora", "no_shard", False, activation_checkpointing=True, activation_offload=True)
+    with pytest.raises(UserError, match="need 3.0 GiB of host RAM on this node, but only 1.0 GiB is available; set "
+                                        "train.activation_offload=false"):
+        check_activation_offload(rung, device_type="cuda", offloaded_bytes=3 * 2**30, available_bytes=2**30)
+    check_activation_offload(rung, device_type="cuda", offloaded_bytes=2**30, available_bytes=3 * 2**30)
+    check_activation_offload(rung, device_type="cpu", offloaded_bytes=3 * 2**30, available_bytes=2**30)  # nothing offloads
