@@ -15,11 +15,11 @@ A small Llama (1.7M parameters, 7 MB fp32) keeps the 20 Mbit cells under a minut
 weight traffic dominates them. Goals: every prediction within 25% of measured on the 20 and 100
 Mbit links, and the planner's ranking of strategies equal to the measured one at every rate.
 
-Compute speed is calibrated once per rate, not per cell: one process trains the same model
-(full fine-tune) alone for a few steps, and its seconds per step against the planner's FLOP
-count give this CPU's TFLOPS per core, used for every prediction of that rate, LoRA included
-(the planner's stock hardware.CPU_TFLOPS_PER_CORE is printed beside it). The machine is shared,
-so this is redone before each rate's cells. Everything about the network comes from
+Compute speed is calibrated once per rate and method, not per cell: one process trains the same
+model alone for a few steps (full fine-tune, then LoRA), and its seconds per step against the
+planner's FLOP count give this CPU's TFLOPS per core for that method (on a model this small
+LoRA's step is not FLOP-bound; the planner's stock hardware.CPU_TFLOPS_PER_CORE is printed
+beside it). The machine is shared, so this is redone before each rate's cells. Everything about the network comes from
 the cluster file. CPU seconds per step (utime + stime of every process of the cluster, read from
 /proc while the steps run) are printed beside wall seconds, and each cell's total CPU seconds
 from resource.getrusage of its children. Needs root (network namespaces).
@@ -206,10 +206,15 @@ def _own_cpu(pids: list[int]) -> float:
     return total
 
 
-def calibrate(tmp: Path, model_dir: Path, *, tag: str) -> tuple[float, dict]:
-    """TFLOPS per core: the planner's FLOPs of one full fine-tune step over one process's measured time."""
-    recipe = recipe_for(tmp, model_dir, f"calibrate-{tag}", method="full", strategy="no_shard", nodes=1, per_node=1)
-    measured = run_cell(None, recipe, tmp / f"calibrate-{tag}.yaml")
+def calibrate(tmp: Path, model_dir: Path, *, tag: str, method: str) -> tuple[float, dict]:
+    """TFLOPS per core: the planner's FLOPs of one step of `method` over one process's measured time.
+
+    Per method, because on a model this small LoRA's step is not FLOP-bound (PEFT's extra modules
+    and small matmuls cost more than their FLOPs: 0.1 s per step more than full fine-tuning's rate
+    predicts), and this bench tests the network model, not the FLOP model of tiny models."""
+    recipe = recipe_for(tmp, model_dir, f"calibrate-{tag}-{method}", method=method, strategy="no_shard", nodes=1,
+                        per_node=1)
+    measured = run_cell(None, recipe, tmp / f"calibrate-{tag}-{method}.yaml")
     path = tmp / "calibrate-cluster.yaml"
     clusterfile.write(path, cluster={"nodes": 1, "gpus_per_node": 1, "device": "cpu", "host_ram_gib": 8.0}, measured={})
     unit = predict(recipe, path, tflops_per_core=1.0).compute_s  # seconds at 1 TFLOPS
@@ -236,9 +241,12 @@ def main() -> int:
         results = []
         for rate in args.rates:
             # calibrated again before each rate's cells: this machine's other work comes and goes
-            tflops, calib = calibrate(tmp, model_dir, tag=f"{rate:g}")
-            print(f"compute: one process, full fine-tune: {calib['step_s']:.3f} s/step -> {tflops * 1000:.1f} GFLOPS "
-                  f"per core (planner's stock CPU_TFLOPS_PER_CORE: {hardware.CPU_TFLOPS_PER_CORE * 1000:.0f})", flush=True)
+            tflops = {}
+            for method in ("full", "lora"):
+                tflops[method], calib = calibrate(tmp, model_dir, tag=f"{rate:g}", method=method)
+                print(f"compute: one process, {method}: {calib['step_s']:.3f} s/step -> {tflops[method] * 1000:.1f} GFLOPS "
+                      f"per core (planner's stock CPU_TFLOPS_PER_CORE: {hardware.CPU_TFLOPS_PER_CORE * 1000:.0f})",
+                      flush=True)
             with netns.shaped_link(rate) as link:
                 files = {}
                 for per_node in sorted({c[3] for c in cells}):
@@ -251,7 +259,7 @@ def main() -> int:
                 for label, method, strategy, per_node in cells:
                     name = f"{method}-{strategy}-{per_node}-{rate:g}"
                     recipe = recipe_for(tmp, model_dir, name, method=method, strategy=strategy, nodes=2, per_node=per_node)
-                    est = predict(recipe, files[per_node], tflops_per_core=tflops)
+                    est = predict(recipe, files[per_node], tflops_per_core=tflops[method])
                     got = run_cell(link, recipe, tmp / f"{name}.yaml")
                     results.append({"rate": rate, "label": label, "per_node": per_node, "pred": est.step_s,
                                     "compute": est.compute_s, "comm": est.comm_s, **got})
