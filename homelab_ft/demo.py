@@ -151,11 +151,16 @@ def dataset_path(split: str) -> Path:
 
 
 def write_dataset(out_dir: Path = ASSET_DIR) -> list[Path]:
+    return write_splits(out_dir, SPLITS, dataset_text)
+
+
+def write_splits(out_dir: Path, stems, text_of) -> list[Path]:
+    """`out_dir/<stem>.jsonl` for each stem, holding `text_of(stem)` (the SFT and the DPO demo data)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for split in SPLITS:
-        path = out_dir / f"{split}.jsonl"
-        path.write_text(dataset_text(split), encoding="utf-8", newline="\n")
+    for stem in stems:
+        path = out_dir / f"{stem}.jsonl"
+        path.write_text(text_of(stem), encoding="utf-8", newline="\n")
         paths.append(path)
     return paths
 

@@ -73,13 +73,7 @@ def dataset_path(stem: str) -> Path:
 
 
 def write_dataset(out_dir: Path = demo.ASSET_DIR) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for stem in SPLITS:
-        path = out_dir / f"{stem}.jsonl"
-        path.write_text(dataset_text(stem), encoding="utf-8", newline="\n")
-        paths.append(path)
-    return paths
+    return demo.write_splits(out_dir, SPLITS, dataset_text)
 
 
 def pair_accuracy(model_dir: Path, *, stem: str = "pairs-eval", batch_pairs: int = 8) -> tuple[float, float]:

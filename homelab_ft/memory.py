@@ -537,13 +537,17 @@ def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_byte
     return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
+def activation_dtype_bytes(method: Method, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per activation element: the weights' dtype, or for QLoRA the 4-bit base's compute dtype."""
+    return qlora_compute_bytes(request, cluster) if method == "qlora" else weight_bytes(request, cluster)
+
+
 def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Host bytes per rank the rung's activation offload holds (0 when off, or without a GPU to
     offload from); preflight refuses a run whose node has not that much RAM available."""
     if not (rung.activation_offload and rung.activation_checkpointing and cluster.device == "cuda"):
         return 0
-    act_bytes = weight_bytes(request, cluster) if rung.method != "qlora" else qlora_compute_bytes(request, cluster)
-    return offloaded_activation_bytes(shape, request, act_bytes)
+    return offloaded_activation_bytes(shape, request, activation_dtype_bytes(rung.method, request, cluster))
 
 
 def chunked_loss(request: PlanRequest) -> bool:
@@ -590,17 +594,16 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
                                   activation_offload=rung.activation_offload)
     shards = rung.shard_size  # all ranks, one node's for HYBRID_SHARD, 1 unsharded
     w_bytes = weight_bytes(request, cluster)
-    act_bytes = w_bytes if method != "qlora" else qlora_compute_bytes(request, cluster)
+    # activations, and the unquantized ends (embeddings, norms, head), are in the compute dtype
+    act_bytes = end_bytes = activation_dtype_bytes(method, request, cluster)
     base_bytes, block_bytes = base_weight_bytes(shape, method, request, cluster)
     if method == "full":
         trainable, state_bytes = shape.total_params, w_bytes
-        end_bytes = w_bytes
     else:
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
         # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
         # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
         trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
-        end_bytes = qlora_compute_bytes(request, cluster) if method == "qlora" else w_bytes
         base_bytes += trainable * state_bytes
     # A sharded 4-bit base splits the packed bytes; the quantisation constants stay whole per rank.
     replicated = quant_state_bytes(shape, request) if method == "qlora" and shards > 1 else 0
@@ -801,11 +804,6 @@ def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: 
     n, g, nodes = cluster.world_size, cluster.gpus_per_node, cluster.nodes
     if n == 1:
         return Communication(sent_bytes=0, gathers_s=0.0, grads_s=0.0, backward_window=0.0, exposed_s=0.0)
-    grads = trainable * _reduce_bytes(request)
-    if not rung.fsdp_enabled:
-        # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
-        # (distributed._replicate: torch's bf16 hook needs NCCL)
-        grads = trainable * (min(_reduce_bytes(request), grad_bytes) if cluster.device == "cuda" else grad_bytes)
     accum = request.grad_accum_steps
     intra = dict(bytes_per_s=cluster.intra_bytes_per_s, hop_s=cluster.intra_hop_s)
     # a ring over every rank waits on its slowest hop: Ethernet as soon as it spans nodes
@@ -814,12 +812,12 @@ def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: 
     backward = _backward_fraction(rung.method, request)
 
     if not rung.fsdp_enabled:
-        buckets = _ddp_buckets(grads)
-        total = sum(_collective_s(b, ranks=n, all_reduce=True, **ring) for b in buckets)
-        last = _collective_s(buckets[-1], ranks=n, all_reduce=True, **ring)
-        return Communication(sent_bytes=int(2 * grads * (n - 1) / n), gathers_s=0.0, grads_s=total - last,
-                             backward_window=backward / accum, exposed_s=last + loop)
+        # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
+        # (distributed._replicate: torch's bf16 hook needs NCCL)
+        dtype_bytes = min(_reduce_bytes(request), grad_bytes) if cluster.device == "cuda" else grad_bytes
+        return _ddp_communication(trainable * dtype_bytes, ranks=n, ring=ring, window=backward / accum, loop_s=loop)
 
+    grads = trainable * _reduce_bytes(request)
     units = shape.num_layers
     block_bytes = (base_bytes - root_bytes) / max(1, units)
     gathers = 2 if rung.reshard_after_forward else 1
@@ -856,6 +854,16 @@ def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: 
     first, last = accum * root_gather, reduce_s(grad_root or grad_block)
     return Communication(sent_bytes=int(sent), gathers_s=gathers_s - first, grads_s=grads_s - last,
                          backward_window=backward / syncs, exposed_s=first + last + loop)
+
+
+def _ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, loop_s: float) -> Communication:
+    """DDP all-reduces the trainable gradients in buckets, each as soon as it is ready: all but the
+    last overlap the rest of backward (`window`: backward's share of the step's compute)."""
+    buckets = _ddp_buckets(grads)
+    total = sum(_collective_s(b, ranks=ranks, all_reduce=True, **ring) for b in buckets)
+    last = _collective_s(buckets[-1], ranks=ranks, all_reduce=True, **ring)
+    return Communication(sent_bytes=int(2 * grads * (ranks - 1) / ranks), gathers_s=0.0, grads_s=total - last,
+                         backward_window=window, exposed_s=last + loop_s)
 
 
 def _backward_fraction(method: Method, request: PlanRequest) -> float:

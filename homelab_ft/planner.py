@@ -375,8 +375,8 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
     if chosen is None:
         return tuple(out)
     if chosen.comm_s > chosen.compute_s and chosen.comm_s > 0:
-        link = (f"{cluster.inter_link_gbit:g} Gbit/s" + ("" if cluster.inter_link_measured else " Ethernet")
-                if cluster.nodes > 1 else cluster.intra_link if cluster.device == "cuda" else "gloo")
+        link = (_inter_link_name(cluster) if cluster.nodes > 1
+                else cluster.intra_link if cluster.device == "cuda" else "gloo")
         advice = ("hybrid_shard keeps weight traffic inside each node, and LoRA/QLoRA with no_shard "
                   "(adapter-only data parallelism) sends only the adapter gradients"
                   if chosen.method == "full" else "fewer, larger optimizer steps (grad_accum_steps) amortise it")
@@ -435,11 +435,16 @@ def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str
                 config_source=source)
 
 
+def _inter_link_name(c: Cluster) -> str:
+    """A measured link is named by its rate alone; a nominal one is the Ethernet speed given."""
+    return f"{c.inter_link_gbit:g} Gbit/s" + ("" if c.inter_link_measured else " Ethernet")
+
+
 def link_text(c: Cluster, *, inter: bool) -> str:
     """The link the plan assumed: bandwidth a collective gets, latency of a tiny all-reduce, and
     whether each was measured (a cluster file from `doctor`) or assumed from the link kind."""
     if inter:
-        name = f"{c.inter_link_gbit:g} Gbit/s" + ("" if c.inter_link_measured else " Ethernet")
+        name = _inter_link_name(c)
         bw_measured, latency_measured = c.inter_link_measured, c.inter_latency_s is not None
         bytes_per_s, hop_s = c.inter_bytes_per_s, c.inter_hop_s
     else:
