@@ -54,8 +54,9 @@ def _timed(store: dict, name: str, fn):
 
 def worker(recipe_path: str, overrides: list[str], out: str) -> None:
     """Runs inside the training process (every rank under torchrun); rank 0 writes the numbers."""
-    from homelab_ft import checkpoint, manifest, trainer
     from homelab_ft.config import load_recipe
+    from homelab_ft.store import checkpoint, manifest
+    from homelab_ft.train import trainer
 
     times: dict[str, list] = defaultdict(list)
     trainer.train_step = _timed(times, "step", trainer.train_step)
@@ -75,7 +76,7 @@ def worker(recipe_path: str, overrides: list[str], out: str) -> None:
 
 
 def _worker_main(argv: list[str]) -> None:
-    from homelab_ft.distributed import exit_now
+    from homelab_ft.distributed.comm import exit_now
 
     worker(argv[0], argv[2:], argv[1])
     exit_now(0)  # see distributed.teardown: FSDP2 on CPU may abort in interpreter finalizers
@@ -87,7 +88,7 @@ def _median(pairs, index: int) -> float:
 
 def run(recipe: str, extra: list[str]) -> str:
     from homelab_ft.config import load_recipe
-    from homelab_ft.modeling import resolve_model_dir
+    from homelab_ft.model.loading import resolve_model_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"

@@ -56,17 +56,19 @@ def _cpu_s() -> float:
 def _session(model_dir: Path, *, compile: bool):
     import torch
 
-    from homelab_ft import compiling, distributed, steps
     from homelab_ft.config import recipe_from_dict
+    from homelab_ft.distributed import comm
+    from homelab_ft.model import compiling
     from homelab_ft.rung import rung_for
-    from homelab_ft.trainer import build_model
+    from homelab_ft.train import steps
+    from homelab_ft.train.trainer import build_model
 
     recipe = recipe_from_dict({
         "method": "lora", "model": {"path": str(model_dir), "dtype": "float32"},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
         "train": {"device": "cpu", "micro_batch_size": MICRO_BATCH, "lr": 1e-4, "warmup_steps": 0, "compile": compile,
                   "max_steps": 1000}})
-    env = distributed.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
+    env = comm.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     if compile:
@@ -77,7 +79,7 @@ def _session(model_dir: Path, *, compile: bool):
 
 
 def _run(session, batches) -> tuple[float, float, int]:
-    from homelab_ft.trainer import train_step
+    from homelab_ft.train.trainer import train_step
 
     wall, cpu = time.perf_counter(), _cpu_s()
     tokens = 0
@@ -125,7 +127,7 @@ def loss_peak(compiled: bool) -> int:
     import torch
     from memory import PeakMeter
 
-    from homelab_ft import loss
+    from homelab_ft.train import loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(LOSS_HIDDEN, VOCAB, bias=False).requires_grad_(False)

@@ -62,11 +62,12 @@ def one(tmp: Path, objective: str) -> dict:
     """Run WARMUP + STEPS steps of `objective` through the trainer's own step function."""
     import torch
 
-    from homelab_ft import distributed, trainer
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.data import collate
-    from homelab_ft.preference_data import collate_pairs
+    from homelab_ft.data.pairs import collate_pairs
+    from homelab_ft.data.sft import collate
+    from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
+    from homelab_ft.train import trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     recipe = recipe_from_dict({
@@ -78,7 +79,7 @@ def one(tmp: Path, objective: str) -> dict:
         "train": {"max_steps": WARMUP + STEPS, "micro_batch_size": MICRO_BATCH, "device": "cpu", "lr": 1e-4},
         "output": {"dir": str(tmp / f"run-{objective}"), "overwrite": True, "tensorboard": False},
     })
-    env = distributed.setup(device_pref="cpu")
+    env = comm.setup(device_pref="cpu")
     s = trainer._setup(recipe, env=env, rung=rung_for(recipe), plan=None, inputs=None, base_dir=tmp)
     collate_fn, step_fn = (collate_pairs, trainer.dpo_step) if objective == "dpo" else (collate, trainer.train_step)
     batches = [collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)

@@ -37,8 +37,8 @@ if kind == "safetensors":
     AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").save_pretrained(out)
 else:
     from pathlib import Path
-    from homelab_ft.gguf_check import verify_gguf
-    from homelab_ft.gguf_export import write_gguf
+    from homelab_ft.export.gguf_check import verify_gguf
+    from homelab_ft.export.gguf_export import write_gguf
     gguf_type = kind.removeprefix("gguf-").removesuffix("+check")
     path = Path(out) / f"model-{{gguf_type}}.gguf"
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def main() -> int:
     if args.build_1b:
         _build_1b(args.build_1b)
         return 0
-    from homelab_ft.modeling import resolve_model_dir
+    from homelab_ft.model.loading import resolve_model_dir
 
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="bench-gguf-"))
     scratch.mkdir(parents=True, exist_ok=True)

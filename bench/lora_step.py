@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from tiny import make_llama  # noqa: E402
 
 from homelab_ft.config import load_recipe  # noqa: E402
-from homelab_ft.data import collate, prepare_data  # noqa: E402
-from homelab_ft.modeling import attach_lora, load_model, load_tokenizer  # noqa: E402
+from homelab_ft.data.sft import collate, prepare_data  # noqa: E402
+from homelab_ft.model.loading import attach_lora, load_model, load_tokenizer  # noqa: E402
 
 SEQ = 256
 MICRO_BATCH = 4
@@ -64,8 +64,8 @@ def setup(tmp: Path) -> tuple[Path, Path]:
 
 
 def ours(recipe_path: Path, run_dir: Path) -> float:
-    from homelab_ft import trainer
-    from homelab_ft.metrics import read_metrics
+    from homelab_ft.train import trainer
+    from homelab_ft.train.metrics import read_metrics
 
     recipe = load_recipe(recipe_path, [f"output.dir={run_dir}", "output.overwrite=true"])
     trainer.train(recipe)

@@ -109,13 +109,14 @@ def measure_row(name: str, model_dir: Path, args) -> int:
     """Runs in its own process: the peak bytes of one step (or of the loss alone)."""
     import torch
 
-    from homelab_ft import distributed, loss, steps
+    from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.trainer import build_model, train_step
+    from homelab_ft.train import loss, steps
+    from homelab_ft.train.trainer import build_model, train_step
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)
-    env = distributed.setup(device_pref=args.device)
+    env = comm.setup(device_pref=args.device)
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
@@ -151,10 +152,10 @@ def measure_row(name: str, model_dir: Path, args) -> int:
 
 def predict_row(name: str, model_dir: Path, args) -> int:
     from homelab_ft.config import ClusterConfig
-    from homelab_ft.hardware import detect, resolve_cluster
-    from homelab_ft.memory import estimate
-    from homelab_ft.planner import option_rung, request_from_recipe
-    from homelab_ft.shapes import model_shape, read_model_config
+    from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.memory import estimate
+    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.shapes import model_shape, read_model_config
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)

@@ -45,8 +45,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import netns  # noqa: E402  (tests/netns.py)
 from procs import child_env, write_chat_data  # noqa: E402
 
-from homelab_ft import clusterfile, hardware, launch  # noqa: E402
-from homelab_ft.memory import GiB, estimate  # noqa: E402
+from homelab_ft.cluster import clusterfile, launch  # noqa: E402
+from homelab_ft.plan import hardware  # noqa: E402
+from homelab_ft.plan.memory import GiB, estimate  # noqa: E402
 
 WARMUP, STEPS = 1, 3
 SEQ = 256
@@ -109,8 +110,8 @@ def predict(recipe: dict, cluster_path: Path, *, tflops_per_core: float):
     """memory.estimate for the recipe on the file's cluster; each node has one of this machine's
     two cores (the namespaces share them), shared by its processes."""
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.planner import option_rung, request_from_recipe
-    from homelab_ft.shapes import locate_config, model_shape
+    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.shapes import locate_config, model_shape
 
     r = recipe_from_dict(recipe, overrides=clusterfile.overrides(cluster_path))
     detected = hardware.Detected(gpu_count=0, gpu_name=None, vram_bytes=None, host_ram_bytes=8 * GiB, cpu_cores=1)

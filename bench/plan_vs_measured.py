@@ -41,10 +41,11 @@ TOLERANCE = 0.02
 def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: int, num_steps: int) -> dict:
     import torch
 
-    from homelab_ft import distributed, steps
     from homelab_ft.config import recipe_from_dict
+    from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.trainer import build_model
+    from homelab_ft.train import steps
+    from homelab_ft.train.trainer import build_model
 
     torch.manual_seed(0)
     recipe = recipe_from_dict({
@@ -54,7 +55,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
         # this bench runs transformers' own loss (full logits): price that, not the chunked loss
         "train": {"device": device, "micro_batch_size": batch, "lr": 1e-4, "loss_chunk_tokens": 0},
     })
-    env = distributed.setup(device_pref=device)
+    env = comm.setup(device_pref=device)
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
     optimizer = steps.build_optimizer(model, recipe.train)
@@ -114,10 +115,10 @@ def _saved_activation_bytes(model, ids) -> int:
 
 def predict(method: str, recipe, model_dir: Path, *, device: str):
     from homelab_ft.config import ClusterConfig
-    from homelab_ft.hardware import detect, resolve_cluster
-    from homelab_ft.memory import estimate
-    from homelab_ft.planner import option_rung, request_from_recipe
-    from homelab_ft.shapes import model_shape, read_model_config
+    from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.memory import estimate
+    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.shapes import model_shape, read_model_config
 
     shape = model_shape(read_model_config(str(model_dir)))
     cluster = resolve_cluster(ClusterConfig(device=device, vram_gib=80 if device == "cuda" else None), detected=detect())

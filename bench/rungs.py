@@ -62,10 +62,11 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     """In the child process: build, warm up, time `num_steps` optimizer steps, report JSON."""
     import torch
 
-    from homelab_ft import distributed, steps
     from homelab_ft.config import recipe_from_dict
+    from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.trainer import build_model
+    from homelab_ft.train import steps
+    from homelab_ft.train.trainer import build_model
 
     torch.manual_seed(0)
     sharded = method == "qlora_fsdp"
@@ -76,7 +77,7 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
         "train": {"device": "cpu", "lr": 1e-4},
         **({"cluster": {"gpus_per_node": 2}, "sharding": {"strategy": "full_shard"}} if sharded else {}),
     })
-    env = distributed.setup(device_pref="cpu")
+    env = comm.setup(device_pref="cpu")
     import bitsandbytes  # noqa: F401  (imports are not loading memory)
     import peft  # noqa: F401
 
@@ -108,7 +109,7 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     # share the cores (wall time then also counts the waits for a core).
     cpu_s = (time.process_time() - start_cpu) / num_steps
     if sharded:
-        cpu_s = distributed.all_reduce_sum(cpu_s, env)  # CPU seconds of both ranks per step
+        cpu_s = comm.all_reduce_sum(cpu_s, env)  # CPU seconds of both ranks per step
         return {"method": method, "step_s": step_s, "cpu_s": cpu_s, "tokens_per_s": batch * seq_len / step_s,
                 "before_load_mib": before_load, "load_peak_mib": load_peak, "train_peak_mib": rss_mib("VmHWM"),
                 "trainable": trainable, "loss_first": losses[0], "loss_last": losses[-1], **shard_mib,
@@ -138,7 +139,7 @@ def sharded_state_mib(model) -> dict:
     states, which every rank keeps whole) and the total over ranks of the shards alone."""
     from torch.distributed.tensor import DTensor
 
-    from homelab_ft import sharded_qlora
+    from homelab_ft.distributed import sharded_qlora
 
     local = total = 0
     for p in model.parameters():
@@ -191,7 +192,7 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             print("RESULT " + json.dumps(result))
         sys.stdout.flush()
-        os._exit(0)  # FSDP2 processes may abort in interpreter teardown (distributed.exit_now)
+        os._exit(0)  # FSDP2 processes may abort in interpreter teardown (comm.exit_now)
 
     with tempfile.TemporaryDirectory(prefix="rungs-") as tmp:
         model_dir = build_model_dir(Path(tmp) / "model", hidden=args.hidden, intermediate=args.intermediate,

@@ -13,7 +13,7 @@ reduce-scatter of gradients). Goals: <= 1.02 and <= 1.05. One thread per rank (2
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/sharded.py --ends
 
-The model's ends as FSDP2 units of their own (distributed.shard_ends) against the embeddings and
+The model's ends as FSDP2 units of their own (parallelize.shard_ends) against the embeddings and
 LM head gathered in the root unit for the whole step: a 2-layer Llama with Llama 3's 128,256-entry
 vocabulary (hidden 256, fp32: embedding and head 131 MB each), 2 gloo ranks of full_shard, the
 trainer's own model build and `train_step` (chunked loss), one row of 256 tokens per rank (two
@@ -83,15 +83,16 @@ def child(mode: str, model_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft import distributed, steps
+    from homelab_ft.distributed import comm, parallelize
     from homelab_ft.rung import Rung
+    from homelab_ft.train import steps
 
-    env = distributed.setup(device_pref="cpu", timeout_s=120)
+    env = comm.setup(device_pref="cpu", timeout_s=120)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if env.distributed:
-        model = distributed.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
+        model = parallelize.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     counter = CommCounter(env.world_size) if env.distributed else None
     data = batches(env.rank, env.world_size, model.config.vocab_size)
@@ -104,11 +105,11 @@ def child(mode: str, model_dir: str) -> dict:
             model(input_ids=ids, labels=ids).loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         else:
-            global_tokens = distributed.all_reduce_sum(steps.trained_tokens(ids), env)
+            global_tokens = comm.all_reduce_sum(steps.trained_tokens(ids), env)
             scale = steps.loss_scale(world_size=env.world_size, global_tokens=int(global_tokens))
-            with distributed.accumulation_sync(model, last_micro_batch=True):
+            with parallelize.accumulation_sync(model, last_micro_batch=True):
                 (steps.token_loss_sum(model(input_ids=ids).logits, ids) * scale).backward()
-            distributed.clip_grad_norm_(model, 1.0, env)
+            comm.clip_grad_norm_(model, 1.0, env)
         if i == len(data) - 1:
             local = lambda t: (t.to_local() if isinstance(t, DTensor) else t)  # noqa: E731
             state = sum(local(p).numel() * 4 for p in model.parameters())
@@ -126,7 +127,7 @@ def child(mode: str, model_dir: str) -> dict:
         "comm_ratio": comm / (3 * param_bytes * (env.world_size - 1) / env.world_size) if counter else None,
         "params_m": param_bytes / 4 / 1e6,
     }
-    distributed.teardown(env)
+    comm.teardown(env)
     return result
 
 
@@ -156,13 +157,14 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
     import gc
     from types import SimpleNamespace
 
-    from homelab_ft import distributed, steps
+    from homelab_ft.distributed import comm, parallelize
     from homelab_ft.rung import rung_for
-    from homelab_ft.trainer import build_model, train_step
+    from homelab_ft.train import steps
+    from homelab_ft.train.trainer import build_model, train_step
 
     if variant == "root":  # before: parallelize without shard_ends keeps both ends in the root unit
-        distributed.shard_ends = lambda model, **fsdp: None
-    env = distributed.setup(device_pref="cpu", timeout_s=120)
+        parallelize.shard_ends = lambda model, **fsdp: None
+    env = comm.setup(device_pref="cpu", timeout_s=120)
     recipe = _ends_recipe(model_dir, method)
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=Path(model_dir), rung=rung_for(recipe), env=env)
@@ -173,22 +175,22 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
     batch = {"input_ids": ids, "labels": ids.clone()}
     train_step(session, [batch])  # the optimizer state, kernel workspaces and gloo buffers
     gc.collect()
-    distributed.barrier(env)
+    comm.barrier(env)
     Path("/proc/self/clear_refs").write_text("5")
     start = _status_bytes("VmRSS")
     train_step(session, [batch])
     peak = torch.tensor([_status_bytes("VmHWM") - start], dtype=torch.float64)
     torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    distributed.teardown(env)
+    comm.teardown(env)
     return {"peak": float(peak)}
 
 
 def ends_planned(method: str, model_dir: str) -> int:
     from homelab_ft.config import ClusterConfig
-    from homelab_ft.hardware import detect, resolve_cluster
-    from homelab_ft.memory import estimate
-    from homelab_ft.planner import option_rung, request_from_recipe
-    from homelab_ft.shapes import model_shape, read_model_config
+    from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.memory import estimate
+    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.shapes import model_shape, read_model_config
 
     recipe = _ends_recipe(model_dir, method)
     request = request_from_recipe(recipe)
@@ -256,7 +258,7 @@ if __name__ == "__main__":
         result = ends_child(sys.argv[2], sys.argv[3], sys.argv[4])
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
-        from homelab_ft.distributed import exit_now
+        from homelab_ft.distributed.comm import exit_now
 
         exit_now(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--ends":
@@ -266,7 +268,7 @@ if __name__ == "__main__":
         result = child(sys.argv[2], sys.argv[3])
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
-        from homelab_ft.distributed import exit_now
+        from homelab_ft.distributed.comm import exit_now
 
         exit_now(0)
     main()

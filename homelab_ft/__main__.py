@@ -1,3 +1,3 @@
-from homelab_ft.cli import main
+from homelab_ft.cli.main import main
 
 raise SystemExit(main())

@@ -19,9 +19,10 @@ import netns
 import pytest
 from procs import REPO, child_env
 
-from homelab_ft import cli, clusterfile
+from homelab_ft.cli import main as cli
+from homelab_ft.cluster import clusterfile
 from homelab_ft.config import recipe_from_dict
-from homelab_ft.planner import plan_for_recipe
+from homelab_ft.plan.planner import plan_for_recipe
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
 

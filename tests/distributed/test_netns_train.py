@@ -19,7 +19,7 @@ import netns
 import pytest
 from procs import REPO, child_env, run_checked, write_chat_data
 
-from homelab_ft import launch
+from homelab_ft.cluster import launch
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
 

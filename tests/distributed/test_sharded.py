@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from procs import REPO, child_env, run_checked, write_chat_data
 
-from homelab_ft import distributed, launch
+from homelab_ft.cluster import launch
+from homelab_ft.distributed import comm
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -110,7 +111,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     hybrid_path.write_text(json.dumps(hybrid))
     hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
     commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
-                                    port=distributed.free_port(), join_timeout_s=120, python=sys.executable)
+                                    port=comm.free_port(), join_timeout_s=120, python=sys.executable)
     procs = [subprocess.Popen(c.argv, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in commands]
     logs = [p.communicate(timeout=600)[0] for p in procs]

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from procs import REPO, child_env, write_chat_data
 
-from homelab_ft import checkpoint
-from homelab_ft.cli import main
-from homelab_ft.metrics import read_metrics
+from homelab_ft.cli.main import main
+from homelab_ft.store import checkpoint
+from homelab_ft.train.metrics import read_metrics
 
 TOL = 1e-5  # one process on micro-batch 2B vs two ranks on B (test_sharded.py)
 

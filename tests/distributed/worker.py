@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft import distributed, trainer
 from homelab_ft.config import recipe_from_dict
+from homelab_ft.distributed import comm, parallelize
 from homelab_ft.rung import Rung, rung_for
+from homelab_ft.train import trainer
 
 
 def _copy_run(src: Path, dst: Path, *, keep_step: int) -> None:
@@ -52,7 +53,7 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     rung = rung_for(recipe)
     if "compile_backend" in job:  # aot_eager: dynamo and AOTAutograd without inductor's minutes of g++
-        from homelab_ft import compiling
+        from homelab_ft.model import compiling
 
         compiling.BACKEND = job["compile_backend"]
     result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
@@ -64,8 +65,8 @@ def run_memory(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft import steps
     from homelab_ft.config import TrainConfig
+    from homelab_ft.train import steps
 
     def local(t):
         t = t.to_local() if isinstance(t, DTensor) else t
@@ -73,7 +74,7 @@ def run_memory(job: dict, env) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model = distributed.parallelize(model, env, rung=Rung("full", job["strategy"], False, procs_per_node=env.world_size))
+    model = parallelize.parallelize(model, env, rung=Rung("full", job["strategy"], False, procs_per_node=env.world_size))
     optimizer = steps.build_optimizer(model, TrainConfig(lr=1e-3))
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(env.rank))
     model(input_ids=ids, labels=ids).loss.backward()
@@ -94,10 +95,10 @@ def run_ends(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.loss import token_loss_sum
+    from homelab_ft.train.loss import token_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
-    model = distributed.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
+    model = parallelize.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     events: list[tuple[str, str]] = []
     unshard, post_backward = FSDPParamGroup.unshard, FSDPParamGroup.post_backward
@@ -146,7 +147,7 @@ def run_ddp_reduce(env) -> dict:
     out = {}
     for name in ("float32", "bfloat16"):
         layer = torch.nn.Linear(1, 1, bias=False)
-        wrapped = distributed.parallelize(layer, env, rung=Rung("lora", "no_shard", False, procs_per_node=env.world_size),
+        wrapped = parallelize.parallelize(layer, env, rung=Rung("lora", "no_shard", False, procs_per_node=env.world_size),
                                           reduce_dtype=getattr(torch, name))
         wrapped(torch.full((1, 1), 1 + (env.rank + 1) / 4096)).sum().backward()
         out[name] = float(layer.weight.grad)
@@ -159,12 +160,12 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft import modeling
-    from homelab_ft.checkpoint import trainable_state
-    from homelab_ft.consolidate import consolidate_to_hf
+    from homelab_ft.export.consolidate import consolidate_to_hf
+    from homelab_ft.model import loading
+    from homelab_ft.store.checkpoint import trainable_state
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
-    model_dir = modeling.resolve_model_dir(recipe.model.path)
+    model_dir = loading.resolve_model_dir(recipe.model.path)
     model = trainer.build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     with torch.no_grad():  # in place, into this rank's shards, as checkpoint.load does
         dcp.load({"model": trainable_state(model)}, checkpoint_id=Path(job["checkpoint"]) / "state")
@@ -204,14 +205,15 @@ def _safetensors_keys(model_dir: Path) -> set[str]:
 
 def run_token_counts(job: dict, base_dir: Path) -> dict:
     """Trained tokens per rank and step that a run on `world_size` ranks sees (no training)."""
-    from homelab_ft import modeling, steps
-    from homelab_ft.data import collate, prepare_data
-    from homelab_ft.sampling import MicroBatchSampler
+    from homelab_ft.data.sampling import MicroBatchSampler
+    from homelab_ft.data.sft import collate, prepare_data
+    from homelab_ft.model import loading
+    from homelab_ft.train import steps
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     cfg = recipe.train
-    model_dir = modeling.resolve_model_dir(recipe.model.path)
-    tokenizer = modeling.load_tokenizer(recipe.model, model_dir)
+    model_dir = loading.resolve_model_dir(recipe.model.path)
+    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     data = prepare_data(recipe.data, tokenizer, seed=cfg.seed, base_dir=base_dir)
     counts = []
     for rank in range(job["world_size"]):
@@ -231,16 +233,17 @@ def run_lora_hf_load(job: dict, env) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from homelab_ft import modeling, sharded_loading
     from homelab_ft.config import LoraConfig
+    from homelab_ft.distributed import sharded_loading
+    from homelab_ft.model import loading
 
     def build():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job["model_dir"]), dtype=torch.float32)
-        return modeling.attach_lora(model, LoraConfig(r=4, dropout=0.0))
+        return loading.attach_lora(model, LoraConfig(r=4, dropout=0.0))
 
     def load_full():
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
-        return modeling.attach_lora(model, LoraConfig(r=4, dropout=0.0))
+        return loading.attach_lora(model, LoraConfig(r=4, dropout=0.0))
 
     model = sharded_loading.build_sharded(env, build=build, model_dir=job["model_dir"], rung=_lora_fsdp(env))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -295,7 +298,8 @@ def run_qlora_shards(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    from homelab_ft import modeling, quant, sharded_qlora
+    from homelab_ft.distributed import sharded_qlora
+    from homelab_ft.model import loading, quant
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = Path(recipe.model.path)
@@ -336,10 +340,10 @@ def run_qlora_shards(job: dict, env) -> dict:
     }
     del model
     if env.is_main:
-        ref = modeling.load_model(recipe.model, model_dir, dtype=torch.float32, device=torch.device("cpu"),
+        ref = loading.load_model(recipe.model, model_dir, dtype=torch.float32, device=torch.device("cpu"),
                                   quantization_config=quant.bnb_config(recipe.quant, device="cpu"))
         quant.after_load(ref)
-        ref = modeling.attach_lora(ref, recipe.lora)
+        ref = loading.attach_lora(ref, recipe.lora)
         sharded_qlora.reset_adapters(ref, seed=recipe.train.seed)
         with torch.no_grad():
             plain = ref(input_ids=ids).logits
@@ -351,7 +355,7 @@ def run_export_run(job: dict) -> dict:
     """`homelab-ft export` of a run: the merged model loads with from_pretrained, and differs from the base."""
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.export import export_run
+    from homelab_ft.export.run import export_run
 
     res = export_run(Path(job["run_dir"]), Path(job["out"]))
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -365,7 +369,7 @@ def run_export_run(job: dict) -> dict:
 def main(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     base_dir = Path(spec["base_dir"])
-    env = distributed.setup(device_pref="cpu", timeout_s=120)
+    env = comm.setup(device_pref="cpu", timeout_s=120)
     results = {"world_size": env.world_size, "num_nodes": env.num_nodes}
     for job in spec["jobs"]:
         if job["kind"] == "train":
@@ -390,9 +394,9 @@ def main(spec_path: str, out_path: str) -> int:
             raise ValueError(job["kind"])
     if env.is_main:
         Path(out_path).write_text(json.dumps(results, indent=1))
-    distributed.teardown(env)
+    comm.teardown(env)
     return 0
 
 
 if __name__ == "__main__":
-    distributed.exit_now(main(*sys.argv[1:3]))
+    comm.exit_now(main(*sys.argv[1:3]))

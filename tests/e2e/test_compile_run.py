@@ -16,14 +16,16 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from homelab_ft import compiling, distributed, steps
 from homelab_ft.config import recipe_from_dict
-from homelab_ft.loss import token_loss_sum
+from homelab_ft.distributed import comm
+from homelab_ft.model import compiling
 from homelab_ft.rung import rung_for
-from homelab_ft.steps import IGNORE_INDEX
-from homelab_ft.trainer import build_model, train_step
+from homelab_ft.train import steps
+from homelab_ft.train.loss import token_loss_sum
+from homelab_ft.train.steps import IGNORE_INDEX
+from homelab_ft.train.trainer import build_model, train_step
 
-ENV = distributed.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
+ENV = comm.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
 TOL = 1e-4
 NUM_STEPS = 3
 # 2 rows x 24 tokens, the first label masked: 2 x 23 trained positions, 2 loss chunks of 23 (the

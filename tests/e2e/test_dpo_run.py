@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from homelab_ft.cli import main
-from homelab_ft.metrics import read_metrics
+from homelab_ft.cli.main import main
+from homelab_ft.train.metrics import read_metrics
 
 PAIR_KEYS = {"reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected"}
 

@@ -10,9 +10,9 @@ import yaml
 from procs import write_chat_data
 from safetensors import safe_open
 
-from homelab_ft import checkpoint
-from homelab_ft.cli import main
-from homelab_ft.consolidate import consolidate_to_hf
+from homelab_ft.cli.main import main
+from homelab_ft.export.consolidate import consolidate_to_hf
+from homelab_ft.store import checkpoint
 
 
 def test_full_run_consolidates_to_several_files_and_exports_in_the_asked_dtype(tmp_path, tiny_model_dir):

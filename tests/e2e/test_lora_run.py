@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from homelab_ft.cli import main
-from homelab_ft.metrics import read_metrics
+from homelab_ft.cli.main import main
+from homelab_ft.train.metrics import read_metrics
 
 
 def write_chat_data(path: Path, num_rows: int, *, seed: int = 0) -> Path:

@@ -30,8 +30,8 @@ def test_qlora_train_eval_resume_export(llama_dir, tmp_path, quant_section):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.cli import main
-    from homelab_ft.metrics import read_metrics
+    from homelab_ft.cli.main import main
+    from homelab_ft.train.metrics import read_metrics
 
     words = "the quick brown fox jumps over lazy dog answer yes no paris".split()
     gen = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from homelab_ft.cli import main
+from homelab_ft.cli.main import main
 
 
 def recipe_file(tmp: Path, body: dict) -> Path:

@@ -21,9 +21,9 @@ import procs
 import pytest
 import yaml
 
-from homelab_ft import checkpoint, manifest
-from homelab_ft.cli import main
-from homelab_ft.metrics import read_metrics
+from homelab_ft.cli.main import main
+from homelab_ft.store import checkpoint, manifest
+from homelab_ft.train.metrics import read_metrics
 
 
 def _recipe(tmp: Path, model_dir: Path, **train) -> Path:
@@ -181,7 +181,8 @@ def test_resume_refuses_optimisation_overrides(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("homelab-ft:") == 1 and "rows per optimizer step (train.micro_batch_size" in err, err
     # the same global batch split over two processes is a legitimate resume
-    from homelab_ft import config, rundir
+    from homelab_ft import config
+    from homelab_ft.store import rundir
 
     old = config.load_recipe(copy / "recipe.yaml")
     halves = config.load_recipe(recipe, ["train.micro_batch_size=2", "cluster.gpus_per_node=2"])

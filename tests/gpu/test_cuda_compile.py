@@ -41,10 +41,12 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) -> tuple[list[float], int]:
-    from homelab_ft import compiling, distributed, steps
     from homelab_ft.config import recipe_from_dict
+    from homelab_ft.distributed import comm
+    from homelab_ft.model import compiling
     from homelab_ft.rung import rung_for
-    from homelab_ft.trainer import build_model, train_step
+    from homelab_ft.train import steps
+    from homelab_ft.train.trainer import build_model, train_step
 
     recipe = recipe_from_dict({
         "method": method, "model": {"path": str(model_dir)}, "data": {"max_length": SEQ},
@@ -53,7 +55,7 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
                   "activation_checkpointing": checkpointing},
     })
     compiling.check_available(device_type="cuda")
-    env = distributed.setup(device_pref="cuda")
+    env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
@@ -84,7 +86,7 @@ def test_compiled_step_matches_eager_and_peaks_no_higher(model_dir, method, chec
 
 
 def test_compiled_loss_chunk_stores_no_fp32_logits():
-    from homelab_ft import loss
+    from homelab_ft.train import loss
 
     torch.manual_seed(0)
     head = torch.nn.Linear(1024, VOCAB, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)

@@ -45,14 +45,15 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_peak_matches_the_plan(model_dir, name):
-    from homelab_ft import distributed, steps
     from homelab_ft.config import ClusterConfig, recipe_from_dict
-    from homelab_ft.hardware import detect, resolve_cluster
-    from homelab_ft.memory import estimate
-    from homelab_ft.planner import option_rung, request_from_recipe
+    from homelab_ft.distributed import comm
+    from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.memory import estimate
+    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.shapes import model_shape, read_model_config
     from homelab_ft.rung import rung_for
-    from homelab_ft.shapes import model_shape, read_model_config
-    from homelab_ft.trainer import build_model, train_step
+    from homelab_ft.train import steps
+    from homelab_ft.train.trainer import build_model, train_step
 
     method, train, *lora = CASES[name]
     recipe = recipe_from_dict({
@@ -60,7 +61,7 @@ def test_peak_matches_the_plan(model_dir, name):
         "lora": {"dropout": 0.0, **(lora[0] if lora else {})},
         "train": {"device": "cuda", "micro_batch_size": 1, "lr": 1e-4, **train},
     })
-    env = distributed.setup(device_pref="cuda")
+    env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),

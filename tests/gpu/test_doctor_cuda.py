@@ -14,7 +14,7 @@ import pytest
 import torch
 from procs import REPO, child_env
 
-from homelab_ft import clusterfile
+from homelab_ft.cluster import clusterfile
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (make test-gpu)")]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from homelab_ft.cli import main
+from homelab_ft.cli.main import main
 
 
 def run_cli(capsys, *argv) -> str:

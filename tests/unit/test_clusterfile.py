@@ -2,7 +2,7 @@
 
 import pytest
 
-from homelab_ft import clusterfile
+from homelab_ft.cluster import clusterfile
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
 

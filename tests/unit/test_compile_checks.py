@@ -10,9 +10,9 @@ import torch
 import torch._inductor.config as inductor_config
 import yaml
 
-from homelab_ft import compiling
-from homelab_ft.cli import main
+from homelab_ft.cli.main import main
 from homelab_ft.errors import UserError
+from homelab_ft.model import compiling
 
 
 def test_available_here():

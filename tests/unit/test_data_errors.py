@@ -7,7 +7,7 @@ import json
 import pytest
 
 from homelab_ft.config import DataConfig, SourceConfig
-from homelab_ft.data import prepare_data
+from homelab_ft.data.sft import prepare_data
 from homelab_ft.errors import UserError
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}
@@ -87,7 +87,7 @@ def test_every_sample_over_max_length(tmp_path, tokenizer):
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path, tiny_model_dir, capsys):
-    from homelab_ft.cli import main
+    from homelab_ft.cli.main import main
 
     (tmp_path / "d.jsonl").write_bytes(lines(GOOD, {"messages": [{"role": "bot", "content": "x"}]}))
     recipe = tmp_path / "r.yaml"

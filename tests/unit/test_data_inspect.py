@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from homelab_ft.cli import main
+from homelab_ft.cli.main import main
 
 
 def test_inspect_shows_counts_histogram_packing_and_trained_text(tmp_path, tiny_model_dir, capsys):

@@ -12,9 +12,9 @@ import pytest
 from tiny import CHATML_TEMPLATE, CORPUS
 
 from homelab_ft.config import DataConfig, SourceConfig
-from homelab_ft.data import prepare_data
+from homelab_ft.data.sft import prepare_data
+from homelab_ft.data.templates import IGNORE_INDEX, chat_spans, labels_from_spans
 from homelab_ft.errors import UserError
-from homelab_ft.templates import IGNORE_INDEX, chat_spans, labels_from_spans
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

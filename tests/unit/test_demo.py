@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from homelab_ft import demo
 from homelab_ft.config import load_recipe
-from homelab_ft.data import prepare_data
-from homelab_ft.templates import IGNORE_INDEX
+from homelab_ft.data.sft import prepare_data
+from homelab_ft.data.templates import IGNORE_INDEX
+from homelab_ft.demo import sft
 
 GOOD = '{"name": "Ana Silva", "age": 34, "city": "Porto"}'
 
@@ -18,44 +18,44 @@ GOOD = '{"name": "Ana Silva", "age": 34, "city": "Porto"}'
 # ---------------------------------------------------------------------------------------- dataset
 
 
-@pytest.mark.parametrize("split", demo.SPLITS)
+@pytest.mark.parametrize("split", sft.SPLITS)
 def test_shipped_files_are_what_the_generator_writes(split):
-    shipped = demo.dataset_path(split).read_bytes()
-    assert shipped == demo.dataset_text(split).encode("utf-8")
+    shipped = sft.dataset_path(split).read_bytes()
+    assert shipped == sft.dataset_text(split).encode("utf-8")
 
 
 def test_write_dataset_reproduces_the_shipped_files_byte_for_byte(tmp_path):
-    for path in demo.write_dataset(tmp_path):
-        assert path.read_bytes() == demo.dataset_path(path.stem).read_bytes()
+    for path in sft.write_dataset(tmp_path):
+        assert path.read_bytes() == sft.dataset_path(path.stem).read_bytes()
 
 
 def test_generation_is_seeded():
-    assert demo.make_rows("train", num_rows=20) == demo.make_rows("train", num_rows=20)
-    assert demo.make_rows("train", num_rows=20) != demo.make_rows("train", num_rows=20, seed=demo.SEED + 1)
+    assert sft.make_rows("train", num_rows=20) == sft.make_rows("train", num_rows=20)
+    assert sft.make_rows("train", num_rows=20) != sft.make_rows("train", num_rows=20, seed=sft.SEED + 1)
 
 
-@pytest.mark.parametrize("split", demo.SPLITS)
+@pytest.mark.parametrize("split", sft.SPLITS)
 def test_rows_are_chat_rows_whose_answer_is_in_the_sentence(split):
-    rows = demo.read_rows(split)
-    assert len(rows) == (demo.NUM_EVAL_ROWS if split == "eval" else demo.NUM_TRAIN_ROWS)
+    rows = sft.read_rows(split)
+    assert len(rows) == (sft.NUM_EVAL_ROWS if split == "eval" else sft.NUM_TRAIN_ROWS)
     for row in rows:
         user, assistant = row["messages"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
         record = json.loads(assistant["content"])
-        assert list(record) == list(demo.KEYS)
+        assert list(record) == list(sft.KEYS)
         assert isinstance(record["age"], int)
         for value in record.values():
             assert str(value) in user["content"]
 
 
 def test_held_out_people_and_cities_never_occur_in_training_rows():
-    train = [json.loads(r["messages"][1]["content"]) for r in demo.read_rows("train")]
-    held_out = [json.loads(r["messages"][1]["content"]) for r in demo.read_rows("eval")]
+    train = [json.loads(r["messages"][1]["content"]) for r in sft.read_rows("train")]
+    held_out = [json.loads(r["messages"][1]["content"]) for r in sft.read_rows("eval")]
     train_words = {w for r in train for w in r["name"].split()} | {r["city"] for r in train}
     for record in held_out:
         assert not set(record["name"].split()) & train_words
         assert record["city"] not in train_words
-    train_text = "\n".join(r["messages"][0]["content"] for r in demo.read_rows("train"))
+    train_text = "\n".join(r["messages"][0]["content"] for r in sft.read_rows("train"))
     for record in held_out:
         assert record["city"] not in train_text
 
@@ -65,12 +65,12 @@ def test_demo_recipe_trains_only_on_the_assistant_reply(tiny_model_dir):
     from transformers import AutoTokenizer
 
     # the tiny tokenizer's 320-token vocabulary spells the rows out nearly byte by byte
-    recipe = load_recipe(demo.DEMO_RECIPE, ["data.max_length=1024"])
+    recipe = load_recipe(sft.DEMO_RECIPE, ["data.max_length=1024"])
     assert recipe.data.sources[0].path == "demo:train" and recipe.data.eval_sources[0].path == "demo:eval"
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = prepare_data(recipe.data, tokenizer, seed=0)
-    replies = {r["messages"][1]["content"] for r in demo.read_rows("train")}
-    assert len(data.train) == demo.NUM_TRAIN_ROWS and len(data.eval) == demo.NUM_EVAL_ROWS
+    replies = {r["messages"][1]["content"] for r in sft.read_rows("train")}
+    assert len(data.train) == sft.NUM_TRAIN_ROWS and len(data.eval) == sft.NUM_EVAL_ROWS
     for row in data.train.select(range(10)):
         trained = [t for t, label in zip(row["input_ids"], row["labels"], strict=True) if label != IGNORE_INDEX]
         text = tokenizer.decode(trained)
@@ -101,7 +101,7 @@ def test_demo_recipe_trains_only_on_the_assistant_reply(tiny_model_dir):
     ],
 )
 def test_grade(reply, correct, well_formed):
-    assert demo.grade(reply, GOOD) == (correct, well_formed)
+    assert sft.grade(reply, GOOD) == (correct, well_formed)
 
 
 class _Oracle(torch.nn.Module):
@@ -131,12 +131,12 @@ def test_score_counts_exact_records_and_shapes(tiny_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rows = demo.read_rows("eval")[:5]
+    rows = sft.read_rows("eval")[:5]
     users = [r["messages"][0]["content"] for r in rows]
     answers = [r["messages"][1]["content"] for r in rows]
     wrong_age = json.dumps({**json.loads(answers[1]), "age": 200})
     replies = {users[0]: answers[0], users[1]: wrong_age, users[2]: "Sure! " + answers[2], users[3]: answers[3], users[4]: "no"}
-    result = demo.score(_Oracle(tokenizer, replies), tokenizer, rows, max_new_tokens=40, batch_size=2)
+    result = sft.score(_Oracle(tokenizer, replies), tokenizer, rows, max_new_tokens=40, batch_size=2)
     assert (result.num_rows, result.num_correct, result.num_well_formed) == (5, 2, 3)
     assert [ex.correct for ex in result.examples] == [True, False, False, True, False]
     assert [ex.got for ex in result.examples] == [replies[u] for u in users]
@@ -150,9 +150,9 @@ def test_batched_left_padded_generation_matches_one_at_a_time(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     # prompts of different lengths, so the batch really is padded
-    conversations = [r["messages"][:1] for r in demo.read_rows("eval")[:6]]
+    conversations = [r["messages"][:1] for r in sft.read_rows("eval")[:6]]
     assert len({len(c[0]["content"]) for c in conversations}) > 1
-    batched = demo.generate(model, tokenizer, conversations, max_new_tokens=8, batch_size=6)
-    single = demo.generate(model, tokenizer, conversations, max_new_tokens=8, batch_size=1)
+    batched = sft.generate(model, tokenizer, conversations, max_new_tokens=8, batch_size=6)
+    single = sft.generate(model, tokenizer, conversations, max_new_tokens=8, batch_size=1)
     assert batched == single
     assert any(batched)

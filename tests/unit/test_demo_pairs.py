@@ -6,28 +6,28 @@ import json
 
 import pytest
 
-from homelab_ft import demo, demo_pairs
+from homelab_ft.demo import dpo, sft
 
 
-@pytest.mark.parametrize("stem", sorted(demo_pairs.SPLITS))
+@pytest.mark.parametrize("stem", sorted(dpo.SPLITS))
 def test_shipped_pairs_are_what_the_generator_writes(stem):
-    assert demo_pairs.dataset_path(stem).read_bytes() == demo_pairs.dataset_text(stem).encode("utf-8")
+    assert dpo.dataset_path(stem).read_bytes() == dpo.dataset_text(stem).encode("utf-8")
 
 
 def test_write_dataset_reproduces_the_shipped_files(tmp_path):
-    for path in demo_pairs.write_dataset(tmp_path):
-        assert path.read_bytes() == demo_pairs.dataset_path(path.stem).read_bytes()
+    for path in dpo.write_dataset(tmp_path):
+        assert path.read_bytes() == dpo.dataset_path(path.stem).read_bytes()
 
 
-@pytest.mark.parametrize("stem", sorted(demo_pairs.SPLITS))
+@pytest.mark.parametrize("stem", sorted(dpo.SPLITS))
 def test_pairs_prefer_the_exact_record(stem):
-    rows = [json.loads(line) for line in demo_pairs.dataset_path(stem).read_text().splitlines()]
-    assert len(rows) == demo_pairs.SPLITS[stem][1]
+    rows = [json.loads(line) for line in dpo.dataset_path(stem).read_text().splitlines()]
+    assert len(rows) == dpo.SPLITS[stem][1]
     for row in rows:
         record = json.loads(row["chosen"])
-        assert set(record) == set(demo.KEYS) and record["name"] in row["prompt"] and record["city"] in row["prompt"]
-        assert row["rejected"] != row["chosen"] and demo.parse_reply(row["rejected"]) != record
-    held_out_cities = set(demo.EVAL_CITIES)
+        assert set(record) == set(sft.KEYS) and record["name"] in row["prompt"] and record["city"] in row["prompt"]
+        assert row["rejected"] != row["chosen"] and sft.parse_reply(row["rejected"]) != record
+    held_out_cities = set(sft.EVAL_CITIES)
     cities = {json.loads(r["chosen"])["city"] for r in rows}
     assert (cities <= held_out_cities) == (stem == "pairs-eval")
     assert not (cities & held_out_cities) or stem == "pairs-eval"

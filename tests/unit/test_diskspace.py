@@ -5,9 +5,9 @@ from __future__ import annotations
 import shutil
 from collections import namedtuple
 
-from homelab_ft import diskspace
-from homelab_ft.memory import Cluster
-from homelab_ft.planner import default_request
+from homelab_ft.plan import diskspace
+from homelab_ft.plan.memory import Cluster
+from homelab_ft.plan.planner import default_request
 
 
 def _option(method: str, trainable: int):

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from homelab_ft import cli, clusterfile, doctor, doctor_rank, launch
-from homelab_ft import doctor_report as report
+from homelab_ft.cli import main as cli
+from homelab_ft.cluster import clusterfile, doctor, doctor_rank, launch
+from homelab_ft.cluster import doctor_report as report
+from homelab_ft.cluster.doctor_report import FAIL, OK, WARN, LinkResult, Needs, NodeFacts, Timing
+from homelab_ft.cluster.supervise import rendezvous_failure
 from homelab_ft.config import recipe_from_dict
-from homelab_ft.doctor_report import FAIL, OK, WARN, LinkResult, Needs, NodeFacts, Timing
-from homelab_ft.supervise import rendezvous_failure
 
 VERSIONS = {"python": "3.11.7", "torch": "2.13.0", "cuda": "12.8", "nccl": "2.27.3", "transformers": "5.24.0",
             "peft": "0.21.2", "bitsandbytes": "0.50.2", "homelab-ft": "0.1.0"}
@@ -250,7 +251,7 @@ def test_without_run_it_prints_each_nodes_command(capsys, tmp_path):
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "# on 10.0.0.1:" and lines[2] == "# on me@10.0.0.2:"
-    assert "-m homelab_ft.supervise --nnodes=2 --nproc-per-node=1" in lines[3]
+    assert "-m homelab_ft.cluster.supervise --nnodes=2 --nproc-per-node=1" in lines[3]
     assert lines[3].endswith("-m homelab_ft doctor --join-timeout=30 --iface=lo --out=c.yaml")
     assert "--local-addr=10.0.0.2" in lines[3] and "is_host=false" in lines[3] and "is_host=true" in lines[1]
 
@@ -279,7 +280,7 @@ def test_standalone_on_this_machine_runs_doctor_under_torchrun(monkeypatch):
     started = doctor.prepare(recipe_path=None, overrides=[], hostfile=None, iface=None, port=29500, nproc_per_node=None,
                              run=False, worker_args=["--out=c.yaml"], join_timeout_s=30)
     gpus = doctor.hardware.detect().gpu_count
-    assert started.argv == [sys.executable, "-m", "homelab_ft.supervise", "--standalone",
+    assert started.argv == [sys.executable, "-m", "homelab_ft.cluster.supervise", "--standalone",
                             f"--nproc-per-node={gpus or 2}", "-m", "homelab_ft", "doctor", "--out=c.yaml"]
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
-from homelab_ft import gguf_check, gguf_export
-from homelab_ft.cli import main
+from homelab_ft.cli.main import main
+from homelab_ft.export import gguf_check, gguf_export
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, vocab_size=320)
@@ -238,7 +238,7 @@ def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) ->
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft import checkpoint
+    from homelab_ft.store import checkpoint
 
     run = tmp / "run"
     torch.manual_seed(1)
@@ -366,7 +366,7 @@ def test_adapter_gguf_in_llama_cpp_layout_reproduces_the_merged_weights(models, 
 
 def test_adapter_gguf_refuses_dora(tmp_path):
     from homelab_ft.errors import UserError
-    from homelab_ft.gguf_adapter import adapter_alpha
+    from homelab_ft.export.gguf_adapter import adapter_alpha
 
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "use_dora": True}))
     with pytest.raises(UserError, match="DoRA"):

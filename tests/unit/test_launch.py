@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from homelab_ft import distributed, launch
+from homelab_ft.cluster import launch
 from homelab_ft.config import recipe_from_dict
+from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
 from homelab_ft.rung import Rung
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_standalone_command_runs_the_same_train_under_torchrun():
     argv = launch.standalone_command("r.yaml", ["train.lr=1e-4", "--resume"], nproc_per_node=4, python="py")
-    assert argv == ["py", "-m", "homelab_ft.supervise", "--standalone", "--nproc-per-node=4",
+    assert argv == ["py", "-m", "homelab_ft.cluster.supervise", "--standalone", "--nproc-per-node=4",
                     "-m", "homelab_ft", "train", "r.yaml", "train.lr=1e-4", "--resume"]
 
 
@@ -45,8 +46,8 @@ def test_node_commands_share_one_c10d_rendezvous_on_the_head():
                                 iface="enp3s0", run_id="job1", workdir="/srv/ft", python="python")
     assert [c.host.address for c in cmds] == ["me@box1", "box2"]
     for c, head, addr in zip(cmds, ("true", "false"), ("box1", "box2"), strict=True):
-        # torchrun's own agent, run by homelab_ft.supervise (one-line rendezvous failures)
-        assert c.argv[:3] == ["python", "-m", "homelab_ft.supervise"]
+        # torchrun's own agent, run by homelab_ft.cluster.supervise (one-line rendezvous failures)
+        assert c.argv[:3] == ["python", "-m", "homelab_ft.cluster.supervise"]
         assert "--nnodes=2" in c.argv and "--nproc-per-node=2" in c.argv
         assert "--rdzv-backend=c10d" in c.argv and "--rdzv-endpoint=box1:29600" in c.argv
         assert "--rdzv-id=job1" in c.argv
@@ -57,7 +58,7 @@ def test_node_commands_share_one_c10d_rendezvous_on_the_head():
         assert c.env == {"NCCL_SOCKET_IFNAME": "enp3s0", "GLOO_SOCKET_IFNAME": "enp3s0", "HOMELAB_FT_NODES": "box1,box2"}
     line = cmds[1].shell_line()
     assert line.startswith("cd /srv/ft && GLOO_SOCKET_IFNAME=enp3s0 HOMELAB_FT_NODES=box1,box2 NCCL_SOCKET_IFNAME=enp3s0 "
-                           "python -m homelab_ft.supervise")
+                           "python -m homelab_ft.cluster.supervise")
     doctor = launch.node_commands(hosts, None, ["--out=c.yaml"], nodes=2, nproc_per_node=1, command="doctor")
     assert doctor[0].argv[-4:] == ["-m", "homelab_ft", "doctor", "--out=c.yaml"]
     assert launch.ssh_argv(cmds[1])[:5] == ["ssh", "-o", "BatchMode=yes", "--", "box2"]
@@ -85,7 +86,7 @@ def test_multi_node_recipe_is_not_started_by_train_alone(monkeypatch):
 
 
 def _env(world_size: int, num_nodes: int):
-    return distributed.DistEnv(0, 0, world_size, num_nodes, torch.device("cpu"), "gloo", True)
+    return comm.DistEnv(0, 0, world_size, num_nodes, torch.device("cpu"), "gloo", True)
 
 
 @pytest.mark.parametrize(
@@ -97,29 +98,29 @@ def _env(world_size: int, num_nodes: int):
 )
 def test_job_checks(env, rung, message):
     with pytest.raises(UserError, match=message):
-        distributed.check_job(env, rung)
+        comm.check_job(env, rung)
 
 
 def test_job_check_accepts_a_consistent_job():
-    distributed.check_job(_env(4, 2), Rung("full", "hybrid_shard", False, nodes=2, procs_per_node=2))
+    comm.check_job(_env(4, 2), Rung("full", "hybrid_shard", False, nodes=2, procs_per_node=2))
 
 
 def test_single_process_setup_needs_no_process_group(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(var, raising=False)
-    env = distributed.setup(device_pref="cpu")
+    env = comm.setup(device_pref="cpu")
     assert (env.world_size, env.rank, env.is_main, env.distributed) == (1, 0, True, False)
-    assert distributed.all_reduce_sum(7, env) == 7.0
+    assert comm.all_reduce_sum(7, env) == 7.0
 
 
 def test_unreachable_rendezvous_is_a_clear_error_within_the_timeout():
     """Rank 1 of 2 waits for a master that never comes: a UserError after the timeout, no hang."""
     env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()), OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(comm.free_port()), OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO))
-    code = ("from homelab_ft import distributed\n"
+    code = ("from homelab_ft.distributed import comm\n"
             "from homelab_ft.errors import UserError\n"
-            "try:\n    distributed.setup(device_pref='cpu', timeout_s=3)\n"
+            "try:\n    comm.setup(device_pref='cpu', timeout_s=3)\n"
             "except UserError as err:\n    print('USERERROR', err)\n")
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

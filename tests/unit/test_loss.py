@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from homelab_ft import loss, steps
 from homelab_ft.config import LoraConfig
-from homelab_ft.steps import IGNORE_INDEX
+from homelab_ft.train import loss, steps
+from homelab_ft.train.steps import IGNORE_INDEX
 
 TOL = 1e-5
 VOCAB = 256
@@ -94,7 +94,7 @@ def test_chunked_matches_with_activation_checkpointing():
 
 @pytest.mark.parametrize("targets", [["lm_head"], ["q_proj", "v_proj", "lm_head"], "all-linear"])
 def test_chunked_matches_with_lora(targets):
-    from homelab_ft.modeling import attach_lora
+    from homelab_ft.model.loading import attach_lora
 
     model = attach_lora(_llama(tied=False), LoraConfig(r=4, dropout=0.0, target_modules=targets))
     with torch.no_grad():  # B starts at zero; make the adapters matter for the loss and the grads
@@ -189,7 +189,7 @@ def test_lora_on_the_head_alone_recomputes_its_chunks():
     """LoRA on lm_head over a frozen trunk: the hidden states need no gradient but the head does;
     each chunk's logits must still be recomputed in backward, not kept (checked through what the
     forward saves for backward: nothing vocab-wide, against the full-logits path that keeps it)."""
-    from homelab_ft.modeling import attach_lora
+    from homelab_ft.model.loading import attach_lora
 
     model = attach_lora(_llama(tied=False), LoraConfig(r=4, dropout=0.0, target_modules=["lm_head"]))
     batch = _batch(5)

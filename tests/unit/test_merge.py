@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from homelab_ft import merge
+from homelab_ft.export import merge
 
 
 def _adapter(model_dir, out, **lora_kwargs):

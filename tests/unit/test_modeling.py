@@ -7,19 +7,19 @@ import shutil
 import pytest
 import torch
 
-from homelab_ft import modeling
 from homelab_ft.config import LoraConfig, ModelConfig
 from homelab_ft.errors import UserError
+from homelab_ft.model import loading
 
 
 def test_local_dir_and_bad_paths(tmp_path, tiny_model_dir):
-    assert modeling.resolve_model_dir(str(tiny_model_dir)) == tiny_model_dir
+    assert loading.resolve_model_dir(str(tiny_model_dir)) == tiny_model_dir
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="no config.json"):
-        modeling.resolve_model_dir(str(tmp_path / "empty"))
+        loading.resolve_model_dir(str(tmp_path / "empty"))
     (tmp_path / "weights.bin").write_text("x")
     with pytest.raises(UserError, match="is a file"):
-        modeling.resolve_model_dir(str(tmp_path / "weights.bin"))
+        loading.resolve_model_dir(str(tmp_path / "weights.bin"))
 
 
 def test_hub_id_is_found_in_the_local_cache_only(tmp_path, tiny_model_dir, monkeypatch):
@@ -30,18 +30,18 @@ def test_hub_id_is_found_in_the_local_cache_only(tmp_path, tiny_model_dir, monke
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0123abcd")
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    assert modeling.resolve_model_dir("acme/tiny-llama") == snapshot
+    assert loading.resolve_model_dir("acme/tiny-llama") == snapshot
     with pytest.raises(UserError, match="hf download acme/other"):
-        modeling.resolve_model_dir("acme/other")
+        loading.resolve_model_dir("acme/other")
 
 
 def test_lora_attaches_to_all_linear_layers_but_the_head(tiny_model_dir):
     cfg = ModelConfig(path=str(tiny_model_dir))
-    model = modeling.load_model(cfg, tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
-    peft_model = modeling.attach_lora(model, LoraConfig(r=4, alpha=8))
+    model = loading.load_model(cfg, tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    peft_model = loading.attach_lora(model, LoraConfig(r=4, alpha=8))
     names = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in peft_model.named_parameters() if "lora_A" in n}
     assert names == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    trainable, total = modeling.count_params(peft_model)
+    trainable, total = loading.count_params(peft_model)
     assert 0 < trainable < total
 
 
@@ -50,14 +50,14 @@ def test_lora_attaches_to_all_linear_layers_but_the_head(tiny_model_dir):
                                                          ("compute", torch.float16, torch.float32)])
 def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     """`lora.dtype: compute` keeps bf16 adapters (and so bf16 AdamW moments) on a bf16 base only."""
-    from homelab_ft import steps
     from homelab_ft.config import TrainConfig
-    from homelab_ft.memory import Cluster, adapter_bytes
-    from homelab_ft.planner import default_request
+    from homelab_ft.plan.memory import Cluster, adapter_bytes
+    from homelab_ft.plan.planner import default_request
+    from homelab_ft.train import steps
 
     cfg = ModelConfig(path=str(tiny_model_dir))
-    model = modeling.load_model(cfg, tiny_model_dir, dtype=base, device=torch.device("cpu"))
-    peft_model = modeling.attach_lora(model, LoraConfig(r=4, alpha=8, dtype=lora_dtype), compute_dtype=base)
+    model = loading.load_model(cfg, tiny_model_dir, dtype=base, device=torch.device("cpu"))
+    peft_model = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dtype=lora_dtype), compute_dtype=base)
     assert {p.dtype for p in peft_model.parameters() if p.requires_grad} == {want}
     optimizer = steps.build_optimizer(peft_model, TrainConfig())
     ids = torch.arange(8).reshape(1, 8)
@@ -73,6 +73,6 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
 
 def test_unknown_target_module_is_a_user_error(tiny_model_dir):
     cfg = ModelConfig(path=str(tiny_model_dir))
-    model = modeling.load_model(cfg, tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
+    model = loading.load_model(cfg, tiny_model_dir, dtype=torch.float32, device=torch.device("cpu"))
     with pytest.raises(UserError, match="lora.target_modules"):
-        modeling.attach_lora(model, LoraConfig(target_modules=["no_such_proj"]))
+        loading.attach_lora(model, LoraConfig(target_modules=["no_such_proj"]))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from homelab_ft import clusterfile, launch
-from homelab_ft.cli import main
-from homelab_ft.memory import (
+from homelab_ft.cli.main import main
+from homelab_ft.cluster import clusterfile, launch
+from homelab_ft.plan.memory import (
     DDP_FIRST_BUCKET_BYTES,
     ETHERNET_EFFICIENCY,
     LATENCY_S,
@@ -23,8 +23,8 @@ from homelab_ft.memory import (
     GiB,
     estimate,
 )
-from homelab_ft.planner import default_request, option_rung, plan
-from homelab_ft.shapes import model_shape
+from homelab_ft.plan.planner import default_request, option_rung, plan
+from homelab_ft.plan.shapes import model_shape
 
 ROOT = Path(__file__).parent.parent.parent
 CONFIGS = ROOT / "tests" / "configs"
@@ -147,7 +147,7 @@ def _recipe(tmp_path: Path) -> Path:
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from homelab_ft.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
@@ -201,7 +201,7 @@ def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
     """CPU runs use gloo, whose reduce_scatter_tensor takes as long as an all-reduce of its input
     and whose all_gather_into_tensor reaches GLOO_ALL_GATHER_EFFICIENCY of the all-reduce's bus
     bandwidth (measured between namespace nodes, see memory.py); NCCL's reach the link's."""
-    from homelab_ft.memory import GLOO_ALL_GATHER_EFFICIENCY
+    from homelab_ft.plan.memory import GLOO_ALL_GATHER_EFFICIENCY
 
     links = dict(gbit=1.0, inter_link_measured=True, inter_latency_s=0.0)
     request = dataclasses.replace(LONG, dtype="float32")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from homelab_ft import loss
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.errors import UserError
-from homelab_ft.offload import MIN_OFFLOAD_BYTES, activations_on_host
 from homelab_ft.rung import rung_for
+from homelab_ft.train import loss
+from homelab_ft.train.offload import MIN_OFFLOAD_BYTES, activations_on_host
 
 
 def _llama():
@@ -46,7 +46,7 @@ def test_offload_moves_the_checkpointed_block_inputs_and_changes_nothing(monkeyp
         return out
 
     want_loss, want = _loss_and_grads(model, batch, offload=False)
-    monkeypatch.setattr("homelab_ft.offload.torch.empty", counting_empty)
+    monkeypatch.setattr("homelab_ft.train.offload.torch.empty", counting_empty)
     got_loss, got = _loss_and_grads(model, batch, offload=True)
     # each of the 3 checkpointed blocks saved its input; nothing else that big is saved outside them
     assert moved.count(block_input_bytes) >= 3
@@ -65,8 +65,8 @@ def test_offload_needs_checkpointing():
 
 def test_activation_offload_without_host_ram_to_spare_is_refused():
     from homelab_ft.errors import UserError
-    from homelab_ft.preflight import check_activation_offload
     from homelab_ft.rung import Rung
+    from homelab_ft.train.preflight import check_activation_offload
 
     rung = Rung("lora", "no_shard", False, activation_checkpointing=True, activation_offload=True)
     with pytest.raises(UserError, match="need 3.0 GiB of host RAM on this node, but only 1.0 GiB is available; set "

@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from homelab_ft import distributed, steps
 from homelab_ft.config import recipe_from_dict
+from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
-from homelab_ft.optim_backward import OptimizerInBackward
 from homelab_ft.rung import Rung, rung_for
-from homelab_ft.steps import IGNORE_INDEX
-from homelab_ft.trainer import train_step
+from homelab_ft.train import steps
+from homelab_ft.train.optim_backward import OptimizerInBackward
+from homelab_ft.train.steps import IGNORE_INDEX
+from homelab_ft.train.trainer import train_step
 
-ENV = distributed.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
+ENV = comm.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
 
 
 def _llama(*, tied: bool):

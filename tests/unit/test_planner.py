@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
-from homelab_ft.hardware import (
+from homelab_ft.plan.hardware import (
     Detected,
     cluster_overrides,
     detect,
@@ -24,10 +24,10 @@ from homelab_ft.hardware import (
     parse_size,
     resolve_cluster,
 )
-from homelab_ft.memory import Cluster, GiB, estimate
-from homelab_ft.planner import LADDER, default_request, option_rung, plan, saver_levels
+from homelab_ft.plan.memory import Cluster, GiB, estimate
+from homelab_ft.plan.planner import LADDER, default_request, option_rung, plan, saver_levels
+from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import RungError
-from homelab_ft.shapes import model_shape
 
 ROOT = Path(__file__).parent.parent.parent
 CONFIGS = ROOT / "tests" / "configs"
@@ -276,7 +276,7 @@ def test_flag_parsing():
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from homelab_ft.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
@@ -377,7 +377,7 @@ def test_dpo_prices_the_doubled_sequences_and_the_reference(method):
 
 def test_dpo_recipe_reaches_the_planner():
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.planner import request_from_recipe
+    from homelab_ft.plan.planner import request_from_recipe
 
     request = request_from_recipe(recipe_from_dict({"objective": "dpo", "train": {"micro_batch_size": 3}}))
     assert request.objective == "dpo" and request.rows_per_micro_batch == 6

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from homelab_ft import preference
 from homelab_ft.config import DataConfig, DpoConfig, SourceConfig, recipe_from_dict
+from homelab_ft.data.pairs import collate_pairs, prepare_pairs
+from homelab_ft.data.templates import IGNORE_INDEX
 from homelab_ft.errors import UserError
-from homelab_ft.preference_data import collate_pairs, prepare_pairs
-from homelab_ft.templates import IGNORE_INDEX
+from homelab_ft.train import preference
 
 # (policy chosen, policy rejected, reference chosen, reference rejected) sequence log-probabilities
 PAIRS = [(-12.0, -15.0, -13.0, -14.0), (-30.5, -22.25, -29.0, -25.0), (-4.0, -4.0, -4.0, -4.0)]
@@ -96,11 +96,11 @@ def test_sequence_logps_equal_a_per_token_gather_with_the_prompt_masked():
 def test_disabled_adapter_reference_equals_the_base_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft import modeling
     from homelab_ft.config import LoraConfig
+    from homelab_ft.model import loading
 
     torch.manual_seed(0)
-    policy = modeling.attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+    policy = loading.attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                   LoraConfig(r=4, dropout=0.1))
     with torch.no_grad():
         for name, p in policy.named_parameters():
@@ -225,7 +225,7 @@ def test_objective_and_format_must_agree(tmp_path, tokenizer):
     write(tmp_path, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, name="c.jsonl")
     with pytest.raises(UserError, match=r"data.sources\[0\]: objective=dpo .* has no chosen and rejected"):
         prepare(tmp_path, tokenizer, sources=[SourceConfig(path="c.jsonl")])
-    from homelab_ft.data import prepare_data
+    from homelab_ft.data.sft import prepare_data
 
     write(tmp_path, pair())
     with pytest.raises(UserError, match="holds preference pairs .* set objective: dpo"):

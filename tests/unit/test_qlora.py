@@ -3,7 +3,7 @@
 The central test compares LoRA gradients of the quantized model, after an eval pass without
 gradients, with those of an fp32 model that holds the dequantized weights: the two compute the
 same function, so the gradients must agree to fp32 rounding. "Loss goes down" would not catch the
-bitsandbytes CPU repack bug (homelab_ft/quant.py): training still moves, just wrongly.
+bitsandbytes CPU repack bug (homelab_ft/model/quant.py): training still moves, just wrongly.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from homelab_ft import modeling, quant
 from homelab_ft.config import LoraConfig, ModelConfig, QuantConfig, TrainConfig, load_recipe
 from homelab_ft.errors import UserError
+from homelab_ft.model import loading, quant
 from homelab_ft.rung import Rung
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -46,7 +46,7 @@ def narrow_kv_dir(tmp_path_factory) -> Path:
 
 
 def load_quantized(model_dir: Path, quant_cfg: QuantConfig, *, guard: bool = True):
-    model = modeling.load_model(
+    model = loading.load_model(
         ModelConfig(), model_dir,
         dtype=quant.compute_dtype(quant_cfg, device=CPU), device=CPU,
         quantization_config=quant.bnb_config(quant_cfg, device=CPU),
@@ -58,7 +58,7 @@ def load_quantized(model_dir: Path, quant_cfg: QuantConfig, *, guard: bool = Tru
 
 def dequantized_reference(model_dir: Path, quantized) -> torch.nn.Module:
     """fp32 model whose linear weights are exactly what the quantized layers compute with."""
-    ref = modeling.load_model(ModelConfig(), model_dir, dtype=torch.float32, device=CPU)
+    ref = loading.load_model(ModelConfig(), model_dir, dtype=torch.float32, device=CPU)
     layers = dict(quantized.named_modules())
     with torch.no_grad():
         for name, module in ref.named_modules():
@@ -74,7 +74,7 @@ def dequantized_reference(model_dir: Path, quantized) -> torch.nn.Module:
 def with_lora(model, *, seed: int):
     """LoRA through the project's path, with seeded A and B (the same in both models). B is made
     non-zero: PEFT starts it at 0, which makes every A gradient 0 and would hide half the comparison."""
-    model = modeling.attach_lora(model, LoraConfig(r=8, alpha=16, dropout=0.0))
+    model = loading.attach_lora(model, LoraConfig(r=8, alpha=16, dropout=0.0))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -157,7 +157,7 @@ def test_4bit_model_saved_after_eval_reloads_unchanged(llama_dir, tmp_path, doub
               for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     eval_pass(model, torch.randint(0, 300, (1, 16)))
     model.save_pretrained(tmp_path)
-    reloaded = modeling.load_model(ModelConfig(), tmp_path, dtype=torch.float32, device=CPU)
+    reloaded = loading.load_model(ModelConfig(), tmp_path, dtype=torch.float32, device=CPU)
     quant.after_load(reloaded)
     after = {n: dequantize_4bit(m.weight.data, m.weight.quant_state)
              for n, m in reloaded.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
@@ -295,15 +295,15 @@ def test_data_parallel_qlora_reduces_only_the_adapter(llama_dir):
     never broadcast or all-reduced, so a step moves the adapter's gradients and nothing else."""
     import torch.distributed as dist
 
-    from homelab_ft import distributed
+    from homelab_ft.distributed import comm, parallelize
 
     model = with_lora(load_quantized(llama_dir, QuantConfig()), seed=0)
     lora = {id(p) for n, p in model.named_parameters() if "lora_" in n}
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        env = distributed.DistEnv(rank=0, local_rank=0, world_size=1, num_nodes=1, device=CPU, backend="gloo",
+        env = comm.DistEnv(rank=0, local_rank=0, world_size=1, num_nodes=1, device=CPU, backend="gloo",
                                   is_main=True)
-        ddp = distributed.parallelize(model, env, rung=Rung("qlora", "no_shard", False))
+        ddp = parallelize.parallelize(model, env, rung=Rung("qlora", "no_shard", False))
         reduced = ddp._module_parameters  # what DDP's reducer buckets and all-reduces
         assert {id(p) for p in reduced} == lora
     finally:

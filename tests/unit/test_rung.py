@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.config import recipe_from_dict
-from homelab_ft.memory import Cluster, GiB, PlanRequest
-from homelab_ft.planner import default_request, plan
+from homelab_ft.plan.memory import Cluster, GiB, PlanRequest
+from homelab_ft.plan.planner import default_request, plan
+from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import Rung, RungError, rung_for
-from homelab_ft.shapes import model_shape
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.config import recipe_from_dict
+from homelab_ft.distributed.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
 from homelab_ft.errors import UserError
-from homelab_ft.memory import Cluster, GiB, estimate, quant_state_bytes
-from homelab_ft.planner import default_request, option_rung
+from homelab_ft.plan.memory import Cluster, GiB, estimate, quant_state_bytes
+from homelab_ft.plan.planner import default_request, option_rung
+from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import Rung
-from homelab_ft.shapes import model_shape
-from homelab_ft.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
 
 torch = pytest.importorskip("torch")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -84,7 +84,7 @@ def test_chunked_quantisation_is_bitsandbytes_bit_for_bit(monkeypatch, quant_typ
     bnb = pytest.importorskip("bitsandbytes")
     import bitsandbytes.functional as F
 
-    from homelab_ft import sharded_qlora
+    from homelab_ft.distributed import sharded_qlora
 
     monkeypatch.setattr(sharded_qlora, "QUANT_CHUNK_VALUES", 1024)
     weight = torch.randn(72, 40, generator=torch.Generator().manual_seed(0))  # 2880 values: 3 chunks, 45 blocks

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from homelab_ft import checkpoint, steps
 from homelab_ft.config import TrainConfig
+from homelab_ft.store import checkpoint
+from homelab_ft.train import steps
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])

@@ -1,0 +1,106 @@
+"""`homelab-ft data inspect RECIPE`: what the model will learn from, before any training.
+
+Counts per source, tokens, a length histogram, what was truncated or dropped, the packing
+efficiency, and one rendered sample with the trained tokens highlighted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from homelab_ft.config import DataConfig, Recipe
+from homelab_ft.data import packing
+from homelab_ft.data.sft import DataReport, PreparedData, prepare_for
+from homelab_ft.data.templates import IGNORE_INDEX
+
+HISTOGRAM_BINS = 8
+BAR_WIDTH = 40
+GREEN, RESET = "\033[1;32m", "\033[0m"
+
+
+def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str:
+    """Load the recipe's tokenizer, prepare its data exactly as training would, describe it."""
+    from homelab_ft.model import loading
+
+    model_dir = None if recipe.model.tokenizer else loading.resolve_model_dir(recipe.model.path)
+    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
+    return describe(prepared, tokenizer, recipe.data, color=color)
+
+
+def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool) -> str:
+    r = prepared.report
+    out = [f"{'source':<40} {'format':<18} {'rows':>8} {'skipped':>8} {'samples':>8}"]
+    for label, sources in (("train", r.sources), ("eval", r.eval_sources)):
+        for s in sources:
+            out.append(f"{label + ': ' + s.name:<40} {s.format:<18} {s.num_rows_read:>8} {s.num_rows_skipped:>8} {s.num_samples:>8}")
+            if s.first_error:
+                out.append(f"  first skipped row: {s.first_error}")
+    share = r.num_trained_tokens / max(r.num_train_tokens, 1)
+    unit = "pairs" if r.pairs else "samples"
+    out += [
+        "",
+        f"train: {r.num_train_samples} {unit} in {r.num_train_rows} rows{' (chosen + rejected: 2 token rows each)' if r.pairs else ''}, "
+        f"{r.num_train_tokens} tokens, {r.num_trained_tokens} trained ({share:.1%})",
+        f"eval: {r.num_eval_samples} {unit}",
+        f"max_length {r.max_length}: {r.num_truncated} truncated, {r.num_dropped_overlong} dropped as too long, "
+        f"{r.num_dropped_no_target} dropped with no answer left, {r.num_bad_template} not renderable",
+        "",
+        "tokens per answer row:" if r.pairs else "tokens per sample:",
+        *histogram(r.sample_lengths, max_length=r.max_length),
+        "",
+        *([] if r.pairs else [packing_line(r)]),
+        f"tokenised data: {'from the cache' if r.cache_hit else 'tokenised now (cached for the next run)'}",
+        "",
+        f"first training {'pair' if r.pairs else 'sample'}; trained tokens "
+        + (f"{GREEN}in green{RESET}" if color else "between [[ and ]]") + ":",
+        *render_first(prepared.train[0], tokenizer, color=color),
+    ]
+    return "\n".join(out)
+
+
+def histogram(lengths, *, max_length: int) -> list[str]:
+    width = -(-max_length // HISTOGRAM_BINS)
+    counts = [0] * HISTOGRAM_BINS
+    for n in lengths:
+        counts[min((n - 1) // width, HISTOGRAM_BINS - 1)] += 1
+    peak = max(counts) or 1
+    return [
+        f"  {b * width + 1:>6}-{min((b + 1) * width, max_length):<6} {'#' * round(BAR_WIDTH * c / peak):<{BAR_WIDTH}} {c}"
+        for b, c in enumerate(counts)
+    ]
+
+
+def packing_line(r: DataReport) -> str:
+    if r.packed:
+        return f"packing: on; non-pad fraction {r.non_pad_fraction:.3f} ({r.num_train_rows} rows of {r.max_length} tokens)"
+    bins = packing.pack_bins(list(r.sample_lengths), max_length=r.max_length)
+    packed = packing.non_pad_fraction(list(r.sample_lengths), num_rows=len(bins), max_length=r.max_length)
+    return (f"packing: off; non-pad fraction {r.non_pad_fraction:.3f} if every row were padded to max_length; "
+            f"data.packing=true would give {packed:.3f} in {len(bins)} rows")
+
+
+def render_first(row: dict, tokenizer, *, color: bool) -> list[str]:
+    """A sample, or a preference pair's two rows (only their answers carry loss)."""
+    if "chosen_input_ids" not in row:
+        return [render_sample(row, tokenizer, color=color)]
+    return [f"{side}:\n" + render_sample({"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]},
+                                          tokenizer, color=color) for side in ("chosen", "rejected")]
+
+
+def render_sample(row: dict, tokenizer, *, color: bool) -> str:
+    """Decode the first sample of a row, trained runs marked; packed rows hold several samples."""
+    ids, labels = row["input_ids"], row["labels"]
+    if "position_ids" in row:
+        positions = row["position_ids"]
+        end = next((i for i in range(1, len(positions)) if positions[i] == 0), len(positions))
+        ids, labels = ids[:end], labels[:end]
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or (labels[i] != IGNORE_INDEX) != (labels[start] != IGNORE_INDEX):
+            text = tokenizer.decode(ids[start:i])
+            if labels[start] != IGNORE_INDEX:
+                text = f"{GREEN}{text}{RESET}" if color else f"[[{text}]]"
+            parts.append(text)
+            start = i
+    return "".join(parts)

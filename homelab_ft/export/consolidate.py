@@ -1,0 +1,205 @@
+"""A sharded (DCP) checkpoint of a full fine-tune -> a Hugging Face model directory.
+
+The checkpoint holds every rank's shards in DCP's own format (`checkpoint.py` writes
+`{"model": ..., "optim": ...}` with `dcp.save`). We read it back one output file at a time: for
+each group of tensors that fits in `max_shard_bytes`, DCP assembles the full tensors from
+whichever rank files hold their pieces, we write that group as one safetensors file and drop it.
+Peak memory is one output file (5 GiB by default, the Hub's usual shard size), never the model,
+and no process group is needed, so export runs on any one machine and any number of ranks'
+checkpoints.
+
+torch 2.13's `HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)` and
+`consolidate_safetensors_files` do the same for checkpoints *saved* in HF format; ours are in DCP
+format because they also carry the optimizer state for resuming, so we read with DCP's planner.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from homelab_ft.errors import UserError
+
+MODEL_PREFIX = "model."
+"""Keys of the model's entries in the checkpoint's state dict (the optimizer's start `optim.`)."""
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_INDEX = "model.safetensors.index.json"
+
+
+def _state_dir(checkpoint_dir: Path) -> Path:
+    checkpoint_dir = Path(checkpoint_dir)
+    for candidate in (checkpoint_dir / "state", checkpoint_dir):
+        if (candidate / ".metadata").is_file():
+            return candidate
+    raise UserError(f"{checkpoint_dir} is not a sharded checkpoint (no state/.metadata); pass a checkpoints/step_* directory")
+
+
+def model_tensors(checkpoint_dir: Path) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """HF name -> (shape, dtype) of every model tensor in the checkpoint, from its metadata only."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from homelab_ft.store.dcp_metadata import SafeFileSystemReader
+
+    metadata = SafeFileSystemReader(str(_state_dir(checkpoint_dir))).read_metadata()
+    out = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata):
+            out[key.removeprefix(MODEL_PREFIX)] = (item.size, item.properties.dtype)
+    return out
+
+
+def consolidate_to_hf(
+    checkpoint_dir: Path,
+    base_model_dir: Path,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> float:
+    """Write the checkpoint's weights as HF safetensors plus the base's config and tokenizer.
+
+    `dtype`: the weights' dtype on disk (default: as trained). Returns the largest absolute
+    difference between each tensor read back from the written files and the checkpoint's (0.0
+    unless a cast to `dtype` rounds), after checking that the names and shapes are exactly those
+    the base config's architecture expects, so the directory loads with `from_pretrained`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from homelab_ft.store.dcp_metadata import SafeFileSystemReader
+
+    state_dir = _state_dir(checkpoint_dir)
+    tensors = model_tensors(checkpoint_dir)
+    if not tensors:
+        raise UserError(f"{checkpoint_dir} holds no model weights")
+    if any(".lora_" in name for name in tensors):
+        raise UserError(f"{checkpoint_dir} is a LoRA checkpoint (adapters only); export it with the adapter merge")
+    expected, tied = _architecture(Path(base_model_dir))
+    _check_tied_equal(state_dir, tensors, tied)
+    for target in tied:
+        tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
+    _check_architecture(Path(base_model_dir), expected, {n: tensors[n][0] for n in tensors})
+    groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.glob("model*.safetensors"):
+        stale.unlink()  # idempotent re-export with another shard count
+    (out_dir / _INDEX).unlink(missing_ok=True)
+    weight_map, total_bytes, max_diff = {}, 0, 0.0
+    for number, names in enumerate(groups, start=1):
+        file_name = "model.safetensors" if len(groups) == 1 else f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+        buffers = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in names}
+        dcp.load(buffers, storage_reader=SafeFileSystemReader(str(state_dir)), no_dist=True)
+        out = {n: _cast(buffers[MODEL_PREFIX + n], dtype).contiguous() for n in names}
+        save_file(out, str(out_dir / file_name), metadata={"format": "pt"})
+        max_diff = max(max_diff, _read_back_diff(out_dir / file_name, buffers))
+        for n, t in out.items():
+            weight_map[n] = file_name
+            total_bytes += t.numel() * t.element_size()
+        del buffers, out
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / _INDEX).write_text(json.dumps(index, indent=2))
+    _copy_model_files(Path(base_model_dir), out_dir, dtype=dtype or next(iter(tensors.values()))[1])
+    return max_diff
+
+
+def _read_back_diff(path: Path, originals: dict[str, torch.Tensor]) -> float:
+    from safetensors import safe_open
+
+    diff = 0.0
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            written = f.get_tensor(name).float()
+            diff = max(diff, float((written - originals[MODEL_PREFIX + name].float()).abs().max()))
+    return diff
+
+
+def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str]]:
+    """What the base config's model loads: tensor shapes by name, and its tied names (target -> source).
+
+    Built on the meta device (no memory). Tied targets (`lm_head.weight` when
+    `tie_word_embeddings`, which Gemma and Qwen2.5-0.5B set, some through the config class's
+    default rather than config.json) are not written: from_pretrained re-ties them to the source.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_dir)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    tied = model.get_expanded_tied_weights_keys(all_submodels=True)
+    expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
+    return expected, tied
+
+
+def _check_tied_equal(state_dir: Path, tensors: dict, tied: dict[str, str]) -> None:
+    """A checkpoint that holds both names of a tied weight must hold one tensor under both.
+
+    The trainer shards a tied weight as one Parameter, so DCP writes the same values twice. A
+    checkpoint where they differ was trained untied (homelab-ft before the re-tie in
+    sharded_loading.tie_weights left the head uninitialised): exporting only the embedding would
+    silently drop what the head learnt. Costs reading the embedding twice, once per export.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from homelab_ft.store.dcp_metadata import SafeFileSystemReader
+
+    for target, source in tied.items():
+        if target not in tensors or source not in tensors:
+            continue
+        pair = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in (target, source)}
+        dcp.load(pair, storage_reader=SafeFileSystemReader(str(state_dir)), no_dist=True)
+        if not torch.equal(pair[MODEL_PREFIX + target], pair[MODEL_PREFIX + source]):
+            raise UserError(
+                f"{state_dir} holds different {target} and {source}, but the model's config ties "
+                f"them; this checkpoint was trained with the tie broken and cannot be exported as this "
+                f"architecture; train again with this homelab-ft version"
+            )
+
+
+def _check_architecture(base_dir: Path, expected: dict[str, torch.Size], shapes: dict[str, torch.Size]) -> None:
+    """The base config's model must want exactly the checkpoint's tensors."""
+    if expected != dict(shapes):
+        missing = sorted(set(expected) - set(shapes))[:3]
+        extra = sorted(set(shapes) - set(expected))[:3]
+        raise UserError(
+            f"the checkpoint's weights do not match the architecture in {base_dir}/config.json "
+            f"(missing {missing}, unexpected {extra}); export it against the model it was trained from"
+        )
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+
+
+def _group(tensors: dict, *, dtype, max_shard_bytes: int) -> list[list[str]]:
+    """Tensors in checkpoint order, cut into files of at most `max_shard_bytes` (one tensor may exceed it)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, stored) in tensors.items():
+        itemsize = (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
+        nbytes = shape.numel() * itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def _copy_model_files(base_dir: Path, out_dir: Path, *, dtype: torch.dtype) -> None:
+    """Config, generation config, tokenizer and chat template from the base; weights excluded."""
+    for path in base_dir.iterdir():
+        if path.is_file() and not path.name.endswith(_WEIGHT_FILES) and path.name != _INDEX:
+            shutil.copy2(path, out_dir / path.name)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")

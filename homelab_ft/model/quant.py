@@ -1,0 +1,288 @@
+"""Everything bitsandbytes-specific: the 4/8-bit load config, the CPU guard, k-bit preparation
+and the 8-bit / paged AdamW optimizers. `modeling`/`trainer` call this for `method: qlora`.
+
+The CPU trap (bitsandbytes 0.50.2, read in bitsandbytes/nn/modules.py `Linear4bit.forward`):
+on a CPU with AVX512-BF16, the first forward of a `Linear4bit` that runs in eval mode on an
+input without grad (an eval loop, `generate`) repacks its weight in place into a bf16 layout for
+a fused inference kernel (`functional._convert_weight_packed_for_cpu`). Every later forward,
+training ones included, then goes through `torch.ops.bitsandbytes.gemv_4bit`, which has no
+autograd kernel: backward passes no gradient to the layer input through the base weight (torch
+warns "an autograd kernel was not registered ... silently incorrect behavior"), so the LoRA
+gradients of every earlier layer are wrong. Measured on this project's 2-core AMD EPYC with
+avx512_bf16, tiny Llama (hidden 64, 2 layers, LoRA r=8 on all linear layers): gradient relative
+error 0 before an eval pass, 0.30 after it. Saving after the repack round-trips the weights
+through a lossy inverse: 0.5% max relative weight error with double quantization, 48% without
+(the non-nested absmax is never transposed back). The repack also asserts out_features % 32 == 0
+and in_features even, so a model with, say, 16 key/value features crashes on its first eval.
+
+`after_load` turns the repack off on every layer (`support_avx512bf16_for_cpu = False`, the flag
+`forward` checks); with it, the same layers compute through the dequantize + matmul path in
+train and eval alike, gradients match an fp32 model holding the dequantized weights exactly, any
+layer shape works, and saves are lossless. tests/unit/test_qlora.py checks all of this.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from homelab_ft.config import QuantConfig, TrainConfig
+from homelab_ft.errors import UserError
+from homelab_ft.plan.shapes import MAX_UNQUANTIZABLE_FRACTION
+
+# MAX_UNQUANTIZABLE_FRACTION: attention/MLP `nn.Linear` layers are ~100% of a dense model's block
+# weights and routers ~0.01%; fused MoE experts (3-D parameters, which bitsandbytes leaves alone)
+# are ~97% of Mixtral-8x7B's, where "QLoRA" would silently load ~90 GB in bf16.
+
+
+# --------------------------------------------------------------------------------------------
+# availability and the load config
+
+
+def require_bitsandbytes(*, device: torch.device | str):
+    """Import bitsandbytes and check its native library loaded; a UserError otherwise."""
+    device = torch.device(device)
+    try:
+        import bitsandbytes as bnb
+        from bitsandbytes import cextension
+    except ImportError as err:
+        raise UserError(
+            f"method: qlora needs bitsandbytes ({err}); install it with pip install 'bitsandbytes>=0.45', "
+            "or set method: lora"
+        ) from None
+    mock = getattr(cextension, "ErrorHandlerMockBNBNativeLibrary", None)  # absent in older releases
+    if mock is not None and isinstance(getattr(cextension, "lib", None), mock):
+        # bitsandbytes imports without its compiled library (e.g. no build for this CUDA version)
+        # and only fails on the first kernel call, deep inside a forward.
+        raise UserError(
+            f"bitsandbytes {bnb.__version__} found no native library for this machine; run "
+            "python -m bitsandbytes to see why, or set method: lora"
+        )
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"method: qlora runs on cpu or cuda here, not {device.type}; set train.device")
+    return bnb
+
+
+def compute_dtype(quant_cfg: QuantConfig, *, device: torch.device | str) -> torch.dtype:
+    """Dtype 4-bit weights are dequantized to for each matmul, and of the non-quantized weights.
+
+    `auto`: bf16 on GPUs that have it (fp32's range, half the activation memory), fp32 elsewhere
+    (CPU bf16 matmuls are slower than fp32 on most CPUs and round the activations).
+    """
+    if quant_cfg.compute_dtype != "auto":
+        return getattr(torch, quant_cfg.compute_dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def bnb_config(quant_cfg: QuantConfig, *, device: torch.device | str):
+    """The `quantization_config` for `from_pretrained`: NF4/FP4 (double quant on) or LLM.int8."""
+    from transformers import BitsAndBytesConfig
+
+    require_bitsandbytes(device=device)
+    if quant_cfg.bits == 8:
+        # LLM.int8 (Dettmers et al. 2022): int8 rows plus fp16 outlier columns above the threshold
+        # (6.0, the paper's value and transformers' default). quant_type/double_quant are 4-bit only.
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_cfg.quant_type,
+        bnb_4bit_use_double_quant=quant_cfg.double_quant,
+        bnb_4bit_compute_dtype=compute_dtype(quant_cfg, device=device),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# what can be quantized
+
+
+def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.device | str) -> None:
+    """Refuse, before loading any weight, a model that bitsandbytes cannot (or should not) quantize.
+
+    `model_config` is a `transformers.PretrainedConfig` or the dict of a config.json. Checks:
+    bitsandbytes is usable; the checkpoint is not already quantized another way (GPTQ, AWQ, FP8:
+    transformers would keep that and ignore ours) nor with bitsandbytes at another bit width; and
+    most block weights are `nn.Linear` layers bitsandbytes replaces (checked on a meta-device
+    skeleton: no memory, ~1 s for an 8B config). Layer shapes need no check once `after_load`
+    has run: with the guard every shape works on CPU, and CUDA falls back to dequantize + matmul
+    when in_features is not a multiple of the 64-value block.
+    """
+    require_bitsandbytes(device=device)
+    config = _as_pretrained_config(model_config)
+    existing = getattr(config, "quantization_config", None)
+    if existing is not None:
+        existing = existing if isinstance(existing, dict) else existing.to_dict()
+        method = str(existing.get("quant_method", "unknown"))
+        if method != "bitsandbytes":
+            raise UserError(
+                f"model.path: this checkpoint is already quantized with {method}; method: qlora re-quantizes "
+                "a full-precision checkpoint with bitsandbytes, so point model.path at the original (bf16/fp16) model"
+            )
+        stored_bits = 4 if existing.get("load_in_4bit") else 8
+        if stored_bits != quant_cfg.bits:
+            raise UserError(
+                f"model.path: this checkpoint is stored in bitsandbytes {stored_bits}-bit; set quant.bits={stored_bits} "
+                "or use the full-precision original"
+            )
+    skeleton = _meta_skeleton(config)
+    if skeleton is not None:
+        raise_if_unquantizable(skeleton)
+
+
+def _as_pretrained_config(model_config):
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(model_config, PretrainedConfig):
+        return model_config
+    fields = dict(model_config)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise UserError("model.path: config.json has no model_type; it is not a transformers model")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as err:
+        raise UserError(f"model.path: {str(err).splitlines()[0]}") from None
+
+
+def _meta_skeleton(config):
+    """The model's module tree on the meta device, or None for architectures transformers does not
+    know (remote code): those are checked after loading, by `after_load`."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "auto_map", None):
+        return None
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return None
+
+
+def raise_if_unquantizable(model: torch.nn.Module) -> None:
+    """UserError when most block weights are not in layers bitsandbytes quantizes.
+
+    Works on a meta skeleton (before quantization: `nn.Linear` counts as quantizable, as it does
+    for transformers' `replace_with_bnb_linear`) and on a loaded model (bnb layers count).
+    Embeddings and the LM head are left out of both sides: transformers never quantizes them.
+    """
+    left_out = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+                for p in m.parameters()}
+    quantizable_types = _quantizable_types()
+    quantized = 0
+    kept: dict[str, int] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in left_out or param_name == "bias":
+                continue
+            if isinstance(module, quantizable_types):
+                # a loaded 4-bit weight stores two values per byte; count what it represents
+                state = getattr(param, "quant_state", None)
+                quantized += param.numel() if state is None else state.shape.numel()
+            elif param.dim() >= 2:
+                # layer index out of the name, so 32 layers' experts read as one line
+                pattern = re.sub(r"\.\d+\.", ".*.", f"{module_name}.{param_name}")
+                kept[pattern] = kept.get(pattern, 0) + param.numel()
+    total = quantized + sum(kept.values())
+    if total == 0 or quantized == 0:
+        raise UserError(f"method: qlora: bitsandbytes finds no linear layer to quantize in {type(model).__name__}; "
+                        "use method: lora or full")
+    if sum(kept.values()) / total > MAX_UNQUANTIZABLE_FRACTION:
+        worst = [kv for kv in sorted(kept.items(), key=lambda kv: -kv[1])[:3] if kv[1] >= 0.01 * total]
+        names = ", ".join(f"{name} ({count / 1e6:.1f}M params)" for name, count in worst)
+        raise UserError(
+            f"method: qlora: bitsandbytes cannot quantize {sum(kept.values()) / total:.0%} of "
+            f"{type(model).__name__}'s block weights ({names}; not nn.Linear layers, e.g. fused MoE experts), "
+            "so they would stay in full precision; use method: lora or full"
+        )
+
+
+def _quantizable_types() -> tuple[type, ...]:
+    import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
+
+    # `type(module) is nn.Linear` in transformers; subclasses of nn.Linear are rare in decoder blocks.
+    return (torch.nn.Linear, Conv1D, bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)
+
+
+# --------------------------------------------------------------------------------------------
+# after loading
+
+
+def after_load(model: torch.nn.Module) -> None:
+    """The CPU guard: keep every 4-bit layer on the path whose gradients are right (see top).
+
+    Safe on GPU and on CPUs without AVX512-BF16, where the flag is already off or never read.
+    The repack happens lazily in the first eval forward, so this must run before any forward.
+    """
+    import bitsandbytes as bnb
+
+    raise_if_unquantizable(model)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            state = module.weight.quant_state
+            assert not getattr(state, "packing_format_for_cpu", False), "after_load must run before any forward"
+            module.support_avx512bf16_for_cpu = False
+
+
+def prepare_for_training(model: torch.nn.Module, *, activation_checkpointing: bool) -> torch.nn.Module:
+    """Freeze the base and set up activation checkpointing: PEFT's `prepare_model_for_kbit_training`
+    minus its blanket fp32 upcast.
+
+    PEFT casts every non-quantized fp16/bf16 parameter to fp32. For frozen bf16 weights that buys
+    no precision (the values were rounded to bf16 on disk) and costs memory: Llama-3.1-8B's
+    embeddings + LM head are 2 x 525M params, +2.1 GB in fp32, and fp32 norm gains turn the whole
+    residual stream fp32, doubling activation memory. bf16 has fp32's exponent range, the RMSNorm
+    variance is computed in fp32 by the model, the loss upcasts logits, and PEFT keeps the LoRA
+    weights themselves in fp32 (autocast_adapter_dtype), so bf16 stays bf16 here. fp16 is
+    different: its range (max 65504) is exceeded by LLM activation outliers, so with an fp16
+    compute dtype we do upcast the non-quantized weights to fp32, as PEFT does, and the residual
+    stream runs in fp32 with only the 4-bit matmuls in fp16.
+    """
+    for param in model.parameters():
+        param.requires_grad_(False)
+        if param.dtype == torch.float16:
+            param.data = param.data.float()
+    if activation_checkpointing:
+        # Non-reentrant checkpointing needs no `enable_input_require_grads` hack (PEFT adds it
+        # only for the reentrant variant) and composes with DDP.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# optimizers
+
+
+def make_optimizer(param_groups: list[dict[str, Any]], train_cfg: TrainConfig) -> torch.optim.Optimizer:
+    """`adamw_8bit` / `paged_adamw_8bit` from bitsandbytes over `param_groups` (steps.py's groups).
+
+    8-bit AdamW keeps both moments in blockwise-quantized uint8 (2 B/param instead of 8 B;
+    Dettmers et al. 2021); tensors under 4096 elements keep fp32 moments (bitsandbytes'
+    min_8bit_size). bitsandbytes 0.50 runs both on CPU too (backends/cpu/ops.py registers CPU
+    optimizer kernels). Paging moves optimizer state to host RAM under GPU memory pressure
+    (CUDA unified memory); on CPU there is nothing to page and bitsandbytes itself falls back to
+    plain buffers with a warning, so CPU gets `AdamW8bit`, the same arithmetic without the warning.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in param_groups for p in group["params"]]
+    if any(isinstance(p, DTensor) for p in params):
+        raise UserError(
+            f"train.optimizer={train_cfg.optimizer} cannot update FSDP2-sharded parameters (bitsandbytes "
+            "optimizers take plain tensors); use train.optimizer=adamw, or a no_shard/single-device run"
+        )
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise UserError(f"train.optimizer={train_cfg.optimizer}: parameters are spread over {sorted(map(str, devices))}; "
+                        "bitsandbytes optimizers need them on one device")
+    device = devices.pop()
+    if train_cfg.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
+        raise ValueError(f"not a bitsandbytes optimizer: {train_cfg.optimizer}")
+    bnb = require_bitsandbytes(device=device)
+    paged = train_cfg.optimizer == "paged_adamw_8bit" and device.type == "cuda"
+    cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+    return cls(param_groups, lr=train_cfg.lr, betas=train_cfg.betas, weight_decay=train_cfg.weight_decay)

@@ -1,0 +1,287 @@
+"""What this machine (or the cluster the user describes) has: the only module that probes.
+
+`detect()` reads GPUs from `nvidia-smi` (not torch, so `homelab-ft plan` stays torch-free and
+fast), host RAM from /proc/meminfo and the CPU count. `resolve_cluster()` is pure: it merges the
+recipe's `cluster` section (which command-line flags have already overridden, see
+`cluster_overrides`) with what was detected, into the planner's `Cluster`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from homelab_ft.config import ClusterConfig
+from homelab_ft.errors import UserError
+from homelab_ft.plan.memory import Cluster, GiB
+
+# Peak dense bf16 tensor TFLOPS (vendor datasheets; GeForce figures with fp32 accumulation, which
+# is what torch uses), keyed by a substring of the nvidia-smi name.
+PEAK_BF16_TFLOPS = {
+    "H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L40": 181, "A6000": 155, "A5000": 111,
+    "A4000": 77, "4090": 165, "4080": 97, "4070": 58, "3090": 71, "3080": 59, "3060": 25, "V100": 125, "T4": 65,
+}
+UNKNOWN_GPU_PEAK_TFLOPS = 100
+# Hugging Face training loops reach 30-50% model-FLOPs utilisation on one GPU (nanoGPT/torchtitan
+# MFU reports); 0.4 turns a peak figure into a sustained one.
+MFU = 0.4
+# fp32 training matmuls on one modern x86 core: ~30 GFLOPS measured for a 1024x576x1536 matmul
+# with one thread on this project's CI machine; training reaches about two thirds of that.
+CPU_TFLOPS_PER_CORE = 0.02
+
+
+@dataclass(frozen=True)
+class Detected:
+    gpu_count: int
+    gpu_name: str | None
+    vram_bytes: int | None
+    """Memory of the smallest detected GPU (the one that limits a plan)."""
+    host_ram_bytes: int
+    cpu_cores: int
+
+
+def detect() -> Detected:
+    """Probe this machine: GPUs via nvidia-smi, RAM via /proc/meminfo, CPU count."""
+    names, vram = _nvidia_smi()
+    return Detected(
+        gpu_count=len(names),
+        gpu_name=names[0] if names else None,
+        vram_bytes=min(vram) if vram else None,
+        host_ram_bytes=_meminfo_total(),
+        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+    )
+
+
+def _nvidia_smi() -> tuple[list[str], list[int]]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [], []
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return [], []
+    names, vram = [], []
+    for line in out.strip().splitlines():
+        name, _, mib = line.rpartition(",")
+        if name and mib.strip().isdigit():
+            names.append(name.strip())
+            vram.append(int(mib.strip()) * 1024**2)  # nvidia-smi reports MiB
+    return names, vram
+
+
+def _meminfo_total() -> int:
+    total = _meminfo("MemTotal")
+    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_ram_bytes() -> int:
+    """Host RAM the kernel could give a new allocation now (MemAvailable; 0 when unknown)."""
+    return _meminfo("MemAvailable") or 0
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def cpu_cores_per_process(cores: int, processes: int) -> float:
+    """Cores one CPU training process computes on: its whole share, or a fraction of one core
+    when there are more processes than cores (the kernel time-slices them)."""
+    if processes > cores:
+        return max(1, cores) / processes
+    return cores // processes
+
+
+def gpu_tflops(name: str | None) -> float:
+    """Sustained training TFLOPS of a GPU from its name (peak x MFU)."""
+    peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if name and key in name), UNKNOWN_GPU_PEAK_TFLOPS)
+    return peak * MFU
+
+
+def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str | None = None) -> Cluster:
+    """The recipe's cluster section, with what it leaves open filled from `detected`.
+    `cluster_file`: the name of the `--cluster` file whose values the section holds, for the plan."""
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if cfg.vram_gib is not None or detected.gpu_count > 0 else "cpu"
+    host = int(cfg.host_ram_gib * GiB) if cfg.host_ram_gib is not None else detected.host_ram_bytes
+    source = "recipe/flags" if cfg.vram_gib is not None or cfg.host_ram_gib is not None else "detected"
+    if cluster_file:
+        source = f"cluster file {cluster_file}"
+    links = _links(cfg)
+    if device == "cpu":
+        cores = detected.cpu_cores
+        return Cluster(
+            device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
+            device_bytes=host // cfg.gpus_per_node, host_ram_bytes=host, intra_link=cfg.intra_link,
+            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cpu_cores_per_process(cores, cfg.gpus_per_node),
+            source=source, **links,
+        )
+    if cfg.vram_gib is not None:
+        vram, tflops = int(cfg.vram_gib * GiB), gpu_tflops(cfg.gpu_name)
+    elif detected.vram_bytes is not None:
+        vram, tflops = detected.vram_bytes, gpu_tflops(detected.gpu_name)
+    else:
+        raise UserError(
+            "cluster: no GPU detected on this machine and cluster.vram_gib is not set; describe the GPUs "
+            "with --gpus 1x24GB (or cluster.vram_gib=24), or plan for the CPU with cluster.device=cpu"
+        )
+    return Cluster(
+        device="cuda", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, device_bytes=vram,
+        host_ram_bytes=host, intra_link=cfg.intra_link, inter_link_gbit=cfg.inter_link_gbit,
+        tflops=tflops, source=source, **links,
+    )
+
+
+def _links(cfg: ClusterConfig) -> dict:
+    """The measured link keys of a cluster section as the planner's Cluster fields (ms -> s)."""
+    ms = lambda value: None if value is None else value / 1000  # noqa: E731
+    return dict(inter_link_measured=cfg.inter_link_measured, inter_latency_s=ms(cfg.inter_latency_ms),
+                intra_link_gbit=cfg.intra_link_gbit, intra_latency_s=ms(cfg.intra_latency_ms))
+
+
+# --------------------------------------------------------------------------------------------
+# command-line cluster flags -> recipe overrides (pure)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNIT = {"": GiB, "k": 1024, "m": 1024**2, "g": GiB, "t": 1024**4}
+
+
+def parse_size(text: str, *, flag: str) -> int:
+    """'24GB', '24GiB', '24G', '24' (GiB), '512MB' -> bytes.
+
+    GB is read as GiB on purpose: a "24 GB" card has 24 GiB (nvidia-smi: 24576 MiB), and RAM
+    sticks are sold the same way.
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise UserError(f"{flag} {text!r}: not a size; write e.g. 24GB, 24GiB or 512MB")
+    value = float(match.group(1)) * _UNIT[match.group(2).lower()]
+    if value <= 0:
+        raise UserError(f"{flag} {text!r}: the size must be greater than 0")
+    return int(value)
+
+
+def parse_gpus(text: str) -> tuple[int, int]:
+    """'2x24GB' -> (2 GPUs per node, bytes each)."""
+    count, sep, size = text.lower().partition("x")
+    if not sep or not count.strip().isdigit():
+        raise UserError(f"--gpus {text!r}: write COUNTxSIZE per node, e.g. --gpus 2x24GB")
+    if int(count) < 1:
+        raise UserError(f"--gpus {text!r}: needs at least one GPU per node; for a CPU plan use cluster.device=cpu")
+    return int(count), parse_size(size, flag="--gpus")
+
+
+_LINK = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(g|m)(?:bit|bps|b|be)?(?:/s)?\s*$", re.IGNORECASE)
+
+
+def parse_link(text: str) -> float:
+    """'2.5Gbit', '10GbE', '1Gbps', '100Mbit' -> Gbit/s."""
+    match = _LINK.match(text)
+    if not match or float(match.group(1)) <= 0:
+        raise UserError(f"--link {text!r}: write the Ethernet speed between nodes, e.g. 1Gbit, 2.5Gbit or 10GbE")
+    value = float(match.group(1))
+    return value if match.group(2).lower() == "g" else value / 1000
+
+
+def cluster_overrides(*, gpus: str | None = None, nodes: int | None = None, link: str | None = None,
+                      host_ram: str | None = None) -> list[str]:
+    """`--gpus 2x24GB --nodes 2 --link 2.5Gbit --host-ram 64GB` as `cluster.key=value` overrides."""
+    out = []
+    if gpus is not None:
+        count, vram = parse_gpus(gpus)
+        out += ["cluster.device=cuda", f"cluster.gpus_per_node={count}", f"cluster.vram_gib={vram / GiB}"]
+    if nodes is not None:
+        if nodes < 1:
+            raise UserError(f"--nodes {nodes}: needs at least 1 node")
+        out.append(f"cluster.nodes={nodes}")
+    if link is not None:
+        # a nominal speed replaces a measured one (a --cluster file's): collectives get ~90% of it
+        out += [f"cluster.inter_link_gbit={parse_link(link)}", "cluster.inter_link_measured=false"]
+    if host_ram is not None:
+        out.append(f"cluster.host_ram_gib={parse_size(host_ram, flag='--host-ram') / GiB}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# network interfaces and GPU links (for `homelab-ft doctor`)
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's IPv4 address
+
+
+def interface_addresses() -> dict[str, list[str]]:
+    """Each interface's addresses (IPv4 via the SIOCGIFADDR ioctl, IPv6 from /proc/net/if_inet6),
+    without iproute2 or psutil. Linux; elsewhere only the names."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+
+    found: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in found:
+            try:
+                raw = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            found[name].append(socket.inet_ntoa(raw[20:24]))
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as f:
+            for line in f:
+                words = line.split()
+                if len(words) >= 6 and words[5] in found:
+                    found[words[5]].append(str(ipaddress.IPv6Address(bytes.fromhex(words[0]))))
+    except OSError:
+        pass
+    return found
+
+
+def interface_holding(address: str) -> str | None:
+    """The interface that has `address` (the local end of a connection), or None."""
+    import ipaddress
+
+    try:
+        wanted = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    for name, addresses in interface_addresses().items():
+        if any(ipaddress.ip_address(a) == wanted for a in addresses):
+            return name
+    return None
+
+
+def nic_speed_mbit(iface: str | None) -> int | None:
+    """The negotiated line rate from /sys/class/net/IF/speed (Mbit/s); None when the driver has none
+    (loopback, Wi-Fi, some virtual NICs report -1 or refuse the read)."""
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/speed", encoding="ascii") as f:
+            speed = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    return speed if speed > 0 else None
+
+
+def gpus_joined_by_nvlink() -> bool:
+    """Whether `nvidia-smi topo -m` shows an NVLink (NV1, NV2 ...) between this node's GPUs."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return False
+    try:
+        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return re.search(r"\bNV\d+\b", out) is not None

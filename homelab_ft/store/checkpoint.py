@@ -1,0 +1,346 @@
+"""Resumable checkpoints: one format for one process and for many.
+
+A checkpoint is a directory `checkpoints/step_000123/` holding
+- `state/`: model (trainable parameters only: the adapters for LoRA) and optimizer, written with
+  torch.distributed.checkpoint (DCP), where every rank writes only the shards it holds and a load
+  on another number of ranks reshards;
+- `adapter/`: for LoRA runs, the adapter as PEFT safetensors (what export and serving read);
+- `rng/rank_<r>.pt`: each rank's RNG states (dropout), read back with weights_only=True;
+- `trainer_state.json`: step, scheduler, data position, model identity;
+- `manifest.json`: size and SHA-256 of every file above (manifest.py). Written and fsynced last.
+
+All of it is written under `.tmp-step_000123` and renamed when complete, so a crash mid-write
+leaves nothing that a resume would pick; a resume verifies the manifest and falls back to the
+previous intact checkpoint when the newest one was damaged afterwards. DCP's index is read with
+an unpickler that admits only DCP's own types (dcp_metadata.py): nothing in a run directory runs.
+A save that fails (a full disk) removes its temporary folder and keeps the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from homelab_ft.errors import UserError
+from homelab_ft.store import dcp_metadata, manifest
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    step: int
+    scheduler: dict
+    sampler: dict
+    model_fingerprint: str
+    world_size: int
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """Every `step_*` folder, newest first (temporary `.tmp-step_*` folders are never candidates)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest(run_dir: Path) -> Path | None:
+    """The newest checkpoint with a manifest (not verified: see `newest_intact`)."""
+    return next((p for p in candidates(run_dir) if (p / manifest.NAME).is_file()), None)
+
+
+def newest_intact(run_dir: Path, *, verbose: bool = True) -> Path | None:
+    """The newest checkpoint that passes `verify`, or None when the run has none at all.
+
+    A damaged newer one is reported in one line (what is wrong, and the step resumed instead);
+    when every checkpoint is damaged this refuses with exit 2 rather than start again from step 0.
+    Collective when a process group exists: every rank must call it.
+    """
+    damaged = []
+    for path in candidates(run_dir):
+        try:
+            verify(path)
+        except manifest.DamagedCheckpoint as err:
+            damaged.append(f"{path.name} ({err})")
+            continue
+        if damaged and verbose and _rank() == 0:
+            log.warning("checkpoint %s is damaged; going back to %s (step %d)", "; ".join(damaged), path.name,
+                        _step_of(path))
+        return path
+    if damaged:
+        raise UserError(
+            f"no intact checkpoint in {checkpoints_dir(run_dir)}: {'; '.join(damaged)}; "
+            "restore it from a backup, or start again with --overwrite"
+        )
+    return None
+
+
+def verify(path: Path) -> TrainerState:
+    """Raise `manifest.DamagedCheckpoint` unless `path` is exactly what its save wrote and agrees
+    with itself (folder name, manifest and trainer state give one step, data position and world
+    size). Files are hashed in parallel: rank r hashes every world_size-th file."""
+    m = manifest.read(path)
+    if m.step != _step_of(path):
+        raise manifest.DamagedCheckpoint(f"the folder says step {_step_of(path)}, its manifest step {m.step}")
+    manifest.check_sizes(path, m)
+    names = sorted(m.files)
+    problem = ""
+    try:
+        manifest.check_hashes(path, m, names[_rank()::_world_size()])
+    except manifest.DamagedCheckpoint as err:
+        problem = str(err)
+    problems = [p for p in _all_gather(problem) if p]
+    if problems:
+        raise manifest.DamagedCheckpoint(problems[0])
+    state = _read_state(path)
+    if (state.step, state.sampler, state.world_size) != (m.step, m.data_position, m.world_size):
+        raise manifest.DamagedCheckpoint(
+            f"trainer_state.json (step {state.step}, {state.sampler}) disagrees with its manifest "
+            f"(step {m.step}, {m.data_position})"
+        )
+    try:
+        dcp_metadata.read_metadata(path / "state")
+    except (OSError, dcp_metadata.UnsafeMetadata) as err:
+        raise manifest.DamagedCheckpoint(f"state/.metadata refused: {err}") from None
+    return state
+
+
+def _read_state(path: Path) -> TrainerState:
+    try:
+        return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    except (OSError, ValueError, TypeError) as err:
+        raise manifest.DamagedCheckpoint(f"trainer_state.json is unreadable ({type(err).__name__})") from None
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_gather(obj) -> list:
+    if _world_size() == 1:
+        return [obj]
+    out = [None] * _world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int) -> Path:
+    """Write a checkpoint for `state.step` on every rank; returns its final path.
+
+    On failure (a full disk most often: `OSError: No space left` from our writes, or torch.save's
+    `inline_container.cc ... unexpected pos`) the temporary folder is removed, the previous
+    checkpoints stay, and a disk that is too small ends the run with a UserError giving the bytes
+    needed and free.
+    """
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f".tmp-step_{state.step:06d}"
+    rank = _rank()
+    payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
+    expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this very step
+            tmp.mkdir(parents=True)
+        _barrier()
+        _write(tmp, payload=payload, model=model, state=state)
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, (Exception, CheckpointException)):
+            raise
+        # A previous checkpoint says exactly what one takes; the tensors alone are a lower bound.
+        previous = latest(run_dir)
+        needed = max(expected_bytes, _tree_bytes(previous) if previous else 0)
+        free = shutil.disk_usage(root).free
+        if _is_disk_full(err) or free < needed:
+            raise UserError(
+                f"checkpoint of step {state.step} not saved: {root} has {free:,} bytes free and a checkpoint "
+                f"needs about {needed:,}; free some space (or lower train.keep_last), then resume with --resume "
+                f"from {previous.name if previous else 'the start'}"
+            ) from None
+        raise
+    if rank == 0:
+        if final.exists():  # a re-run of the same step after a resume from an earlier one
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        manifest.fsync_dir(root)
+        _prune(root, keep_last=keep_last)
+    _barrier()
+    return final
+
+
+def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
+    """Every rank writes its part, then hashes (and fsyncs) its share of the files; rank 0 writes
+    the manifest last."""
+    rank = _rank()
+    with _single_process_ok():
+        dcp.save(payload, checkpoint_id=tmp / "state")
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    save_adapter(model, tmp / "adapter")
+    if rank == 0:
+        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=1))
+    _barrier()
+    names = manifest.list_files(tmp)
+    mine = {name: manifest.hash_file(tmp / name, fsync=True) for name in names[rank::_world_size()]}
+    files = {k: v for part in _all_gather(mine) for k, v in part.items()}
+    if rank == 0:
+        manifest.fsync_dirs(tmp)
+        manifest.write(tmp, manifest.Manifest(step=state.step, data_position=state.sampler,
+                                              world_size=state.world_size, files=files))
+
+
+def _tensor_bytes(tree) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: what it writes to `state/`."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if isinstance(tree, DTensor) else tree
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _sum_over_ranks(value: int) -> int:
+    return sum(_all_gather(value))
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    text = str(err)
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    # DCP gathers per-rank failures into one CheckpointException whose text holds theirs.
+    return any(s in text for s in ("No space left", "Disk quota exceeded", "unexpected pos"))
+
+
+def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerState:
+    """Restore model, optimizer and this rank's RNG from `path` (verified by `newest_intact`);
+    returns the trainer state."""
+    state = _read_state(path)
+    if state.model_fingerprint != model_fingerprint:
+        raise UserError(
+            f"{path} was written for another model or method ({state.model_fingerprint}), "
+            f"not {model_fingerprint}; use a new output.dir or set output.overwrite=true"
+        )
+    # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
+    # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
+    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
+    with _single_process_ok(), torch.no_grad():
+        dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"))
+    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"])
+    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return state
+
+
+def _optimizers(optimizer):
+    """DCP takes a list of optimizers and keys their state by parameter name: optim_backward.py's
+    per-parameter optimizers save and load in the same layout as one optimizer."""
+    return getattr(optimizer, "optimizers", optimizer)
+
+
+def trainable_state(model) -> dict[str, torch.Tensor]:
+    """The trainable parameters by their un-wrapped names (sharded DTensors under FSDP2).
+
+    Only what training changes is checkpointed: the frozen base is reloaded from the model. This
+    reads parameters directly instead of calling `state_dict()`, whose hooks in quantized layers
+    add packed quantization state (and, for bitsandbytes' 8-bit layers, fail on a missing `SCB`).
+    """
+    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
+    return {name: p for name, p in inner.named_parameters() if p.requires_grad}
+
+
+def save_adapter(model, out_dir: Path) -> None:
+    """For PEFT models, gather the adapter to rank 0 and write it in PEFT's own format."""
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
+
+    inner = getattr(model, "module", model)
+    if not isinstance(inner, PeftModel):
+        return
+    # full_tensor() is a collective: every rank gathers, rank 0 writes.
+    full = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
+        for name, p in trainable_state(model).items()
+    }
+    if _rank() != 0:
+        return
+    adapter = get_peft_model_state_dict(inner, state_dict=full)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
+    inner.peft_config["default"].save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """DCP warns on every single-process save/load; one process is a supported case here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _prune(root: Path, *, keep_last: int) -> None:
+    steps = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / manifest.NAME).is_file())
+    for old in steps[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

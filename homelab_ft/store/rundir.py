@@ -1,0 +1,131 @@
+"""The run directory: refuse to mix runs, then create it once every input has been checked."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from homelab_ft.config import Recipe, dump_recipe, load_recipe
+from homelab_ft.distributed import comm
+from homelab_ft.errors import UserError
+from homelab_ft.store import checkpoint, runlock
+
+log = logging.getLogger(__name__)
+
+FIXED_ON_RESUME = (
+    "train.seed", "train.lr", "train.weight_decay",
+    "train.betas", "train.warmup_steps", "train.lr_schedule", "train.min_lr_ratio", "train.max_grad_norm",
+    "train.optimizer", "data.packing", "data.max_length", "data.shuffle",
+)
+"""Recipe fields a resume cannot change: the optimizer and scheduler state restored from the
+checkpoint (AdamW's param groups, LambdaLR's base_lrs) and the data position were built from the
+saved values, so a new value would be ignored or would silently change which rows come next.
+The rows per optimizer step (micro_batch_size x grad_accum_steps x processes) are fixed too, but
+not how they are split: a run may resume on another number of processes with the same global batch
+(DCP reshards, and the data position is counted in rows). `train.max_steps` may change: the
+schedule then follows the new length from the resumed step."""
+
+
+def check_run_dir(recipe: Recipe) -> Path | None:
+    """Refuse to mix runs (without writing anything); returns the checkpoint to resume from.
+
+    `train.resume: true` (--resume) needs a checkpoint to continue from; `auto` (--resume-or-start)
+    continues when there is one and starts a new run otherwise. Collective under a process group
+    (the checkpoint's files are hashed by all ranks together)."""
+    check_before_launch(recipe)
+    if not recipe.train.resume:
+        return None
+    found = checkpoint.newest_intact(recipe.run_dir)
+    if found is None and recipe.train.resume is True:
+        run_dir = recipe.run_dir
+        what = "does not exist" if not run_dir.exists() else "holds no complete checkpoint"
+        raise UserError(f"--resume: {run_dir} {what}, so there is nothing to resume; drop --resume to start "
+                        "a new run, or pass --resume-or-start to continue when a checkpoint exists")
+    return found
+
+
+def check_before_launch(recipe: Recipe) -> None:
+    """The run-directory refusals that need no process group and read no checkpoint: a file where
+    the directory should be, another live writer, another run in the directory, a resume of
+    another model or with optimisation overrides."""
+    run_dir = recipe.run_dir
+    for part in (run_dir, *run_dir.parents):
+        if part.exists() and not part.is_dir():
+            raise UserError(f"output.dir: {part} is a file, not a directory; choose another --run-dir")
+    saved = run_dir / "recipe.yaml"
+    runlock.check_free(run_dir)
+    if recipe.train.resume:
+        if saved.is_file():
+            old = load_recipe(saved)
+            _check_same_model(old, recipe, saved)
+            check_resume_overrides(old, recipe, saved=saved)
+        return
+    if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
+        raise UserError(
+            f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
+            "--overwrite, or choose another with --run-dir"
+        )
+
+
+def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
+    """Create (or, with overwrite, replace) the run directory once every input has been checked.
+
+    Every rank has run the same checks; the main rank writes between two barriers, so no rank
+    sees a half-made directory.
+    """
+    run_dir = recipe.run_dir
+    comm.barrier(env)
+    if env.is_main:
+        runlock.acquire(run_dir)  # creates the directory; held until trainer.train returns
+        if recipe.output.overwrite and not recipe.train.resume:
+            for child in run_dir.iterdir():
+                if child.name == runlock.NAME:
+                    continue
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+        # With the lock held nobody else writes here: a temporary checkpoint folder is what a
+        # killed save left behind, and only takes space.
+        for leftover in checkpoint.checkpoints_dir(run_dir).glob(".tmp-step_*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        dump_recipe(recipe, run_dir / "recipe.yaml")
+        if recipe.train.resume and resume_from is None:
+            log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
+    comm.barrier(env)
+
+
+def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:
+    if old.objective != new.objective:
+        raise UserError(f"{saved} is a run with objective {old.objective}, not {new.objective}; resume needs the "
+                        "same objective (to preference-tune an SFT result, export it and train from the export)")
+    if (old.model.path, old.method) != (new.model.path, new.method):
+        raise UserError(
+            f"{saved} is a run of {old.model.path} ({old.method}), not {new.model.path} ({new.method}); "
+            "resume needs the same model and method, or use another --run-dir"
+        )
+
+
+def check_resume_overrides(old: Recipe, new: Recipe, *, saved: Path) -> None:
+    """Refuse a --resume whose recipe changes what the restored optimizer, schedule or data
+    position were built from (FIXED_ON_RESUME): the saved recipe must describe what ran."""
+    for dotted in FIXED_ON_RESUME:
+        section, key = dotted.split(".")
+        before, after = getattr(getattr(old, section), key), getattr(getattr(new, section), key)
+        if before != after:
+            raise UserError(
+                f"--resume cannot change {dotted} ({after} here, {before} in {saved}): the optimizer, schedule and "
+                f"data position in the checkpoint were built with {before}; resume without it, or start a new run "
+                "with another --run-dir"
+            )
+    before, after = _rows_per_step(old), _rows_per_step(new)
+    if before != after:
+        raise UserError(
+            f"--resume cannot change the rows per optimizer step (train.micro_batch_size x train.grad_accum_steps x "
+            f"processes: {after} here, {before} in {saved}); keep the product, or start a new run with another --run-dir"
+        )
+
+
+def _rows_per_step(recipe: Recipe) -> int:
+    return recipe.train.micro_batch_size * recipe.train.grad_accum_steps * recipe.world_size

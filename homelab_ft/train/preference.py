@@ -1,0 +1,145 @@
+"""Preference tuning arithmetic (objective: dpo), written once for every rung.
+
+A pair is a prompt x with a chosen answer y_w and a rejected one y_l. The policy pi (the model
+being trained) and a frozen reference pi_ref each give a sequence log-probability per answer,
+summed over the answer's tokens only (the prompt is the same in both and would cancel). With
+h = [log pi(y_w|x) - log pi_ref(y_w|x)] - [log pi(y_l|x) - log pi_ref(y_l|x)]:
+
+    sigmoid (DPO, Rafailov et al. 2023, eq. 7):  -log sigmoid(beta h)
+    ipo (Azar et al. 2023, eq. 17):              (h - 1/(2 beta))^2
+
+Label smoothing eps treats each label as wrong with probability eps and mixes in the loss of the
+flipped pair: (1 - eps) L(h) + eps L(-h) (conservative DPO, Mitchell 2023; for IPO this moves the
+regression target to (1 - 2 eps)/(2 beta)). IPO uses summed log-probabilities as in its paper (TRL
+averages them per token). `dpo.sft_weight` adds RPO's term (Pang et al. 2024, eq. 3): the chosen
+answer's negative log-likelihood divided by its token count.
+
+The implicit rewards beta * (log pi - log pi_ref) of the two answers, their margin and the share
+of pairs whose chosen reward is the higher ("reward accuracy") are the metrics DPO runs are read
+by. The reference costs no second model: for adapters it is the same forward with the adapters
+disabled (PEFT's `disable_adapter()`), for full fine-tunes log-probabilities cached by a pre-pass
+with the starting weights (see `reference_cache`).
+
+Normalisation: the loss is a mean over pairs. Each micro-batch's summed pair losses are scaled
+by world_size / (pairs in the whole step, all ranks), the same rule `steps.loss_scale` applies to
+tokens, so 2 ranks give the gradient of 1 process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from homelab_ft.config import DpoConfig
+from homelab_ft.data.templates import IGNORE_INDEX
+
+METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
+"""Per-pair quantities summed over a step and divided by its pair count (metrics.jsonl keys, with
+`loss` the DPO loss including any SFT term)."""
+MODEL_INPUTS = ("input_ids", "attention_mask")
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-probability of the labelled tokens, in fp32, and their count.
+
+    Position t's label is predicted by position t-1's logits (the causal shift); IGNORE_INDEX
+    labels (prompt, template, padding) add nothing. Written as a cross-entropy per token, which
+    never materialises a second [rows, tokens, vocab] tensor of log-probabilities.
+    """
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:].to(shift_logits.device)
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="none",
+    ).view(shift_labels.shape)
+    return -nll.sum(dim=-1), (shift_labels != IGNORE_INDEX).sum(dim=-1)
+
+
+def dpo_loss(margin: torch.Tensor, *, beta: float, loss: str, label_smoothing: float) -> torch.Tensor:
+    """Per-pair loss of the log-ratio margin h (see the module docstring)."""
+    eps = label_smoothing
+    if loss == "sigmoid":
+        return -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
+    if loss == "ipo":
+        target = 1 / (2 * beta)
+        return (1 - eps) * (margin - target) ** 2 + eps * (-margin - target) ** 2
+    raise ValueError(loss)
+
+
+def pair_losses(policy: torch.Tensor, reference: torch.Tensor, num_tokens: torch.Tensor, cfg: DpoConfig
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Losses of B pairs from 2B sequence log-probabilities (chosen rows first, then rejected).
+
+    Returns the per-pair loss (with grad) and a detached [len(METRICS)] vector of per-pair sums.
+    """
+    num_pairs = policy.shape[0] // 2
+    reference = reference.to(policy.device, policy.dtype)
+    chosen, rejected = policy[:num_pairs], policy[num_pairs:]
+    ratio_chosen = chosen - reference[:num_pairs]
+    ratio_rejected = rejected - reference[num_pairs:]
+    losses = dpo_loss(ratio_chosen - ratio_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing)
+    if cfg.sft_weight:
+        losses = losses + cfg.sft_weight * (-chosen / num_tokens[:num_pairs].clamp(min=1).to(chosen.dtype))
+    with torch.no_grad():
+        reward_chosen = cfg.beta * ratio_chosen
+        reward_rejected = cfg.beta * ratio_rejected
+        stats = torch.stack([
+            losses.sum(), reward_chosen.sum(), reward_rejected.sum(), (reward_chosen - reward_rejected).sum(),
+            (reward_chosen > reward_rejected).float().sum(), chosen.sum(), rejected.sum(),
+        ]).double()
+    return losses, stats
+
+
+def num_pairs(batch: dict) -> int:
+    return batch["input_ids"].shape[0] // 2
+
+
+def model_inputs(batch: dict, device) -> dict:
+    return {k: batch[k].to(device) for k in MODEL_INPUTS if k in batch}
+
+
+def policy_logps(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of the concatenated chosen + rejected rows; their log-probabilities and token counts."""
+    logits = model(**model_inputs(batch, device), use_cache=False).logits
+    return sequence_logps(logits, batch["labels"])
+
+
+def peft_model(model):
+    """The PeftModel inside a training wrapper (DDP keeps it in `.module`; FSDP2 shards in place),
+    or None for a model without adapters."""
+    from peft import PeftModel
+
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, PeftModel) else None
+
+
+@torch.no_grad()
+def reference_logps(model, batch: dict, device) -> torch.Tensor:
+    """The reference's sequence log-probabilities for a batch: cached ones when the batch carries
+    them (full fine-tunes), else the same model with its adapters disabled.
+
+    Run in eval mode so that no dropout touches the reference (LoRA's dropout sits on the disabled
+    adapter path anyway; some bases have attention or residual dropout of their own). Under DDP
+    the inner PeftModel is called directly: a no-grad forward needs none of DDP's bookkeeping.
+    Under FSDP2 the sharded PeftModel is called as it is; its hooks gather the blocks as usual.
+    """
+    if "reference_logps" in batch:
+        return batch["reference_logps"].to(device)
+    peft = peft_model(model)
+    if peft is None:
+        raise RuntimeError("objective dpo without adapters needs cached reference log-probabilities")
+    was_training = peft.training
+    peft.eval()
+    try:
+        with peft.disable_adapter():
+            logits = peft(**model_inputs(batch, device), use_cache=False).logits
+        return sequence_logps(logits, batch["labels"])[0]
+    finally:
+        peft.train(was_training)
+
+
+def progress_fields(metrics: dict) -> dict:
+    """The progress bar's extra fields for a DPO step: reward accuracy and margin (empty for SFT)."""
+    if "reward_accuracy" not in metrics:
+        return {}
+    return {"acc": f"{metrics['reward_accuracy']:.2f}", "margin": f"{metrics['reward_margin']:.3f}"}

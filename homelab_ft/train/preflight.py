@@ -1,0 +1,200 @@
+"""Every check of a run's inputs, before anything is created, launched or loaded.
+
+`check_inputs` runs in the `homelab-ft train` process before torchrun starts any worker and before
+the run directory exists, so a typo, a half-copied model folder or a refused combination costs
+nothing: the user gets one line naming the path or key and the fix, exit 2, and the next attempt is
+not met with "already holds a run". Where a cheap check exists it is used instead of loading:
+safetensors and GGUF headers against the file sizes, tokenizer files by name, LoRA targets against
+a meta-device skeleton of the architecture (no weights, ~1 s even for 70B).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_ft.config import Recipe
+from homelab_ft.errors import UserError
+from homelab_ft.locate import locate
+from homelab_ft.model import loading
+from homelab_ft.rung import Rung
+from homelab_ft.store import rundir
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
+"""Any one of these holds a vocabulary (fast tokenizers, SentencePiece, BPE/WordPiece, tiktoken)."""
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_REFETCH = "copy the folder again (a partial download or copy is the usual cause)"
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the checks resolved, handed to the trainer so nothing is looked up twice."""
+
+    model_dir: Path
+    resume_from: Path | None
+
+
+def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
+    """Recipe-level and file-level checks of everything a run reads, in the order a user fixes them.
+
+    The data is checked by `data.prepare_data` (rows are validated while tokenising), which the
+    caller runs after this and still before the run directory is created.
+    """
+    if recipe.train.compile:
+        from homelab_ft.model import compiling
+
+        compiling.check_available(device_type=device_type)
+    resume_from = rundir.check_run_dir(recipe)
+    where = locate(recipe.model.path)
+    model_dir = loading.resolve_model_dir(where)  # converts a GGUF once; a damaged one is refused
+    check_model_files(model_dir, converted=where.is_gguf)
+    check_tokenizer(recipe.model.tokenizer, model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    if rung.quantized_enabled:
+        from homelab_ft.model import quant
+
+        quant.check_quantizable(config, recipe.quant, device=device_type)
+        if rung.fsdp_enabled:
+            from homelab_ft.distributed import sharded_qlora
+
+            sharded_qlora.check_model(config, recipe, rung=rung, device_type=device_type)
+    if rung.adapters_enabled:
+        check_lora_targets(model_dir, recipe)
+    return Inputs(model_dir=model_dir, resume_from=resume_from)
+
+
+# --------------------------------------------------------------------------------------------
+# the model folder
+
+
+def check_activation_offload(rung: Rung, *, device_type: str, offloaded_bytes: int, available_bytes: int) -> None:
+    """Activation offload needs host RAM for the block inputs of every local rank (the planner's
+    `offloaded_activation_bytes`); refuse it when this machine has not that much available now,
+    instead of letting the kernel's OOM killer end the run mid-step. On the CPU it is a no-op."""
+    if not rung.activation_offload or device_type != "cuda" or not available_bytes:
+        return
+    if offloaded_bytes > available_bytes:
+        raise UserError(f"train.activation_offload: the checkpointed block inputs need {offloaded_bytes / 2**30:.1f} GiB "
+                        f"of host RAM on this node, but only {available_bytes / 2**30:.1f} GiB is available; set "
+                        "train.activation_offload=false (checkpointing alone), or lower micro_batch_size/max_length")
+
+
+def check_model_files(model_dir: Path, *, converted: bool = False) -> None:
+    """Weights are present and every safetensors file is as long as its header says."""
+    where = "the converted GGUF in " if converted else ""
+    for index_name in WEIGHT_INDEXES:
+        index = model_dir / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError, UnicodeDecodeError):
+                raise UserError(f"model.path: {index} is not a valid weight index; {_REFETCH}") from None
+            for shard in shards:
+                path = model_dir / shard
+                if not path.is_file():
+                    raise UserError(f"model.path: {path} is missing ({index.name} lists it); {_REFETCH}")
+                if path.suffix == ".safetensors":
+                    check_safetensors(path)
+            return
+    for name in WEIGHT_FILES:
+        path = model_dir / name
+        if path.is_file():
+            if path.suffix == ".safetensors":
+                check_safetensors(path)
+            return
+    raise UserError(
+        f"model.path: {where}{model_dir} has config.json but no weights (model.safetensors or "
+        f"model.safetensors.index.json with its shards); {_REFETCH}"
+    )
+
+
+def check_safetensors(path: Path) -> None:
+    """Read only the header: 8 bytes of length, the JSON index, and compare the largest tensor end
+    offset with the file size. A truncated file fails here in microseconds instead of halfway
+    through loading (or, worse, inside safetensors' mmap with a traceback)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise UserError(f"model.path: {path} is truncated ({size} bytes, not even a header); {_REFETCH}")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8 or header_len > 100_000_000:
+            raise UserError(f"model.path: {path} is truncated or not safetensors (header of {header_len:,} bytes "
+                            f"in a {size:,}-byte file); {_REFETCH}")
+        try:
+            header = json.loads(fh.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"model.path: {path} has a damaged safetensors header; {_REFETCH}") from None
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)]
+    needed = 8 + header_len + max(ends, default=0)
+    if needed > size:
+        raise UserError(f"model.path: {path} is truncated ({size:,} of {needed:,} bytes); {_REFETCH}")
+
+
+def check_tokenizer(tokenizer_spec: str | None, model_dir: Path) -> None:
+    """A vocabulary file is where the tokenizer will be loaded from (model.tokenizer, else the model)."""
+    if tokenizer_spec is None:
+        folder, field = model_dir, "model.path"
+    else:
+        where = locate(tokenizer_spec, field="model.tokenizer")
+        if where.is_gguf:
+            return  # the tokenizer is inside the GGUF; the converted folder is checked with the model
+        folder, field = (where.path if where.path.is_dir() else where.path.parent), "model.tokenizer"
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(
+            f"{field}: {folder} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); copy the tokenizer files "
+            "from the original model into it, or set model.tokenizer to a folder that has them"
+        )
+
+
+def check_lora_targets(model_dir: Path, recipe: Recipe) -> None:
+    """Every name in `lora.target_modules` matches a module of the architecture.
+
+    PEFT only complains when *no* target matches, so one misspelt name in a list silently trains
+    fewer layers; here each must match (PEFT's rule: the module's name equals it or ends with
+    `.name`). Checked on a meta-device skeleton built from config.json: no weights are read.
+    """
+    targets = recipe.lora.target_modules
+    if isinstance(targets, str):
+        return  # all-linear
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    names = [name for name, _ in skeleton.named_modules() if name]
+    leaves = sorted({name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    for target in targets:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            near = difflib.get_close_matches(target, leaves, n=1, cutoff=0.6)
+            fix = f"did you mean {near[0]}?" if near else f"linear layers here: {', '.join(leaves)}"
+            raise UserError(f"lora.target_modules: {target!r} matches no module of {config.model_type}; {fix}")
+
+
+# --------------------------------------------------------------------------------------------
+# the data, the device, and torchrun's workers
+
+
+def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None:
+    """Read, validate and tokenise the data once in the launching process: a bad row stops the run
+    before any worker starts, and the workers then read the tokenised cache."""
+    from homelab_ft.data.sft import prepare_for
+
+    tokenizer = loading.load_tokenizer(recipe.model, inputs.model_dir)
+    prepare_for(recipe, tokenizer, base_dir=base_dir)
+
+
+def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:
+    """A torchrun worker's inputs: the parent checked them moments ago (including the hashes of the
+    checkpoint it chose to resume from), so nothing is read again."""
+    return Inputs(model_dir=Path(handoff.model_dir),
+                  resume_from=Path(handoff.resume_from) if handoff.resume_from else None)
