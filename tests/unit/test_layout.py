@@ -1,0 +1,161 @@
+"""The package's shape, checked: one subpackage per stage, imports only in the allowed directions,
+no import cycles, and modules and functions short enough to read.
+
+A run flows recipe -> plan -> model -> data -> loop -> checkpoint -> export; each stage is a
+subpackage, and the shared vocabulary (errors, config, rung, locate, logs) sits at the root. The
+directions below are docs/architecture.md's; a new import that breaks one fails here, naming it.
+Lazy imports inside functions count too: they are still dependencies, only deferred.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "homelab_ft"
+
+ALLOWED = {
+    "root": {"root"},
+    "plan": {"plan", "root"},
+    "data": {"data", "root"},
+    "model": {"model", "root"},
+    "store": {"store", "root"},
+    "distributed": {"distributed", "model", "root"},
+    "train": {"train", "store", "distributed", "model", "data", "root"},
+    "export": {"export", "store", "model", "root"},
+    "cluster": {"cluster", "plan", "distributed", "root"},
+    "cli": None,  # the commands may import anything
+    "demo": None,
+}
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _stage(module: str) -> str:
+    if module == "homelab_ft.__main__":  # `python -m homelab_ft`: the CLI's entry point
+        return "cli"
+    parts = module.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return parts[1]
+    return "root"
+
+
+def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """Every homelab_ft module this file imports, at the top or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "homelab_ft":
+            for alias in node.names:
+                child = f"{node.module}.{alias.name}"
+                out.add(child if child in known else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "homelab_ft")
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    known = _modules()
+    return {name: {t for t in _imports(path, known) if t != name} for name, path in known.items()}
+
+
+def test_every_module_sits_in_a_stage():
+    stages = {_stage(m) for m in _modules()} - {"root"}
+    assert stages <= set(ALLOWED), f"a subpackage the layout does not name: {stages - set(ALLOWED)}"
+    assert not [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name == "build"], ".gitignore ignores build/"
+
+
+def test_imports_follow_the_allowed_directions():
+    wrong = []
+    for module, targets in _graph().items():
+        allowed = ALLOWED[_stage(module)]
+        if allowed is None:
+            continue
+        wrong += [f"{module} -> {t}" for t in sorted(targets) if t != "homelab_ft" and _stage(t) not in allowed]
+    assert not wrong, "imports against the layout (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles, index, low, stack, on_stack = [], {}, {}, [], set()
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            # a package's front door importing its own modules is not a cycle a reader trips over
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_plan_and_the_root_import_no_torch_at_module_level():
+    """`homelab-ft plan` stays torch-free: nothing plan/ or the root imports at the top pulls torch in."""
+    heavy = {"torch", "transformers", "peft", "datasets", "bitsandbytes", "accelerate"}
+    wrong = []
+    for module, path in _modules().items():
+        if _stage(module) not in ("plan", "root"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            wrong += [f"{module}: {n}" for n in names if n.split(".")[0] in heavy]
+    assert not wrong, wrong
+
+
+def test_modules_and_functions_are_short():
+    long_modules, long_functions = [], []
+    for module, path in _modules().items():
+        source = path.read_text()
+        if (n := len(source.splitlines())) > MAX_MODULE_LINES:
+            long_modules.append(f"{module}: {n} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{module}.{node.name}: {length} lines")
+    assert not long_modules and not long_functions, (long_modules, long_functions)
+
+
+def test_nothing_below_the_cli_prints():
+    """Below cli/ code logs (`logging`) and raises `UserError`; only the commands print. A module run
+    as its own program (`python -m homelab_ft.cluster.supervise`, torchrun's agent) may print in its
+    `main`."""
+    wrong = []
+    for module, path in _modules().items():
+        if _stage(module) in ("cli", "demo"):
+            continue
+        tree = ast.parse(path.read_text())
+        entry = {n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"}
+        allowed = {id(x) for fn in entry for x in ast.walk(fn)}
+        wrong += [f"{module}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and id(node) not in allowed]
+    assert not wrong, f"print() below the CLI: {wrong}"
