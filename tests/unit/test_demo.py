@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from homelab_ft.config import load_recipe
-from homelab_ft.data.sft import prepare_data
-from homelab_ft.data.templates import IGNORE_INDEX
+from homelab_ft.data import IGNORE_INDEX, prepare_data
 from homelab_ft.demo import sft
 
 GOOD = '{"name": "Ana Silva", "age": 34, "city": "Porto"}'
