@@ -63,8 +63,7 @@ def one(tmp: Path, objective: str) -> dict:
     import torch
 
     from homelab_ft.config import recipe_from_dict
-    from homelab_ft.data.pairs import collate_pairs
-    from homelab_ft.data.sft import collate
+    from homelab_ft.data import collate, collate_pairs
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
     from homelab_ft.train import trainer

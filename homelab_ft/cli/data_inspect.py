@@ -9,9 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from homelab_ft.config import DataConfig, Recipe
-from homelab_ft.data import packing
-from homelab_ft.data.sft import DataReport, PreparedData, prepare_for
-from homelab_ft.data.templates import IGNORE_INDEX
+from homelab_ft.data import IGNORE_INDEX, DataReport, PreparedData, packing, prepare_for
 
 HISTOGRAM_BINS = 8
 BAR_WIDTH = 40

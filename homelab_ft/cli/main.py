@@ -380,7 +380,7 @@ def _add_demo(sub) -> None:
 
 
 def _cmd_demo(args) -> int:
-    from homelab_ft.demo.sft import run_demo
+    from homelab_ft.demo.run import run_demo
 
     run_demo(run_dir=args.run_dir)
     return 0

@@ -1,26 +1,17 @@
-"""Reading sources and turning their rows into one canonical shape.
+"""Formats: each source row, checked and converted into one canonical sample.
 
-A source (file, glob, folder, `save_to_disk` directory, cached hub id) yields rows with a location
-(file and row number). Each row is checked and converted by its format into a canonical sample:
+A row (read by sources.py) is converted by its format:
 
     {"messages": [{"role", "content"}, ...], "prompt": str, "completion": str, "kind": "chat" | "text"}
 
 chat / alpaca / sharegpt rows become `messages` (rendered later by the chat template);
 prompt_completion and text rows become plain `prompt` + `completion` (no template; text trains on
-everything). A bad row raises `RowError`; the caller turns it into a one-line `UserError` that names
-file, row and field, or counts and skips it (`data.bad_rows: skip`).
-
-JSON Lines are parsed here, line by line, rather than by `datasets`' JSON loader, whose errors on a
-bad line name neither the line nor the field (it reports an Arrow parse error for the whole file).
+everything); preference rows become a pair (kind "pair": prompt turns in `messages`, `chosen`,
+`rejected`). A bad row raises `RowError`; the caller turns it into a one-line `UserError` that
+names file, row and field, or counts and skips it (`data.bad_rows: skip`).
 """
 
 from __future__ import annotations
-
-import glob
-import importlib.resources
-import json
-from collections.abc import Iterator
-from pathlib import Path
 
 from homelab_ft.errors import UserError
 
@@ -38,7 +29,6 @@ FORMAT_FIELDS = {
 preference row may also carry `messages` as its prompt)."""
 OPTIONAL_FIELDS = {"alpaca": ("input", "system"), "chat": (), "sharegpt": (), "prompt_completion": (), "text": (),
                    "preference": ("prompt", "messages")}
-FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 class RowError(ValueError):
@@ -46,156 +36,6 @@ class RowError(ValueError):
 
     def __init__(self, field: str, problem: str):
         super().__init__(f"field '{field}' {problem}")
-
-
-# --------------------------------------------------------------------------------------------
-# locating and reading
-
-
-def resolve_files(path: str, *, base_dir: Path | None, where: str) -> list[Path] | Path | str:
-    """A source path -> list of data files, a `save_to_disk` directory (Path), or a hub id (str)."""
-    if path.startswith("demo:"):
-        split = path.removeprefix("demo:")
-        return [Path(str(importlib.resources.files("homelab_ft") / "assets" / "demo" / f"{split}.jsonl"))]
-    roots = [base_dir, None] if base_dir is not None else [None]
-    for root in roots:
-        full = Path(path) if root is None or Path(path).is_absolute() else root / path
-        if any(ch in path for ch in "*?["):
-            found = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if Path(p).suffix in FILE_TYPES)
-            if found:
-                return found
-        elif full.is_dir():
-            if (full / "state.json").is_file() or (full / "dataset_dict.json").is_file():
-                return full
-            found = sorted(p for p in full.rglob("*") if p.suffix in FILE_TYPES and p.is_file())
-            if not found:
-                raise UserError(f"{where}: folder {full} holds no .jsonl/.json/.csv/.parquet files")
-            return found
-        elif full.is_file():
-            if full.suffix not in FILE_TYPES:
-                raise UserError(f"{where}: {full} has an unsupported extension; use .jsonl, .json, .csv or .parquet")
-            return [full]
-    if path.count("/") == 1 and not path.startswith((".", "/")) and not Path(path).suffix:
-        return path  # owner/name: a hub dataset id
-    looked = ", ".join(str(r) for r in [base_dir, Path.cwd()] if r is not None)
-    raise UserError(f"{where}: dataset {path} does not exist (looked relative to {looked}); fix the path")
-
-
-def read_rows(target, *, split: str, where: str, on_bad) -> Iterator[tuple[str, int, dict]]:
-    """Yield (file, row number, row) from what `resolve_files` returned.
-
-    `on_bad(file, row, message)` is called for a row that cannot be parsed at all (invalid UTF-8 or
-    JSON, not an object); it raises or counts.
-    """
-    if isinstance(target, str):
-        yield from _dataset_rows(_load_hub(target, split=split, where=where), name=target)
-    elif isinstance(target, Path):
-        yield from _dataset_rows(_load_disk(target, split=split, where=where), name=str(target))
-    else:
-        for file in target:
-            kind = FILE_TYPES[file.suffix]
-            if kind == "jsonl":
-                yield from _jsonl_rows(file, on_bad=on_bad)
-            elif kind == "json":
-                yield from _json_rows(file)
-            else:
-                yield from _dataset_rows(_load_table(file, kind), name=str(file))
-
-
-def _jsonl_rows(file: Path, *, on_bad) -> Iterator[tuple[str, int, dict]]:
-    data = file.read_bytes()
-    if not data.strip():
-        raise UserError(f"{file} is empty; a JSONL dataset has one JSON object per line")
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            on_bad(str(file), number, f"is not valid UTF-8 (byte {err.start + 1}); re-save the file as UTF-8")
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            on_bad(str(file), number, f"is not valid JSON ({err.msg} at column {err.colno})")
-            continue
-        if not isinstance(row, dict):
-            on_bad(str(file), number, f"is a JSON {type(row).__name__}, expected an object with named fields")
-            continue
-        yield str(file), number, row
-
-
-def _json_rows(file: Path) -> Iterator[tuple[str, int, dict]]:
-    try:
-        data = json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise UserError(f"{file} is not valid UTF-8 (byte {err.start + 1}); re-save the file as UTF-8") from None
-    except json.JSONDecodeError as err:
-        if not file.read_bytes().strip():
-            raise UserError(f"{file} is empty; a JSON dataset is a list of objects") from None
-        raise UserError(f"{file}: line {err.lineno} is not valid JSON ({err.msg})") from None
-    if isinstance(data, dict) and len(data) == 1 and isinstance(next(iter(data.values())), list):
-        data = next(iter(data.values()))  # {"data": [...]}
-    if not isinstance(data, list):
-        raise UserError(f"{file}: expected a list of objects (or {{\"data\": [...]}}), got a {type(data).__name__}")
-    if not data:
-        raise UserError(f"{file} is empty; a JSON dataset is a list of objects")
-    for number, row in enumerate(data, start=1):
-        if not isinstance(row, dict):
-            raise UserError(f"{file}: item {number} is a {type(row).__name__}, expected an object with named fields")
-        yield str(file), number, row
-
-
-def _dataset_rows(ds, *, name: str) -> Iterator[tuple[str, int, dict]]:
-    if len(ds) == 0:
-        raise UserError(f"{name} is empty; it has no rows")
-    for number, row in enumerate(ds, start=1):
-        yield name, number, row
-
-
-def _load_table(file: Path, kind: str):
-    import datasets
-
-    if not file.read_bytes()[:1]:
-        raise UserError(f"{file} is empty")
-    try:
-        return datasets.load_dataset(kind, data_files=str(file), split="train")
-    except Exception as err:  # pyarrow/pandas parse errors: keep their first line, name the file
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"{file}: cannot read as {kind}: {first}") from None
-
-
-def _load_disk(path: Path, *, split: str, where: str):
-    import datasets
-
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise UserError(f"{where}: {path} has splits {sorted(loaded)}, not {split!r}; set split:")
-        return loaded[split]
-    return loaded
-
-
-def _load_hub(name: str, *, split: str, where: str):
-    import datasets
-    from datasets.naming import camelcase_to_snakecase
-
-    # Look in the cache ourselves first (the layout datasets' CachedDatasetModuleFactory reads), so an
-    # uncached id fails at once instead of after network timeouts on an offline machine.
-    owner, dataset = name.split("/")
-    cached = Path(datasets.config.HF_DATASETS_CACHE) / f"{owner}___{camelcase_to_snakecase(dataset)}"
-    fix = (f"it is neither a local path nor a hub dataset in the local cache ({cached}); fix the path, or run "
-           f"`datasets.load_dataset('{name}')` on a machine with network and copy its cache here")
-    if not any(p.is_dir() for p in cached.glob("*/*/*")):
-        raise UserError(f"{where}: {name}: {fix}")
-    try:
-        return datasets.load_dataset(name, split=split)
-    except Exception as err:
-        raise UserError(f"{where}: {name} (split {split}) cannot be loaded from the cache: {str(err).splitlines()[0]}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# formats
 
 
 def detect_format(columns: set[str], *, where: str) -> str:

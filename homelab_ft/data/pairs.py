@@ -1,83 +1,78 @@
 """Preference pairs: sources -> pairs -> chat template -> two token rows with answer-only labels -> collate.
 
-The same sources, formats (formats.py, format `preference`), chat templates and loss-mask rule
-(templates.py) as SFT data. A pair becomes two token rows, prompt + chosen and prompt + rejected,
-whose labels cover only the answer turns: the trained span rule of templates.py, restricted to
-what follows the prompt (a multi-turn prompt's earlier assistant turns are context, not answer).
+The same sources (sources.py), formats (formats.py, format `preference`), chat templates and
+loss-mask rule (templates.py) as SFT data. A pair becomes two token rows, prompt + chosen and
+prompt + rejected, whose labels cover only the answer turns: the trained span rule of
+templates.py, restricted to what follows the prompt (a multi-turn prompt's earlier assistant
+turns are context, not answer).
 
 Length: each row is cut to `sft.max_length` (`overlong: truncate`) or the pair is dropped
 (`overlong: drop`). A prompt that leaves either answer no token within `max_length` stops the run
 naming the row (`bad_rows: fail`) or is counted and skipped (`bad_rows: skip`). Pairs are never
 packed: each answer is scored whole against its prompt.
 
-Tokenised pairs are cached by `datasets.map` under a fingerprint of the pairs, tokenizer,
-template and settings, as SFT samples are.
+Tokenised pairs go through the one cached map and kept-rows count of rows.py, as SFT samples do,
+under a fingerprint of the pairs, tokenizer, template and settings.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
-
 from homelab_ft.config import DataConfig
-from homelab_ft.data import sft, templates
-from homelab_ft.data.sft import (
-    BAD_TEMPLATE,
-    NO_TARGET,
-    OK,
-    TOO_LONG,
-    TRUNCATED,
-    DataReport,
-    PreparedData,
-)
+from homelab_ft.data import packing, rows, sources, templates
+from homelab_ft.data.report import DataReport, PreparedData
+from homelab_ft.data.rows import BAD_TEMPLATE, KEPT, NO_TARGET, OK, TOO_LONG, TRUNCATED, collate
 from homelab_ft.data.templates import IGNORE_INDEX
 from homelab_ft.errors import UserError
 
 SIDES = ("chosen", "rejected")
-COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+PAIR_ROWS = rows.RowKind(cache_prefix="pairs", fingerprint_tag=(b"pairs",), turn_columns=("messages", *SIDES),
+                         sides=SIDES, desc="tokenising pairs")
+"""A pair is two token rows, prompt + chosen and prompt + rejected."""
+COLUMNS = tuple(PAIR_ROWS.token_columns())
 
 
 def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path | None = None) -> PreparedData:
     """Read, check, mix, split and tokenise (cached) the recipe's preference pairs."""
-    sft.check_sources_declared(data_cfg)
+    sources.check_sources_declared(data_cfg)
     template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
     if template is None:
         raise UserError("the tokenizer has no chat template, and preference pairs are rendered through one; set "
                         "sft.chat_template (e.g. chatml)")
-    train_parts, train_reports, eval_parts, eval_reports = sft.read_and_mix(data_cfg, seed=seed, base_dir=base_dir,
-                                                                             pairs=True)
+    train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(data_cfg, seed=seed, base_dir=base_dir,
+                                                                                pairs=True)
     train, train_hit = _tokenize(train_parts, tokenizer, template, data_cfg)
-    train, counts, lengths, num_trained = _kept(train)
-    if len(train) == 0:
-        raise UserError(sft._empty_reason(counts, data_cfg).replace("sample", "pair"))
+    train = rows.kept(train, kind=PAIR_ROWS)
+    if len(train.rows) == 0:
+        raise UserError(rows.empty_reason(train.counts, data_cfg, unit="pair"))
     eval_ds, eval_hit, num_eval = None, True, 0
     if eval_parts:
         eval_ds, eval_hit = _tokenize(eval_parts, tokenizer, template, data_cfg)
-        eval_ds, _, _, _ = _kept(eval_ds)
+        eval_ds = rows.kept(eval_ds, kind=PAIR_ROWS).rows
         num_eval = len(eval_ds)
         eval_ds = eval_ds if num_eval else None
+    lengths = train.lengths.tolist()
     report = DataReport(
         sources=tuple(train_reports),
         eval_sources=tuple(eval_reports),
-        num_train_samples=len(train),
+        num_train_samples=len(train.rows),
         num_eval_samples=num_eval,
-        num_train_rows=len(train),
-        num_train_tokens=int(lengths.sum()),
-        num_trained_tokens=num_trained,
-        num_truncated=counts[TRUNCATED],
-        num_dropped_overlong=counts[TOO_LONG],
-        num_dropped_no_target=counts[NO_TARGET],
-        num_bad_template=counts[BAD_TEMPLATE],
+        num_train_rows=len(train.rows),
+        num_train_tokens=sum(lengths),
+        num_trained_tokens=train.num_trained_tokens,
+        num_truncated=train.counts[TRUNCATED],
+        num_dropped_overlong=train.counts[TOO_LONG],
+        num_dropped_no_target=train.counts[NO_TARGET],
+        num_bad_template=train.counts[BAD_TEMPLATE],
         max_length=data_cfg.max_length,
         packed=False,
-        non_pad_fraction=float(lengths.sum()) / max(lengths.size * data_cfg.max_length, 1),
-        sample_lengths=tuple(lengths.tolist()),
+        non_pad_fraction=packing.non_pad_fraction(lengths, num_rows=len(lengths), max_length=data_cfg.max_length),
+        sample_lengths=tuple(lengths),
         cache_hit=train_hit and eval_hit,
         pairs=True,
     )
-    return PreparedData(train=train, eval=eval_ds, report=report)
+    return PreparedData(train=train.rows, eval=eval_ds, report=report)
 
 
 def collate_pairs(rows: list[dict], *, pad_token_id: int) -> dict:
@@ -90,7 +85,7 @@ def collate_pairs(rows: list[dict], *, pad_token_id: int) -> dict:
     import torch
 
     sequences = [{"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]} for side in SIDES for r in rows]
-    batch = sft.collate(sequences, pad_token_id=pad_token_id)
+    batch = collate(sequences, pad_token_id=pad_token_id)
     if "reference_logps" in rows[0]:
         batch["reference_logps"] = torch.tensor([r["reference_logps"][k] for k in range(2) for r in rows],
                                                 dtype=torch.float32)
@@ -102,38 +97,10 @@ def collate_pairs(rows: list[dict], *, pad_token_id: int) -> dict:
 
 
 def _tokenize(pairs: list[dict], tokenizer, template: str, cfg: DataConfig):
-    import datasets
-    from datasets.fingerprint import Hasher
-
-    if not getattr(tokenizer, "is_fast", False):
-        raise UserError("the tokenizer is not a fast (Rust) tokenizer; the loss mask needs its offset mapping")
-    fingerprint = Hasher.hash_bytes([
-        sft.CACHE_VERSION.encode(), b"pairs",
-        json.dumps(pairs, ensure_ascii=False).encode(),
-        tokenizer.backend_tokenizer.to_str().encode(),
-        json.dumps([template, cfg.max_length, cfg.overlong, cfg.bad_rows]).encode(),
-    ])
-    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(datasets.config.HF_DATASETS_CACHE) / "homelab_ft"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    cache_file = cache_dir / f"pairs-{fingerprint}.arrow"
-    hit = cache_file.is_file()
-    turns = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
-    features = datasets.Features({
-        "kind": datasets.Value("string"), "messages": turns, "chosen": turns, "rejected": turns,
-        "prompt": datasets.Value("string"), "completion": datasets.Value("string"), "origin": datasets.Value("string"),
-    })
-    ds = datasets.Dataset.from_list(pairs, features=features)
-    ds = ds.map(
-        _PairEncoder(tokenizer, template, cfg),
-        batched=True,
-        batch_size=sft.TOKENIZE_BATCH_ROWS,
-        remove_columns=["kind", "messages", "chosen", "rejected", "prompt", "completion"],
-        new_fingerprint=fingerprint,
-        cache_file_name=str(cache_file),
-        load_from_cache_file=True,
-        desc="tokenising pairs",
-    )
-    return ds, hit
+    """The pairs' token rows through the cached map; the settings are everything _PairEncoder reads."""
+    settings = [template, cfg.max_length, cfg.overlong, cfg.bad_rows]
+    return rows.tokenize(pairs, tokenizer, kind=PAIR_ROWS, encode=_PairEncoder(tokenizer, template, cfg),
+                         settings=settings, cfg=cfg)
 
 
 def answer_spans(tokenizer, template: str, prompt: list[dict], answer: list[dict]) -> tuple[str, list]:
@@ -174,7 +141,7 @@ class _PairEncoder:
                 at = k * len(good) + j
                 labels = templates.labels_from_spans(enc["input_ids"][at], enc["offset_mapping"][at], rendered[i][k][1])
                 prompt_tokens = max(prompt_tokens, next((t for t, x in enumerate(labels) if x != IGNORE_INDEX), len(labels)))
-                fitted.append(self._fit(enc["input_ids"][at], labels))
+                fitted.append(rows.fit_row(enc["input_ids"][at], labels, self.cfg))
             status = max(f[2] for f in fitted)  # NO_TARGET > TOO_LONG > TRUNCATED > OK
             if status == NO_TARGET and self.cfg.bad_rows == "fail":
                 raise UserError(
@@ -182,27 +149,7 @@ class _PairEncoder:
                     f"within sft.max_length={self.cfg.max_length}; raise sft.max_length, shorten the prompt, or set "
                     "sft.bad_rows=skip to leave such pairs out")
             out["status"][i] = status
-            if status in (OK, TRUNCATED):
+            if status in KEPT:
                 for k, side in enumerate(SIDES):
                     out[f"{side}_input_ids"][i], out[f"{side}_labels"][i] = fitted[k][0], fitted[k][1]
         return out
-
-    def _fit(self, ids: list[int], labels: list[int]):
-        return sft.fit_row(ids, labels, self.cfg)
-
-
-def _kept(ds):
-    """Usable pairs, the count of each status, the token length of every kept row, trained tokens."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    table = ds.with_format("arrow")[:]
-    status = table.column("status").to_numpy()
-    counts = {code: int(np.count_nonzero(status == code)) for code in (OK, TRUNCATED, TOO_LONG, NO_TARGET, BAD_TEMPLATE)}
-    keep = (status == OK) | (status == TRUNCATED)
-    lengths, num_trained = [], 0
-    for side in SIDES:
-        lengths.append(pc.list_value_length(table.column(f"{side}_input_ids")).to_numpy(zero_copy_only=False)[keep])
-        labels = pc.list_flatten(table.column(f"{side}_labels").filter(pa.array(keep)))
-        num_trained += int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
-    return ds.select(np.flatnonzero(keep)).select_columns(list(COLUMNS)), counts, np.concatenate(lengths).astype(np.int64), num_trained

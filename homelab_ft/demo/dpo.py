@@ -82,7 +82,7 @@ def pair_accuracy(model_dir: Path, *, stem: str = "pairs-eval", batch_pairs: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from homelab_ft.config import DataConfig, SourceConfig
-    from homelab_ft.data.pairs import collate_pairs, prepare_pairs
+    from homelab_ft.data import collate_pairs, prepare_pairs
     from homelab_ft.train import preference
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # The generation the pairs are about: `make demo`'s held-out score of greedy replies.
         model = AutoModelForCausalLM.from_pretrained(args.score, dtype=torch.float32)
         result = sft.score(model, AutoTokenizer.from_pretrained(args.score), sft.read_rows("eval"))
-        log.info("held-out demo task (greedy replies): %s", sft._fraction(result))
+        log.info("held-out demo task (greedy replies): %s", result.summary())
     if not (args.write_dataset or args.score):
         parser.print_help()
     return 0

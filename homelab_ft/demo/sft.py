@@ -26,7 +26,6 @@ import argparse
 import json
 import logging
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +109,7 @@ KEYS = ("name", "age", "city")
 DEMO_MAX_NEW_TOKENS = 40
 """Room for the longest record (27 tokens) plus slack; a base-model ramble is cut off here."""
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("homelab_ft.demo.sft")  # also when run as __main__
 
 
 def make_rows(split: str, *, num_rows: int, seed: int = SEED) -> list[dict]:
@@ -201,6 +200,13 @@ class DemoScore:
     def well_formed(self) -> float:
         return self.num_well_formed / self.num_rows if self.num_rows else 0.0
 
+    def summary(self) -> str:
+        """One line: correct replies and replies with the right shape, of all."""
+        return (
+            f"{self.num_correct}/{self.num_rows} correct ({self.accuracy:.0%}), "
+            f"{self.num_well_formed}/{self.num_rows} with the right shape"
+        )
+
 
 def parse_reply(text: str) -> dict | None:
     """The reply as a record, or None when it is not bare JSON holding exactly our keys.
@@ -270,134 +276,6 @@ def generate(model, tokenizer, conversations: list[list[dict]], *, max_new_token
     finally:
         tokenizer.padding_side = side
     return replies
-
-
-# --------------------------------------------------------------------------------------------
-# the demo run
-
-
-DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-lora-cpu.yaml"
-
-
-@dataclass(frozen=True)
-class DemoResult:
-    before: DemoScore
-    after: DemoScore
-    run_dir: Path
-    export_dir: Path
-    seconds: dict[str, float]
-    """Wall time of each phase (convert, score base, train, export, score export, score gguf)."""
-    gguf: DemoScore | None = None
-    """The score of export/model-q8_0.gguf reloaded through transformers' GGUF loader."""
-
-
-def run_demo(
-    *,
-    run_dir: Path = Path("runs/demo"),
-    recipe_path: Path = DEMO_RECIPE,
-    overrides: tuple[str, ...] = (),
-    num_eval_rows: int | None = None,
-    num_examples: int = 3,
-) -> DemoResult:
-    """Score the base on the held-out rows, LoRA fine-tune, export, reload the export, score again.
-
-    The run directory belongs to the demo: a second `make demo` trains again from scratch
-    (`output.overwrite`), and the export lives inside it, so it goes with the run it came from.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from homelab_ft.config import load_recipe
-    from homelab_ft.errors import UserError
-    from homelab_ft.export.run import export_run
-    from homelab_ft.model import loading
-    from homelab_ft.train import trainer
-
-    if not Path(recipe_path).is_file():
-        raise UserError(f"the demo recipe {recipe_path} is missing; run the demo from a checkout of homelab-ft")
-    run_dir = Path(run_dir)
-    recipe = load_recipe(recipe_path, [*overrides, f"output.dir={run_dir}", "output.overwrite=true"])
-    rows = read_rows("eval")[:num_eval_rows]
-    seconds: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        seconds[name] = time.perf_counter() - clock
-        clock = time.perf_counter()
-
-    model_dir = loading.resolve_model_dir(recipe.model.path)
-    lap("convert")
-    log.info("held-out task: %d sentences about people whose names and cities never occur in training", len(rows))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    before = score(base, tokenizer, rows)
-    del base
-    log.info("base model:       %s", _fraction(before))
-    lap("score base")
-
-    trainer.train(recipe)
-    lap("train")
-    export_dir = run_dir / "export"
-    export = export_run(run_dir, export_dir, overwrite=True, formats="safetensors,gguf")
-    lap("export")
-
-    # Exactly what a user does with the export: plain transformers, no homelab-ft, no PEFT.
-    tuned = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-    after = score(tuned, AutoTokenizer.from_pretrained(export_dir), rows)
-    del tuned
-    lap("score export")
-    # And what llama.cpp / Ollama users get, read back by transformers' GGUF loader.
-    from homelab_ft.export.gguf_check import load_gguf
-
-    gguf_model, gguf_tokenizer = load_gguf(export.gguf_path)
-    gguf = score(gguf_model, gguf_tokenizer, rows)
-    del gguf_model
-    lap("score gguf")
-    log.info(summary(before, after, export_dir=export_dir, seconds=seconds, num_examples=num_examples, gguf=gguf,
-                  gguf_name=export.gguf_path.name))
-    return DemoResult(before=before, after=after, run_dir=run_dir, export_dir=export_dir, seconds=seconds, gguf=gguf)
-
-
-def summary(before: DemoScore, after: DemoScore, *, export_dir: Path, seconds: dict[str, float], num_examples: int,
-            gguf: DemoScore | None = None, gguf_name: str = "") -> str:
-    """The before/after table, a few held-out replies side by side, and where the time went."""
-    lines = [
-        "",
-        f"held-out score ({before.num_rows} rows; a reply counts when json.loads gives exactly the expected record)",
-        f"  base SmolLM2-135M-Instruct   {_fraction(before)}",
-        f"  fine-tuned, reloaded export  {_fraction(after)}",
-    ]
-    if gguf is not None:
-        lines.append(f"  the same, as {gguf_name:15s} {_fraction(gguf)}")
-    lines += [
-        "",
-    ]
-    pairs = list(zip(before.examples, after.examples, strict=True))
-    # spread over the split, so the examples show different sentence shapes
-    stride = max(1, len(pairs) // max(1, num_examples))
-    for old, new in pairs[::stride][:num_examples]:
-        lines += [
-            f"  user:       {old.prompt}",
-            f"  base:       {_one_line(old.got)}",
-            f"  fine-tuned: {_one_line(new.got)}   [{'correct' if new.correct else 'wrong'}]",
-            "",
-        ]
-    timing = ", ".join(f"{name} {secs:.0f}s" for name, secs in seconds.items())
-    lines += [f"time: {timing}; total {sum(seconds.values()) / 60:.1f} min", f"exported model: {export_dir}"]
-    return "\n".join(lines)
-
-
-def _fraction(result: DemoScore) -> str:
-    return (
-        f"{result.num_correct}/{result.num_rows} correct ({result.accuracy:.0%}), "
-        f"{result.num_well_formed}/{result.num_rows} with the right shape"
-    )
-
-
-def _one_line(text: str, limit: int = 110) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,7 +187,7 @@ def check_lora_targets(model_dir: Path, recipe: Recipe) -> None:
 def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None:
     """Read, validate and tokenise the data once in the launching process: a bad row stops the run
     before any worker starts, and the workers then read the tokenised cache."""
-    from homelab_ft.data.sft import prepare_for
+    from homelab_ft.data import prepare_for
 
     tokenizer = loading.load_tokenizer(recipe.model, inputs.model_dir)
     prepare_for(recipe, tokenizer, base_dir=base_dir)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft.data.pairs import collate_pairs
+from homelab_ft.data import collate_pairs
 from homelab_ft.distributed import comm, parallelize
 from homelab_ft.train import preference
 

@@ -19,9 +19,8 @@ import torch
 
 from homelab_ft import logs
 from homelab_ft.config import Recipe
-from homelab_ft.data.pairs import collate_pairs
+from homelab_ft.data import collate, collate_pairs, prepare_for
 from homelab_ft.data.sampling import MicroBatchSampler
-from homelab_ft.data.sft import collate, prepare_for
 from homelab_ft.distributed import comm, parallelize
 from homelab_ft.errors import Stopped
 from homelab_ft.model import compiling, loading

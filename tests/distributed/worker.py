@@ -205,8 +205,8 @@ def _safetensors_keys(model_dir: Path) -> set[str]:
 
 def run_token_counts(job: dict, base_dir: Path) -> dict:
     """Trained tokens per rank and step that a run on `world_size` ranks sees (no training)."""
+    from homelab_ft.data import collate, prepare_data
     from homelab_ft.data.sampling import MicroBatchSampler
-    from homelab_ft.data.sft import collate, prepare_data
     from homelab_ft.model import loading
     from homelab_ft.train import steps
 

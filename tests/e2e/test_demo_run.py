@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 
 from homelab_ft import logs
-from homelab_ft.demo import sft
+from homelab_ft.demo.run import run_demo
 
 
 def test_run_demo_scores_base_trains_exports_and_scores_the_reloaded_export(tiny_model_dir, tmp_path, capsys):
     """The wiring, on the tiny random model (the real SmolLM2 run is tests/e2e/test_demo_smollm2.py)."""
     logs.configure()
     run_dir = tmp_path / "demo"
-    result = sft.run_demo(
+    result = run_demo(
         run_dir=run_dir,
         overrides=(f"model.path={tiny_model_dir}", "data.max_length=512", "train.max_steps=2", "output.tensorboard=false"),
         num_eval_rows=4,
@@ -28,7 +28,7 @@ def test_run_demo_scores_base_trains_exports_and_scores_the_reloaded_export(tiny
     assert "the same, as model-q8_0.gguf" in out
     assert out.count("  user:       ") == 2
     # a second run replaces the first (the demo owns its run directory)
-    again = sft.run_demo(
+    again = run_demo(
         run_dir=run_dir,
         overrides=(f"model.path={tiny_model_dir}", "data.max_length=512", "train.max_steps=1", "output.tensorboard=false"),
         num_eval_rows=2,

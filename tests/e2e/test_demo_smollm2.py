@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 
-from homelab_ft.demo import sft
+from homelab_ft.demo.run import run_demo
 
 pytestmark = [
     pytest.mark.slow,
@@ -21,7 +21,7 @@ pytestmark = [
 def test_demo_fine_tune_turns_a_failing_base_into_a_passing_export(tmp_path):
     # 24 steps instead of 48 and a third of the held-out rows: in the full-size runs the shape
     # was learned by step 16 and 24 steps already scored 42/48 (see sft.py).
-    result = sft.run_demo(
+    result = run_demo(
         run_dir=tmp_path / "demo",
         overrides=("train.max_steps=24", "train.warmup_steps=2", "output.tensorboard=false"),
         num_eval_rows=16,

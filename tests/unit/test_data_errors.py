@@ -7,7 +7,7 @@ import json
 import pytest
 
 from homelab_ft.config import DataConfig, SourceConfig
-from homelab_ft.data.sft import prepare_data
+from homelab_ft.data import prepare_data
 from homelab_ft.errors import UserError
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}

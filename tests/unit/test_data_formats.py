@@ -7,9 +7,8 @@ import json
 import pytest
 
 from homelab_ft.config import DataConfig, SourceConfig
+from homelab_ft.data import IGNORE_INDEX, prepare_data
 from homelab_ft.data import sft as data_mod
-from homelab_ft.data.sft import prepare_data
-from homelab_ft.data.templates import IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +146,7 @@ def test_overlong_truncate_and_drop_are_counted(tmp_path, tokenizer):
 
 
 def test_demo_source_resolves_to_the_packaged_file():
-    from homelab_ft.data.formats import resolve_files
+    from homelab_ft.data.sources import resolve_files
 
     (path,) = resolve_files("demo:train", base_dir=None, where="data.sources[0]")
     assert path.parts[-3:] == ("assets", "demo", "train.jsonl")

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from homelab_ft.config import DataConfig, SourceConfig
+from homelab_ft.data import IGNORE_INDEX, collate, prepare_data
 from homelab_ft.data.packing import pack_bins
-from homelab_ft.data.sft import collate, prepare_data
-from homelab_ft.data.templates import IGNORE_INDEX
 
 WORDS = "the quick brown fox jumps over the lazy dog answer yes no paris four ten twenty".split()
 

@@ -12,8 +12,8 @@ import pytest
 from tiny import CHATML_TEMPLATE, CORPUS
 
 from homelab_ft.config import DataConfig, SourceConfig
-from homelab_ft.data.sft import prepare_data
-from homelab_ft.data.templates import IGNORE_INDEX, chat_spans, labels_from_spans
+from homelab_ft.data import IGNORE_INDEX, prepare_data
+from homelab_ft.data.templates import chat_spans, labels_from_spans
 from homelab_ft.errors import UserError
 
 LLAMA3_TEMPLATE = (

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from homelab_ft.config import load_recipe
-from homelab_ft.data.sft import prepare_data
-from homelab_ft.data.templates import IGNORE_INDEX
-from homelab_ft.demo import sft
+from homelab_ft.data import IGNORE_INDEX, prepare_data
+from homelab_ft.demo import run, sft
 
 GOOD = '{"name": "Ana Silva", "age": 34, "city": "Porto"}'
 
@@ -65,7 +65,7 @@ def test_demo_recipe_trains_only_on_the_assistant_reply(tiny_model_dir):
     from transformers import AutoTokenizer
 
     # the tiny tokenizer's 320-token vocabulary spells the rows out nearly byte by byte
-    recipe = load_recipe(sft.DEMO_RECIPE, ["data.max_length=1024"])
+    recipe = load_recipe(run.DEMO_RECIPE, ["data.max_length=1024"])
     assert recipe.data.sources[0].path == "demo:train" and recipe.data.eval_sources[0].path == "demo:eval"
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     data = prepare_data(recipe.data, tokenizer, seed=0)
@@ -156,3 +156,25 @@ def test_batched_left_padded_generation_matches_one_at_a_time(tiny_model_dir):
     single = sft.generate(model, tokenizer, conversations, max_new_tokens=8, batch_size=1)
     assert batched == single
     assert any(batched)
+
+
+def _scored(num_correct: int, replies: list[str]) -> sft.DemoScore:
+    examples = tuple(sft.Example(prompt=f"user {i}", expected=GOOD, got=r, correct=i < num_correct)
+                     for i, r in enumerate(replies))
+    return sft.DemoScore(num_rows=len(replies), num_correct=num_correct, num_well_formed=num_correct + 1,
+                         examples=examples)
+
+
+def test_the_before_after_table_shows_scores_spread_examples_and_time():
+    before = _scored(0, ["prose " * 40] * 6)
+    after = _scored(4, [GOOD] * 6)
+    assert after.summary() == "4/6 correct (67%), 5/6 with the right shape"
+    text = run.summary(before, after, export_dir=Path("runs/demo/export"), seconds={"train": 90.0, "export": 30.0},
+                       num_examples=2, gguf=after, gguf_name="model-q8_0.gguf")
+    assert "  base SmolLM2-135M-Instruct   0/6 correct (0%), 1/6 with the right shape" in text
+    assert "  the same, as model-q8_0.gguf 4/6 correct (67%)" in text
+    # two examples, spread over the split (rows 0 and 3), a long reply cut to one line
+    assert [line for line in text.splitlines() if line.startswith("  user:")] == ["  user:       user 0",
+                                                                                  "  user:       user 3"]
+    assert max(len(line) for line in text.splitlines() if line.startswith("  base:")) <= len("  base:       ") + 110
+    assert text.endswith("time: train 90s, export 30s; total 2.0 min\nexported model: runs/demo/export")

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from homelab_ft.config import DataConfig, DpoConfig, SourceConfig, recipe_from_dict
-from homelab_ft.data.pairs import collate_pairs, prepare_pairs
-from homelab_ft.data.templates import IGNORE_INDEX
+from homelab_ft.data import IGNORE_INDEX, collate_pairs, prepare_pairs
 from homelab_ft.errors import UserError
 from homelab_ft.train import preference
 
@@ -225,7 +224,7 @@ def test_objective_and_format_must_agree(tmp_path, tokenizer):
     write(tmp_path, {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}, name="c.jsonl")
     with pytest.raises(UserError, match=r"data.sources\[0\]: objective=dpo .* has no chosen and rejected"):
         prepare(tmp_path, tokenizer, sources=[SourceConfig(path="c.jsonl")])
-    from homelab_ft.data.sft import prepare_data
+    from homelab_ft.data import prepare_data
 
     write(tmp_path, pair())
     with pytest.raises(UserError, match="holds preference pairs .* set objective: dpo"):

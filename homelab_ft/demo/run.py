@@ -1,0 +1,151 @@
+"""`make demo` end to end: score the base model, LoRA fine-tune, export, score the reloaded export.
+
+The task, its shipped data and its scorer are sft.py's (which also holds the measured wall times);
+this module is the orchestration around them, and what `homelab-ft demo` calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_ft.demo import sft
+from homelab_ft.demo.sft import DemoScore
+
+DEMO_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-lora-cpu.yaml"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    before: DemoScore
+    after: DemoScore
+    run_dir: Path
+    export_dir: Path
+    seconds: dict[str, float]
+    """Wall time of each phase (convert, score base, train, export, score export, score gguf)."""
+    gguf: DemoScore | None = None
+    """The score of export/model-q8_0.gguf reloaded through transformers' GGUF loader."""
+
+
+class _Stopwatch:
+    """Wall time of each phase, in the order they ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._start
+        self._start = now
+
+
+def run_demo(
+    *,
+    run_dir: Path = Path("runs/demo"),
+    recipe_path: Path = DEMO_RECIPE,
+    overrides: tuple[str, ...] = (),
+    num_eval_rows: int | None = None,
+    num_examples: int = 3,
+) -> DemoResult:
+    """Score the base on the held-out rows, LoRA fine-tune, export, reload the export, score again.
+
+    The run directory belongs to the demo: a second `make demo` trains again from scratch
+    (`output.overwrite`), and the export lives inside it, so it goes with the run it came from.
+    """
+    from homelab_ft.export.run import export_run
+    from homelab_ft.model import loading
+    from homelab_ft.train import trainer
+
+    run_dir = Path(run_dir)
+    recipe = _demo_recipe(recipe_path, overrides, run_dir=run_dir)
+    rows = sft.read_rows("eval")[:num_eval_rows]
+    watch = _Stopwatch()
+    model_dir = loading.resolve_model_dir(recipe.model.path)
+    watch.lap("convert")
+    log.info("held-out task: %d sentences about people whose names and cities never occur in training", len(rows))
+    before = _score_folder(model_dir, rows)
+    log.info("base model:       %s", before.summary())
+    watch.lap("score base")
+
+    trainer.train(recipe)
+    watch.lap("train")
+    export_dir = run_dir / "export"
+    export = export_run(run_dir, export_dir, overwrite=True, formats="safetensors,gguf")
+    watch.lap("export")
+
+    # Exactly what a user does with the export: plain transformers, no homelab-ft, no PEFT.
+    after = _score_folder(export_dir, rows)
+    watch.lap("score export")
+    gguf = _score_gguf(export.gguf_path, rows)
+    watch.lap("score gguf")
+    log.info(summary(before, after, export_dir=export_dir, seconds=watch.seconds, num_examples=num_examples, gguf=gguf,
+                     gguf_name=export.gguf_path.name))
+    return DemoResult(before=before, after=after, run_dir=run_dir, export_dir=export_dir, seconds=watch.seconds,
+                      gguf=gguf)
+
+
+def _demo_recipe(recipe_path: Path, overrides: tuple[str, ...], *, run_dir: Path):
+    """The shipped demo recipe, writing into (and replacing) the demo's own run directory."""
+    from homelab_ft.config import load_recipe
+    from homelab_ft.errors import UserError
+
+    if not Path(recipe_path).is_file():
+        raise UserError(f"the demo recipe {recipe_path} is missing; run the demo from a checkout of homelab-ft")
+    return load_recipe(recipe_path, [*overrides, f"output.dir={run_dir}", "output.overwrite=true"])
+
+
+def _score_folder(model_dir: Path, rows: list[dict]) -> DemoScore:
+    """A model folder's score, loaded in fp32 by plain transformers with its own tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sft.score(model, tokenizer, rows)
+
+
+def _score_gguf(gguf_path: Path, rows: list[dict]) -> DemoScore:
+    """What llama.cpp / Ollama users get, read back by transformers' GGUF loader."""
+    from homelab_ft.export.gguf_check import load_gguf
+
+    model, tokenizer = load_gguf(gguf_path)
+    return sft.score(model, tokenizer, rows)
+
+
+def summary(before: DemoScore, after: DemoScore, *, export_dir: Path, seconds: dict[str, float], num_examples: int,
+            gguf: DemoScore | None = None, gguf_name: str = "") -> str:
+    """The before/after table, a few held-out replies side by side, and where the time went."""
+    lines = [
+        "",
+        f"held-out score ({before.num_rows} rows; a reply counts when json.loads gives exactly the expected record)",
+        f"  base SmolLM2-135M-Instruct   {before.summary()}",
+        f"  fine-tuned, reloaded export  {after.summary()}",
+    ]
+    if gguf is not None:
+        lines.append(f"  the same, as {gguf_name:15s} {gguf.summary()}")
+    lines += [
+        "",
+    ]
+    pairs = list(zip(before.examples, after.examples, strict=True))
+    # spread over the split, so the examples show different sentence shapes
+    stride = max(1, len(pairs) // max(1, num_examples))
+    for old, new in pairs[::stride][:num_examples]:
+        lines += [
+            f"  user:       {old.prompt}",
+            f"  base:       {_one_line(old.got)}",
+            f"  fine-tuned: {_one_line(new.got)}   [{'correct' if new.correct else 'wrong'}]",
+            "",
+        ]
+    timing = ", ".join(f"{name} {secs:.0f}s" for name, secs in seconds.items())
+    lines += [f"time: {timing}; total {sum(seconds.values()) / 60:.1f} min", f"exported model: {export_dir}"]
+    return "\n".join(lines)
+
+
+def _one_line(text: str, limit: int = 110) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
