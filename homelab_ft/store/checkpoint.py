@@ -37,10 +37,15 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from homelab_ft.errors import UserError
 from homelab_ft.store import dcp_metadata, manifest
+from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+ADAPTER = "adapter"
+"""A LoRA run's adapter inside each checkpoint, as PEFT safetensors (what export and serving read)."""
+STATE_FILE = "trainer_state.json"
+"""Step, scheduler, data position and model identity; rewritten by every save."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class TrainerState:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def candidates(run_dir: Path) -> list[Path]:
@@ -128,7 +133,7 @@ def verify(path: Path) -> TrainerState:
 
 def _read_state(path: Path) -> TrainerState:
     try:
-        return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+        return TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise manifest.DamagedCheckpoint(f"trainer_state.json is unreadable ({type(err).__name__})") from None
 
@@ -212,9 +217,9 @@ def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
         dcp.save(payload, checkpoint_id=tmp / "state")
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    save_adapter(model, tmp / "adapter")
+    save_adapter(model, tmp / ADAPTER)
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
     _barrier()
     names = manifest.list_files(tmp)
     mine = {name: manifest.hash_file(tmp / name, fsync=True) for name in names[rank::_world_size()]}

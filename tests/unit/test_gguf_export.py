@@ -14,6 +14,8 @@ import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.export import gguf_check, gguf_export
+from homelab_ft.rung import Rung
+from homelab_ft.store.layout import RunDir, RunInfo
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, vocab_size=320)
@@ -248,7 +250,8 @@ def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) ->
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = checkpoint.TrainerState(step=2, scheduler={}, sampler={}, model_fingerprint="lora", world_size=1)
     checkpoint.save(run, model=model, optimizer=optimizer, state=state, keep_last=2)
-    (run / "run.json").write_text(json.dumps({"method": "lora"}))
+    RunDir(run).write_info(RunInfo(rung=Rung(method="lora", strategy="no_shard", cpu_offload=False),
+                                   model_dir=str(model_dir), world_size=1, params=sum(p.numel() for p in base.parameters())))
     data = {"sources": [{"path": "train.jsonl"}]} | ({"system_prompt": system_prompt} if system_prompt else {})
     (run / "recipe.yaml").write_text(yaml.safe_dump({"method": "lora", "model": {"path": str(model_dir)}, "data": data}))
     return run
