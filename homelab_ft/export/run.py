@@ -18,7 +18,7 @@ from pathlib import Path
 
 from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_check, gguf_export, local_runtimes
+from homelab_ft.export import gguf_arch, gguf_check, gguf_export, local_runtimes
 from homelab_ft.model import loading
 from homelab_ft.rung import Rung
 from homelab_ft.store import checkpoint
@@ -108,7 +108,7 @@ def export_run(
 
     model_dir = loading.resolve_model_dir(source.recipe.model.path)
     if request.gguf_name:
-        gguf_export.check_architecture(model_dir)
+        gguf_arch.check_architecture(model_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

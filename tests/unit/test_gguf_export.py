@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from homelab_ft.cli.main import main
-from homelab_ft.export import gguf_check, gguf_export
+from homelab_ft.export import gguf_arch, gguf_check, gguf_export
 from homelab_ft.rung import Rung
 from homelab_ft.store.layout import RunDir, RunInfo
 
@@ -146,7 +146,7 @@ def test_a_wrong_layout_is_caught(models, tmp_path, monkeypatch):
     back other weights (and the logits move by whole units): the check refuses them even at f32."""
     from dataclasses import replace
 
-    families = gguf_export.FAMILIES
+    families = gguf_arch.FAMILIES
     monkeypatch.setitem(families, "llama", replace(families["llama"], permute_qk=False))
     monkeypatch.setitem(families, "gemma2", replace(families["gemma2"], norm_plus_one=False))
     for family in ("llama", "gemma2"):
@@ -382,7 +382,7 @@ def test_a_failed_check_leaves_nothing(models, tmp_path, monkeypatch):
     from dataclasses import replace
 
     run = make_run(tmp_path, models("llama"))
-    monkeypatch.setitem(gguf_export.FAMILIES, "llama", replace(gguf_export.FAMILIES["llama"], permute_qk=False))
+    monkeypatch.setitem(gguf_arch.FAMILIES, "llama", replace(gguf_arch.FAMILIES["llama"], permute_qk=False))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="GGUF check failed"):
         main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"])
