@@ -46,6 +46,8 @@ ADAPTER = "adapter"
 """A LoRA run's adapter inside each checkpoint, as PEFT safetensors (what export and serving read)."""
 STATE_FILE = "trainer_state.json"
 """Step, scheduler, data position and model identity; rewritten by every save."""
+_TMP_PREFIX = ".tmp-"
+"""A save in progress: `.tmp-step_000123` until it is complete and renamed."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,13 @@ def candidates(run_dir: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def unfinished(run_dir: Path) -> list[Path]:
+    """Temporary folders of saves that never completed (a killed run's); only the writer holding
+    the run's lock may remove them (rundir.init_run_dir)."""
+    root = checkpoints_dir(run_dir)
+    return sorted(p for p in root.glob(f"{_TMP_PREFIX}step_*") if p.is_dir()) if root.is_dir() else []
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -173,7 +182,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     """
     root = checkpoints_dir(run_dir)
     final = root / f"step_{state.step:06d}"
-    tmp = root / f".tmp-step_{state.step:06d}"
+    tmp = root / f"{_TMP_PREFIX}{final.name}"
     rank = _rank()
     payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
     expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))

@@ -90,7 +90,7 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
                     child.unlink()
         # With the lock held nobody else writes here: a temporary checkpoint folder is what a
         # killed save left behind, and only takes space.
-        for leftover in layout.checkpoints.glob(".tmp-step_*"):
+        for leftover in checkpoint.unfinished(run_dir):
             shutil.rmtree(leftover, ignore_errors=True)
         layout.write_recipe(recipe)
         if recipe.train.resume and resume_from is None:

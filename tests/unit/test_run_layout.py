@@ -98,3 +98,15 @@ def test_plan_written_as_plan_json_prints_it(tmp_path):
     run = RunDir(tmp_path)
     run.write_plan({"chosen": {"method": "lora"}})
     assert run.plan_file.read_text() == json.dumps({"chosen": {"method": "lora"}}, indent=2)
+
+
+def test_unfinished_saves_are_the_temporary_folders_only(tmp_path):
+    from homelab_ft.store import checkpoint
+
+    assert checkpoint.unfinished(tmp_path) == []  # no checkpoints folder yet
+    root = RunDir(tmp_path).checkpoints
+    for name in ("step_000001", ".tmp-step_000002", ".tmp-step_000003"):
+        (root / name).mkdir(parents=True)
+    (root / ".tmp-step_000004").write_text("not a folder")
+    assert [p.name for p in checkpoint.unfinished(tmp_path)] == [".tmp-step_000002", ".tmp-step_000003"]
+    assert [p.name for p in checkpoint.candidates(tmp_path)] == ["step_000001"]
