@@ -213,8 +213,9 @@ def _cmd_train(args) -> int:
                 plan.shape, rung=rung, request=plan.request, cluster=plan.cluster))
     if plan.checkpoint_bytes:
         from homelab_ft.plan.diskspace import space_warning
+        from homelab_ft.store.layout import RunDir
 
-        note = space_warning(recipe.run_dir, checkpoint_bytes=plan.checkpoint_bytes, keep_last=recipe.train.keep_last)
+        note = space_warning(RunDir(recipe.run_dir).checkpoints, checkpoint_bytes=plan.checkpoint_bytes, keep_last=recipe.train.keep_last)
         if note:
             print(f"warning: {note}", file=sys.stderr)
     if rung.process_group_enabled:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf_export import FAMILIES, _permute, check_architecture
+from homelab_ft.export.gguf_arch import FAMILIES, check_architecture, permute_heads
 
 _PREFIX = "base_model.model."
 
@@ -49,7 +49,7 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
             gguf_name = mapped[1]
             if part == "lora_b" and family.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
-                array = _permute(array, heads)
+                array = permute_heads(array, heads)
             pairs.setdefault(gguf_name, {})[part] = array
 
     writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
@@ -121,7 +121,7 @@ def check_adapter_gguf(path: Path, peft_model, base_config) -> float:
             want = module.get_delta_weight("default").float().numpy()
         if family.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = base_config.num_attention_heads if gguf_name.endswith("attn_q.weight") else base_config.num_key_value_heads
-            want = _permute(want, heads)
+            want = permute_heads(want, heads)
         a, b = stored.pop(f"{gguf_name}.lora_a"), stored.pop(f"{gguf_name}.lora_b")
         got = alpha / a.shape[0] * (b @ a)
         diff = float(np.abs(got - want).max()) / max(1e-12, float(np.abs(want).max()))

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from homelab_ft.export.gguf_export import FAMILIES, _tensor_qtype
+from homelab_ft.export.gguf_arch import FAMILIES
+from homelab_ft.export.gguf_export import tensor_qtype
 
 GGUF_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.05, "q8_0": 0.1, "q4_0": math.inf, "q5_1": math.inf}
 """Max |logit difference| between the GGUF reloaded by transformers and the model it was written
@@ -133,7 +134,7 @@ def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str
                     continue  # a tied head, or rotary buffers: the load_state_dict check covers them
                 reference = f.get_tensor(name).to(torch.float32).numpy()
                 kind, _ = name_map.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
-                qtype = _tensor_qtype(kind, reference.shape, gguf_type)
+                qtype = tensor_qtype(kind, reference.shape, gguf_type)
                 stored = reference + np.float32(1.0) if family.norm_plus_one and name.endswith("norm.weight") else reference
                 want = _round_trip(stored, qtype)
                 if stored is not reference:

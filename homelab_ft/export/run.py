@@ -16,11 +16,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_ft.config import load_recipe
+from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_check, gguf_export, local_runtimes
+from homelab_ft.export import gguf_arch, gguf_check, gguf_export, local_runtimes
 from homelab_ft.model import loading
+from homelab_ft.rung import Rung
 from homelab_ft.store import checkpoint
+from homelab_ft.store.layout import RunDir, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ META = "homelab_ft_export.json"
 FP32_TOLERANCE = 1e-4
 """Max abs logit difference allowed between the merged export and base + adapter in fp32, per
 unit of the largest logit's magnitude (1e-4 flat when logits stay within +-1)."""
+ADAPTER_GGUF = "adapter.gguf"
+"""llama.cpp's LoRA file, what --adapter-only --format gguf writes."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,42 @@ class ExportResult:
     """The llama-quantize command that makes the k-quant asked for from the written f16 GGUF."""
 
 
-def run_info(run_dir: Path) -> dict:
-    path = Path(run_dir) / "run.json"
-    if not path.is_file():
-        raise UserError(f"{run_dir} is not a homelab-ft run directory (no run.json); give the directory a train run wrote")
-    return json.loads(path.read_text())
+@dataclass(frozen=True)
+class _Request:
+    """What the command line asked for, checked before the run directory is read."""
+
+    formats: tuple[str, ...]
+    adapter_only: bool
+    dtype: str
+    gguf_type: str | None
+    """The GGUF type written for a merged model (f16 when a k-quant was asked for); None: no model GGUF."""
+    k_quant: str | None
+
+    @property
+    def safetensors(self) -> bool:
+        return "safetensors" in self.formats
+
+    @property
+    def adapter_gguf(self) -> str | None:
+        """Written instead of a model GGUF by --adapter-only --format gguf."""
+        return ADAPTER_GGUF if self.adapter_only and "gguf" in self.formats else None
+
+    @property
+    def gguf_name(self) -> str | None:
+        return gguf_export.gguf_file_name(self.gguf_type) if self.gguf_type else self.adapter_gguf
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The run being exported: its rung (from run.json), recipe and newest intact checkpoint."""
+
+    info: RunInfo
+    recipe: Recipe
+    ckpt: Path
+
+    @property
+    def rung(self) -> Rung:
+        return self.info.rung
 
 
 def export_run(
@@ -61,81 +96,115 @@ def export_run(
     """`trust_remote_code` is the command line's flag: a run directory is data, possibly copied
     from elsewhere, so its recipe alone never makes export run code shipped with a model."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    wanted = gguf_export.parse_formats(formats)
-    if gguf_type is not None and "gguf" not in wanted:
-        raise UserError("--gguf-type needs --format gguf (or --format safetensors,gguf)")
-    if adapter_only and gguf_type is not None:
-        raise UserError("--gguf-type does not apply to --adapter-only (the adapter GGUF is written in f32)")
-    gguf_type, k_quant = (gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted and not adapter_only
-                          else (None, None))
-    adapter_gguf = "adapter.gguf" if adapter_only and "gguf" in wanted else None
-    info = run_info(run_dir)
-    if adapter_only and "gguf" in wanted and info["method"] not in ("lora", "qlora"):
-        raise UserError(f"{run_dir} is a {info['method']} run: it has no adapter; export it without --adapter-only")
-    recipe = load_recipe(run_dir / "recipe.yaml")
-    if recipe.model.trust_remote_code and not trust_remote_code:
-        raise UserError(
-            f"{run_dir / 'recipe.yaml'} sets model.trust_remote_code=true; export runs the model's own Python code "
-            "only when you pass --trust-remote-code (check the model folder first)"
-        )
-    ckpt = checkpoint.newest_intact(run_dir)
-    if ckpt is None:
-        raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
-    # The checkpoint's trainer_state.json is rewritten by every save, so a retrained run that
-    # reuses the same step directory is a new identity.
-    written_ns = (ckpt / "trainer_state.json").stat().st_mtime_ns
-    identity = {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": adapter_only, "dtype": dtype,
-                "formats": list(wanted), "gguf_type": k_quant or gguf_type}
-    gguf_name = gguf_export.gguf_file_name(gguf_type) if gguf_type else adapter_gguf
-    hint = gguf_export.quantize_command(out_dir / gguf_name, k_quant) if k_quant else None
+    request = _check_request(formats, adapter_only=adapter_only, dtype=dtype, gguf_type=gguf_type)
+    source = _open_run(run_dir, request, trust_remote_code=trust_remote_code)
+    identity = _identity(source.ckpt, request)
+    hint = gguf_export.quantize_command(out_dir / request.gguf_name, request.k_quant) if request.k_quant else None
     if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
         log.info("%s already holds this export; nothing to do", out_dir)
         return ExportResult(out_dir, None, skipped=True, quantize_hint=hint)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
 
-    model_dir = loading.resolve_model_dir(recipe.model.path)
-    if gguf_name:
-        gguf_export.check_architecture(model_dir)
+    model_dir = loading.resolve_model_dir(source.recipe.model.path)
+    if request.gguf_name:
+        gguf_arch.check_architecture(model_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    # A GGUF-only export still goes through the merged safetensors (the GGUF is streamed from
-    # them); they are written into a scratch folder inside the temporary one and dropped.
-    hf_dir = tmp if "safetensors" in wanted else tmp / ".merged"
     try:
-        if info["method"] in ("lora", "qlora") and adapter_only:
-            diff = _write_adapter(ckpt, model_dir, recipe, tmp) if "safetensors" in wanted else None
-        elif info["method"] in ("lora", "qlora"):
-            diff = _write_merged(ckpt, model_dir, recipe, hf_dir, dtype=dtype, name=out_dir.name)
-        else:
-            from homelab_ft.export.consolidate import consolidate_to_hf
-
-            diff = consolidate_to_hf(ckpt, model_dir, hf_dir, dtype=_save_dtype(dtype, model_dir))
-        record = {"source": identity, "method": info["method"], "max_abs_diff": diff}
-        gguf_path = None
-        if gguf_type:
-            gguf_path, check = _write_gguf(hf_dir, tmp, file_name=gguf_name, gguf_type=gguf_type, name=out_dir.name,
-                                           system_prompt=recipe.data.system_prompt)
-            record["gguf"] = {"file": gguf_name, "type": gguf_type, "max_abs_diff": check.max_abs_diff, "bound": check.bound}
-            if hf_dir != tmp:
-                shutil.rmtree(hf_dir)
-        if adapter_gguf:
-            gguf_path = tmp / adapter_gguf
-            record["gguf"] = {"file": adapter_gguf, "type": "lora-adapter",
-                              "max_rel_diff": _write_adapter_gguf(ckpt, model_dir, recipe, gguf_path, name=out_dir.name)}
-            (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(out_dir.name, base=recipe.model.path))
-        if not adapter_only:
-            _write_runtime_notes(tmp, name=out_dir.name, safetensors="safetensors" in wanted, gguf_name=gguf_name,
-                                 k_quant_hint=hint)
-        (tmp / META).write_text(json.dumps(record, indent=1))
+        record = _write_export(tmp, source=source, request=request, model_dir=model_dir, name=out_dir.name, hint=hint)
+        (tmp / META).write_text(json.dumps({"source": identity, **record}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out_dir, diff, skipped=False, gguf_path=out_dir / gguf_name if gguf_path else None,
-                        quantize_hint=hint)
+    gguf_path = out_dir / request.gguf_name if "gguf" in record else None
+    return ExportResult(out_dir, record["max_abs_diff"], skipped=False, gguf_path=gguf_path, quantize_hint=hint)
+
+
+def _check_request(formats: str, *, adapter_only: bool, dtype: str, gguf_type: str | None) -> _Request:
+    """The option refusals that need no run directory."""
+    wanted = gguf_export.parse_formats(formats)
+    if gguf_type is not None and "gguf" not in wanted:
+        raise UserError("--gguf-type needs --format gguf (or --format safetensors,gguf)")
+    if adapter_only and gguf_type is not None:
+        raise UserError("--gguf-type does not apply to --adapter-only (the adapter GGUF is written in f32)")
+    written, k_quant = (gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted and not adapter_only
+                        else (None, None))
+    return _Request(formats=wanted, adapter_only=adapter_only, dtype=dtype, gguf_type=written, k_quant=k_quant)
+
+
+def _open_run(run_dir: Path, request: _Request, *, trust_remote_code: bool) -> _Source:
+    """The run's rung, recipe and checkpoint, refusing what this export cannot do with them."""
+    layout = RunDir(run_dir)
+    info = layout.read_info()
+    if request.adapter_gguf and not info.rung.adapters_enabled:
+        raise UserError(f"{run_dir} is a {info.rung.method} run: it has no adapter; export it without --adapter-only")
+    recipe = layout.read_recipe()
+    if recipe.model.trust_remote_code and not trust_remote_code:
+        raise UserError(
+            f"{layout.recipe_file} sets model.trust_remote_code=true; export runs the model's own Python code "
+            "only when you pass --trust-remote-code (check the model folder first)"
+        )
+    ckpt = checkpoint.newest_intact(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
+    return _Source(info=info, recipe=recipe, ckpt=ckpt)
+
+
+def _identity(ckpt: Path, request: _Request) -> dict:
+    """What makes two exports the same: running export again with an equal identity does nothing."""
+    # The checkpoint's trainer_state.json is rewritten by every save, so a retrained run that
+    # reuses the same step directory is a new identity.
+    written_ns = (ckpt / checkpoint.STATE_FILE).stat().st_mtime_ns
+    return {"checkpoint": str(ckpt.resolve()), "written_ns": written_ns, "adapter_only": request.adapter_only,
+            "dtype": request.dtype, "formats": list(request.formats), "gguf_type": request.k_quant or request.gguf_type}
+
+
+def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: Path, name: str,
+                  hint: str | None) -> dict:
+    """Everything the export holds, written into `tmp`; returns its record (META, less the source).
+    `name` is the final folder name, for the files that tell how to run it."""
+    # A GGUF-only export still goes through the merged safetensors (the GGUF is streamed from
+    # them); they are written into a scratch folder inside the temporary one and dropped.
+    hf_dir = tmp if request.safetensors else tmp / ".merged"
+    recipe = source.recipe
+    diff = _write_weights(hf_dir, source=source, request=request, model_dir=model_dir, name=name)
+    record = {"method": source.rung.method, "max_abs_diff": diff}
+    if request.gguf_type:
+        _, check = _write_gguf(hf_dir, tmp, file_name=request.gguf_name, gguf_type=request.gguf_type, name=name,
+                               system_prompt=recipe.data.system_prompt)
+        record["gguf"] = {"file": request.gguf_name, "type": request.gguf_type, "max_abs_diff": check.max_abs_diff,
+                          "bound": check.bound}
+        if hf_dir != tmp:
+            shutil.rmtree(hf_dir)
+    if request.adapter_gguf:
+        record["gguf"] = {"file": request.adapter_gguf, "type": "lora-adapter", "max_rel_diff": _write_adapter_gguf(
+            source.ckpt, model_dir, recipe, tmp / request.adapter_gguf, name=name)}
+        (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(name, base=recipe.model.path))
+    if not request.adapter_only:
+        _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
+                             k_quant_hint=hint)
+    return record
+
+
+def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: Path, name: str) -> float | None:
+    """The weights, by what the rung trained: the adapter alone or merged into its base, or every
+    weight gathered from the sharded checkpoint. A quantized (QLoRA) run's adapter merges into
+    the full-precision base like a LoRA one (module docstring: never into the 4-bit weights)."""
+    rung, ckpt, recipe = source.rung, source.ckpt, source.recipe
+    if rung.adapters_enabled and request.adapter_only:
+        return _write_adapter(ckpt, model_dir, recipe, out) if request.safetensors else None
+    if rung.adapters_enabled:
+        if rung.quantized_enabled:
+            log.info("export: the run trained on a %d-bit base; its adapter is merged into the full-precision base",
+                     rung.quant_bits)
+        return _write_merged(ckpt, model_dir, recipe, out, dtype=request.dtype, name=name)
+    from homelab_ft.export.consolidate import consolidate_to_hf
+
+    return consolidate_to_hf(ckpt, model_dir, out, dtype=_save_dtype(request.dtype, model_dir))
 
 
 def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
@@ -145,7 +214,7 @@ def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
 
     base = loading.load_model(recipe.model, model_dir, dtype=dtype or torch.float32, device=torch.device("cpu"))
     try:
-        return PeftModel.from_pretrained(base, ckpt / "adapter")
+        return PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
     except (RuntimeError, ValueError, KeyError) as err:
         raise UserError(
             f"the adapter in {ckpt} does not fit the base {recipe.model.path} "
@@ -159,13 +228,13 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     from homelab_ft.export import merge
     from homelab_ft.plan.hardware import available_ram_bytes
 
-    reason = merge.unsupported_reason(ckpt / "adapter", model_dir)
+    reason = merge.unsupported_reason(ckpt / checkpoint.ADAPTER, model_dir)
     if reason is not None:
         log.info("export: %s, so the adapter is merged in memory with PEFT", reason)
         return _write_merged_in_memory(ckpt, model_dir, recipe, out, dtype=dtype, name=name)
 
     save_dtype = _save_dtype(dtype, model_dir)
-    stats = merge.merge_files(ckpt / "adapter", model_dir, out, dtype=save_dtype)
+    stats = merge.merge_files(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype)
     loading.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
     log.info("export: merged %d adapted weights file by file (%d base file(s), %s)", stats["merged"], stats["files"],
              save_dtype)
@@ -174,7 +243,7 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     # Two models in memory one after the other, each up to twice its file size (bf16 read as fp32).
     if 4 * merge.base_bytes(model_dir) < available_ram_bytes():
         return _check_logits(ckpt, model_dir, recipe, out, save_dtype=save_dtype)
-    worst = merge.check_written(ckpt / "adapter", model_dir, out, dtype=save_dtype)
+    worst = merge.check_written(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype)
     if worst > 0:
         raise RuntimeError(f"export check failed: a merged weight read back differs by {worst:.2e} from base + adapter")
     log.info("export check: merged weights read back equal base + adapter (model too large for a logit check here)")
@@ -250,7 +319,7 @@ def _write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, d
 def _write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
     """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
     _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
-    shutil.copytree(ckpt / "adapter", out, dirs_exist_ok=True)
+    shutil.copytree(ckpt / checkpoint.ADAPTER, out, dirs_exist_ok=True)
     config_path = out / "adapter_config.json"
     config = json.loads(config_path.read_text())
     config["base_model_name_or_path"] = recipe.model.path
@@ -294,7 +363,7 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
     from homelab_ft.export.gguf_adapter import check_adapter_gguf, write_adapter_gguf
 
     peft_model = _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
-    write_adapter_gguf(ckpt / "adapter", model_dir, path, name=name)
+    write_adapter_gguf(ckpt / checkpoint.ADAPTER, model_dir, path, name=name)
     diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
     log.info("adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference %.1e", diff)
     return diff

@@ -27,15 +27,15 @@ def checkpoint_bytes(option: Estimate, *, request: PlanRequest, cluster: Cluster
     return int(option.trainable_params * per_param)
 
 
-def space_warning(run_dir: Path, *, checkpoint_bytes: int, keep_last: int) -> str | None:
-    """A one-line warning when the run directory's disk cannot hold keep_last + 1 checkpoints
+def space_warning(ckpts: Path, *, checkpoint_bytes: int, keep_last: int) -> str | None:
+    """A one-line warning when the disk of the run's checkpoints folder (`RunDir.checkpoints`,
+    named by the caller: plan imports nothing outside itself) cannot hold keep_last + 1 checkpoints
     (counting the space this run's own checkpoints already take); None when it can."""
-    run_dir = Path(run_dir).resolve()
-    existing = run_dir
+    ckpts = Path(ckpts).resolve()
+    existing = ckpts
     while not existing.exists():
         existing = existing.parent
     free = shutil.disk_usage(existing).free
-    ckpts = run_dir / "checkpoints"
     own = sum(p.stat().st_size for p in ckpts.rglob("*") if p.is_file()) if ckpts.is_dir() else 0
     need = (keep_last + 1) * checkpoint_bytes
     if free + own >= need:

@@ -37,10 +37,17 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from homelab_ft.errors import UserError
 from homelab_ft.store import dcp_metadata, manifest
+from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+ADAPTER = "adapter"
+"""A LoRA run's adapter inside each checkpoint, as PEFT safetensors (what export and serving read)."""
+STATE_FILE = "trainer_state.json"
+"""Step, scheduler, data position and model identity; rewritten by every save."""
+_TMP_PREFIX = ".tmp-"
+"""A save in progress: `.tmp-step_000123` until it is complete and renamed."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +60,7 @@ class TrainerState:
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+    return RunDir(run_dir).checkpoints
 
 
 def candidates(run_dir: Path) -> list[Path]:
@@ -63,6 +70,13 @@ def candidates(run_dir: Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def unfinished(run_dir: Path) -> list[Path]:
+    """Temporary folders of saves that never completed (a killed run's); only the writer holding
+    the run's lock may remove them (rundir.init_run_dir)."""
+    root = checkpoints_dir(run_dir)
+    return sorted(p for p in root.glob(f"{_TMP_PREFIX}step_*") if p.is_dir()) if root.is_dir() else []
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -128,7 +142,7 @@ def verify(path: Path) -> TrainerState:
 
 def _read_state(path: Path) -> TrainerState:
     try:
-        return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+        return TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (OSError, ValueError, TypeError) as err:
         raise manifest.DamagedCheckpoint(f"trainer_state.json is unreadable ({type(err).__name__})") from None
 
@@ -168,7 +182,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     """
     root = checkpoints_dir(run_dir)
     final = root / f"step_{state.step:06d}"
-    tmp = root / f".tmp-step_{state.step:06d}"
+    tmp = root / f"{_TMP_PREFIX}{final.name}"
     rank = _rank()
     payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
     expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))
@@ -212,9 +226,9 @@ def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
         dcp.save(payload, checkpoint_id=tmp / "state")
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    save_adapter(model, tmp / "adapter")
+    save_adapter(model, tmp / ADAPTER)
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__, indent=1))
+        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
     _barrier()
     names = manifest.list_files(tmp)
     mine = {name: manifest.hash_file(tmp / name, fsync=True) for name in names[rank::_world_size()]}

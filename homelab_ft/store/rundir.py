@@ -6,10 +6,11 @@ import logging
 import shutil
 from pathlib import Path
 
-from homelab_ft.config import Recipe, dump_recipe, load_recipe
+from homelab_ft.config import Recipe, load_recipe
 from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
 from homelab_ft.store import checkpoint, runlock
+from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def check_before_launch(recipe: Recipe) -> None:
     for part in (run_dir, *run_dir.parents):
         if part.exists() and not part.is_dir():
             raise UserError(f"output.dir: {part} is a file, not a directory; choose another --run-dir")
-    saved = run_dir / "recipe.yaml"
+    saved = RunDir(run_dir).recipe_file
     runlock.check_free(run_dir)
     if recipe.train.resume:
         if saved.is_file():
@@ -75,12 +76,13 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
     sees a half-made directory.
     """
     run_dir = recipe.run_dir
+    layout = RunDir(run_dir)
     comm.barrier(env)
     if env.is_main:
         runlock.acquire(run_dir)  # creates the directory; held until trainer.train returns
         if recipe.output.overwrite and not recipe.train.resume:
             for child in run_dir.iterdir():
-                if child.name == runlock.NAME:
+                if child.name == layout.lock_file.name:
                     continue
                 if child.is_dir() and not child.is_symlink():
                     shutil.rmtree(child)
@@ -88,9 +90,9 @@ def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
                     child.unlink()
         # With the lock held nobody else writes here: a temporary checkpoint folder is what a
         # killed save left behind, and only takes space.
-        for leftover in checkpoint.checkpoints_dir(run_dir).glob(".tmp-step_*"):
+        for leftover in checkpoint.unfinished(run_dir):
             shutil.rmtree(leftover, ignore_errors=True)
-        dump_recipe(recipe, run_dir / "recipe.yaml")
+        layout.write_recipe(recipe)
         if recipe.train.resume and resume_from is None:
             log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
     comm.barrier(env)

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from homelab_ft.errors import UserError
+from homelab_ft.store.layout import RunDir
 
-NAME = ".lock"
 log = logging.getLogger(__name__)
 
 _held: dict[Path, int] = {}
@@ -49,7 +49,7 @@ def _try_lock(path: Path) -> int | None:
 
 def check_free(run_dir: Path) -> None:
     """Refuse (exit 2, writing nothing) when another live process holds the run directory."""
-    path = Path(run_dir) / NAME
+    path = RunDir(run_dir).lock_file
     if not path.is_file():
         return
     if Path(run_dir).resolve() in _held:
@@ -68,7 +68,7 @@ def acquire(run_dir: Path) -> None:
     """Take the run directory's lock for this process (creating the directory if needed)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / NAME
+    path = RunDir(run_dir).lock_file
     check_free(run_dir)
     previous = _holder(path) if path.is_file() and path.stat().st_size else None
     fd = _try_lock(path)

@@ -11,16 +11,19 @@ import json
 import os
 from pathlib import Path
 
+from homelab_ft.store.layout import RunDir
+
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
         self.enabled = enabled
-        self.path = Path(run_dir) / "metrics.jsonl"
+        layout = RunDir(run_dir)
+        self.path = layout.metrics_file
         self._tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(log_dir=str(layout.tensorboard_dir))
 
     def log(self, row: dict) -> None:
         if not self.enabled:

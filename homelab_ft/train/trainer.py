@@ -9,7 +9,6 @@ gradient-sync switch during accumulation.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from homelab_ft.errors import Stopped
 from homelab_ft.model import compiling, loading
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
+from homelab_ft.store.layout import RunDir, RunInfo
 from homelab_ft.store.rundir import init_run_dir
 from homelab_ft.train import preference, preflight, steps, stopping
 from homelab_ft.train.loss import token_loss_sum
@@ -156,9 +156,11 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
             raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now))
     progress.close()
     s.logger.close()
-    if env.is_main and (recipe.run_dir / "metrics.jsonl").is_file():
-        plot_loss(recipe.run_dir / "metrics.jsonl", recipe.run_dir / "loss.png")
-        log.info("run directory: %s (metrics.jsonl, loss.png, checkpoints/)", recipe.run_dir)
+    layout = RunDir(recipe.run_dir)
+    if env.is_main and layout.metrics_file.is_file():
+        plot_loss(layout.metrics_file, layout.loss_plot)
+        log.info("run directory: %s (%s, %s, %s/)", recipe.run_dir, layout.metrics_file.name, layout.loss_plot.name,
+                 layout.checkpoints.name)
     return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
 
 
@@ -290,11 +292,10 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     )
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
-        info = {**rung.to_dict(), "model_dir": str(model_dir), "world_size": env.world_size, "params": total}
-        (run_dir / "run.json").write_text(json.dumps(info, indent=1))
+        layout = RunDir(run_dir)
+        layout.write_info(RunInfo(rung=rung, model_dir=str(model_dir), world_size=env.world_size, params=total))
         if plan is not None:
-            plan_dict = plan if isinstance(plan, dict) else plan.to_dict()
-            (run_dir / "plan.json").write_text(json.dumps(plan_dict, indent=2))
+            layout.write_plan(plan if isinstance(plan, dict) else plan.to_dict())
     logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
     start = 0
     if inputs.resume_from is not None:

@@ -8,6 +8,7 @@ from collections import namedtuple
 from homelab_ft.plan import diskspace
 from homelab_ft.plan.memory import Cluster
 from homelab_ft.plan.planner import default_request
+from homelab_ft.store.layout import RunDir
 
 
 def _option(method: str, trainable: int):
@@ -28,11 +29,11 @@ def test_checkpoint_bytes_per_trainable_parameter():
 def test_space_warning_counts_keep_last_plus_one(tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 << 30, 0, 3 << 30))
-    run = tmp_path / "not" / "made" / "yet"
+    run = RunDir(tmp_path / "not" / "made" / "yet").checkpoints
     assert diskspace.space_warning(run, checkpoint_bytes=1 << 30, keep_last=2) is None  # 3 GiB for 3
     note = diskspace.space_warning(run, checkpoint_bytes=1 << 30, keep_last=3)
     assert "3.0 GiB free" in note and "4 checkpoints" in note and "train.keep_last=3" in note
     # a resumed run's own checkpoints will be pruned, so their space counts as available
-    (run / "checkpoints" / "step_000001").mkdir(parents=True)
-    (run / "checkpoints" / "step_000001" / "x").write_bytes(b"\0" * (1 << 20))
+    (run / "step_000001").mkdir(parents=True)
+    (run / "step_000001" / "x").write_bytes(b"\0" * (1 << 20))
     assert diskspace.space_warning(run, checkpoint_bytes=(3 << 30) // 4 + 1, keep_last=3) is None

@@ -13,7 +13,9 @@ import torch
 import yaml
 
 from homelab_ft.cli.main import main
-from homelab_ft.export import gguf_check, gguf_export
+from homelab_ft.export import gguf_arch, gguf_check, gguf_export
+from homelab_ft.rung import Rung
+from homelab_ft.store.layout import RunDir, RunInfo
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, vocab_size=320)
@@ -144,7 +146,7 @@ def test_a_wrong_layout_is_caught(models, tmp_path, monkeypatch):
     back other weights (and the logits move by whole units): the check refuses them even at f32."""
     from dataclasses import replace
 
-    families = gguf_export.FAMILIES
+    families = gguf_arch.FAMILIES
     monkeypatch.setitem(families, "llama", replace(families["llama"], permute_qk=False))
     monkeypatch.setitem(families, "gemma2", replace(families["gemma2"], norm_plus_one=False))
     for family in ("llama", "gemma2"):
@@ -248,7 +250,8 @@ def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) ->
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = checkpoint.TrainerState(step=2, scheduler={}, sampler={}, model_fingerprint="lora", world_size=1)
     checkpoint.save(run, model=model, optimizer=optimizer, state=state, keep_last=2)
-    (run / "run.json").write_text(json.dumps({"method": "lora"}))
+    RunDir(run).write_info(RunInfo(rung=Rung(method="lora", strategy="no_shard", cpu_offload=False),
+                                   model_dir=str(model_dir), world_size=1, params=sum(p.numel() for p in base.parameters())))
     data = {"sources": [{"path": "train.jsonl"}]} | ({"system_prompt": system_prompt} if system_prompt else {})
     (run / "recipe.yaml").write_text(yaml.safe_dump({"method": "lora", "model": {"path": str(model_dir)}, "data": data}))
     return run
@@ -379,7 +382,7 @@ def test_a_failed_check_leaves_nothing(models, tmp_path, monkeypatch):
     from dataclasses import replace
 
     run = make_run(tmp_path, models("llama"))
-    monkeypatch.setitem(gguf_export.FAMILIES, "llama", replace(gguf_export.FAMILIES["llama"], permute_qk=False))
+    monkeypatch.setitem(gguf_arch.FAMILIES, "llama", replace(gguf_arch.FAMILIES["llama"], permute_qk=False))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="GGUF check failed"):
         main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"])

@@ -1,0 +1,130 @@
+"""The run directory as a type: every file a run leaves, named once, and run.json read back typed.
+
+A run directory holds
+- `recipe.yaml`: the resolved recipe the run trained with (what a resume compares against);
+- `run.json`: the rung that ran, plus the model folder, process count and parameter count (`RunInfo`);
+- `plan.json`: the planner's report, when the run was planned;
+- `metrics.jsonl`, `tensorboard/`, `loss.png`: what people read (train/metrics.py);
+- `checkpoints/step_*/`: resumable checkpoints (checkpoint.py);
+- `.lock`: held by the one writer while it trains (runlock.py).
+
+Export reads the rung from run.json rather than the recipe: a recipe may say `method: auto`, the
+run.json says what the planner chose. Torch-free, so the CLI can name these paths without loading torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+
+from homelab_ft.config import Recipe, dump_recipe, load_recipe
+from homelab_ft.errors import UserError
+from homelab_ft.rung import Rung, RungError
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What run.json records: the rung that ran and what the trainer found when it started."""
+
+    rung: Rung
+    model_dir: str
+    """The resolved model folder (a cache snapshot for a hub id)."""
+    world_size: int
+    """Processes the run trained on last (a resume may change it, keeping the global batch)."""
+    params: int
+    """Parameters of the whole model, trainable or not."""
+
+    def to_dict(self) -> dict:
+        """The rung's fields flat beside the others, the layout run.json has always had."""
+        return {**self.rung.to_dict(), "model_dir": self.model_dir, "world_size": self.world_size, "params": self.params}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunInfo:
+        """Raises KeyError naming the first missing key, or RungError for a rung that cannot run."""
+        required = [f.name for f in fields(Rung) if f.default is MISSING] + ["model_dir", "world_size", "params"]
+        for key in required:
+            if key not in data:
+                raise KeyError(key)
+        return cls(rung=Rung.from_dict(data), model_dir=str(data["model_dir"]), world_size=int(data["world_size"]),
+                   params=int(data["params"]))
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One run directory; `RunDir(recipe.run_dir)`. Naming a path creates nothing."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def recipe_file(self) -> Path:
+        return self.root / "recipe.yaml"
+
+    @property
+    def info_file(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def plan_file(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / ".lock"
+
+    def read_recipe(self) -> Recipe:
+        if not self.recipe_file.is_file():
+            raise UserError(f"{self.root} is not a homelab-ft run directory (no {self.recipe_file.name}); "
+                            "give the directory a train run wrote")
+        return load_recipe(self.recipe_file)
+
+    def write_recipe(self, recipe: Recipe) -> None:
+        dump_recipe(recipe, self.recipe_file)
+
+    def read_info(self) -> RunInfo:
+        """run.json, typed; a missing or unreadable one is one UserError naming the file and the fix."""
+        path = self.info_file
+        if not path.is_file():
+            raise UserError(f"{self.root} is not a homelab-ft run directory (no {path.name}); give the directory a "
+                            "train run wrote")
+        fix = "it is written when training starts; train the run again (--resume keeps its checkpoints)"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UserError(f"{path} is not valid JSON ({err}); {fix}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{path} holds a {type(data).__name__}, not a JSON object; {fix}")
+        try:
+            return RunInfo.from_dict(data)
+        except KeyError as err:
+            raise UserError(f"{path} has no {err.args[0]!r}; {fix}") from None
+        except RungError as err:
+            raise UserError(f"{path} records a rung that cannot run ({err}); {fix}") from None
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{path} holds a value of the wrong type ({err}); {fix}") from None
+
+    def write_info(self, info: RunInfo) -> None:
+        self.info_file.write_text(json.dumps(info.to_dict(), indent=1))
+
+    def write_plan(self, plan: dict) -> None:
+        """The planner's report (`Plan.to_dict()`), as `homelab-ft plan --json` prints it."""
+        self.plan_file.write_text(json.dumps(plan, indent=2))
