@@ -79,6 +79,13 @@ class QuantConfig:
     """Dtype the 4-bit weights are dequantized to for matmuls. `auto`: bf16 where supported, else fp32."""
 
 
+MAX_UNQUANTIZABLE_FRACTION = 0.10
+"""What `quant:` can do for a model: QLoRA is refused when more than this share of the
+transformer-block weights would stay in full precision (MoE experts are 3-D parameters
+bitsandbytes does not touch): quant.py refuses such a model before loading it, and the planner
+marks the same case."""
+
+
 @dataclass(frozen=True, config=_STRICT)
 class SourceConfig:
     path: str
