@@ -110,8 +110,9 @@ def predict(recipe: dict, cluster_path: Path, *, tflops_per_core: float):
     """memory.estimate for the recipe on the file's cluster; each node has one of this machine's
     two cores (the namespaces share them), shared by its processes."""
     from homelab_ft.config import recipe_from_dict
+    from homelab_ft.locate import locate_config
     from homelab_ft.plan.planner import option_rung, request_from_recipe
-    from homelab_ft.plan.shapes import locate_config, model_shape
+    from homelab_ft.plan.shapes import model_shape
 
     r = recipe_from_dict(recipe, overrides=clusterfile.overrides(cluster_path))
     detected = hardware.Detected(gpu_count=0, gpu_name=None, vram_bytes=None, host_ram_bytes=8 * GiB, cpu_cores=1)

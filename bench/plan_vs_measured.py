@@ -115,10 +115,11 @@ def _saved_activation_bytes(model, ids) -> int:
 
 def predict(method: str, recipe, model_dir: Path, *, device: str):
     from homelab_ft.config import ClusterConfig
+    from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.memory import estimate
     from homelab_ft.plan.planner import option_rung, request_from_recipe
-    from homelab_ft.plan.shapes import model_shape, read_model_config
+    from homelab_ft.plan.shapes import model_shape
 
     shape = model_shape(read_model_config(str(model_dir)))
     cluster = resolve_cluster(ClusterConfig(device=device, vram_gib=80 if device == "cuda" else None), detected=detect())

@@ -4,22 +4,21 @@ Every default lives here, once, as a field with a docstring. Loading is strict: 
 names its dotted path and the nearest valid key, a wrong type or out-of-range value names the key
 and what it accepts. Nothing in the code base reads a recipe with `.get(key, default)`.
 
-pydantic does the type checking and coercion; this module adds the error messages a user can act
-on and the `section.key=value` command-line overrides.
+pydantic does the type checking and coercion; recipe_io.py reads the YAML, applies the
+`section.key=value` command-line overrides and words the error messages a user can act on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
+from homelab_ft.recipe_io import apply_overrides, explain, read_yaml_mapping, write_yaml
 from homelab_ft.rung import METHODS, OPTIMIZERS, STRATEGIES
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -77,6 +76,13 @@ class QuantConfig:
     """Quantize the per-block absmax constants too: saves ~0.37 bits/param (QLoRA paper, sec. 3)."""
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Dtype the 4-bit weights are dequantized to for matmuls. `auto`: bf16 where supported, else fp32."""
+
+
+MAX_UNQUANTIZABLE_FRACTION = 0.10
+"""What `quant:` can do for a model: QLoRA is refused when more than this share of the
+transformer-block weights would stay in full precision (MoE experts are 3-D parameters
+bitsandbytes does not touch): quant.py refuses such a model before loading it, and the planner
+marks the same case."""
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -305,22 +311,7 @@ _RECIPE_ADAPTER = TypeAdapter(Recipe)
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a recipe file, apply `section.key=value` overrides, validate strictly."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"recipe {path} not found; pass a YAML file such as recipes/smollm2-lora-cpu.yaml")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise UserError(f"{path}:{where} is not valid YAML: {problem}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; save the recipe as UTF-8") from None
-    if raw is None or raw == {}:
-        raise UserError(f"{path}: the recipe is empty; start from one in recipes/ (e.g. recipes/smollm2-lora-cpu.yaml; "
-                        "`homelab-ft recipes` lists them)")
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: a recipe is a mapping of sections (model:, data:, train: ...), got a {type(raw).__name__}")
+    raw = read_yaml_mapping(path)
     raw.setdefault("name", path.stem)
     return recipe_from_dict(raw, overrides=overrides, source=str(path))
 
@@ -330,7 +321,7 @@ def recipe_from_dict(raw: dict[str, Any], *, overrides=(), source: str = "recipe
     try:
         recipe = _RECIPE_ADAPTER.validate_python(raw)
     except ValidationError as err:
-        raise UserError(f"{source}: {_explain(err, raw)}") from None
+        raise UserError(f"{source}: {explain(err, root=Recipe)}") from None
     check_objective(recipe, source=source)
     return recipe
 
@@ -370,104 +361,4 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
 
 
 def dump_recipe(recipe: Recipe, path: Path) -> None:
-    path.write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False), encoding="utf-8")
-
-
-def apply_overrides(raw: dict[str, Any], overrides) -> dict[str, Any]:
-    """`train.lr=1e-4 data.packing=true` -> nested dict updates; values parsed as YAML scalars."""
-    raw = _deepcopy(raw)
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"override {item!r} is not key=value; write e.g. train.lr=1e-4")
-        parts = key.strip().split(".")
-        node = raw
-        for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise UserError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
-            node = child
-        try:
-            node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
-        except yaml.YAMLError:
-            node[parts[-1]] = value
-    return raw
-
-
-def _deepcopy(obj):
-    if isinstance(obj, dict):
-        return {k: _deepcopy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_deepcopy(v) for v in obj]
-    return obj
-
-
-# --------------------------------------------------------------------------------------------
-# error messages
-
-
-_UNKNOWN = {"unexpected_keyword_argument", "extra_forbidden"}
-
-
-def _explain(err: ValidationError, raw: dict[str, Any]) -> str:
-    """Turn pydantic's first error into one line: dotted key, what was wrong, what to write."""
-    errors = err.errors()
-    # An unknown key explains a "missing" one next to it (`pth:` for `path:`), so report it first.
-    unknown = [e for e in errors if e["type"] in _UNKNOWN]
-    first = (unknown or errors)[0]
-    loc = [str(p) for p in first["loc"]]
-    dotted = _dotted(loc)
-    kind = first["type"]
-    if kind in _UNKNOWN:
-        valid = _valid_keys(loc[:-1])
-        hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.6)
-        fix = f"did you mean {_dotted(loc[:-1] + [hint[0]])}?" if hint else f"valid keys: {', '.join(valid)}"
-        return f"unknown key {dotted}; {fix}"
-    if kind == "missing" or kind == "missing_argument":
-        return f"{dotted} is required"
-    if kind == "value_error" and first.get("ctx", {}).get("error") is not None:
-        return str(first["ctx"]["error"])  # a section's own check (__post_init__) names its keys
-    value = first.get("input")
-    shown = repr(value) if not isinstance(value, dict) else "a mapping"
-    return f"{dotted} = {shown}: {first['msg'].lower()}"
-
-
-def _dotted(loc: list[str]) -> str:
-    out = ""
-    for part in loc:
-        if part.isdigit():
-            out += f"[{part}]"
-        elif "[" in part or "-" in part:  # pydantic's validator names: literal['x'], list[str], function-after
-            continue
-        else:
-            out += ("." if out else "") + part
-    return out or "<top level>"
-
-
-def _valid_keys(loc: list[str]) -> list[str]:
-    """Field names of the dataclass that `loc` points into."""
-    cls: Any = Recipe
-    for part in loc:
-        if part.isdigit():
-            continue
-        hints = get_type_hints(cls, include_extras=False)
-        if part not in hints:
-            break
-        cls = _dataclass_in(hints[part])
-        if cls is None:
-            return []
-    return sorted(f.name for f in dataclasses.fields(cls))
-
-
-def _dataclass_in(annotation) -> Any:
-    if dataclasses.is_dataclass(annotation):
-        return annotation
-    origin = get_origin(annotation)
-    if origin is not None:
-        for arg in get_args(annotation):
-            found = _dataclass_in(arg)
-            if found is not None:
-                return found
-    return None
+    write_yaml(recipe_to_dict(recipe), path)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_ft.cluster.doctor_report import LinkResult, Needs, NodeFacts, Timing
+from homelab_ft.cluster.doctor_facts import LinkResult, Needs, NodeFacts, Timing
 from homelab_ft.errors import UserError
 from homelab_ft.plan import hardware
 

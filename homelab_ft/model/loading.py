@@ -74,7 +74,7 @@ def convert_gguf(gguf_path: Path) -> Path:
         return out  # these bytes were checked and converted before
     from filelock import FileLock
 
-    from homelab_ft.plan.shapes import read_gguf
+    from homelab_ft.locate import read_gguf
 
     # Parsing the header and tensor index takes seconds for a large file, so only a file about to
     # be converted is checked: a damaged one is refused in one line, before anything is written.

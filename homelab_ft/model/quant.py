@@ -28,9 +28,8 @@ from typing import Any
 
 import torch
 
-from homelab_ft.config import QuantConfig, TrainConfig
+from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION, QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
-from homelab_ft.plan.shapes import MAX_UNQUANTIZABLE_FRACTION
 
 # MAX_UNQUANTIZABLE_FRACTION: attention/MLP `nn.Linear` layers are ~100% of a dense model's block
 # weights and routers ~0.01%; fused MoE experts (3-D parameters, which bitsandbytes leaves alone)

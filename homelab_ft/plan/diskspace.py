@@ -14,7 +14,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from homelab_ft.plan.memory import Cluster, Estimate, PlanRequest, optimizer_bytes_per_param, weight_bytes
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.memory import Estimate, optimizer_bytes_per_param, weight_bytes
 
 
 def checkpoint_bytes(option: Estimate, *, request: PlanRequest, cluster: Cluster) -> int:

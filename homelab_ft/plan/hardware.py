@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
-from homelab_ft.plan.memory import Cluster, GiB
+from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.memory import GiB
 
 # Peak dense bf16 tensor TFLOPS (vendor datasheets; GeForce figures with fp32 accumulation, which
 # is what torch uses), keyed by a substring of the nvidia-smi name.

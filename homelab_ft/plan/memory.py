@@ -1,10 +1,11 @@
-"""The memory, network and time model behind the planner: pure arithmetic, no torch, no I/O.
+"""The memory model behind the planner: pure arithmetic, no torch, no I/O.
 
 For one option (method x sharding strategy x CPU offload) on one cluster, `estimate` returns the
-bytes each device holds at peak, broken into the items that decide whether a run OOMs, the host
-RAM per node, the bytes each rank sends per optimizer step, and seconds of compute and
-communication per step. Every formula says where it comes from; docs/ladder.md walks through a
-worked example and bench/plan_vs_measured.py checks the model-state bytes against real runs.
+bytes each device holds at peak, broken into the items that decide whether a run OOMs, and the
+host RAM per node; network.py adds the bytes each rank sends per optimizer step and the seconds
+of compute and communication per step. Every formula says where it comes from; docs/ladder.md
+walks through a worked example and bench/plan_vs_measured.py checks the model-state bytes against
+real runs.
 """
 
 from __future__ import annotations
@@ -12,8 +13,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
 
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.network import (
+    OFFLOAD_BYTES_PER_S,
+    communication,
+    compute_s,
+    offload_s,
+    prepass_s_per_pair,
+)
 from homelab_ft.plan.shapes import ModelShape
 from homelab_ft.rung import Rung
 
@@ -31,151 +39,9 @@ CPU_PROCESS_BYTES = int(0.6 * GiB)
 # Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
 CUDA_HOST_PROCESS_BYTES = 2 * GiB
 
-# Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
-# cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives
-# ~50 GB/s per direction. Ethernet: link rate x 0.9 (TCP/IP framing; NCCL socket transport reaches
-# ~90% of line rate on large messages). CPU/gloo inside a machine: shared-memory copies, ~5 GB/s.
-LINK_BYTES_PER_S = {"pcie": 10e9, "nvlink": 50e9, "cpu": 5e9}
-ETHERNET_EFFICIENCY = 0.9
-# Latency of a tiny all-reduce between two ranks when the cluster file has no measurement. Ethernet:
-# ~0.2 ms for NCCL's socket transport or gloo between two homelab machines (two kernel TCP stack
-# passes each way plus NIC interrupt moderation, ~25-50 us a hop on 1-10 GbE, and the library's
-# own ~50 us). PCIe: NCCL's small-message all-reduce between two GPUs of one machine, ~20 us
-# (nccl-tests); NVLink ~10 us. CPU/gloo on one machine: 0.38 ms measured here (2 processes over
-# loopback TCP on a loaded 2-core machine, 200 tiny all-reduces).
-LATENCY_S = {"ethernet": 0.2e-3, "pcie": 0.02e-3, "nvlink": 0.01e-3, "cpu": 0.38e-3}
-# gloo (every CPU run) is slower at FSDP2's collectives than the ring model: its reduce_scatter_tensor
-# takes as long as an all-reduce of the whole input (2 MiB per rank: 374 ms vs 358 ms for the 4 MiB
-# all-reduce at 100 Mbit, 1.91 s vs 1.98 s at 20, 36 ms vs 35 ms at 1000), and its
-# all_gather_into_tensor reaches ~0.7 of the all-reduce's bus bandwidth (0.62-0.75 at 0.5-2 MiB and
-# 20-1000 Mbit); measured between two namespace nodes with torch 2.13 (bench/network.py's links).
-# NCCL's ring collectives reach the link's bus bandwidth for all three.
-GLOO_REDUCE_SCATTER_FACTOR = 2.0
-GLOO_ALL_GATHER_EFFICIENCY = 0.7
-# torch DDP's gradient buckets (DistributedDataParallel's bucket_cap_mb=25 and the smaller first
-# bucket, dist._DEFAULT_FIRST_BUCKET_BYTES): each bucket is all-reduced as soon as its gradients
-# are ready, so all but the last one overlap the rest of backward.
-DDP_BUCKET_BYTES = 25 * 1024**2
-DDP_FIRST_BUCKET_BYTES = 1024**2
-# Small all-reduces the training loop issues every optimizer step whatever the strategy
-# (trainer.py): the stop request, the global trained-token count, the loss sum and the read-token
-# count; FSDP2 adds one for the global gradient norm (distributed.clip_grad_norm_).
-LOOP_ALL_REDUCES = 4
 # The trainer defers FSDP2's gradient reduce-scatter to the last micro-batch only when fewer than
 # this fraction of parameters train (distributed.parallelize): adapters, not a full fine-tune.
 DEFER_SYNC_TRAINABLE_FRACTION = 0.05
-# Host<->device copies of CPU offload: pinned-memory PCIe 4.0 x16 transfers reach ~12 GB/s.
-OFFLOAD_BYTES_PER_S = 12e9
-# torch's foreach AdamW on the CPU is memory-bound (~28 bytes read/written per fp32 parameter);
-# on a desktop with ~20 GB/s of usable bandwidth that is ~0.5e9 parameters per second.
-CPU_ADAM_PARAMS_PER_S = 0.5e9
-# QLoRA steps are ~1.3x slower than 16-bit LoRA: every matmul first dequantizes its NF4 weight
-# (QLoRA paper, appendix; bitsandbytes 0.4x benchmarks on Ampere).
-QLORA_SLOWDOWN = 1.3
-
-Method = Literal["qlora", "lora", "full"]
-Strategy = Literal["no_shard", "full_shard", "shard_grad_op", "hybrid_shard"]
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """What the plan is for: nodes x devices per node, memory, links, throughput."""
-
-    device: Literal["cuda", "cpu"]
-    nodes: int
-    gpus_per_node: int
-    """Processes per node: one per GPU, or CPU worker processes."""
-    device_bytes: int
-    """Memory per device; on `cpu`, each process's share of the node's RAM."""
-    host_ram_bytes: int
-    """RAM per node."""
-    intra_link: Literal["pcie", "nvlink"] = "pcie"
-    inter_link_gbit: float = 1.0
-    tflops: float = 40.0
-    """Sustained training throughput per device in TFLOPS (peak x utilisation; see hardware.py)."""
-    source: str = "recipe"
-    """Where the description came from (recipe, flags, detected, a cluster file), shown in the plan."""
-    inter_link_measured: bool = False
-    """`inter_link_gbit` is a measured collective bus bandwidth (a cluster file), used as it is;
-    otherwise it is the nominal Ethernet speed, of which collectives get ETHERNET_EFFICIENCY."""
-    inter_latency_s: float | None = None
-    """Measured tiny all-reduce between nodes; None: LATENCY_S["ethernet"]."""
-    intra_link_gbit: float | None = None
-    """Measured collective bus bandwidth inside a node; None: LINK_BYTES_PER_S of the link kind."""
-    intra_latency_s: float | None = None
-    """Measured tiny all-reduce inside a node; None: LATENCY_S of the link kind."""
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def intra_kind(self) -> str:
-        return "cpu" if self.device == "cpu" else self.intra_link
-
-    @property
-    def inter_bytes_per_s(self) -> float:
-        """Bytes per second one rank's ring collective moves between nodes."""
-        efficiency = 1.0 if self.inter_link_measured else ETHERNET_EFFICIENCY
-        return self.inter_link_gbit * 1e9 / 8 * efficiency
-
-    @property
-    def intra_bytes_per_s(self) -> float:
-        if self.intra_link_gbit is not None:
-            return self.intra_link_gbit * 1e9 / 8
-        return LINK_BYTES_PER_S[self.intra_kind]
-
-    @property
-    def inter_hop_s(self) -> float:
-        """One ring step's latency between nodes: a tiny all-reduce of two ranks takes two steps
-        (reduce-scatter then all-gather), so half of what doctor measures."""
-        return (self.inter_latency_s if self.inter_latency_s is not None else LATENCY_S["ethernet"]) / 2
-
-    @property
-    def intra_hop_s(self) -> float:
-        return (self.intra_latency_s if self.intra_latency_s is not None else LATENCY_S[self.intra_kind]) / 2
-
-
-@dataclass(frozen=True)
-class PlanRequest:
-    """What the recipe asks for (planner.request_from_recipe). No defaults here: the recipe's live once,
-    in config.py, and `planner.default_request()` is a recipe that sets nothing."""
-
-    method: Literal["auto", "qlora", "lora", "full"]
-    strategy: Literal["auto", "no_shard", "full_shard", "shard_grad_op", "hybrid_shard"]
-    cpu_offload: bool
-    """True forces offload. False forbids it when a strategy is named; with `auto` the planner may
-    still choose it when nothing else fits."""
-    seq_len: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    activation_checkpointing: bool | Literal["auto"]
-    """The recipe's setting; `auto` lets the planner turn it on (planner.saver_levels). What an
-    estimate prices is the rung's value."""
-    activation_offload: bool | Literal["auto"]
-    """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
-    loss_chunk_tokens: int
-    """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
-    optimizer_in_backward: bool
-    """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
-    lora_r: int
-    lora_dtype: Literal["float32", "compute"]
-    lora_dropout: float
-    lora_targets: tuple[str, ...]
-    quant_bits: int
-    double_quant: bool
-    quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"]
-    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"]
-    dtype: Literal["auto", "float32", "bfloat16", "float16"]
-    reduce_dtype: Literal["float32", "bfloat16"]
-    headroom: float
-    objective: Literal["sft", "dpo"]
-    """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
-
-    @property
-    def rows_per_micro_batch(self) -> int:
-        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
-        return self.micro_batch_size * (2 if self.objective == "dpo" else 1)
 
 
 @dataclass(frozen=True)
@@ -240,8 +106,10 @@ class Memory:
 
 @dataclass(frozen=True)
 class Estimate:
-    method: Method
-    strategy: Strategy
+    method: str
+    """One of rung.METHODS."""
+    strategy: str
+    """One of rung.STRATEGIES."""
     cpu_offload: bool
     memory: Memory
     """Peak bytes per device, by item."""
@@ -265,7 +133,7 @@ class Estimate:
 
     @property
     def step_s(self) -> float:
-        """Compute plus the communication that compute does not hide (see `_communication`);
+        """Compute plus the communication that compute does not hide (see network.communication);
         offload copies and the CPU optimizer step are not overlapped."""
         return self.compute_s + self.comm_s - self.comm_hidden_s + self.offload_s
 
@@ -307,7 +175,7 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, do
     return math.ceil(n / 2) + 4 * blocks
 
 
-def adapter_bytes(method: Method, request: PlanRequest, cluster: Cluster) -> int:
+def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
     bf16 (fp16 bases keep fp32 adapters)."""
     if request.lora_dtype != "compute":
@@ -366,7 +234,7 @@ def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
     return sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
 
 
-def base_weight_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
+def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
     """(total bytes, largest block's bytes) of the unsharded base weights.
 
     QLoRA: the blocks' linear weights quantized; every
@@ -430,7 +298,7 @@ def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int,
 PAGED_MIN_NUMEL = 100_000
 
 
-def pageable_optimizer_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> int:
+def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
     """Optimizer state that paged_adamw_8bit allocates in CUDA unified memory (0 otherwise).
 
     The driver migrates such pages to host RAM when the GPU is oversubscribed and back when the
@@ -482,7 +350,7 @@ def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
 # activations
 
 
-def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int, *,
+def activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int, *,
                      offloaded: bool = False) -> int:
     """Tensors autograd keeps for backward on one device, for one micro-batch.
 
@@ -508,7 +376,7 @@ def activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, ac
     return tokens * per_token
 
 
-def recomputed_block_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> int:
+def recomputed_block_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> int:
     """The part of `activation_bytes` that one block recomputed by activation checkpointing holds:
     it exists only once backward has reached the blocks, after the loss has freed its logits."""
     if not request.activation_checkpointing:
@@ -516,7 +384,7 @@ def recomputed_block_bytes(shape: ModelShape, method: Method, request: PlanReque
     return request.seq_len * request.rows_per_micro_batch * max(_block_activation_bytes(shape, method, request, act_bytes))
 
 
-def _block_activation_bytes(shape: ModelShape, method: Method, request: PlanRequest, act_bytes: int) -> list[int]:
+def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> list[int]:
     """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
@@ -537,7 +405,7 @@ def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_byte
     return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
-def activation_dtype_bytes(method: Method, request: PlanRequest, cluster: Cluster) -> int:
+def activation_dtype_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes per activation element: the weights' dtype, or for QLoRA the 4-bit base's compute dtype."""
     return qlora_compute_bytes(request, cluster) if method == "qlora" else weight_bytes(request, cluster)
 
@@ -548,11 +416,6 @@ def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: Pla
     if not (rung.activation_offload and rung.activation_checkpointing and cluster.device == "cuda"):
         return 0
     return offloaded_activation_bytes(shape, request, activation_dtype_bytes(rung.method, request, cluster))
-
-
-def chunked_loss(request: PlanRequest) -> bool:
-    """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
-    return request.loss_chunk_tokens > 0 and request.objective != "dpo"
 
 
 # train.compile (compiling.py) is priced as eager, on purpose. Its fused kernels only free
@@ -575,7 +438,7 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     no-grad forward runs before the policy's and leaves only one number per row behind."""
     tokens = request.seq_len * request.rows_per_micro_batch
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
-    if not chunked_loss(request):
+    if not request.chunked_loss:
         return tokens * shape.vocab_size * per_entry
     rows = min(request.loss_chunk_tokens, tokens)
     return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
@@ -585,17 +448,28 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
 # one option
 
 
-def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> Estimate:
-    """Peak memory per device, host RAM, traffic and time per step for one option: the `rung` the
-    trainer would run (rung.py), whose properties say how parameters are spread."""
-    method, strategy, cpu_offload = rung.method, rung.strategy, rung.cpu_offload
-    # The request may leave the savers to the planner (`auto`); the rung carries what runs.
-    request = dataclasses.replace(request, activation_checkpointing=rung.activation_checkpointing,
-                                  activation_offload=rung.activation_offload)
-    shards = rung.shard_size  # all ranks, one node's for HYBRID_SHARD, 1 unsharded
+@dataclass(frozen=True)
+class _Sizes:
+    """The unsharded byte counts an option's items are made of (see `_sizes`)."""
+
+    w_bytes: int
+    """Per base weight (weight_bytes)."""
+    act_bytes: int
+    """Per activation element, and per element of the unquantized ends (embeddings, norms, head)."""
+    base_bytes: int
+    """The whole model's weights, adapters included."""
+    block_bytes: int
+    """The largest block's base weights."""
+    trainable: int
+    """Trainable parameters."""
+    state_bytes: int
+    """Per trainable parameter: its gradient's, and each AdamW moment's."""
+
+
+def _sizes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> _Sizes:
     w_bytes = weight_bytes(request, cluster)
     # activations, and the unquantized ends (embeddings, norms, head), are in the compute dtype
-    act_bytes = end_bytes = activation_dtype_bytes(method, request, cluster)
+    act_bytes = activation_dtype_bytes(method, request, cluster)
     base_bytes, block_bytes = base_weight_bytes(shape, method, request, cluster)
     if method == "full":
         trainable, state_bytes = shape.total_params, w_bytes
@@ -605,9 +479,54 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
         trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
         base_bytes += trainable * state_bytes
+    return _Sizes(w_bytes=w_bytes, act_bytes=act_bytes, base_bytes=base_bytes, block_bytes=block_bytes,
+                  trainable=trainable, state_bytes=state_bytes)
+
+
+def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> Estimate:
+    """Peak memory per device, host RAM, traffic and time per step for one option: the `rung` the
+    trainer would run (rung.py), whose properties say how parameters are spread."""
+    method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
+    # The request may leave the savers to the planner (`auto`); the rung carries what runs.
+    request = dataclasses.replace(request, activation_checkpointing=rung.activation_checkpointing,
+                                  activation_offload=rung.activation_offload)
+    sizes = _sizes(shape, method, request, cluster)
+    act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
+    device, resident = _device_memory(shape, sizes, rung=rung, request=request, cluster=cluster, act_host=act_host)
+    offloaded = resident if cpu_offload else 0
+    loading = _loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
+                             sharded=shards > 1 or cpu_offload)
+    host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
+    compute = compute_s(shape, method, request, cluster)
+    comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
+                         root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
+                         sync_deferred=sync_deferred(shape, rung=rung, trainable=sizes.trainable))
+    offload = offload_s(sizes.base_bytes / shards, sizes.trainable / shards, sizes.w_bytes, request) if cpu_offload else 0.0
+    return Estimate(
+        method=method, strategy=rung.strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
+        trainable_params=sizes.trainable, comm_bytes=comm.sent_bytes, comm_s=comm.seconds,
+        comm_hidden_s=comm.hidden_s(compute), compute_s=compute,
+        # each micro-batch's block inputs go to the host in forward and come back in backward
+        offload_s=offload + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
+        prepass_s_per_pair=prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
+    )
+
+
+def sync_deferred(shape: ModelShape, *, rung: Rung, trainable: int) -> bool:
+    """FSDP2 reduce-scatters gradients once per step, not on every micro-batch: SHARD_GRAD_OP keeps
+    its blocks gathered anyway, and the trainer defers the sync when few parameters train
+    (DEFER_SYNC_TRAINABLE_FRACTION; a deferred sync keeps a whole unsharded gradient per rank)."""
+    return not rung.reshard_after_forward or trainable < DEFER_SYNC_TRAINABLE_FRACTION * shape.total_params
+
+
+def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest, cluster: Cluster,
+                   act_host: int) -> tuple[Memory, float]:
+    """(peak bytes on one device by item, the model state a rank holds, on the device or offloaded)."""
+    method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
+    trainable, state_bytes, act_bytes = sizes.trainable, sizes.state_bytes, sizes.act_bytes
     # A sharded 4-bit base splits the packed bytes; the quantisation constants stay whole per rank.
     replicated = quant_state_bytes(shape, request) if method == "qlora" and shards > 1 else 0
-    weights = (base_bytes - replicated) / shards + replicated
+    weights = (sizes.base_bytes - replicated) / shards + replicated
     gradients = trainable * state_bytes / shards
     in_backward = request.optimizer_in_backward and method == "full"
     if in_backward:
@@ -615,25 +534,6 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         # one alone bounds what is left of the optimizer phase.
         gradients = largest_param(shape) * state_bytes / shards
     optimizer = trainable * optimizer_bytes_per_param(request, state_bytes) / shards
-
-    # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
-    # the reduce dtype for the reduce-scatter (full fine-tuning; adapter gradients are tiny).
-    block_grads = shape.max_block_params * (w_bytes + _reduce_bytes(request)) if method == "full" else 0
-    ends_bytes = gathered_end_params(shape) * end_bytes
-    if shards == 1 and not cpu_offload:
-        gathered = 0
-    elif not rung.reshard_after_forward:
-        # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
-        # embeddings are resharded after theirs (distributed.shard_ends).
-        gathered = base_bytes - (shape.root_params - gathered_end_params(shape)) * end_bytes + block_grads
-    else:
-        # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
-        # loss and its backward, and the running block plus one prefetched block.
-        gathered = ends_bytes + 2 * block_bytes + block_grads
-
-    resident = weights + gradients + optimizer
-    offloaded = resident if cpu_offload else 0
-    act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded until the head
     # unit's post-backward right after the loss, a tied head's in the root unit until backward
     # ends); a tied head's is the embedding's. Adapters' are negligible.
@@ -647,7 +547,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_host > 0),
         recomputed=recomputed_block_bytes(shape, method, request, act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
-        gathered=int(gathered),
+        gathered=int(_gathered_bytes(shape, sizes, rung=rung, request=request)),
         context=CUDA_CONTEXT_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         fragmentation=CUDA_FRAGMENTATION_BYTES if cluster.device == "cuda" else 0,
         pageable=int(0 if cpu_offload else pageable_optimizer_bytes(shape, method, request, cluster) / shards),
@@ -656,24 +556,26 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         step_temporary=int(0 if cpu_offload else step_temp),
         step_in_backward=in_backward,
     )
-    loading = _loading_bytes(shape, method, request, cluster, base_bytes=base_bytes,
-                             sharded=shards > 1 or cpu_offload)
-    host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
-    compute_s = _compute_s(shape, method, request, cluster)
-    comm = _communication(shape, base_bytes, trainable, rung=rung, request=request, cluster=cluster,
-                          root_bytes=shape.root_params * end_bytes, grad_bytes=state_bytes)
-    return Estimate(
-        method=method, strategy=strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
-        trainable_params=trainable, comm_bytes=comm.sent_bytes, comm_s=comm.seconds,
-        comm_hidden_s=comm.hidden_s(compute_s), compute_s=compute_s,
-        offload_s=(_offload_s(base_bytes / shards, trainable / shards, w_bytes, request) if cpu_offload else 0.0)
-        # each micro-batch's block inputs go to the host in forward and come back in backward
-        + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
-        prepass_s_per_pair=_prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
-    )
+    return device, weights + gradients + optimizer
 
 
-def _step_temporary_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster, *,
+def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest) -> float:
+    """Unsharded parameters FSDP holds while computing (Memory.gathered)."""
+    if rung.shard_size == 1 and not rung.cpu_offload:
+        return 0
+    # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
+    # the reduce dtype for the reduce-scatter (full fine-tuning; adapter gradients are tiny).
+    block_grads = shape.max_block_params * (sizes.w_bytes + request.reduce_bytes) if rung.method == "full" else 0
+    if not rung.reshard_after_forward:
+        # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
+        # embeddings are resharded after theirs (distributed.shard_ends).
+        return sizes.base_bytes - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
+    # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
+    # loss and its backward, and the running block plus one prefetched block.
+    return gathered_end_params(shape) * sizes.act_bytes + 2 * sizes.block_bytes + block_grads
+
+
+def _step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *,
                           trainable: int, state_bytes: int, in_backward: bool) -> int:
     """The optimizer step's temporaries before sharding: with the step in backward, one parameter
     at a time (the LM head's while activations live); else the whole step over the trainable set."""
@@ -688,7 +590,7 @@ def _step_temporary_bytes(shape: ModelShape, method: Method, request: PlanReques
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)
 
 
-def _loading_bytes(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
+def _loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
                    sharded: bool) -> int:
     """Host RAM of a sharded load on node 0: LoRA/full take rank 0's whole copy; QLoRA fills its
     shards tensor by tensor, on every local rank. Single-device loads stream from the page cache."""
@@ -698,9 +600,6 @@ def _loading_bytes(shape: ModelShape, method: Method, request: PlanRequest, clus
         return cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster)
     return base_bytes
 
-
-def _reduce_bytes(request: PlanRequest) -> int:
-    return 4 if request.reduce_dtype == "float32" else 2
 
 
 def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluster) -> int:
@@ -714,207 +613,3 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
         return device.total * per_node
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
 
-
-@dataclass(frozen=True)
-class Communication:
-    """One option's collectives per optimizer step, split by what compute can hide."""
-
-    sent_bytes: int
-    """Bytes each rank sends."""
-    gathers_s: float
-    """Weight all-gathers that run while earlier units compute (FSDP2 prefetch on CUDA)."""
-    grads_s: float
-    """Gradient reductions that run while later units compute backward (FSDP2, DDP buckets)."""
-    backward_window: float
-    """Fraction of the step's compute that gradient reductions can hide behind: the synced
-    micro-batch's backward."""
-    exposed_s: float
-    """Seconds nothing overlaps: the first all-gather, the last reduction, the loop's small
-    all-reduces, and on CPU/gloo every FSDP2 collective."""
-
-    @property
-    def seconds(self) -> float:
-        return self.gathers_s + self.grads_s + self.exposed_s
-
-    def hidden_s(self, compute_s: float) -> float:
-        """Collectives share one link, so together they hide behind at most the whole compute."""
-        return min(compute_s, self.gathers_s + min(self.grads_s, self.backward_window * compute_s))
-
-
-def _collective_s(nbytes: float, *, ranks: int, bytes_per_s: float, hop_s: float, all_reduce: bool = False) -> float:
-    """A ring all-gather or reduce-scatter of `nbytes` (the full buffer) over `ranks`: N-1 steps,
-    each sending 1/N of it; an all-reduce is both, twice the steps and bytes. `bytes_per_s` is
-    the all-reduce bus bandwidth (what doctor measures)."""
-    if ranks <= 1:
-        return 0.0
-    steps = (ranks - 1) * (2 if all_reduce else 1)
-    return steps * hop_s + steps * nbytes / ranks / bytes_per_s
-
-
-def _gather_s(nbytes: float, *, gloo: bool, **link) -> float:
-    """FSDP2's all-gather (see GLOO_ALL_GATHER_EFFICIENCY)."""
-    if gloo:
-        link = dict(link, bytes_per_s=link["bytes_per_s"] * GLOO_ALL_GATHER_EFFICIENCY)
-    return _collective_s(nbytes, **link)
-
-
-def _scatter_s(nbytes: float, *, gloo: bool, **link) -> float:
-    """FSDP2's reduce-scatter: on gloo as long as an all-reduce of the input (GLOO_REDUCE_SCATTER_FACTOR)."""
-    return _collective_s(nbytes, **link) * (GLOO_REDUCE_SCATTER_FACTOR if gloo else 1.0)
-
-
-def _communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
-                   cluster: Cluster, root_bytes: int, grad_bytes: int = 4) -> Communication:
-    """Bytes each rank sends per optimizer step, the seconds that takes, and how much of it compute hides.
-
-    Ring collectives: an all-gather or reduce-scatter of B bytes sends B x (N-1)/N per rank in
-    N-1 steps, an all-reduce twice that; each step also costs the link's hop latency (half a
-    measured tiny 2-rank all-reduce). A ring that spans nodes runs at its slowest hop, the Ethernet.
-
-    What FSDP2 sends (distributed.parallelize: one unit per transformer block plus the root with
-    embeddings, final norm and head, which stays gathered from forward to backward): every
-    micro-batch all-gathers each unit in forward and, with reshard_after_forward (FULL_SHARD,
-    HYBRID_SHARD), each block again in backward: ~3 x weight bytes x (N-1)/N per step with one
-    reduce-scatter of equal dtype. Gradients are reduce-scattered per unit, on every micro-batch
-    for a full fine-tune under FULL_SHARD/HYBRID_SHARD (the trainer does not defer it: a deferred
-    sync keeps a whole unsharded gradient per rank) and once per step otherwise. HYBRID_SHARD does
-    that inside a node and all-reduces each rank's gradient shard with its replicas on the other
-    nodes: only that crosses Ethernet, but all `gpus_per_node` replica groups cross the one NIC at
-    once. DDP (no_shard) all-reduces the trainable gradients once per step in DDP's buckets.
-
-    Overlap, as FSDP2 and DDP actually schedule it:
-    - FSDP2 on CUDA issues each unit's all-gather on its own stream while the previous unit
-      computes (implicit forward prefetch, explicit backward prefetch) and reduce-scatters a
-      unit's gradients while the next one runs backward. Compute hides everything up to its own
-      length except the root unit's forward all-gather (nothing runs before it) and the last
-      unit's reduction (nothing runs after it); gradient reductions hide only behind backward:
-      step = max(compute, overlappable) + exposed. Not yet measured on GPUs (no multi-GPU
-      machine here): it follows FSDP2's stream design (_fsdp_param_group.py).
-    - FSDP2 on CPU/gloo hides nothing: without streams it calls every collective synchronously
-      (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, _fsdp_param_group.py), so the
-      process waits for each one: step = compute + communication (measured, bench/network.py).
-    - DDP all-reduces each bucket from a gradient hook on gloo's or NCCL's own thread/stream while
-      backward goes on, on CPU and CUDA alike; only the bucket that fills last (the first layers')
-      waits at the end of backward. The window is the last micro-batch's backward
-      (_backward_fraction): 2/3 of a full fine-tune's compute, 1/2 of LoRA's, more with
-      activation checkpointing's recomputation.
-    - The loop's small all-reduces (LOOP_ALL_REDUCES, + the gradient norm under FSDP2) sit
-      between steps, exposed everywhere.
-    """
-    n, g, nodes = cluster.world_size, cluster.gpus_per_node, cluster.nodes
-    if n == 1:
-        return Communication(sent_bytes=0, gathers_s=0.0, grads_s=0.0, backward_window=0.0, exposed_s=0.0)
-    accum = request.grad_accum_steps
-    intra = dict(bytes_per_s=cluster.intra_bytes_per_s, hop_s=cluster.intra_hop_s)
-    # a ring over every rank waits on its slowest hop: Ethernet as soon as it spans nodes
-    ring = dict(bytes_per_s=cluster.inter_bytes_per_s, hop_s=cluster.inter_hop_s) if nodes > 1 else intra
-    loop = (LOOP_ALL_REDUCES + rung.fsdp_enabled) * _collective_s(8, ranks=n, all_reduce=True, **ring)
-    backward = _backward_fraction(rung.method, request)
-
-    if not rung.fsdp_enabled:
-        # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
-        # (distributed._replicate: torch's bf16 hook needs NCCL)
-        dtype_bytes = min(_reduce_bytes(request), grad_bytes) if cluster.device == "cuda" else grad_bytes
-        return _ddp_communication(trainable * dtype_bytes, ranks=n, ring=ring, window=backward / accum, loop_s=loop)
-
-    grads = trainable * _reduce_bytes(request)
-    units = shape.num_layers
-    block_bytes = (base_bytes - root_bytes) / max(1, units)
-    gathers = 2 if rung.reshard_after_forward else 1
-    deferred = not rung.reshard_after_forward or trainable < DEFER_SYNC_TRAINABLE_FRACTION * shape.total_params
-    syncs = 1 if deferred else accum
-    shards = rung.shard_size
-    link = intra if rung.hybrid_enabled else ring
-    # the node's g replica groups of HYBRID_SHARD share its one NIC
-    nic = dict(bytes_per_s=cluster.inter_bytes_per_s / g, hop_s=cluster.inter_hop_s)
-
-    gloo = cluster.device == "cpu"
-
-    def reduce_s(nbytes: float) -> float:
-        """One unit's gradients: reduce-scattered over its shard group, and with HYBRID_SHARD the
-        shard all-reduced with the replicas on the other nodes."""
-        if not nbytes:
-            return 0.0
-        across = _collective_s(nbytes / shards, ranks=nodes, all_reduce=True, **nic) if rung.hybrid_enabled else 0.0
-        return _scatter_s(nbytes, ranks=shards, gloo=gloo, **link) + across
-
-    root_gather = _gather_s(root_bytes, ranks=shards, gloo=gloo, **link)
-    gathers_s = accum * (root_gather + gathers * units * _gather_s(block_bytes, ranks=shards, gloo=gloo, **link))
-    grad_root = grads * root_bytes / base_bytes if rung.method == "full" else 0.0
-    grad_block = (grads - grad_root) / max(1, units)
-    grads_s = syncs * (reduce_s(grad_root) + units * reduce_s(grad_block))
-    sent = (gathers * accum * base_bytes + syncs * grads) * (shards - 1) / shards
-    if rung.hybrid_enabled:
-        sent += syncs * 2 * grads / shards * (nodes - 1) / nodes
-    if gloo:
-        return Communication(sent_bytes=int(sent), gathers_s=0.0, grads_s=0.0, backward_window=0.0,
-                             exposed_s=gathers_s + grads_s + loop)
-    # Nothing computes before the root's first all-gather, nor after the last unit's reduction (the
-    # root's when it trains, else the first block's).
-    first, last = accum * root_gather, reduce_s(grad_root or grad_block)
-    return Communication(sent_bytes=int(sent), gathers_s=gathers_s - first, grads_s=grads_s - last,
-                         backward_window=backward / syncs, exposed_s=first + last + loop)
-
-
-def _ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, loop_s: float) -> Communication:
-    """DDP all-reduces the trainable gradients in buckets, each as soon as it is ready: all but the
-    last overlap the rest of backward (`window`: backward's share of the step's compute)."""
-    buckets = _ddp_buckets(grads)
-    total = sum(_collective_s(b, ranks=ranks, all_reduce=True, **ring) for b in buckets)
-    last = _collective_s(buckets[-1], ranks=ranks, all_reduce=True, **ring)
-    return Communication(sent_bytes=int(2 * grads * (ranks - 1) / ranks), gathers_s=0.0, grads_s=total - last,
-                         backward_window=window, exposed_s=last + loop_s)
-
-
-def _backward_fraction(method: Method, request: PlanRequest) -> float:
-    """Backward's share of a step's FLOPs (see _compute_s): 4 of 6 per parameter and token for a
-    full fine-tune, 2 of 4 for adapters, plus the forward that activation checkpointing recomputes
-    in backward; a DPO adapter step's reference forward is forward work."""
-    forward = 2 + (2 if request.objective == "dpo" and method != "full" else 0)
-    backward = (4 if method == "full" else 2) + (2 if request.activation_checkpointing else 0)
-    return backward / (forward + backward)
-
-
-def _ddp_buckets(grad_bytes: float) -> list[float]:
-    """DDP's buckets in the order they fill in backward: a small first one, then full-size ones."""
-    if grad_bytes <= DDP_FIRST_BUCKET_BYTES:
-        return [grad_bytes]
-    rest = grad_bytes - DDP_FIRST_BUCKET_BYTES
-    full, tail = divmod(rest, DDP_BUCKET_BYTES)
-    return [DDP_FIRST_BUCKET_BYTES] + [DDP_BUCKET_BYTES] * int(full) + ([tail] if tail else [])
-
-
-def _compute_s(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
-    """6 x params x tokens FLOPs for full fine-tuning (forward 2, backward 4; Kaplan et al. 2020);
-    4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
-    recomputes the forward, and 2 x vocab x hidden more when the chunked loss recomputes the LM
-    head. Params are the matmul ones a token passes through (blocks' active parameters and the LM
-    head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
-    < 10% for these models."""
-    tokens = request.seq_len * request.rows_per_micro_batch * request.grad_accum_steps
-    factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
-    if request.objective == "dpo" and method != "full":
-        factor += 2  # the reference: one more forward with the adapters disabled
-    flops = factor * _matmul_params(shape) * tokens
-    if chunked_loss(request):
-        flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
-    seconds = flops / (cluster.tflops * 1e12)
-    return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
-
-
-def _matmul_params(shape: ModelShape) -> int:
-    return shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
-
-
-def _prepass_s_per_pair(shape: ModelShape, method: Method, request: PlanRequest, cluster: Cluster) -> float:
-    """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
-    if request.objective != "dpo" or method != "full":
-        return 0.0
-    return 2 * _matmul_params(shape) * 2 * request.seq_len / (cluster.tflops * 1e12 * cluster.world_size)
-
-
-def _offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:
-    """CPU offload: the weight shard crosses PCIe for the forward and the backward all-gather of
-    every micro-batch, gradients come back once, and AdamW runs on the CPU."""
-    copies = 2 * request.grad_accum_steps * weight_shard_bytes + trainable_shard * w_bytes
-    return copies / OFFLOAD_BYTES_PER_S + trainable_shard / CPU_ADAM_PARAMS_PER_S

@@ -18,6 +18,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION
 from homelab_ft.errors import UserError
 from homelab_ft.plan.diskspace import checkpoint_bytes
 from homelab_ft.plan.memory import (
@@ -29,7 +30,7 @@ from homelab_ft.plan.memory import (
     estimate,
     with_paged_spill,
 )
-from homelab_ft.plan.shapes import MAX_UNQUANTIZABLE_FRACTION, ModelShape
+from homelab_ft.plan.shapes import ModelShape
 from homelab_ft.rung import (
     FULL_SHARD,
     HYBRID_SHARD,
@@ -424,8 +425,9 @@ def default_request(**changes) -> PlanRequest:
 def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None) -> Plan:
     """Read the model's config, describe the cluster (recipe, else detected), and plan.
     `cluster_file`: the `--cluster` file whose values the recipe's cluster section holds (named in the plan)."""
+    from homelab_ft.locate import locate_config
     from homelab_ft.plan import hardware
-    from homelab_ft.plan.shapes import locate_config, model_shape
+    from homelab_ft.plan.shapes import model_shape
 
     config, source = locate_config(recipe.model.path)
     shape = model_shape(config)

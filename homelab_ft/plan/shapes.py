@@ -7,19 +7,14 @@ fixed by a handful of keys. The formulas mirror the module constructors of trans
 (`models/<family>/modeling_<family>.py`), and tests/unit/test_shapes.py checks them against
 `sum(p.numel())` of instantiated models of every family.
 
-Where a model may come from (all offline): a local HF model directory, a path to a config.json, a
-`.gguf` file (its metadata, read with the numpy-only `gguf` package), a hub id already in the local
-HF cache, or `smollm2` (the embedded SmolLM2-135M-Instruct, whose config ships in assets/).
+The config itself comes from wherever the model lives: locate.locate_config.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from homelab_ft.errors import UserError
-from homelab_ft.locate import EMBEDDED_CONFIG, hub_cache_root, locate, read_json
 
 # Defaults of transformers' config classes for keys a config.json may leave out (read from
 # models/<family>/configuration_<family>.py of transformers 5.x). One table, so no lookup below
@@ -39,11 +34,6 @@ _DEFAULTS = {
 }
 # Families whose config class defaults tie_word_embeddings to True (Gemma ties its LM head).
 _TIED_BY_DEFAULT = {"gemma", "gemma2", "gemma3_text"}
-
-MAX_UNQUANTIZABLE_FRACTION = 0.10
-"""QLoRA is refused when more than this share of the transformer-block weights would stay in full
-precision (MoE experts are 3-D parameters bitsandbytes does not touch): quant.py refuses such a
-model before loading it, and the planner marks the same case."""
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -296,109 +286,3 @@ def _dense_mlp(key, model_type: str, hidden: int, size: int) -> tuple[Linear, ..
         return (Linear("gate_up_proj", hidden, 2 * size), Linear("down_proj", size, hidden))
     bias = bool(key("mlp_bias")) if model_type == "llama" else False
     return (Linear("gate_proj", hidden, size, bias), Linear("up_proj", hidden, size, bias), Linear("down_proj", size, hidden, bias))
-
-
-# --------------------------------------------------------------------------------------------
-# reading a config from wherever the model lives
-
-
-def read_model_config(spec: str) -> dict:
-    """The config dict of `model.path` (see locate_config)."""
-    return locate_config(spec)[0]
-
-
-def locate_config(spec: str) -> tuple[dict, str]:
-    """(config dict, where it was read from), for any `model.path` that `locate.locate` accepts. A
-    hub id missing from the local cache falls back to the copy bundled in assets/configs/ for
-    popular models, so a plan can be made before the weights are downloaded; the source says so."""
-    where = locate(spec)
-    if where.kind == "embedded":
-        return json.loads(EMBEDDED_CONFIG.read_text(encoding="utf-8")), f"embedded ({EMBEDDED_CONFIG.name})"
-    if where.kind == "gguf":
-        return gguf_config(where.path), f"GGUF metadata of {where.path}"
-    if where.kind == "bundled":
-        return (json.loads(where.path.read_text(encoding="utf-8")),
-                f"homelab-ft's bundled copy (not in the local HF cache: {hub_cache_root()})")
-    if where.kind == "config":
-        return read_json(where.path, hint="give a Hugging Face config.json"), str(where.path)
-    config = where.path / "config.json"
-    hint = ("the cached snapshot looks damaged; download it again" if where.kind == "hub"
-            else "point model.path at a Hugging Face model directory")
-    return read_json(config, hint=hint), str(config)
-
-
-# llama.cpp's GGUF keys (`{arch}.<key>`) -> transformers config names.
-_GGUF_KEYS = {
-    "block_count": "num_hidden_layers",
-    "context_length": "max_position_embeddings",
-    "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.key_length": "head_dim",
-    "rope.freq_base": "rope_theta",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "vocab_size": "vocab_size",
-    "expert_count": "num_experts",
-    "expert_used_count": "num_experts_per_tok",
-    "expert_feed_forward_length": "moe_intermediate_size",
-    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
-    "final_logit_softcapping": "final_logit_softcapping",
-}
-# GGUF architecture names -> HF model_type (llama.cpp stores Mistral and Mixtral as `llama`).
-_GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-              "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3"}
-
-
-def gguf_config(path: Path) -> dict:
-    """An HF-style config dict from a GGUF file's metadata (no tensors are read)."""
-    reader = read_gguf(path)
-    arch = _gguf_value(reader, "general.architecture")
-    if arch not in _GGUF_ARCH:
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_GGUF_ARCH))}")
-    config: dict = {"model_type": _GGUF_ARCH[arch]}
-    for gguf_key, hf_key in _GGUF_KEYS.items():
-        value = _gguf_value(reader, f"{arch}.{gguf_key}")
-        if value is not None:
-            config[hf_key] = value
-    tensors = {t.name: t for t in reader.tensors}
-    if "vocab_size" not in config:
-        config["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
-    # A GGUF without a separate output matrix ties the LM head to the embeddings.
-    config["tie_word_embeddings"] = "output.weight" not in tensors
-    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if config["model_type"] == "llama" and config.get("num_experts"):
-        config["model_type"] = "mixtral"
-        config["num_local_experts"] = config.pop("num_experts")
-    return config
-
-
-def read_gguf(path: Path):
-    """A GGUFReader over `path` (memory-mapped: the header and tensor index are parsed, no tensor
-    data is read), or a one-line UserError for a file that is not intact GGUF."""
-    from gguf import GGUFReader
-
-    fix = "copy or download it again (a partial download is a common cause)"
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != b"GGUF":
-        raise UserError(f"model.path: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); {fix}")
-    try:
-        reader = GGUFReader(str(path))
-        tensors = list(reader.tensors)
-    except Exception as err:  # the reader raises ValueError, IndexError, struct errors ... on damage
-        raise UserError(f"model.path: {path} is a damaged GGUF file ({type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:120] if str(err) else 'unreadable'}); {fix}") from None
-    size = path.stat().st_size
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in tensors), default=0)
-    if end > size:
-        raise UserError(f"model.path: {path} is truncated ({size:,} bytes, its tensors need {end:,}); {fix}")
-    return reader
-
-
-def _gguf_value(reader, name: str):
-    field = reader.fields.get(name)
-    if field is None:
-        return None
-    value = field.contents()
-    return value.item() if hasattr(value, "item") else value

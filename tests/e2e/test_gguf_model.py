@@ -6,9 +6,9 @@ from __future__ import annotations
 import shutil
 
 from homelab_ft.config import ModelConfig
-from homelab_ft.locate import embedded_gguf_path
+from homelab_ft.locate import embedded_gguf_path, gguf_config, read_model_config
 from homelab_ft.model import loading
-from homelab_ft.plan.shapes import gguf_config, model_shape, read_model_config
+from homelab_ft.plan.shapes import model_shape
 
 
 def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):

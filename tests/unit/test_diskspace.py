@@ -6,7 +6,7 @@ import shutil
 from collections import namedtuple
 
 from homelab_ft.plan import diskspace
-from homelab_ft.plan.memory import Cluster
+from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.planner import default_request
 from homelab_ft.store.layout import RunDir
 

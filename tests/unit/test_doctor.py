@@ -11,8 +11,10 @@ import pytest
 
 from homelab_ft.cli import main as cli
 from homelab_ft.cluster import clusterfile, doctor, doctor_rank, launch
+from homelab_ft.cluster import doctor_facts as facts
 from homelab_ft.cluster import doctor_report as report
-from homelab_ft.cluster.doctor_report import FAIL, OK, WARN, LinkResult, Needs, NodeFacts, Timing
+from homelab_ft.cluster.doctor_facts import LinkResult, Needs, NodeFacts, Timing
+from homelab_ft.cluster.doctor_report import FAIL, OK, WARN
 from homelab_ft.cluster.supervise import rendezvous_failure
 from homelab_ft.config import recipe_from_dict
 
@@ -35,7 +37,7 @@ def link(gbit: float, *, scope="inter-node", ranks=2, latency_s=0.0003) -> LinkR
     big = 16 * 2**20
     timings = [Timing("all_reduce", 4, latency_s, ranks)]
     for op in ("all_reduce", "all_gather"):
-        sent = report.sent_bytes_per_rank(op, big, ranks)
+        sent = facts.sent_bytes_per_rank(op, big, ranks)
         timings.append(Timing(op, 2**20, sent / 16 * 8 / 1e9 / (gbit * 1.3), ranks))  # faster at 1 MiB: a burst
         timings.append(Timing(op, big, sent * 8 / 1e9 / gbit, ranks))
     return LinkResult(scope=scope, where="a <-> b" if scope == "inter-node" else "a", ranks=ranks, backend="nccl",
@@ -53,13 +55,13 @@ def by_check(lines, check, node_name=None):
 
 def test_bus_bandwidth_is_the_bytes_each_rank_sends():
     # ring all-reduce: 2 (n-1)/n x S per rank; 2 ranks send S: 125 MB in 1 s is 1 Gbit/s
-    assert report.bus_gbit("all_reduce", 125_000_000, 1.0, 2) == pytest.approx(1.0)
-    assert report.sent_bytes_per_rank("all_reduce", 800, 4) == 1200
+    assert facts.bus_gbit("all_reduce", 125_000_000, 1.0, 2) == pytest.approx(1.0)
+    assert facts.sent_bytes_per_rank("all_reduce", 800, 4) == 1200
     # all-gather of S per rank: (n-1) x S per rank
-    assert report.sent_bytes_per_rank("all_gather", 800, 4) == 2400
-    assert report.bus_gbit("all_gather", 62_500_000, 0.5, 2) == pytest.approx(1.0)
+    assert facts.sent_bytes_per_rank("all_gather", 800, 4) == 2400
+    assert facts.bus_gbit("all_gather", 62_500_000, 0.5, 2) == pytest.approx(1.0)
     with pytest.raises(ValueError):
-        report.sent_bytes_per_rank("broadcast", 1, 2)
+        facts.sent_bytes_per_rank("broadcast", 1, 2)
 
 
 def test_the_link_is_its_largest_size_between_nodes_and_its_best_inside_one():

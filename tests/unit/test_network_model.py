@@ -1,4 +1,4 @@
-"""The planner's network model (memory._communication): collective counts and latency, the overlap
+"""The planner's network model (network.communication): collective counts and latency, the overlap
 FSDP2 and DDP achieve, HYBRID_SHARD's shared NIC, measured vs nominal links; and `--cluster FILE`
 on plan / launch. bench/network.py checks the same model against runs over shaped links."""
 
@@ -14,15 +14,9 @@ import pytest
 
 from homelab_ft.cli.main import main
 from homelab_ft.cluster import clusterfile, launch
-from homelab_ft.plan.memory import (
-    DDP_FIRST_BUCKET_BYTES,
-    ETHERNET_EFFICIENCY,
-    LATENCY_S,
-    LOOP_ALL_REDUCES,
-    Cluster,
-    GiB,
-    estimate,
-)
+from homelab_ft.plan.inputs import ETHERNET_EFFICIENCY, LATENCY_S, Cluster
+from homelab_ft.plan.memory import GiB, estimate
+from homelab_ft.plan.network import DDP_FIRST_BUCKET_BYTES, LOOP_ALL_REDUCES
 from homelab_ft.plan.planner import default_request, option_rung, plan
 from homelab_ft.plan.shapes import model_shape
 
@@ -200,8 +194,8 @@ def test_launch_pins_the_measured_cluster_on_every_node(tmp_path, capsys):
 def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
     """CPU runs use gloo, whose reduce_scatter_tensor takes as long as an all-reduce of its input
     and whose all_gather_into_tensor reaches GLOO_ALL_GATHER_EFFICIENCY of the all-reduce's bus
-    bandwidth (measured between namespace nodes, see memory.py); NCCL's reach the link's."""
-    from homelab_ft.plan.memory import GLOO_ALL_GATHER_EFFICIENCY
+    bandwidth (measured between namespace nodes, see network.py); NCCL's reach the link's."""
+    from homelab_ft.plan.network import GLOO_ALL_GATHER_EFFICIENCY
 
     links = dict(gbit=1.0, inter_link_measured=True, inter_latency_s=0.0)
     request = dataclasses.replace(LONG, dtype="float32")

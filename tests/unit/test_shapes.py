@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.errors import UserError
-from homelab_ft.plan.shapes import SUPPORTED, locate_config, model_shape, read_model_config
+from homelab_ft.locate import locate_config, read_model_config
+from homelab_ft.plan.shapes import SUPPORTED, model_shape
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 REAL = sorted(p.stem for p in CONFIGS.glob("*.json"))

@@ -1,0 +1,139 @@
+"""What the planner is asked and for what: the recipe's request and the cluster, with the link
+figures a cluster description falls back to when nothing was measured. Pure dataclasses.
+
+`planner.request_from_recipe` and `hardware.resolve_cluster` build these from a recipe; memory.py
+prices an option from them and network.py times its step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+# Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
+# cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives
+# ~50 GB/s per direction. Ethernet: link rate x 0.9 (TCP/IP framing; NCCL socket transport reaches
+# ~90% of line rate on large messages). CPU/gloo inside a machine: shared-memory copies, ~5 GB/s.
+LINK_BYTES_PER_S = {"pcie": 10e9, "nvlink": 50e9, "cpu": 5e9}
+ETHERNET_EFFICIENCY = 0.9
+# Latency of a tiny all-reduce between two ranks when the cluster file has no measurement. Ethernet:
+# ~0.2 ms for NCCL's socket transport or gloo between two homelab machines (two kernel TCP stack
+# passes each way plus NIC interrupt moderation, ~25-50 us a hop on 1-10 GbE, and the library's
+# own ~50 us). PCIe: NCCL's small-message all-reduce between two GPUs of one machine, ~20 us
+# (nccl-tests); NVLink ~10 us. CPU/gloo on one machine: 0.38 ms measured here (2 processes over
+# loopback TCP on a loaded 2-core machine, 200 tiny all-reduces).
+LATENCY_S = {"ethernet": 0.2e-3, "pcie": 0.02e-3, "nvlink": 0.01e-3, "cpu": 0.38e-3}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the plan is for: nodes x devices per node, memory, links, throughput."""
+
+    device: Literal["cuda", "cpu"]
+    nodes: int
+    gpus_per_node: int
+    """Processes per node: one per GPU, or CPU worker processes."""
+    device_bytes: int
+    """Memory per device; on `cpu`, each process's share of the node's RAM."""
+    host_ram_bytes: int
+    """RAM per node."""
+    intra_link: Literal["pcie", "nvlink"] = "pcie"
+    inter_link_gbit: float = 1.0
+    tflops: float = 40.0
+    """Sustained training throughput per device in TFLOPS (peak x utilisation; see hardware.py)."""
+    source: str = "recipe"
+    """Where the description came from (recipe, flags, detected, a cluster file), shown in the plan."""
+    inter_link_measured: bool = False
+    """`inter_link_gbit` is a measured collective bus bandwidth (a cluster file), used as it is;
+    otherwise it is the nominal Ethernet speed, of which collectives get ETHERNET_EFFICIENCY."""
+    inter_latency_s: float | None = None
+    """Measured tiny all-reduce between nodes; None: LATENCY_S["ethernet"]."""
+    intra_link_gbit: float | None = None
+    """Measured collective bus bandwidth inside a node; None: LINK_BYTES_PER_S of the link kind."""
+    intra_latency_s: float | None = None
+    """Measured tiny all-reduce inside a node; None: LATENCY_S of the link kind."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def intra_kind(self) -> str:
+        return "cpu" if self.device == "cpu" else self.intra_link
+
+    @property
+    def inter_bytes_per_s(self) -> float:
+        """Bytes per second one rank's ring collective moves between nodes."""
+        efficiency = 1.0 if self.inter_link_measured else ETHERNET_EFFICIENCY
+        return self.inter_link_gbit * 1e9 / 8 * efficiency
+
+    @property
+    def intra_bytes_per_s(self) -> float:
+        if self.intra_link_gbit is not None:
+            return self.intra_link_gbit * 1e9 / 8
+        return LINK_BYTES_PER_S[self.intra_kind]
+
+    @property
+    def inter_hop_s(self) -> float:
+        """One ring step's latency between nodes: a tiny all-reduce of two ranks takes two steps
+        (reduce-scatter then all-gather), so half of what doctor measures."""
+        return (self.inter_latency_s if self.inter_latency_s is not None else LATENCY_S["ethernet"]) / 2
+
+    @property
+    def intra_hop_s(self) -> float:
+        return (self.intra_latency_s if self.intra_latency_s is not None else LATENCY_S[self.intra_kind]) / 2
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the recipe asks for (planner.request_from_recipe). No defaults here: the recipe's live once,
+    in config.py, and `planner.default_request()` is a recipe that sets nothing."""
+
+    method: str
+    """`auto` or one of rung.METHODS (config.Recipe.method)."""
+    strategy: str
+    """`auto` or one of rung.STRATEGIES (config.ShardingConfig.strategy)."""
+    cpu_offload: bool
+    """True forces offload. False forbids it when a strategy is named; with `auto` the planner may
+    still choose it when nothing else fits."""
+    seq_len: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: bool | Literal["auto"]
+    """The recipe's setting; `auto` lets the planner turn it on (planner.saver_levels). What an
+    estimate prices is the rung's value."""
+    activation_offload: bool | Literal["auto"]
+    """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
+    loss_chunk_tokens: int
+    """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
+    optimizer_in_backward: bool
+    """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
+    lora_r: int
+    lora_dtype: Literal["float32", "compute"]
+    lora_dropout: float
+    lora_targets: tuple[str, ...]
+    quant_bits: int
+    double_quant: bool
+    quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"]
+    optimizer: str
+    """One of rung.OPTIMIZERS."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    reduce_dtype: Literal["float32", "bfloat16"]
+    headroom: float
+    objective: Literal["sft", "dpo"]
+    """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
+
+    @property
+    def rows_per_micro_batch(self) -> int:
+        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
+        return self.micro_batch_size * (2 if self.objective == "dpo" else 1)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes per element of FSDP2's gradient reductions (sharding.reduce_dtype)."""
+        return 4 if self.reduce_dtype == "float32" else 2
+
+    @property
+    def chunked_loss(self) -> bool:
+        """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
+        return self.loss_chunk_tokens > 0 and self.objective != "dpo"
