@@ -177,36 +177,42 @@ def effective_strategy(strategy: str, *, world_size: int, cpu_offload: bool) -> 
     return strategy if world_size > 1 or cpu_offload else NO_SHARD
 
 
-def rung_for(recipe, chosen=None) -> Rung:
-    """The rung a recipe trains with. Explicit recipe choices win; `auto` ones take the planner's
-    `chosen` option (a planner.Option, or None when nothing fit); with neither, the defaults above
-    (a full fine-tune when the recipe asks for the optimizer step in backward, which only it takes).
-    """
-    world_size = recipe.cluster.nodes * recipe.cluster.gpus_per_node
-    taken = chosen if chosen is not None and recipe.method in ("auto", chosen.method) else None
-    fallback = "full" if recipe.train.optimizer_in_backward else "lora"
-    method = recipe.method if recipe.method != "auto" else (taken.method if taken else fallback)
-    if recipe.sharding.strategy != "auto":
-        strategy = recipe.sharding.strategy
-    elif taken is not None:
-        strategy = taken.strategy
-    else:
+def implied_checkpointing(checkpointing: bool | str, *, activation_offload: bool | str) -> bool | str:
+    """Activation offload asked for explicitly brings the checkpointing it needs when that is left
+    to `auto` (offload moves the checkpointed block inputs; without checkpointing there are none).
+    Returns the setting to use: a bool, or still `auto`. The planner prices with it; `requested_rung` obeys it."""
+    if checkpointing == "auto" and activation_offload is True:
+        return True
+    return checkpointing
+
+
+def requested_rung(method: str, *, strategy: str, cpu_offload: bool, nodes: int, procs_per_node: int,
+                   optimizer: str, optimizer_in_backward: bool, quant_bits: int,
+                   activation_checkpointing: bool | str, activation_offload: bool | str) -> Rung:
+    """The rung a request names when no plan fills its `auto`s (the planner refuses a fully named
+    rung with it before pricing anything; `train` runs it when the planner chose nothing): `auto`
+    method is LoRA (a full fine-tune when the optimizer steps in backward, which only it takes),
+    `auto` strategy is `default_strategy`, `auto` savers are off unless offload brings checkpointing."""
+    world_size = nodes * procs_per_node
+    if method == "auto":
+        method = "full" if optimizer_in_backward else "lora"
+    if strategy == "auto":
         strategy = default_strategy(method, world_size=world_size)
-    offload = recipe.sharding.cpu_offload or bool(taken and taken.cpu_offload and recipe.sharding.strategy in ("auto", taken.strategy))
+    checkpointing = implied_checkpointing(activation_checkpointing, activation_offload=activation_offload) is True
+    return Rung(method=method, strategy=effective_strategy(strategy, world_size=world_size, cpu_offload=cpu_offload),
+                cpu_offload=cpu_offload, nodes=nodes, procs_per_node=procs_per_node, optimizer=optimizer,
+                optimizer_in_backward=optimizer_in_backward, quant_bits=quant_bits,
+                activation_checkpointing=checkpointing, activation_offload=activation_offload is True)
+
+
+def rung_for(recipe) -> Rung:
+    """The rung a recipe trains with when there is no plan to take it from (a planned run takes
+    `plan.chosen.rung`, decided once by the planner): the recipe's explicit choices, validated, and
+    `requested_rung`'s defaults for what it leaves `auto`. Used where the planner chose nothing for
+    a named method, and by tests and benchmarks that build a model for a recipe directly."""
     train = recipe.train
-    act_offload = _saver(train.activation_offload, taken.rung.activation_offload if taken else None)
-    # offload asked for explicitly brings the checkpointing it needs when that is left to `auto`
-    checkpointing = _saver(train.activation_checkpointing, taken.rung.activation_checkpointing if taken else None) or (
-        act_offload and train.activation_checkpointing == "auto")
-    return Rung(method=method, strategy=effective_strategy(strategy, world_size=world_size, cpu_offload=offload), cpu_offload=offload, nodes=recipe.cluster.nodes,
-                procs_per_node=recipe.cluster.gpus_per_node, optimizer=train.optimizer,
-                optimizer_in_backward=train.optimizer_in_backward, quant_bits=recipe.quant.bits,
-                activation_checkpointing=checkpointing, activation_offload=act_offload and checkpointing)
-
-
-def _saver(setting: bool | str, planned: bool | None) -> bool:
-    """A memory saver's value: the recipe's `true`/`false`, else (`auto`) what the planner chose for
-    the option it picked (on only when the option fits no other way), else off."""
-    if isinstance(setting, bool):
-        return setting
-    return bool(planned)
+    return requested_rung(recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
+                          nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
+                          optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward,
+                          quant_bits=recipe.quant.bits, activation_checkpointing=train.activation_checkpointing,
+                          activation_offload=train.activation_offload)

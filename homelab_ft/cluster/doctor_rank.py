@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_ft.cluster.doctor_facts import LinkResult, Needs, NodeFacts, Timing
+from homelab_ft.cluster.launch import DEFAULT_PORT
 from homelab_ft.errors import UserError
 from homelab_ft.plan import hardware
 
@@ -87,7 +88,7 @@ def local_address() -> str:
     """This node's address towards the rendezvous (MASTER_ADDR): the source address the kernel
     picks for it, i.e. the one the node reached the rendezvous with. A UDP connect sends nothing."""
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT", "29500"))
+    port = int(os.environ.get("MASTER_PORT", str(DEFAULT_PORT)))
     for family, _, _, _, sockaddr in socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM):
         with socket.socket(family, socket.SOCK_DGRAM) as sock:
             try:

@@ -10,7 +10,6 @@ the latter silently trains every process alone instead of sharding (measured wit
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
 import shlex
@@ -21,15 +20,11 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from homelab_ft.cluster.handoff import HANDOFF_VAR, Handoff
 from homelab_ft.errors import UserError
-from homelab_ft.rung import Rung
-
-_TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 
 DEFAULT_PORT = 29500
-"""torchrun's own default rendezvous port; open it (TCP) between the nodes."""
-HANDOFF_VAR = "HOMELAB_FT_HANDOFF"
-"""The parent's decision for torchrun's workers (JSON): the rung, the plan and the checked model folder."""
+"""torchrun's own default rendezvous port; open it (TCP) between the nodes. `doctor` uses it too."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +51,6 @@ class NodeCommand:
         parts += [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
         parts += [shlex.quote(a) for a in self.argv]
         return " ".join(parts)
-
-
-def under_torchrun(environ=os.environ) -> bool:
-    return any(v in environ for v in _TORCHRUN_VARS)
 
 
 def standalone_command(
@@ -220,6 +211,7 @@ def node_commands(
     python: str = "python",
     num_threads: int | None = None,
     command: str = "train",
+    handoff: Handoff | None = None,
 ) -> list[NodeCommand]:
     """The torchrun command for each node, with c10d rendezvous on the head node (the first host).
 
@@ -233,27 +225,14 @@ def node_commands(
     `--local-addr` is the node's hostfile address: without it the node that becomes rank 0 tells
     the others to reach its workers at its host name, which Debian and Ubuntu map to 127.0.1.1 in
     /etc/hosts, so the other nodes' workers would look for it on themselves. `command` is the
-    subcommand the workers run (`train`, or `doctor` to check the same path).
+    subcommand the workers run (`train`, or `doctor` to check the same path). `handoff`, the
+    launching machine's decision, goes on every node's command line (handoff.py), so no worker
+    plans, probes its hardware or repeats the checks.
     """
-    if len(hosts) != nodes:
-        raise UserError(
-            f"the hostfile lists {len(hosts)} host(s) but the recipe's cluster.nodes is {nodes}; "
-            f"make them agree (or override cluster.nodes={len(hosts)})"
-        )
-    if not 1 <= port <= 65535:
-        raise UserError(f"--port {port} is not a TCP port (1-65535)")
+    _check_hosts_and_port(hosts, nodes=nodes, port=port)
     run_id = run_id or uuid.uuid4().hex[:8]
     head = hosts[0].rdzv_address
-    env: dict[str, str] = {}
-    if iface:
-        # Both libraries otherwise pick the first interface they find, often docker0 or a VPN.
-        env["NCCL_SOCKET_IFNAME"] = iface
-        env["GLOO_SOCKET_IFNAME"] = iface
-    if num_threads:
-        env["OMP_NUM_THREADS"] = str(num_threads)
-    from homelab_ft.cluster.supervise import NODES_VAR
-
-    env[NODES_VAR] = ",".join(h.rdzv_address for h in hosts)
+    env = _node_env(hosts, iface=iface, num_threads=num_threads, handoff=handoff)
     argv_tail = _subcommand(command, recipe_path, train_args)
     commands = []
     for number, host in enumerate(hosts):
@@ -278,6 +257,34 @@ def node_commands(
     return commands
 
 
+def _check_hosts_and_port(hosts: list[Host], *, nodes: int, port: int) -> None:
+    if len(hosts) != nodes:
+        raise UserError(
+            f"the hostfile lists {len(hosts)} host(s) but the recipe's cluster.nodes is {nodes}; "
+            f"make them agree (or override cluster.nodes={len(hosts)})"
+        )
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port} is not a TCP port (1-65535)")
+
+
+def _node_env(hosts: list[Host], *, iface: str | None, num_threads: int | None, handoff: Handoff | None) -> dict[str, str]:
+    """The variables every node's command sets: the interface, threads, the hostfile's nodes (for
+    supervise's one-line report) and the launching machine's handoff."""
+    from homelab_ft.cluster.supervise import NODES_VAR
+
+    env: dict[str, str] = {}
+    if iface:
+        # Both libraries otherwise pick the first interface they find, often docker0 or a VPN.
+        env["NCCL_SOCKET_IFNAME"] = iface
+        env["GLOO_SOCKET_IFNAME"] = iface
+    if num_threads:
+        env["OMP_NUM_THREADS"] = str(num_threads)
+    env[NODES_VAR] = ",".join(h.rdzv_address for h in hosts)
+    if handoff is not None:
+        env[HANDOFF_VAR] = handoff.encode()
+    return env
+
+
 def ssh_argv(command: NodeCommand) -> list[str]:
     """ssh with no password prompt (BatchMode): a missing key fails at once instead of waiting."""
     # `--`: nothing after it is read as an ssh option, whatever the hostfile held.
@@ -300,47 +307,22 @@ def run_over_ssh(commands: list[NodeCommand]) -> int:
     return code
 
 
-@dataclass(frozen=True)
-class Handoff:
-    """What the `homelab-ft train` process decided and checked, for its torchrun workers: they
-    train this rung with this plan and model folder instead of planning and probing again."""
-
-    rung: Rung
-    plan: dict
-    model_dir: str
-    resume_from: str | None = None
-    """The checkpoint the parent verified (manifest and hashes) and chose to resume from."""
-
-    def to_json(self) -> str:
-        return json.dumps({"rung": self.rung.to_dict(), "plan": self.plan, "model_dir": self.model_dir,
-                           "resume_from": self.resume_from})
-
-
-def received_handoff(environ=os.environ) -> Handoff | None:
-    """The parent's Handoff in a torchrun worker, else None."""
-    text = environ.get(HANDOFF_VAR)
-    if not text or not under_torchrun(environ):
-        return None
-    data = json.loads(text)
-    return Handoff(rung=Rung.from_dict(data["rung"]), plan=data["plan"], model_dir=data["model_dir"],
-                   resume_from=data.get("resume_from"))
-
-
 def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Handoff) -> int:
     """Re-run `homelab-ft train` under torchrun on this machine (several processes, or one that
     needs a process group anyway: FSDP on a single GPU to offload to the CPU), handing the
     workers this process's decision. Returns torchrun's exit code. A multi-node recipe needs
     `homelab-ft launch`."""
-    if recipe.cluster.nodes > 1:
+    rung = handoff.rung
+    if rung.nodes > 1:
         raise UserError(
-            f"{recipe_path} spans {recipe.cluster.nodes} nodes; start it on every node with "
+            f"{recipe_path} spans {rung.nodes} nodes; start it on every node with "
             f"`homelab-ft launch --hosts HOSTFILE {recipe_path}` (see docs/multi-node.md)"
         )
-    argv = standalone_command(recipe_path, train_args, nproc_per_node=recipe.cluster.gpus_per_node)
+    argv = standalone_command(recipe_path, train_args, nproc_per_node=rung.procs_per_node)
     from homelab_ft.cluster.supervise import MEMORY_NOTE_VAR
 
     env = dict(os.environ)
-    env[HANDOFF_VAR] = handoff.to_json()
+    env[HANDOFF_VAR] = handoff.encode()
     if recipe.train.num_threads:
         env["OMP_NUM_THREADS"] = str(recipe.train.num_threads)
     env[MEMORY_NOTE_VAR] = memory_note(handoff.plan)
@@ -348,43 +330,26 @@ def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Han
     return run_supervised(argv, env=env)
 
 
-def pinned_rung_args(rung: Rung) -> list[str]:
-    """Overrides that fix the rung on every node of a multi-node launch, so no node can decide
-    differently from the plan made where `launch` ran."""
-    return [f"method={rung.method}", f"sharding.strategy={rung.strategy}",
-            f"sharding.cpu_offload={str(rung.cpu_offload).lower()}",
-            f"train.activation_checkpointing={str(rung.activation_checkpointing).lower()}",
-            f"train.activation_offload={str(rung.activation_offload).lower()}"]
-
-
 def launch_commands(
-    hostfile: Path, recipe_path: str, train_args: list[str], *, port: int, iface: str | None,
-    workdir: str | None = None, join_timeout_s: int = 300,
+    hostfile: Path, recipe_path: str, train_args: list[str], *, handoff: Handoff, port: int, iface: str | None,
+    workdir: str | None = None, join_timeout_s: int = 300, num_threads: int | None = None,
 ) -> list[NodeCommand]:
-    """`homelab-ft launch`: plan here, then each node's command with the chosen rung pinned."""
-    from homelab_ft.config import load_recipe
-    from homelab_ft.plan.planner import plan_for_recipe
-    from homelab_ft.rung import rung_for
-
-    recipe = load_recipe(recipe_path, train_args)
-    plan = plan_for_recipe(recipe)  # a refused combination stops here, before any node is contacted
-    if plan.chosen is None and recipe.method == "auto":
-        raise UserError(f"no rung of the ladder fits {recipe_path} on this cluster; run `homelab-ft plan {recipe_path}`")
-    train_args = [*train_args, *pinned_rung_args(rung_for(recipe, plan.chosen))]
+    """`homelab-ft launch`: each node's command, all carrying the one `handoff` planned and checked
+    where `launch` ran; the job's shape (nodes x processes per node) is the handoff's rung."""
     path = Path(hostfile)
     if not path.is_file():
         raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
     hosts = parse_hostfile(path.read_text(encoding="utf-8"), source=str(path))
-    commands = node_commands(
+    return node_commands(
         hosts, recipe_path, train_args,
-        nodes=recipe.cluster.nodes,
-        nproc_per_node=recipe.cluster.gpus_per_node,
+        nodes=handoff.rung.nodes,
+        nproc_per_node=handoff.rung.procs_per_node,
         port=port,
         iface=iface,
         join_timeout_s=join_timeout_s,
         workdir=workdir or os.getcwd(),
-        num_threads=recipe.train.num_threads,
+        num_threads=num_threads,
         # This checkout's interpreter (its .venv); the docs ask for the same path on every node.
         python=sys.executable,
+        handoff=handoff,
     )
-    return commands

@@ -39,7 +39,8 @@ from homelab_ft.rung import (
     SHARD_GRAD_OP,
     Rung,
     RungError,
-    effective_strategy,
+    implied_checkpointing,
+    requested_rung,
 )
 
 LADDER = METHODS
@@ -151,8 +152,11 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
         )
     if request.method != "auto" and request.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
-        strategy = effective_strategy(request.strategy, world_size=cluster.world_size, cpu_offload=request.cpu_offload)
-        option_rung(request.method, strategy, request.cpu_offload, request=request, cluster=cluster)
+        requested_rung(request.method, strategy=request.strategy, cpu_offload=request.cpu_offload,
+                       nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
+                       optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
+                       activation_checkpointing=request.activation_checkpointing,
+                       activation_offload=request.activation_offload)
     elif request.strategy == HYBRID_SHARD and cluster.nodes < 2:
         raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
                         "it needs cluster.nodes >= 2; on one machine use full_shard")
@@ -174,11 +178,9 @@ def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, boo
     first: what the recipe fixes stays fixed, what it leaves `auto` is tried off, then on. The cheap
     savers come before any costlier rung, offload or GPU: `evaluate` keeps, per option, the first
     level that fits. Activation offload only helps where there is a GPU to offload from."""
-    ckpt, off = request.activation_checkpointing, request.activation_offload
-    if isinstance(ckpt, bool):
-        ckpts = [ckpt]
-    else:  # offload asked for explicitly brings the checkpointing it needs (as rung_for does)
-        ckpts = [True] if off is True else [False, True]
+    off = request.activation_offload
+    ckpt = implied_checkpointing(request.activation_checkpointing, activation_offload=off)
+    ckpts = [ckpt] if isinstance(ckpt, bool) else [False, True]
     levels = []
     for c in ckpts:
         offs = [off] if isinstance(off, bool) else [False, True] if c and cluster.device == "cuda" else [False]

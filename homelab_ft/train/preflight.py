@@ -194,7 +194,9 @@ def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None
 
 
 def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:
-    """A torchrun worker's inputs: the parent checked them moments ago (including the hashes of the
-    checkpoint it chose to resume from), so nothing is read again."""
+    """A torchrun worker's inputs, from the handoff (cluster/handoff.py) of the process that started
+    it or of `homelab-ft launch` on the head node: that process checked them (including the hashes
+    of the checkpoint it chose to resume from), so nothing is read again; on another node the paths
+    are the head's, which docs/multi-node.md asks to be the same on every machine."""
     return Inputs(model_dir=Path(handoff.model_dir),
                   resume_from=Path(handoff.resume_from) if handoff.resume_from else None)

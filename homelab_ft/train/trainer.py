@@ -47,13 +47,14 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
           base_dir: Path | None = None) -> TrainResult:
     """Run `recipe` to `train.max_steps`.
 
-    `rung` is what the planner decided (default: `rung_for(recipe, plan.chosen)`); `inputs` are the
+    `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
     checked model folder and resume point when the caller (the CLI) already ran the checks;
     `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
     the run directory.
     """
     if rung is None:
-        rung = rung_for(recipe, getattr(plan, "chosen", None))
+        chosen = getattr(plan, "chosen", None)
+        rung = chosen.rung if chosen is not None else rung_for(recipe)
     env = comm.setup(device_pref=recipe.train.device)
     # SIGTERM/SIGINT stop the loop after a step and save it; the handlers stay until teardown is
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.

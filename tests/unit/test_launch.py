@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from homelab_ft.cluster import launch
+from homelab_ft.cluster import handoff, launch
+from homelab_ft.cluster.handoff import Handoff
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
@@ -72,8 +75,34 @@ def test_node_commands_refuse_a_hostfile_that_contradicts_the_recipe():
         launch.node_commands(hosts[:2], "r.yaml", [], nodes=2, nproc_per_node=1, port=70000)
 
 
-def _handoff(rung: Rung) -> launch.Handoff:
-    return launch.Handoff(rung=rung, plan={"chosen": None}, model_dir="/m")
+def _handoff(rung: Rung) -> Handoff:
+    return Handoff(rung=rung, plan={"chosen": None}, model_dir="/m")
+
+
+def test_the_handoff_survives_its_encoding_as_one_shell_word():
+    rung = Rung("full", "hybrid_shard", True, nodes=2, procs_per_node=2, activation_checkpointing=True)
+    sent = Handoff(rung=rung, plan={"chosen": {"step_s": 1.5}, "options": [{"label": "x" * 40}] * 50},
+                   model_dir="/models/llama 3", resume_from="/runs/r/checkpoints/step_00000010")
+    text = sent.encode()
+    assert Handoff.decode(text) == sent
+    assert shlex.quote(text) == text  # pasted as is, no quoting
+    assert len(text) < len(json.dumps(sent.to_dict())) / 4  # compressed: the plan repeats itself
+    with pytest.raises(UserError, match="HOMELAB_FT_HANDOFF is damaged"):
+        Handoff.decode(text[: len(text) // 2])
+
+
+def test_every_node_gets_the_same_handoff_and_no_rung_overrides(tmp_path):
+    rung = Rung("lora", "no_shard", False, nodes=2, procs_per_node=3)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("10.0.0.1\n10.0.0.2\n")
+    commands = launch.launch_commands(hostfile, "r.yaml", ["train.lr=1e-4"], handoff=_handoff(rung), port=29500,
+                                      iface=None, num_threads=2)
+    assert {c.env[handoff.HANDOFF_VAR] for c in commands} == {_handoff(rung).encode()}
+    for c in commands:
+        assert "--nnodes=2" in c.argv and "--nproc-per-node=3" in c.argv  # the job's shape is the rung's
+        assert c.argv[-2:] == ["r.yaml", "train.lr=1e-4"] and c.env["OMP_NUM_THREADS"] == "2"
+        worker = {**c.env, "LOCAL_RANK": "0"}
+        assert handoff.received(worker) == _handoff(rung)
 
 
 def test_multi_node_recipe_is_not_started_by_train_alone(monkeypatch):
@@ -140,21 +169,30 @@ def test_workers_get_the_parents_decision(monkeypatch):
     assert launch.run_workers(recipe_from_dict({}), "r.yaml", ["train.lr=1e-4"], handoff=_handoff(rung)) == 0
     argv, env = calls[0]
     assert "--nproc-per-node=1" in argv and argv[-2:] == ["r.yaml", "train.lr=1e-4"]
-    assert launch.received_handoff(env) is None  # the parent itself is not a worker
-    received = launch.received_handoff({**env, "LOCAL_RANK": "0"})
+    assert handoff.received(env) is None  # the parent itself is not a worker
+    received = handoff.received({**env, "LOCAL_RANK": "0"})
     assert received.rung == rung and received.model_dir == "/m" and received.plan == {"chosen": None}
 
 
-def test_launch_pins_the_planned_rung_on_every_node(tmp_path):
+def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, capsys, monkeypatch):
+    """`homelab-ft launch`: planned and checked once, here; the nodes get the planner's rung in the
+    handoff, not pinned as overrides."""
+    from homelab_ft.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "r.yaml"
     recipe.write_text("method: auto\nmodel:\n  path: smollm2\ndata:\n  sources: [{path: demo:train}]\n"
                       "cluster:\n  nodes: 2\n  gpus_per_node: 1\n  device: cpu\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
-    commands = launch.launch_commands(hosts, str(recipe), [], port=29500, iface=None)
-    tails = {tuple(c.argv[-5:]) for c in commands}
-    assert len(tails) == 1 and next(iter(tails))[0].startswith("method=")
-    assert "sharding.strategy=" in commands[0].shell_line()
+    assert main(["launch", str(recipe), "--hosts", str(hosts)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "homelab_ft.cluster.supervise" in ln]
+    assert len(lines) == 2 and not any("method=" in ln or "sharding.strategy=" in ln for ln in lines)
+    words = {w.split("=", 1)[1] for ln in lines for w in shlex.split(ln) if w.startswith(f"{handoff.HANDOFF_VAR}=")}
+    assert len(words) == 1
+    sent = Handoff.decode(words.pop())
+    assert sent.rung.nodes == 2 and sent.rung == Rung.from_dict(sent.plan["chosen"]["rung"])
+    assert Path(sent.model_dir, "config.json").is_file() and sent.resume_from is None
 
 
 def test_torchrun_waits_for_a_step_and_a_checkpoint_after_a_signal():

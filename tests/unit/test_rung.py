@@ -11,9 +11,9 @@ import pytest
 
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.plan.memory import Cluster, GiB, PlanRequest
-from homelab_ft.plan.planner import default_request, plan
+from homelab_ft.plan.planner import default_request, plan, saver_levels
 from homelab_ft.plan.shapes import model_shape
-from homelab_ft.rung import Rung, RungError, rung_for
+from homelab_ft.rung import Rung, RungError, implied_checkpointing, rung_for
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -66,22 +66,32 @@ def _recipe(**sections):
     return recipe_from_dict(sections)
 
 
-def test_rung_for_takes_explicit_choices_then_the_plan():
-    class Chosen:
-        method, strategy, cpu_offload = "full", "shard_grad_op", False
-        rung = Rung("full", "shard_grad_op", False, procs_per_node=2, activation_checkpointing=True)
-
+def test_rung_for_validates_the_recipes_own_rung_when_there_is_no_plan():
+    """Without a plan, `auto` takes the defaults: LoRA (full with the optimizer in backward), the
+    default strategy, savers off unless explicit offload brings checkpointing."""
     two = {"gpus_per_node": 2}
-    assert rung_for(_recipe(cluster=two), Chosen()) == Chosen.rung  # `auto` savers too take the plan's
-    assert not rung_for(_recipe(cluster=two, train={"activation_checkpointing": False}), Chosen()).activation_checkpointing
-    assert rung_for(_recipe(method="lora", cluster=two), Chosen()).strategy == "no_shard"  # plan chose another method
-    assert rung_for(_recipe(method="full", cluster=two), None).strategy == "full_shard"
-    assert rung_for(_recipe(method="full", sharding={"strategy": "full_shard"}), None).strategy == "no_shard"  # 1 process
-    sharded_4bit = rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard"}, cluster=two), None)
+    assert rung_for(_recipe(cluster=two)) == Rung("lora", "no_shard", False, procs_per_node=2)
+    in_backward = _recipe(cluster=two, train={"optimizer_in_backward": True, "max_grad_norm": 0})
+    assert rung_for(in_backward) == Rung("full", "full_shard", False, procs_per_node=2, optimizer_in_backward=True)
+    assert rung_for(_recipe(method="full", cluster=two)).strategy == "full_shard"
+    assert rung_for(_recipe(method="full", sharding={"strategy": "full_shard"})).strategy == "no_shard"  # 1 process
+    sharded_4bit = rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard"}, cluster=two))
     assert sharded_4bit == Rung("qlora", "full_shard", False, procs_per_node=2) and sharded_4bit.quantized_enabled
-    assert rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard", "cpu_offload": True}), None).fsdp_enabled
+    assert rung_for(_recipe(method="qlora", sharding={"strategy": "full_shard", "cpu_offload": True})).fsdp_enabled
+    offloaded = rung_for(_recipe(method="lora", train={"activation_offload": True}))
+    assert offloaded.activation_checkpointing and offloaded.activation_offload
+    assert not rung_for(_recipe(method="lora")).activation_checkpointing  # `auto` with nothing planned: off
     with pytest.raises(RungError, match="8-bit base"):
-        rung_for(_recipe(method="qlora", quant={"bits": 8}, sharding={"strategy": "full_shard"}, cluster=two), None)
+        rung_for(_recipe(method="qlora", quant={"bits": 8}, sharding={"strategy": "full_shard"}, cluster=two))
+
+
+def test_the_planner_and_rung_for_share_the_savers_rule():
+    """Explicit activation offload brings checkpointing in both: one rule (rung.implied_checkpointing)."""
+    assert implied_checkpointing("auto", activation_offload=True) is True
+    assert implied_checkpointing("auto", activation_offload="auto") == "auto"
+    assert implied_checkpointing(False, activation_offload=True) is False  # refused by the rung, not overridden
+    request = default_request(activation_offload=True)
+    assert {c for c, _ in saver_levels(request, CLUSTERS[0])} == {True}
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,14 +118,15 @@ REQUESTS = [
 ]
 
 
-def _recipe_for(option, cluster: Cluster, request: PlanRequest, *, auto: bool):
+def _recipe_for(option, cluster: Cluster, request: PlanRequest):
+    """A recipe that names `option` explicitly."""
     sections = {
-        "method": "auto" if auto else option.method,
-        "sharding": {"strategy": "auto" if auto else option.strategy, "cpu_offload": option.cpu_offload and not auto},
+        "method": option.method,
+        "sharding": {"strategy": option.strategy, "cpu_offload": option.cpu_offload},
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "train": {"optimizer": request.optimizer,
-                  **({} if auto else {"activation_checkpointing": option.rung.activation_checkpointing,
-                                      "activation_offload": option.rung.activation_offload}),
+                  "activation_checkpointing": option.rung.activation_checkpointing,
+                  "activation_offload": option.rung.activation_offload,
                   **({"optimizer_in_backward": True, "max_grad_norm": 0} if request.optimizer_in_backward else {})},
         "quant": {"bits": request.quant_bits},
     }
@@ -136,9 +147,6 @@ def test_every_planned_option_is_accepted_by_the_trainer(name):
                 explicit = dataclasses.replace(request, method=option.method, strategy=option.strategy,
                                                cpu_offload=option.cpu_offload)
                 plan(shape, request=explicit, cluster=cluster)  # the planner's own up-front check passes
-                assert rung_for(_recipe_for(option, cluster, request, auto=False), option) == option.rung
+                assert rung_for(_recipe_for(option, cluster, request)) == option.rung
                 checked += 1
-            if p.chosen is not None and request.method == "auto" and request.strategy == "auto":
-                # `method: auto` trains the planner's choice, nothing else.
-                assert rung_for(_recipe_for(p.chosen, cluster, request, auto=True), p.chosen) == p.chosen.rung
     assert checked > 50

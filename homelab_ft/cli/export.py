@@ -1,0 +1,51 @@
+"""The subcommands after training: `export` a run, `generate` with a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="merge a run's adapter into its base and write safetensors")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--out", type=Path, required=True, help="output model directory")
+    p.add_argument("--adapter-only", action="store_true", help="write the adapter alone (PEFT format)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of the written weights (auto: the base model's)")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--format", default="safetensors", metavar="safetensors|gguf|safetensors,gguf",
+                   help="what to write: merged safetensors (default), a GGUF file for llama.cpp / Ollama / LM Studio, or both")
+    p.add_argument("--gguf-type", metavar="f32|f16|bf16|q8_0|q4_0|q5_1",
+                   help="GGUF weight type (default q8_0); a k-quant such as q4_k_m writes f16 and prints the llama-quantize command")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own Python code when the run's recipe asks for it")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from homelab_ft.export.run import export_run
+
+    result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite,
+                        formats=args.format, gguf_type=args.gguf_type, trust_remote_code=args.trust_remote_code)
+    if not result.skipped:
+        print(f"exported to {result.out_dir}")
+    if result.quantize_hint:
+        print(f"k-quants need llama.cpp's llama-quantize; wrote f16, now run: {result.quantize_hint}")
+    return 0
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="chat with a base or exported model (chat template applied)")
+    p.add_argument("model", help="model directory, .gguf file, cached hub id, or smollm2")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from homelab_ft.cli.generate import chat
+
+    print(chat(args.model, args.prompt, system=args.system, max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+    return 0

@@ -1,0 +1,150 @@
+"""`homelab-ft train` and `demo`, and the one planning step `train` and `launch` share.
+
+The machine where the user types the command plans once (`planned`), checks every input once, and
+hands the result to every torchrun worker (`cluster.handoff`): on this machine through torchrun's
+environment, on several through each node's command line (cli/cluster.py). A worker that received
+it trains that rung with those inputs and plans nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from homelab_ft.cli import args as common
+from homelab_ft.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a recipe")
+    p.add_argument("recipe", type=Path)
+    common.overrides(p)
+    p.add_argument("--run-dir", help="run directory (default: runs/<recipe name>)")
+    resume = p.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint (refused when there is none)")
+    resume.add_argument("--resume-or-start", action="store_true",
+                        help="continue from the newest complete checkpoint, or start a new run when there is none")
+    p.add_argument("--overwrite", action="store_true", help="replace a run directory that holds another run")
+    common.cluster_file(p)
+    p.set_defaults(func=cmd_train)
+
+
+def planned(recipe, *, cluster_file: str | None):
+    """(plan, rung), decided once for `train` and `launch`: the planner's chosen option carries its
+    rung; a named method the planner expects not to fit is tried anyway with the recipe's own rung
+    (`rung_for`, which validates it). A refused combination stops here, with its fix; with `auto`
+    and nothing fitting, the plan goes to stderr to say what would."""
+    from homelab_ft.plan import planner
+    from homelab_ft.rung import rung_for
+
+    plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file)
+    if plan.chosen is not None:
+        return plan, plan.chosen.rung
+    if recipe.method == "auto":
+        print(planner.format_plan(plan), file=sys.stderr)
+        raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
+    rung = rung_for(recipe)  # a refused combination stops here, before the warning
+    log.warning("the planner expects method %s not to fit (run `homelab-ft plan` for the numbers); trying anyway",
+                recipe.method)
+    return plan, rung
+
+
+def checked_handoff(recipe, *, plan, rung):
+    """Check every input here (preflight.check_inputs) and wrap the result with the plan and rung
+    for the workers; returns (Handoff, Inputs)."""
+    from homelab_ft.cluster.handoff import Handoff
+    from homelab_ft.distributed import comm
+    from homelab_ft.train import preflight
+
+    inputs = preflight.check_inputs(recipe, rung=rung, device_type=comm.device_type(recipe.train.device))
+    handoff = Handoff(rung=rung, plan=plan.to_dict(), model_dir=str(inputs.model_dir),
+                      resume_from=str(inputs.resume_from) if inputs.resume_from else None)
+    return handoff, inputs
+
+
+def _train_overrides(args) -> list[str]:
+    """The recipe's overrides with the flags that stand for some; torchrun's workers get them as
+    plain overrides (the --cluster file's values too: they need not read the file)."""
+    overrides = common.with_cluster_file(args, list(args.overrides))
+    if args.run_dir:
+        overrides.append(f"output.dir={args.run_dir}")
+    if args.resume:
+        overrides.append("train.resume=true")
+    if args.resume_or_start:
+        overrides.append("train.resume=auto")
+    if args.overwrite:
+        overrides.append("output.overwrite=true")
+    return overrides
+
+
+def cmd_train(args) -> int:
+    """Plan, check every input, then train here or under torchrun; nothing is created before the
+    checks pass, and torchrun's workers reuse this process's plan instead of planning again."""
+    from homelab_ft.cluster import handoff as handoffs
+    from homelab_ft.cluster import launch
+    from homelab_ft.config import load_recipe
+    from homelab_ft.train import preflight, trainer
+
+    overrides = _train_overrides(args)
+    recipe = load_recipe(args.recipe, overrides)
+    base_dir = args.recipe.resolve().parent
+    received = handoffs.received()
+    if received is not None:
+        log.info("received the launching machine's rung (%s) and checked inputs; not planning, probing the "
+                 "hardware or checking again", received.rung.label)
+        trainer.train(recipe, plan=received.plan, rung=received.rung,
+                      inputs=preflight.inputs_in_worker(recipe, received), base_dir=base_dir)
+        return 0
+    plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args))
+    if handoffs.under_torchrun():
+        # torchrun started by hand, without a handoff: every rank checks its own inputs.
+        trainer.train(recipe, plan=plan, rung=rung, base_dir=base_dir)
+        return 0
+    handoff, inputs = checked_handoff(recipe, plan=plan, rung=rung)
+    _check_this_machine(recipe, plan=plan, rung=rung)
+    if rung.process_group_enabled:
+        # Rows are checked (and the tokenised cache filled) here, so a bad row stops the run before
+        # any worker starts.
+        preflight.check_data(recipe, inputs, base_dir=base_dir)
+        return launch.run_workers(recipe, str(args.recipe), overrides + common.verbosity_flags(args), handoff=handoff)
+    trainer.train(recipe, plan=plan, rung=rung, inputs=inputs, base_dir=base_dir)
+    return 0
+
+
+def _check_this_machine(recipe, *, plan, rung) -> None:
+    """What only the machine that runs every rank can check: host RAM for offloaded activations
+    (refused when short), and disk space for the checkpoints (a warning)."""
+    from homelab_ft.distributed import comm
+    from homelab_ft.train import preflight
+
+    if rung.activation_offload:
+        from homelab_ft.plan.hardware import available_ram_bytes
+        from homelab_ft.plan.memory import activation_offload_host_bytes
+
+        preflight.check_activation_offload(
+            rung, device_type=comm.device_type(recipe.train.device), available_bytes=available_ram_bytes(),
+            offloaded_bytes=plan.cluster.gpus_per_node * activation_offload_host_bytes(
+                plan.shape, rung=rung, request=plan.request, cluster=plan.cluster))
+    if plan.checkpoint_bytes:
+        from homelab_ft.plan.diskspace import space_warning
+        from homelab_ft.store.layout import RunDir
+
+        note = space_warning(RunDir(recipe.run_dir).checkpoints, checkpoint_bytes=plan.checkpoint_bytes, keep_last=recipe.train.keep_last)
+        if note:
+            print(f"warning: {note}", file=sys.stderr)
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="fine-tune the embedded SmolLM2 on the shipped task and compare before/after")
+    p.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    from homelab_ft.demo.run import run_demo
+
+    run_demo(run_dir=args.run_dir)
+    return 0
