@@ -14,7 +14,7 @@ from torch import nn
 
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.model.blocks import enable_activation_checkpointing, transformer_blocks
-from homelab_ft.rung import Rung
+from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
 
 _DEFERS_SYNC = "_homelab_ft_defers_grad_sync"
 
@@ -79,9 +79,8 @@ def parallelize(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     # Deferring the gradient reduce-scatter keeps a full unsharded gradient per rank until the last
-    # micro-batch: 4 B/param for a full fine-tune, the very memory FULL_SHARD exists to save. For
-    # adapters (typically < 2% trainable) it costs nothing worth keeping.
-    defer = not rung.reshard_after_forward or trainable < 0.05 * total
+    # micro-batch: worth it only for adapters (rung.DEFER_SYNC_TRAINABLE_FRACTION says why).
+    defer = not rung.reshard_after_forward or trainable < DEFER_SYNC_TRAINABLE_FRACTION * total
     setattr(model, _DEFERS_SYNC, defer)
     return model
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from homelab_ft.plan.shapes import ModelShape
-from homelab_ft.rung import Rung
+from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
 
 GiB = 1024**3
 
@@ -61,9 +61,6 @@ DDP_FIRST_BUCKET_BYTES = 1024**2
 # (trainer.py): the stop request, the global trained-token count, the loss sum and the read-token
 # count; FSDP2 adds one for the global gradient norm (distributed.clip_grad_norm_).
 LOOP_ALL_REDUCES = 4
-# The trainer defers FSDP2's gradient reduce-scatter to the last micro-batch only when fewer than
-# this fraction of parameters train (distributed.parallelize): adapters, not a full fine-tune.
-DEFER_SYNC_TRAINABLE_FRACTION = 0.05
 # Host<->device copies of CPU offload: pinned-memory PCIe 4.0 x16 transfers reach ~12 GB/s.
 OFFLOAD_BYTES_PER_S = 12e9
 # torch's foreach AdamW on the CPU is memory-bound (~28 bytes read/written per fp32 parameter);
