@@ -133,7 +133,7 @@ def measure_row(name: str, model_dir: Path, args) -> int:
             if chunk:
                 summed = loss.chunked_loss_sum(hidden, labels, head=head, chunk_tokens=chunk)
             else:
-                summed = steps.token_loss_sum(head(hidden), labels)
+                summed = steps.next_token_loss_sum(head(hidden), labels)
             summed.backward()
             hidden.grad = None
 

@@ -108,7 +108,7 @@ def child(mode: str, model_dir: str) -> dict:
             global_tokens = comm.all_reduce_sum(steps.trained_tokens(ids), env)
             scale = steps.loss_scale(world_size=env.world_size, global_tokens=int(global_tokens))
             with parallelize.accumulation_sync(model, last_micro_batch=True):
-                (steps.token_loss_sum(model(input_ids=ids).logits, ids) * scale).backward()
+                (steps.next_token_loss_sum(model(input_ids=ids).logits, ids) * scale).backward()
             comm.clip_grad_norm_(model, 1.0, env)
         if i == len(data) - 1:
             local = lambda t: (t.to_local() if isinstance(t, DTensor) else t)  # noqa: E731

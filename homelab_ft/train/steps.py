@@ -29,8 +29,9 @@ def input_tokens(batch: dict) -> int:
     return batch["input_ids"].numel()
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) next-token cross-entropy over trained tokens, in fp32.
+def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) next-token cross-entropy over trained tokens, in fp32, from a
+    model's full logits (`loss.batch_loss_sum` runs the model and never makes them all at once).
 
     Summing and dividing once by the global token count makes the gradient independent of how
     tokens are split over micro-batches and ranks. Averaging per micro-batch (the usual

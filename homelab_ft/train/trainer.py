@@ -29,7 +29,7 @@ from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.rundir import init_run_dir
 from homelab_ft.train import preference, preflight, steps, stopping
-from homelab_ft.train.loss import token_loss_sum
+from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
 
@@ -194,7 +194,7 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
         # Only the last micro-batch of the step reduces gradients across ranks.
         with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
             with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
-                summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
+                summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
                                         compiled=s.recipe.train.compile)
             (summed * scale).backward()
         loss_sum += summed.detach()
@@ -413,7 +413,7 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
     tokens = 0
     for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
         mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
-        summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
+        summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
                                 compiled=recipe.train.compile)
         if real:
             loss_sum += summed

@@ -95,7 +95,7 @@ def run_ends(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.train.loss import token_loss_sum
+    from homelab_ft.train.loss import batch_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     model = parallelize.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
@@ -125,7 +125,7 @@ def run_ends(job: dict, env) -> dict:
     labels[:, :4] = -100
     FSDPParamGroup.unshard, FSDPParamGroup.post_backward = counted_unshard, counted_post_backward
     try:
-        summed = token_loss_sum(model, {"input_ids": ids, "labels": labels}, device=env.device, chunk_tokens=8)
+        summed = batch_loss_sum(model, {"input_ids": ids, "labels": labels}, device=env.device, chunk_tokens=8)
         after_forward = {"embed": gathered(embed), "head": gathered(head)}
         events.append(("backward", ""))
         summed.backward()

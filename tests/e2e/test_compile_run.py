@@ -21,7 +21,7 @@ from homelab_ft.distributed import comm
 from homelab_ft.model import compiling
 from homelab_ft.rung import rung_for
 from homelab_ft.train import steps
-from homelab_ft.train.loss import token_loss_sum
+from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.steps import IGNORE_INDEX
 from homelab_ft.train.trainer import build_model, train_step
 
@@ -61,7 +61,7 @@ def _run(model_dir, *, method: str, compile: bool, checkpointing: bool,
     assert [name for name, _ in model.named_parameters()] == names  # checkpoints and exports unchanged
     batches = _batches(model.config.vocab_size, list(lengths))
     model.train()
-    first = token_loss_sum(model, batches[0], device=ENV.device, chunk_tokens=CHUNK, compiled=compile)
+    first = batch_loss_sum(model, batches[0], device=ENV.device, chunk_tokens=CHUNK, compiled=compile)
     first.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
