@@ -111,7 +111,7 @@ def measure_row(name: str, model_dir: Path, args) -> int:
 
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import loss, steps
+    from homelab_ft.train import loss, optim, steps
     from homelab_ft.train.trainer import build_model, train_step
 
     kind, train, method = ROWS[name]
@@ -141,9 +141,9 @@ def measure_row(name: str, model_dir: Path, args) -> int:
         with PeakMeter(env.device) as meter:
             loss_step()
         return meter.peak
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     session = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                              scheduler=steps.build_scheduler(optimizer, recipe.train))
+                              scheduler=optim.build_scheduler(optimizer, recipe.train))
     train_step(session, [batch])  # creates the optimizer state
     with PeakMeter(env.device) as meter:
         train_step(session, [batch])

@@ -44,7 +44,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
+    from homelab_ft.train import optim
     from homelab_ft.train.trainer import build_model
 
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
     env = comm.setup(device_pref=device)
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(env.device)
     model.train()

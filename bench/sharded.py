@@ -159,7 +159,7 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
 
     from homelab_ft.distributed import comm, parallelize
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
+    from homelab_ft.train import optim
     from homelab_ft.train.trainer import build_model, train_step
 
     if variant == "root":  # before: parallelize without shard_ends keeps both ends in the root unit
@@ -168,9 +168,9 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
     recipe = _ends_recipe(model_dir, method)
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=Path(model_dir), rung=rung_for(recipe), env=env)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     session = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                              scheduler=steps.build_scheduler(optimizer, recipe.train))
+                              scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, ENDS_VOCAB, (1, ENDS_SEQ), generator=torch.Generator().manual_seed(env.rank))
     batch = {"input_ids": ids, "labels": ids.clone()}
     train_step(session, [batch])  # the optimizer state, kernel workspaces and gloo buffers

@@ -28,7 +28,7 @@ from homelab_ft.model import compiling, loading
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.rundir import init_run_dir
-from homelab_ft.train import preference, preflight, steps, stopping
+from homelab_ft.train import optim, preference, preflight, steps, stopping
 from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
@@ -279,8 +279,8 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         data = attach_reference(data, model, env=env, recipe=recipe, model_dir=model_dir, pad_token_id=tokenizer.pad_token_id,
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
     trainable, total = loading.count_params(model)
-    optimizer = steps.build_optimizer(model, cfg)
-    scheduler = steps.build_scheduler(optimizer, cfg)
+    optimizer = optim.build_optimizer(model, cfg)
+    scheduler = optim.build_scheduler(optimizer, cfg)
     sampler = MicroBatchSampler(
         len(data.train),
         micro_batch_size=cfg.micro_batch_size,

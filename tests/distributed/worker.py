@@ -66,7 +66,7 @@ def run_memory(job: dict, env) -> dict:
     from transformers import AutoModelForCausalLM
 
     from homelab_ft.config import TrainConfig
-    from homelab_ft.train import steps
+    from homelab_ft.train import optim
 
     def local(t):
         t = t.to_local() if isinstance(t, DTensor) else t
@@ -75,7 +75,7 @@ def run_memory(job: dict, env) -> dict:
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model = parallelize.parallelize(model, env, rung=Rung("full", job["strategy"], False, procs_per_node=env.world_size))
-    optimizer = steps.build_optimizer(model, TrainConfig(lr=1e-3))
+    optimizer = optim.build_optimizer(model, TrainConfig(lr=1e-3))
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(env.rank))
     model(input_ids=ids, labels=ids).loss.backward()
     grads = sum(local(p.grad) for p in model.parameters() if p.grad is not None)
