@@ -61,7 +61,7 @@ def _session(model_dir: Path, *, compile: bool):
     from homelab_ft.model import compiling
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
-    from homelab_ft.train.trainer import build_model
+    from homelab_ft.train.build import build_model
 
     recipe = recipe_from_dict({
         "method": "lora", "model": {"path": str(model_dir), "dtype": "float32"},

@@ -112,7 +112,8 @@ def measure_row(name: str, model_dir: Path, args) -> int:
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
     from homelab_ft.train import loss, optim, steps
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)

@@ -1,7 +1,7 @@
 """The planner's memory model against real training steps: predicted vs measured bytes per rank.
 
 For each rung (QLoRA, LoRA, full) on a small Llama (dims multiples of 32), this builds the model
-through the trainer's own `build_model` and optimizer, trains a few steps on random tokens, and
+through the project's own `build_model` (train/build.py) and optimizer, trains a few steps on random tokens, and
 counts what the process actually holds after a step:
 - parameters: bytes of every distinct parameter storage (for 4-bit layers also the quantization
   state: absmax, the nested absmax of double quantization and its offset),
@@ -45,7 +45,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
-    from homelab_ft.train.trainer import build_model
+    from homelab_ft.train.build import build_model
 
     torch.manual_seed(0)
     recipe = recipe_from_dict({

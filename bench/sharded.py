@@ -160,7 +160,8 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
     from homelab_ft.distributed import comm, parallelize
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     if variant == "root":  # before: parallelize without shard_ends keeps both ends in the root unit
         parallelize.shard_ends = lambda model, **fsdp: None

@@ -228,9 +228,9 @@ def after_load(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def prepare_for_training(model: torch.nn.Module, *, activation_checkpointing: bool) -> torch.nn.Module:
-    """Freeze the base and set up activation checkpointing: PEFT's `prepare_model_for_kbit_training`
-    minus its blanket fp32 upcast.
+def prepare_for_training(model: torch.nn.Module) -> torch.nn.Module:
+    """Freeze the base: PEFT's `prepare_model_for_kbit_training` minus its blanket fp32 upcast and
+    its activation checkpointing (model.blocks.enable_activation_checkpointing, for every rung).
 
     PEFT casts every non-quantized fp16/bf16 parameter to fp32. For frozen bf16 weights that buys
     no precision (the values were rounded to bf16 on disk) and costs memory: Llama-3.1-8B's
@@ -246,10 +246,6 @@ def prepare_for_training(model: torch.nn.Module, *, activation_checkpointing: bo
         param.requires_grad_(False)
         if param.dtype == torch.float16:
             param.data = param.data.float()
-    if activation_checkpointing:
-        # Non-reentrant checkpointing needs no `enable_input_require_grads` hack (PEFT adds it
-        # only for the reentrant variant) and composes with DDP.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -21,9 +21,10 @@ from homelab_ft.distributed import comm
 from homelab_ft.model import compiling
 from homelab_ft.rung import rung_for
 from homelab_ft.train import optim
+from homelab_ft.train.build import build_model
 from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.steps import IGNORE_INDEX
-from homelab_ft.train.trainer import build_model, train_step
+from homelab_ft.train.trainer import train_step
 
 ENV = comm.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
 TOL = 1e-4

@@ -46,7 +46,8 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
     from homelab_ft.model import compiling
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     recipe = recipe_from_dict({
         "method": method, "model": {"path": str(model_dir)}, "data": {"max_length": SEQ},

@@ -53,7 +53,8 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.plan.shapes import model_shape, read_model_config
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     method, train, *lora = CASES[name]
     recipe = recipe_from_dict({
