@@ -94,7 +94,7 @@ def check_model(model_config: dict, recipe, *, rung, device_type: str) -> None:
     if model_config.get("quantization_config"):
         raise UserError("model.path: this checkpoint is stored quantized; the sharded 4-bit base quantizes the "
                         "full-precision weights block by block, so point model.path at the original (bf16/fp16) model")
-    skeleton = quant._meta_skeleton(quant._as_pretrained_config(model_config))
+    skeleton = quant.meta_skeleton(quant.as_pretrained_config(model_config))
     if skeleton is None:
         raise UserError("method=qlora with sharding needs an architecture transformers knows (no remote code); "
                         "use sharding.strategy=no_shard")

@@ -112,7 +112,7 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
     when in_features is not a multiple of the 64-value block.
     """
     require_bitsandbytes(device=device)
-    config = _as_pretrained_config(model_config)
+    config = as_pretrained_config(model_config)
     existing = getattr(config, "quantization_config", None)
     if existing is not None:
         existing = existing if isinstance(existing, dict) else existing.to_dict()
@@ -128,12 +128,14 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
                 f"model.path: this checkpoint is stored in bitsandbytes {stored_bits}-bit; set quant.bits={stored_bits} "
                 "or use the full-precision original"
             )
-    skeleton = _meta_skeleton(config)
+    skeleton = meta_skeleton(config)
     if skeleton is not None:
         raise_if_unquantizable(skeleton)
 
 
-def _as_pretrained_config(model_config):
+def as_pretrained_config(model_config):
+    """config.json's dict as a transformers config, so a meta skeleton can be built before any
+    weight is read (also by the sharded 4-bit checks, sharded_qlora.check_model)."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model_config, PretrainedConfig):
@@ -148,7 +150,7 @@ def _as_pretrained_config(model_config):
         raise UserError(f"model.path: {str(err).splitlines()[0]}") from None
 
 
-def _meta_skeleton(config):
+def meta_skeleton(config):
     """The model's module tree on the meta device, or None for architectures transformers does not
     know (remote code): those are checked after loading, by `after_load`."""
     from transformers import AutoModelForCausalLM
