@@ -1,8 +1,8 @@
 """The training loop: one loop for one device and for many ranks.
 
-`train()` reads top to bottom: set up the run directory and processes, build the model for the
-chosen rung, prepare the data, then the loop (draw micro-batches, forward, backward, clip, step,
-log, evaluate, checkpoint). Sharding is applied to the model before the loop and the loop does
+`train()` reads top to bottom: set up the run directory and processes, prepare the data, build the
+model for the chosen rung (build.py) and its optimizer (optim.py), then the loop (draw
+micro-batches, forward, backward, clip, step, log, evaluate (evaluate.py), checkpoint). Sharding is applied to the model before the loop and the loop does
 not care whether it is there: the only places it shows are the global token count and the
 gradient-sync switch during accumulation.
 """
