@@ -98,8 +98,8 @@ def build_sharded(
     """Build on meta, activation checkpointing, FSDP2, allocate this rank's shards, then fill.
 
     `build` returns the architecture and its adapters without weights, e.g. `from_config` +
-    `get_peft_model`; it runs under `meta_parameters` and must not shift the global generator
-    (FromRank0's `load_full` draws the adapters from it). `source` fills the shards.
+    `get_peft_model`, run under `meta_parameters`; the global generator is put back after it, so
+    FromRank0's `load_full` draws the adapters a one-process run draws. `source` fills the shards.
     """
     rng = torch.get_rng_state()
     with meta_parameters():
