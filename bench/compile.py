@@ -60,8 +60,8 @@ def _session(model_dir: Path, *, compile: bool):
     from homelab_ft.distributed import comm
     from homelab_ft.model import compiling
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
-    from homelab_ft.train.trainer import build_model
+    from homelab_ft.train import optim
+    from homelab_ft.train.build import build_model
 
     recipe = recipe_from_dict({
         "method": "lora", "model": {"path": str(model_dir), "dtype": "float32"},
@@ -73,9 +73,9 @@ def _session(model_dir: Path, *, compile: bool):
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     if compile:
         compiling.compile_blocks(model)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     return SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                           scheduler=steps.build_scheduler(optimizer, recipe.train))
+                           scheduler=optim.build_scheduler(optimizer, recipe.train))
 
 
 def _run(session, batches) -> tuple[float, float, int]:

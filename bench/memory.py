@@ -111,8 +111,9 @@ def measure_row(name: str, model_dir: Path, args) -> int:
 
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import loss, steps
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train import loss, optim, steps
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)
@@ -133,7 +134,7 @@ def measure_row(name: str, model_dir: Path, args) -> int:
             if chunk:
                 summed = loss.chunked_loss_sum(hidden, labels, head=head, chunk_tokens=chunk)
             else:
-                summed = steps.token_loss_sum(head(hidden), labels)
+                summed = steps.next_token_loss_sum(head(hidden), labels)
             summed.backward()
             hidden.grad = None
 
@@ -141,9 +142,9 @@ def measure_row(name: str, model_dir: Path, args) -> int:
         with PeakMeter(env.device) as meter:
             loss_step()
         return meter.peak
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     session = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                              scheduler=steps.build_scheduler(optimizer, recipe.train))
+                              scheduler=optim.build_scheduler(optimizer, recipe.train))
     train_step(session, [batch])  # creates the optimizer state
     with PeakMeter(env.device) as meter:
         train_step(session, [batch])

@@ -1,7 +1,7 @@
 """The planner's memory model against real training steps: predicted vs measured bytes per rank.
 
 For each rung (QLoRA, LoRA, full) on a small Llama (dims multiples of 32), this builds the model
-through the trainer's own `build_model` and optimizer, trains a few steps on random tokens, and
+through the project's own `build_model` (train/build.py) and optimizer, trains a few steps on random tokens, and
 counts what the process actually holds after a step:
 - parameters: bytes of every distinct parameter storage (for 4-bit layers also the quantization
   state: absmax, the nested absmax of double quantization and its offset),
@@ -44,8 +44,8 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
-    from homelab_ft.train.trainer import build_model
+    from homelab_ft.train import optim
+    from homelab_ft.train.build import build_model
 
     torch.manual_seed(0)
     recipe = recipe_from_dict({
@@ -58,7 +58,7 @@ def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: i
     env = comm.setup(device_pref=device)
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(env.device)
     model.train()

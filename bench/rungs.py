@@ -1,8 +1,8 @@
 """The three rungs side by side on one model: QLoRA, LoRA and full fine-tuning.
 
 Each rung runs in its own subprocess so its peak resident memory is its own. A rung builds the
-model through the trainer's own `build_model` (the project's loading, quantization, CPU guard and
-LoRA) and its optimizer through `steps.build_optimizer`, then times optimizer steps on fixed
+model through the project's own `build_model` (train/build.py) (the project's loading, quantization, CPU guard and
+LoRA) and its optimizer through `optim.build_optimizer`, then times optimizer steps on fixed
 random batches. Printed: seconds per step, the peak RSS while loading and while training (the
 peak is reset in between through /proc/self/clear_refs), each beside its ratio to LoRA.
 
@@ -65,8 +65,8 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
-    from homelab_ft.train.trainer import build_model
+    from homelab_ft.train import optim
+    from homelab_ft.train.build import build_model
 
     torch.manual_seed(0)
     sharded = method == "qlora_fsdp"
@@ -85,7 +85,7 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     load_peak = rss_mib("VmHWM")
     shard_mib = sharded_state_mib(model) if sharded else None
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     vocab = model.config.vocab_size if hasattr(model, "config") else model.module.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=torch.Generator().manual_seed(0))

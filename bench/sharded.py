@@ -108,7 +108,7 @@ def child(mode: str, model_dir: str) -> dict:
             global_tokens = comm.all_reduce_sum(steps.trained_tokens(ids), env)
             scale = steps.loss_scale(world_size=env.world_size, global_tokens=int(global_tokens))
             with parallelize.accumulation_sync(model, last_micro_batch=True):
-                (steps.token_loss_sum(model(input_ids=ids).logits, ids) * scale).backward()
+                (steps.next_token_loss_sum(model(input_ids=ids).logits, ids) * scale).backward()
             comm.clip_grad_norm_(model, 1.0, env)
         if i == len(data) - 1:
             local = lambda t: (t.to_local() if isinstance(t, DTensor) else t)  # noqa: E731
@@ -159,8 +159,9 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
 
     from homelab_ft.distributed import comm, parallelize
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train import optim
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     if variant == "root":  # before: parallelize without shard_ends keeps both ends in the root unit
         parallelize.shard_ends = lambda model, **fsdp: None
@@ -168,9 +169,9 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
     recipe = _ends_recipe(model_dir, method)
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=Path(model_dir), rung=rung_for(recipe), env=env)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     session = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                              scheduler=steps.build_scheduler(optimizer, recipe.train))
+                              scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, ENDS_VOCAB, (1, ENDS_SEQ), generator=torch.Generator().manual_seed(env.rank))
     batch = {"input_ids": ids, "labels": ids.clone()}
     train_step(session, [batch])  # the optimizer state, kernel workspaces and gloo buffers

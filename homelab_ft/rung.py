@@ -28,6 +28,12 @@ ADAMW = "adamw"
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 OPTIMIZERS = (ADAMW, *BNB_OPTIMIZERS)
 
+DEFER_SYNC_TRAINABLE_FRACTION = 0.05
+"""Below this fraction of trainable parameters (adapters: typically < 2%), FSDP2's gradient
+reduce-scatter waits for the last micro-batch: the unsharded gradient it keeps meanwhile is small.
+A full fine-tune would keep 4 B/param, the very memory FULL_SHARD exists to save. One value for
+`distributed.parallelize`, which defers, and `plan.memory`, which prices it."""
+
 
 class RungError(UserError):
     """A combination the trainer cannot run; the message names the recipe keys and the fix."""

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from homelab_ft.distributed.comm import DistEnv
-from homelab_ft.model.blocks import enable_activation_checkpointing, transformer_blocks
-from homelab_ft.rung import Rung
+from homelab_ft.model.blocks import transformer_blocks
+from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
 
 _DEFERS_SYNC = "_homelab_ft_defers_grad_sync"
 
@@ -40,10 +40,10 @@ def parallelize(
     rung: Rung,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
-    activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Apply activation checkpointing, then FSDP2 to every transformer block, to the model's ends
-    (untied embeddings and LM head, `shard_ends`), then to the root.
+    """FSDP2 to every transformer block, to the model's ends (untied embeddings and LM head,
+    `shard_ends`), then to the root; activation checkpointing is on already (torchtitan's order:
+    checkpoint wrapping first, so FSDP2's per-block hooks see the recomputed forward).
 
     full_shard:    parameters gathered before each block and freed after it, in forward and
                    again in backward (reshard_after_forward=True): ~3 x params bytes moved per step.
@@ -58,8 +58,6 @@ def parallelize(
     custom divide factor would need ReduceOp.PREMUL_SUM, which gloo rejects.
     Returns the model to train (the same object for FSDP, a DDP wrapper for no_shard).
     """
-    if activation_checkpointing:
-        enable_activation_checkpointing(model)
     if not rung.fsdp_enabled:
         return _replicate(model, env, reduce_dtype=reduce_dtype)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -79,9 +77,8 @@ def parallelize(
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     # Deferring the gradient reduce-scatter keeps a full unsharded gradient per rank until the last
-    # micro-batch: 4 B/param for a full fine-tune, the very memory FULL_SHARD exists to save. For
-    # adapters (typically < 2% trainable) it costs nothing worth keeping.
-    defer = not rung.reshard_after_forward or trainable < 0.05 * total
+    # micro-batch: worth it only for adapters (rung.DEFER_SYNC_TRAINABLE_FRACTION says why).
+    defer = not rung.reshard_after_forward or trainable < DEFER_SYNC_TRAINABLE_FRACTION * total
     setattr(model, _DEFERS_SYNC, defer)
     return model
 

@@ -2,13 +2,14 @@
 
 The order (torchtitan's): build the architecture on the meta device (no memory), apply
 activation checkpointing and FSDP2 (`distributed.parallelize`), allocate only this rank's shards
-(`to_empty`), then fill them. Two ways to fill them:
+(`to_empty`), then fill them (`build_sharded`, which takes where the weights come from as a typed
+source). Two ways to fill them here, and a 4-bit one in sharded_qlora.py:
 
-- `from_hf`: each rank reads only its slices of the model's safetensors through DCP's
+- `FromSafetensors`: each rank reads only its slices of the model's safetensors through DCP's
   `HuggingFaceStorageReader`; nobody holds the whole model (what a 70B model needs). Adapter
   weights that the base checkpoint lacks are initialised the PEFT way on CPU, identically on
   every rank, and sliced into the shards.
-- `from_rank0`: rank 0 loads the whole model the ordinary way (`from_pretrained`, then LoRA with
+- `FromRank0`: rank 0 loads the whole model the ordinary way (`from_pretrained`, then LoRA with
   the run's seed) and broadcasts it into the shards (`set_model_state_dict(broadcast_from_rank0)`).
   Host RAM on rank 0 must hold the model once, but the result is bit-identical to a one-process
   run, adapters included, which the parity tests rely on.
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -31,6 +34,9 @@ from torch import nn
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.distributed.parallelize import parallelize
 from homelab_ft.errors import UserError
+from homelab_ft.model import loading
+from homelab_ft.model.blocks import enable_activation_checkpointing
+from homelab_ft.rung import Rung
 
 
 @contextlib.contextmanager
@@ -42,24 +48,60 @@ def meta_parameters():
         yield
 
 
+@dataclass(frozen=True)
+class FromRank0:
+    """Rank 0 loads the whole model the ordinary way and broadcasts it into the shards.
+
+    `load_full` (called on rank 0 only) returns the model with its weights and adapters, e.g.
+    `from_pretrained` + `get_peft_model` under the run's seed: the shards then hold exactly what a
+    one-process run trains, adapters included.
+    """
+
+    load_full: Callable[[], nn.Module]
+
+    def fill(self, model: nn.Module, env: DistEnv) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = self.load_full().state_dict() if env.rank == 0 else {}
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+@dataclass(frozen=True)
+class FromSafetensors:
+    """Each rank reads its slices of the base weights from `model_dir`'s HF safetensors; adapters
+    the base lacks get `loading.initial_adapters(seed=adapter_seed)`."""
+
+    model_dir: Path
+    adapter_seed: int = 0
+
+    def fill(self, model: nn.Module, env: DistEnv) -> None:
+        _fill_from_hf(model, Path(self.model_dir), seed=self.adapter_seed)
+
+
+class WeightSource(Protocol):
+    """Where a sharded model's weights come from: `fill` writes them into this rank's shards
+    (FromRank0, FromSafetensors, sharded_qlora.FromSafetensors4bit)."""
+
+    def fill(self, model: nn.Module, env: DistEnv) -> None: ...
+
+
 def build_sharded(
     env: DistEnv,
     *,
     build: Callable[[], nn.Module],
-    load_full: Callable[[], nn.Module] | None = None,
-    model_dir: Path | None = None,
-    adapter_seed: int = 0,
-    **parallel,
+    source: WeightSource,
+    rung: Rung,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Build with `build()` on meta, `parallelize(**parallel)`, then load the weights.
+    """Build on meta, activation checkpointing, FSDP2, allocate this rank's shards, then fill.
 
-    `build` returns the architecture (and adapters) without weights, e.g. `from_config` +
-    `get_peft_model`. Exactly one of `load_full` (rank-0 broadcast; called on rank 0 only) and
-    `model_dir` (per-rank reads of HF safetensors) says where the weights come from.
+    `build` returns the architecture and its adapters without weights, e.g. `from_config` +
+    `get_peft_model`, run under `meta_parameters`; the global generator is put back after it, so
+    FromRank0's `load_full` draws the adapters a one-process run draws. `source` fills the shards.
     """
-    if (load_full is None) == (model_dir is None):
-        raise ValueError("pass exactly one of load_full and model_dir")
-    rng = torch.get_rng_state()  # building must not shift the seed that rank 0's load_full uses
+    rng = torch.get_rng_state()
     with meta_parameters():
         model = build()
     torch.set_rng_state(rng)
@@ -67,15 +109,36 @@ def build_sharded(
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     if any(buf.is_meta for buf in buffers.values()):
         raise AssertionError("buffers must be real: build the model under meta_parameters(), not torch.device('meta')")
-    model = parallelize(model, env, **parallel)
-    device = torch.device("cpu") if parallel["rung"].cpu_offload else env.device
-    model.to_empty(device=device)
-    _restore_buffers(model, buffers)
-    if load_full is not None:
-        _fill_from_rank0(model, env, load_full)
-    else:
-        _fill_from_hf(model, Path(model_dir), seed=adapter_seed)
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    model = parallelize(model, env, rung=rung, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    model.to_empty(device=torch.device("cpu") if rung.cpu_offload else env.device)
+    restore_buffers(model, buffers)
+    source.fill(model, env)
     return model
+
+
+def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of `full` (on any device) into `param` (a DTensor shard, or plain).
+
+    The slice is cut where `full` lies (the host, when read from disk) with the chunking FSDP2
+    and DTensor use for `Shard(dim)` (torch.chunk; ranks past the last chunk hold nothing), and
+    only the slice moves to the shard's device: no rank ever puts a whole tensor on its GPU, and
+    nothing is communicated (every rank read the same `full`).
+    """
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if not isinstance(param, DTensor):
+            param.copy_(full)
+            return
+        local = full
+        for mesh_dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                num, index = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
+                chunks = torch.chunk(local, num, dim=placement.dim)
+                local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
+        param.to_local().copy_(local)
 
 
 def tie_weights(model: nn.Module) -> None:
@@ -104,21 +167,11 @@ def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
     return list(names.values())
 
 
-def _restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
     inner = model.module if hasattr(model, "no_sync") else model  # DDP prefixes names with module.
     for name, buf in inner.named_buffers():
         if name in buffers:
             buf.copy_(buffers[name].to(buf.device))
-
-
-def _fill_from_rank0(model: nn.Module, env: DistEnv, load_full: Callable[[], nn.Module]) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    full = {}
-    if env.rank == 0:
-        full = load_full().state_dict()
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
 
 
 def _fill_from_hf(model: nn.Module, model_dir: Path, *, seed: int) -> None:
@@ -151,7 +204,7 @@ def _fill_from_hf(model: nn.Module, model_dir: Path, *, seed: int) -> None:
     dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(model_dir)))
     loaded = {key: wanted[hf_key] for key, hf_key in source.items()}
     set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
-    adapters = _adapter_init(model, seed=seed)
+    adapters = loading.initial_adapters(model, seed=seed)
     if adapters:  # full-size tensors on every rank: each keeps its slice
         set_model_state_dict(model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
 
@@ -163,44 +216,3 @@ def hf_name(key: str) -> str:
 
 def _is_adapter(key: str) -> bool:
     return ".lora_" in key
-
-
-def _adapter_init(model: nn.Module, *, seed: int) -> dict[str, torch.Tensor]:
-    """Full-size adapter tensors from PEFT's own `reset_lora_parameters`, the same on every rank.
-
-    A sharded parameter cannot be initialised in place reproducibly (each rank would draw the
-    same random numbers for its own slice, repeating rows). Instead every rank builds each
-    adapter at full size on CPU from one seed and `set_model_state_dict` keeps its slice.
-    The adapters are small (r x hidden per layer), so this costs megabytes.
-    """
-    import copy
-
-    out: dict[str, torch.Tensor] = {}
-    generator_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    for name, module in model.named_modules():
-        if not hasattr(module, "reset_lora_parameters") or not hasattr(module, "lora_A"):
-            continue
-        for adapter in list(module.lora_A.keys()):
-            if getattr(module, "use_dora", {}).get(adapter, False):
-                raise UserError("lora.use_dora needs the base weights to initialise; it is not supported "
-                                "with per-rank sharded loading; set lora.use_dora=false")
-            originals = {part: getattr(module, part)[adapter] for part in ("lora_A", "lora_B")}
-            for part, layer in originals.items():
-                # A CPU twin with full-size parameters (a DTensor's .shape is the global shape).
-                twin = copy.copy(layer)
-                twin._parameters = {
-                    k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for k, p in layer._parameters.items() if p is not None
-                }
-                getattr(module, part)[adapter] = twin
-            try:
-                module.reset_lora_parameters(adapter, True)
-                prefix = f"{name}." if name else ""
-                for part in originals:
-                    for pname, param in getattr(module, part)[adapter]._parameters.items():
-                        out[f"{prefix}{part}.{adapter}.{pname}"] = param.detach()
-            finally:
-                for part, layer in originals.items():
-                    getattr(module, part)[adapter] = layer
-    torch.set_rng_state(generator_state)
-    return out

@@ -27,11 +27,13 @@ import functools
 import gc
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from homelab_ft.distributed.sharded_loading import copy_into_shard, hf_name
 from homelab_ft.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ def check_recipe(recipe, *, compute_dtype: torch.dtype) -> None:
 
 
 def check_model(model_config: dict, recipe, *, rung, device_type: str) -> None:
-    """Everything `build` would refuse, checked from config.json on a meta skeleton (no weights,
+    """Everything the sharded 4-bit build would refuse, checked from config.json on a meta skeleton (no weights,
     ~1 s for a 70B config) before any file is written or process launched."""
     from homelab_ft.model import quant
 
@@ -92,7 +94,7 @@ def check_model(model_config: dict, recipe, *, rung, device_type: str) -> None:
     if model_config.get("quantization_config"):
         raise UserError("model.path: this checkpoint is stored quantized; the sharded 4-bit base quantizes the "
                         "full-precision weights block by block, so point model.path at the original (bf16/fp16) model")
-    skeleton = quant._meta_skeleton(quant._as_pretrained_config(model_config))
+    skeleton = quant.meta_skeleton(quant.as_pretrained_config(model_config))
     if skeleton is None:
         raise UserError("method=qlora with sharding needs an architecture transformers knows (no remote code); "
                         "use sharding.strategy=no_shard")
@@ -177,72 +179,44 @@ def plain_weights(model: nn.Module) -> None:
             module.weight = nn.Parameter(torch.empty_like(module.weight.data, device="meta"), requires_grad=False)
 
 
-def build(recipe, *, model_dir: Path, rung, env) -> nn.Module:
-    """The sharded QLoRA model: meta build, 4-bit layers, LoRA, FSDP2, then per-block fill."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, shard_size: int) -> None:
+    """Turn a meta-device architecture into the shardable 4-bit base: refuse a layer it cannot
+    store, swap the quantisable linears for 4-bit ones of the packed shape, freeze everything.
+    The packed bytes are stored as `compute_dtype`: what FSDP2 gathers, so the run's
+    MixedPrecisionPolicy.param_dtype must equal it (check_recipe)."""
+    from homelab_ft.model import quant
 
-    from homelab_ft.distributed import sharded_loading
-    from homelab_ft.distributed.parallelize import parallelize
-    from homelab_ft.model import loading, quant
+    shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model).items()}
+    check_shardable(shapes, storage_bytes=torch.empty((), dtype=compute_dtype).element_size(), shard_size=shard_size)
+    quant.raise_if_unquantizable(model)
+    replace_linears(model, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant,
+                    compute_dtype=compute_dtype, storage_dtype=compute_dtype)
+    for param in model.parameters():
+        param.requires_grad_(False)
 
-    quant.require_bitsandbytes(device=env.device)
-    compute_dtype = quant.compute_dtype(recipe.quant, device=env.device)
-    check_recipe(recipe, compute_dtype=compute_dtype)
-    storage_dtype = compute_dtype  # what FSDP2 gathers: MixedPrecisionPolicy.param_dtype must equal it
 
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
-    config.use_cache = False
-    rng = torch.get_rng_state()
-    with sharded_loading.meta_parameters():
-        model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype, attn_implementation=recipe.model.attn_implementation,
-                                                 trust_remote_code=recipe.model.trust_remote_code)
-        shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model).items()}
-        check_shardable(shapes, storage_bytes=torch.empty((), dtype=storage_dtype).element_size(), shard_size=rung.shard_size)
-        quant.raise_if_unquantizable(model)
-        replace_linears(model, quant_type=recipe.quant.quant_type, double_quant=recipe.quant.double_quant,
-                        compute_dtype=compute_dtype, storage_dtype=storage_dtype)
-        for param in model.parameters():
-            param.requires_grad_(False)
-        model = loading.attach_lora(model, recipe.lora, compute_dtype=compute_dtype)
-    torch.set_rng_state(rng)
-    plain_weights(model)
-    sharded_loading.tie_weights(model)
-    buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-    groups = load_groups(model)  # before fully_shard renames the block classes (FSDPLlamaDecoderLayer)
-    model = parallelize(model, env, rung=rung, param_dtype=storage_dtype, reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
-                        activation_checkpointing=rung.activation_checkpointing)
-    model.to_empty(device=torch.device("cpu") if rung.cpu_offload else env.device)
-    sharded_loading._restore_buffers(model, buffers)
-    fill_from_safetensors(model, groups, Path(model_dir), compute_device=env.device)
-    reset_adapters(model, seed=recipe.train.seed)
-    return model
+@dataclass(frozen=True)
+class FromSafetensors4bit:
+    """`sharded_loading.build_sharded`'s source for the 4-bit base: every block read from
+    `model_dir`'s safetensors, quantised on `compute_device` and sliced into this rank's shards
+    (`fill_from_safetensors`), then the adapters from `loading.initial_adapters(seed=adapter_seed)`,
+    the values every QLoRA rung starts from."""
+
+    model_dir: Path
+    adapter_seed: int
+    compute_device: torch.device
+
+    def fill(self, model: nn.Module, env) -> None:
+        from homelab_ft.model import loading
+
+        fill_from_safetensors(model, load_groups(model), Path(self.model_dir), compute_device=self.compute_device)
+        params = dict(model.named_parameters())
+        for name, full in loading.initial_adapters(model, seed=self.adapter_seed).items():
+            copy_into_shard(params[name], full.to(params[name].dtype))
 
 
 # --------------------------------------------------------------------------------------------
 # filling
-
-
-def copy_into_shard(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of `full` (on any device) into `param` (a DTensor shard, or plain).
-
-    The slice is cut where `full` lies (the host, when read from disk) with the chunking FSDP2
-    and DTensor use for `Shard(dim)` (torch.chunk; ranks past the last chunk hold nothing), and
-    only the slice moves to the shard's device: no rank ever puts a whole tensor on its GPU, and
-    nothing is communicated (every rank read the same `full`).
-    """
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        if not isinstance(param, DTensor):
-            param.copy_(full)
-            return
-        local = full
-        for mesh_dim, placement in enumerate(param.placements):
-            if placement.is_shard():
-                num, index = param.device_mesh.size(mesh_dim), param.device_mesh.get_local_rank(mesh_dim)
-                chunks = torch.chunk(local, num, dim=placement.dim)
-                local = chunks[index] if index < len(chunks) else local.narrow(placement.dim, 0, 0)
-        param.to_local().copy_(local)
 
 
 class _Reader:
@@ -296,7 +270,6 @@ def _release_freed_memory() -> None:
 def load_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
     """(checkpoint name, module, attribute) of every base parameter, one group per transformer
     block and one for everything outside the blocks; a tied parameter appears once."""
-    from homelab_ft.distributed.sharded_loading import hf_name
     from homelab_ft.model.blocks import transformer_blocks
 
     blocks = transformer_blocks(model)
@@ -399,7 +372,6 @@ def quantize_4bit(weight: torch.Tensor, *, quant_type: str, double_quant: bool, 
 
 
 def hf_name_of(model: nn.Module, module: nn.Module) -> str:
-    from homelab_ft.distributed.sharded_loading import hf_name
 
     for name, m in model.named_modules():
         if m is module:
@@ -416,18 +388,3 @@ def _state_nbytes(state) -> int:
     if state.state2 is not None:
         tensors += [state.state2.absmax, state.state2.code]
     return sum(_nbytes(t) for t in tensors)
-
-
-def reset_adapters(model: nn.Module, *, seed: int) -> None:
-    """Initialise every LoRA adapter from `seed` alone, the same way on one process and on many.
-
-    PEFT draws the adapters' initial values from the global generator while it builds them,
-    interleaved with nn.Linear's own init, so they depend on how the model was built. Sharded
-    builds cannot replay that, so QLoRA runs of any shape take `sharded_loading._adapter_init`:
-    full-size tensors from one seed, each rank keeping its slice.
-    """
-    from homelab_ft.distributed.sharded_loading import _adapter_init
-
-    params = dict((getattr(model, "module", model)).named_parameters())
-    for name, full in _adapter_init(model, seed=seed).items():
-        copy_into_shard(params[name], full.to(params[name].dtype))

@@ -192,6 +192,64 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
     return model
 
 
+def initial_adapters(model, *, seed: int) -> dict:
+    """Full-size adapter tensors from PEFT's own `reset_lora_parameters` and `seed` alone, by name.
+
+    PEFT draws the adapters' initial values from the global generator while it builds them,
+    interleaved with nn.Linear's own init, so they depend on how the model was built; and a
+    sharded parameter cannot be initialised in place reproducibly (each rank would draw the same
+    random numbers for its own slice, repeating rows). Here every adapter is drawn at full size
+    on CPU from one seed, the same on every rank and in every build, and each rank keeps its
+    slice. The adapters are small (r x hidden per layer), so this costs megabytes.
+    """
+    import copy
+
+    import torch
+    from torch import nn
+
+    out: dict[str, torch.Tensor] = {}
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    for name, module in model.named_modules():
+        if not hasattr(module, "reset_lora_parameters") or not hasattr(module, "lora_A"):
+            continue
+        for adapter in list(module.lora_A.keys()):
+            if getattr(module, "use_dora", {}).get(adapter, False):
+                raise UserError("lora.use_dora needs the base weights to initialise; it is not supported "
+                                "with per-rank sharded loading; set lora.use_dora=false")
+            originals = {part: getattr(module, part)[adapter] for part in ("lora_A", "lora_B")}
+            for part, layer in originals.items():
+                # A CPU twin with full-size parameters (a DTensor's .shape is the global shape).
+                twin = copy.copy(layer)
+                twin._parameters = {
+                    k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for k, p in layer._parameters.items() if p is not None
+                }
+                getattr(module, part)[adapter] = twin
+            try:
+                module.reset_lora_parameters(adapter, True)
+                prefix = f"{name}." if name else ""
+                for part in originals:
+                    for pname, param in getattr(module, part)[adapter]._parameters.items():
+                        out[f"{prefix}{part}.{adapter}.{pname}"] = param.detach()
+            finally:
+                for part, layer in originals.items():
+                    getattr(module, part)[adapter] = layer
+    torch.set_rng_state(generator_state)
+    return out
+
+
+def reset_adapters(model, *, seed: int) -> None:
+    """Set every LoRA adapter of an unsharded model to `initial_adapters(model, seed=seed)`, so a
+    QLoRA run on one process or on DDP replicas starts from the adapters the sharded 4-bit build
+    draws (the parity of 1 process, DDP and FSDP)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in initial_adapters(model, seed=seed).items():
+            params[name].copy_(full.to(params[name].dtype))
+
+
 def count_params(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; a 4-bit weight counts its logical shape, not the values
     packed per stored element (bitsandbytes keeps the shape in `quant_state`; the sharded 4-bit

@@ -111,7 +111,7 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
     when in_features is not a multiple of the 64-value block.
     """
     require_bitsandbytes(device=device)
-    config = _as_pretrained_config(model_config)
+    config = as_pretrained_config(model_config)
     existing = getattr(config, "quantization_config", None)
     if existing is not None:
         existing = existing if isinstance(existing, dict) else existing.to_dict()
@@ -127,12 +127,14 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
                 f"model.path: this checkpoint is stored in bitsandbytes {stored_bits}-bit; set quant.bits={stored_bits} "
                 "or use the full-precision original"
             )
-    skeleton = _meta_skeleton(config)
+    skeleton = meta_skeleton(config)
     if skeleton is not None:
         raise_if_unquantizable(skeleton)
 
 
-def _as_pretrained_config(model_config):
+def as_pretrained_config(model_config):
+    """config.json's dict as a transformers config, so a meta skeleton can be built before any
+    weight is read (also by the sharded 4-bit checks, sharded_qlora.check_model)."""
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(model_config, PretrainedConfig):
@@ -147,7 +149,7 @@ def _as_pretrained_config(model_config):
         raise UserError(f"model.path: {str(err).splitlines()[0]}") from None
 
 
-def _meta_skeleton(config):
+def meta_skeleton(config):
     """The model's module tree on the meta device, or None for architectures transformers does not
     know (remote code): those are checked after loading, by `after_load`."""
     from transformers import AutoModelForCausalLM
@@ -227,9 +229,9 @@ def after_load(model: torch.nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
-def prepare_for_training(model: torch.nn.Module, *, activation_checkpointing: bool) -> torch.nn.Module:
-    """Freeze the base and set up activation checkpointing: PEFT's `prepare_model_for_kbit_training`
-    minus its blanket fp32 upcast.
+def prepare_for_training(model: torch.nn.Module) -> torch.nn.Module:
+    """Freeze the base: PEFT's `prepare_model_for_kbit_training` minus its blanket fp32 upcast and
+    its activation checkpointing (model.blocks.enable_activation_checkpointing, for every rung).
 
     PEFT casts every non-quantized fp16/bf16 parameter to fp32. For frozen bf16 weights that buys
     no precision (the values were rounded to bf16 on disk) and costs memory: Llama-3.1-8B's
@@ -245,10 +247,6 @@ def prepare_for_training(model: torch.nn.Module, *, activation_checkpointing: bo
         param.requires_grad_(False)
         if param.dtype == torch.float16:
             param.data = param.data.float()
-    if activation_checkpointing:
-        # Non-reentrant checkpointing needs no `enable_input_require_grads` hack (PEFT adds it
-        # only for the reentrant variant) and composes with DDP.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -23,7 +23,7 @@ from homelab_ft.plan.network import (
     prepass_s_per_pair,
 )
 from homelab_ft.plan.shapes import ModelShape
-from homelab_ft.rung import Rung
+from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
 
 GiB = 1024**3
 
@@ -39,9 +39,6 @@ CPU_PROCESS_BYTES = int(0.6 * GiB)
 # Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
 CUDA_HOST_PROCESS_BYTES = 2 * GiB
 
-# The trainer defers FSDP2's gradient reduce-scatter to the last micro-batch only when fewer than
-# this fraction of parameters train (distributed.parallelize): adapters, not a full fine-tune.
-DEFER_SYNC_TRAINABLE_FRACTION = 0.05
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ micro-batch). As it is, the head (reshard_after_forward=False) stays gathered fr
 through the chunks' recompute, and its one post-backward fires when the gradient of the hidden
 states is complete, i.e. after the last chunk's backward and before the blocks' backward: one
 all-gather and one reduce-scatter per micro-batch, and the head is sharded again while backward
-runs through the blocks. The loss is the same summed cross-entropy as `steps.token_loss_sum`, so
+runs through the blocks. The loss is the same summed cross-entropy as `steps.next_token_loss_sum`, so
 the normalisation over trained tokens across micro-batches and ranks (steps.loss_scale) is unchanged.
 
 What some architectures do to the logits after the head is applied per chunk too: Gemma 2/3's tanh
@@ -46,18 +46,19 @@ from homelab_ft.train import steps
 from homelab_ft.train.steps import IGNORE_INDEX
 
 
-def token_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk_tokens: int,
+def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk_tokens: int,
                    compiled: bool = False) -> torch.Tensor:
-    """Summed next-token cross-entropy (fp32) over the trained tokens of one micro-batch.
+    """Summed next-token cross-entropy (fp32) over the trained tokens of one micro-batch, running
+    `model` on it with the head in chunks (`steps.next_token_loss_sum` scores logits already made).
 
-    `chunk_tokens=0` runs the model's full logits and one cross-entropy (`steps.token_loss_sum`),
+    `chunk_tokens=0` runs the model's full logits and one cross-entropy (`steps.next_token_loss_sum`),
     kept as the reference the chunked path is tested against. `compiled` (train.compile) runs each
     chunk's cross-entropy through torch.compile (see `logits_loss_sum`).
     """
     inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
     labels = batch["labels"].to(device)
     if chunk_tokens <= 0:
-        return steps.token_loss_sum(model(**inputs, use_cache=False).logits, labels)
+        return steps.next_token_loss_sum(model(**inputs, use_cache=False).logits, labels)
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
     if head is None:
@@ -128,7 +129,7 @@ def _chunk_loss(x: torch.Tensor, y: torch.Tensor, head: nn.Module, transform: Lo
 
 
 def logits_loss_sum(logits: torch.Tensor, y: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
-    """Same operations as the model's forward + steps.token_loss_sum: any transform in the
+    """Same operations as the model's forward + steps.next_token_loss_sum: any transform in the
     activation dtype, then cross-entropy on an fp32 copy.
 
     The head's matmul stays outside: it may be a PEFT LoRA layer or live in FSDP2's root unit, and

@@ -23,12 +23,12 @@ optimizer over all of them does; the parity tests compare the two.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from homelab_ft.config import TrainConfig
 from homelab_ft.errors import UserError
-from homelab_ft.train import steps
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -41,11 +41,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
     without this switch.
     """
 
-    def __init__(self, model: nn.Module, train_cfg: TrainConfig):
+    def __init__(self, model: nn.Module, *, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise UserError("nothing to train: the model has no trainable parameters")
-        self.optimizers = [steps.make_optimizer([p], train_cfg) for p in params]
+        # `make_optimizer` (optim.make_optimizer with the recipe bound) is handed in, not imported:
+        # optim.py builds this class, and one direction of import keeps the two out of a cycle.
+        self.optimizers = [make_optimizer([p]) for p in params]
         self._by_param = dict(zip(params, self.optimizers, strict=True))
         self._squares: list[torch.Tensor] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._step_param) for p in params]

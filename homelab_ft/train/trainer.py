@@ -1,8 +1,8 @@
 """The training loop: one loop for one device and for many ranks.
 
-`train()` reads top to bottom: set up the run directory and processes, build the model for the
-chosen rung, prepare the data, then the loop (draw micro-batches, forward, backward, clip, step,
-log, evaluate, checkpoint). Sharding is applied to the model before the loop and the loop does
+`train()` reads top to bottom: set up the run directory and processes, prepare the data, build the
+model for the chosen rung (build.py) and its optimizer (optim.py), then the loop (draw
+micro-batches, forward, backward, clip, step, log, evaluate (evaluate.py), checkpoint). Sharding is applied to the model before the loop and the loop does
 not care whether it is there: the only places it shows are the global token count and the
 gradient-sync switch during accumulation.
 """
@@ -27,8 +27,8 @@ from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo
 from homelab_ft.store.rundir import init_run_dir
-from homelab_ft.train import preference, preflight, steps, stopping
-from homelab_ft.train.loss import token_loss_sum
+from homelab_ft.train import build, evaluate, optim, preference, preflight, steps, stopping
+from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
 
@@ -111,46 +111,21 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         pair_metrics = more[0] if more else {}
         elapsed = time.perf_counter() - t0
         losses.append(loss)
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            s.logger.log(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens": read,
-                    "trained_tokens": trained,
-                    "tokens_per_s": read / elapsed,
-                    "epoch": s.sampler.epoch,
-                    "time_s": time.perf_counter() - loop_start,
-                    **pair_metrics,
-                }
-            )
+        last = step == cfg.max_steps
+        if step % cfg.log_every == 0 or last:
+            s.logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": read,
+                          "trained_tokens": trained, "tokens_per_s": read / elapsed, "epoch": s.sampler.epoch,
+                          "time_s": time.perf_counter() - loop_start, **pair_metrics})
         progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}", refresh=False,
                              **preference.progress_fields(pair_metrics))
         progress.update(1)
-
-        last = step == cfg.max_steps
         if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-            eval_metrics = {}
-            if dpo:
-                eval_loss, eval_metrics = evaluate_pairs(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
-            else:
-                eval_loss = evaluate(s.model, s.data.eval, env=env, recipe=recipe, pad_token_id=s.pad_token_id)
-            s.logger.log({"step": step, "eval_loss": eval_loss, **eval_metrics})
-            progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+            eval_loss = _evaluate(s, step=step, dpo=dpo, progress=progress)
         # Every rank learns whether any rank was asked to stop, so all stop after the same step.
         signum = comm.all_reduce_max(stopping.requested(), env)
         save_now = (cfg.save_every and step % cfg.save_every == 0) or last or (signum and cfg.save_on_interrupt)
         if save_now:
-            state = checkpoint.TrainerState(
-                step=step,
-                scheduler=s.scheduler.state_dict(),
-                sampler=s.sampler.state_dict(),
-                model_fingerprint=s.fingerprint,
-                world_size=env.world_size,
-            )
-            checkpoint.save(recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=cfg.keep_last)
+            _save(s, step=step)
         if signum:
             progress.close()
             s.logger.close()
@@ -163,6 +138,30 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         log.info("run directory: %s (%s, %s, %s/)", recipe.run_dir, layout.metrics_file.name, layout.loss_plot.name,
                  layout.checkpoints.name)
     return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+
+
+def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
+    """One held-out pass (evaluate.py), logged with the step it follows."""
+    kwargs = dict(env=s.env, recipe=s.recipe, pad_token_id=s.pad_token_id)
+    if dpo:
+        eval_loss, eval_metrics = evaluate.evaluate_pairs(s.model, s.data.eval, **kwargs)
+    else:
+        eval_loss, eval_metrics = evaluate.evaluate(s.model, s.data.eval, **kwargs), {}
+    s.logger.log({"step": step, "eval_loss": eval_loss, **eval_metrics})
+    progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+    return eval_loss
+
+
+def _save(s: Session, *, step: int) -> None:
+    """A checkpoint of the model, the optimizer and where the schedule and the data order stand."""
+    state = checkpoint.TrainerState(
+        step=step,
+        scheduler=s.scheduler.state_dict(),
+        sampler=s.sampler.state_dict(),
+        model_fingerprint=s.fingerprint,
+        world_size=s.env.world_size,
+    )
+    checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
 
 def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool) -> Stopped:
@@ -196,7 +195,7 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
         # Only the last micro-batch of the step reduces gradients across ranks.
         with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
             with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
-                summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
+                summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
                                         compiled=s.recipe.train.compile)
             (summed * scale).backward()
         loss_sum += summed.detach()
@@ -249,7 +248,6 @@ def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, 
 def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> Session:
     """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
-    run_dir = recipe.run_dir
     if env.distributed:
         comm.check_job(env, rung)
     if cfg.num_threads:
@@ -260,17 +258,11 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         inputs = preflight.check_inputs(recipe, rung=rung, device_type=env.device.type)
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
-    # Rank 0 tokenises first and fills the datasets cache; the other ranks then read it. (If
-    # rank 0 fails here, torchrun stops the waiting ranks.)
-    if not env.is_main:
-        comm.barrier(env)
-    data = prepare_for(recipe, tokenizer, base_dir=base_dir)
-    if env.is_main:
-        comm.barrier(env)
+    data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
     init_run_dir(recipe, env=env, resume_from=inputs.resume_from)
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-    model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    model = build.build_model(recipe, model_dir=model_dir, rung=rung, env=env)
     if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
         compiling.compile_blocks(model)
     if recipe.objective == "dpo" and not rung.adapters_enabled:
@@ -281,23 +273,14 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         data = attach_reference(data, model, env=env, recipe=recipe, model_dir=model_dir, pad_token_id=tokenizer.pad_token_id,
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
     trainable, total = loading.count_params(model)
-    optimizer = steps.build_optimizer(model, cfg)
-    scheduler = steps.build_scheduler(optimizer, cfg)
-    sampler = MicroBatchSampler(
-        len(data.train),
-        micro_batch_size=cfg.micro_batch_size,
-        seed=cfg.seed,
-        rank=env.rank,
-        world_size=env.world_size,
-        shuffle=recipe.data.shuffle,
-    )
+    optimizer = optim.build_optimizer(model, cfg)
+    scheduler = optim.build_scheduler(optimizer, cfg)
+    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
+                                world_size=env.world_size, shuffle=recipe.data.shuffle)
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
-        layout = RunDir(run_dir)
-        layout.write_info(RunInfo(rung=rung, model_dir=str(model_dir), world_size=env.world_size, params=total))
-        if plan is not None:
-            layout.write_plan(plan if isinstance(plan, dict) else plan.to_dict())
-    logger = MetricsLogger(run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
+        _write_run_info(recipe.run_dir, rung=rung, plan=plan, model_dir=model_dir, world_size=env.world_size, total=total)
+    logger = MetricsLogger(recipe.run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
     start = 0
     if inputs.resume_from is not None:
         state = checkpoint.load(inputs.resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint)
@@ -310,150 +293,25 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d",
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
              len(data.train), start + 1, cfg.max_steps)
-    return Session(recipe, env, model, optimizer, scheduler, sampler, data, tokenizer.pad_token_id, logger, fingerprint, start, rung)
+    return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                   data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
+                   start_step=start, rung=rung)
 
 
-def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env):
-    """Load the base for the rung, attach adapters, apply sharding when there are several ranks."""
-    dtype = loading.resolve_dtype(recipe.model.dtype, env.device)
-    cfg = recipe.train
-    if rung.fsdp_enabled and rung.quantized_enabled:
-        from homelab_ft.distributed import sharded_qlora
-
-        return sharded_qlora.build(recipe, model_dir=model_dir, rung=rung, env=env)
-    if rung.fsdp_enabled:
-        return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtype)
-    if rung.quantized_enabled:
-        from homelab_ft.model import quant
-
-        model = loading.load_model(
-            recipe.model,
-            model_dir,
-            dtype=quant.compute_dtype(recipe.quant, device=env.device),
-            device=env.device,
-            quantization_config=quant.bnb_config(recipe.quant, device=env.device),
-        )
-        quant.after_load(model)
-        model = quant.prepare_for_training(model, activation_checkpointing=rung.activation_checkpointing)
-    else:
-        model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=env.device)
-    if rung.activation_checkpointing and not env.distributed and not rung.quantized_enabled:
-        model.activation_checkpointing_enable()
-    if rung.adapters_enabled:
-        compute = dtype
-        if rung.quantized_enabled:
-            from homelab_ft.model import quant
-
-            compute = quant.compute_dtype(recipe.quant, device=env.device)
-        model = loading.attach_lora(model, recipe.lora, compute_dtype=compute)
-    if rung.quantized_enabled:
-        from homelab_ft.distributed import sharded_qlora
-
-        # the adapters' init from the seed alone, as the sharded 4-bit build must do it: every
-        # QLoRA rung starts from the same adapters (parity of 1 process, DDP and FSDP)
-        sharded_qlora.reset_adapters(model, seed=cfg.seed)
-    if env.distributed:
-        # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
-        model = parallelize.parallelize(
-            model,
-            env,
-            rung=rung,
-            param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
-            reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
-            activation_checkpointing=rung.activation_checkpointing,
-        )
-    return model
+def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):
+    """Tokenised splits. Rank 0 tokenises first and fills the datasets cache; the other ranks then
+    read it. (If rank 0 fails here, torchrun stops the waiting ranks.)"""
+    if not env.is_main:
+        comm.barrier(env)
+    data = prepare_for(recipe, tokenizer, base_dir=base_dir)
+    if env.is_main:
+        comm.barrier(env)
+    return data
 
 
-def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype):
-    """FSDP: build on the meta device, shard, then load weights without a full copy per rank.
-
-    Full fine-tunes read each rank's slices straight from the safetensors. LoRA takes rank 0's
-    ordinary load (broadcast into the shards) so its adapter init is the one-process run's.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from homelab_ft.distributed import sharded_loading
-
-    lora = rung.adapters_enabled
-
-    def build():
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
-        config.use_cache = False
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
-            trust_remote_code=recipe.model.trust_remote_code,
-        )
-        return loading.attach_lora(model, recipe.lora, compute_dtype=dtype) if lora else model
-
-    def load_full():
-        model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=torch.device("cpu"))
-        return loading.attach_lora(model, recipe.lora, compute_dtype=dtype) if lora else model
-
-    return sharded_loading.build_sharded(
-        env,
-        build=build,
-        load_full=load_full if lora else None,
-        model_dir=None if lora else model_dir,
-        rung=rung,
-        param_dtype=dtype if recipe.sharding.param_dtype == "auto" else getattr(torch, recipe.sharding.param_dtype),
-        reduce_dtype=getattr(torch, recipe.sharding.reduce_dtype),
-        activation_checkpointing=rung.activation_checkpointing,
-    )
-
-
-@torch.no_grad()
-def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
-    """Mean loss per trained token over the held-out split, all ranks together.
-
-    Every rank runs the same number of forward passes (sharded forwards are collective); a rank
-    with no batch left re-runs its first one and counts nothing from it.
-    """
-    model.eval()
-    loss_sum = torch.zeros((), device=env.device)
-    tokens = 0
-    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
-        mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
-        summed = token_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
-                                compiled=recipe.train.compile)
-        if real:
-            loss_sum += summed
-            tokens += steps.trained_tokens(mb["labels"])
-    parallelize.reshard(model)
-    total_tokens = comm.all_reduce_sum(tokens, env)
-    return comm.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
-
-
-@torch.no_grad()
-def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tuple[float, dict]:
-    """Mean DPO loss per held-out pair and the means of the other preference.METRICS (`eval_` keys),
-    all ranks together, with evaluate's batch schedule (every rank runs the same forwards)."""
-    model.eval()
-    sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
-    pairs = 0
-    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
-        mb = collate_pairs([rows[i] for i in indices], pad_token_id=pad_token_id)
-        reference = preference.reference_logps(model, mb, env.device)
-        policy, num_tokens = preference.policy_logps(model, mb, env.device)
-        _, stats = preference.pair_losses(policy, reference, num_tokens, recipe.dpo)
-        if real:
-            sums += stats.cpu()
-            pairs += preference.num_pairs(mb)
-    parallelize.reshard(model)  # no backward follows: free what FSDP2 left gathered
-    means = (comm.all_reduce_sum_tensor(sums, env) / max(comm.all_reduce_sum(pairs, env), 1)).tolist()
-    metrics = {f"eval_{k}": v for k, v in zip(preference.METRICS, means, strict=True)}
-    return metrics.pop("eval_loss"), metrics
-
-
-def _eval_batches(num_rows: int, *, recipe: Recipe, env):
-    """(row indices, counts) for this rank's eval forwards. Every rank runs the same number of
-    forwards (sharded forwards are collective); a rank with no batch left re-runs one of the
-    first ones and counts nothing from it."""
-    size = recipe.train.micro_batch_size
-    batches = [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]
-    if recipe.train.eval_max_batches:
-        batches = batches[: recipe.train.eval_max_batches]
-    for r in range(-(-len(batches) // env.world_size)):
-        index = r * env.world_size + env.rank
-        real = index < len(batches)
-        yield batches[index if real else env.rank % len(batches)], real
+def _write_run_info(run_dir: Path, *, rung: Rung, plan, model_dir: Path, world_size: int, total: int) -> None:
+    """run.json (the rung and the model it trains) and plan.json (the planner's decision), rank 0's."""
+    layout = RunDir(run_dir)
+    layout.write_info(RunInfo(rung=rung, model_dir=str(model_dir), world_size=world_size, params=total))
+    if plan is not None:
+        layout.write_plan(plan if isinstance(plan, dict) else plan.to_dict())

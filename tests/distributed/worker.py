@@ -28,6 +28,7 @@ from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm, parallelize
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.train import trainer
+from homelab_ft.train.build import build_model
 
 
 def _copy_run(src: Path, dst: Path, *, keep_step: int) -> None:
@@ -66,7 +67,7 @@ def run_memory(job: dict, env) -> dict:
     from transformers import AutoModelForCausalLM
 
     from homelab_ft.config import TrainConfig
-    from homelab_ft.train import steps
+    from homelab_ft.train import optim
 
     def local(t):
         t = t.to_local() if isinstance(t, DTensor) else t
@@ -75,7 +76,7 @@ def run_memory(job: dict, env) -> dict:
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model = parallelize.parallelize(model, env, rung=Rung("full", job["strategy"], False, procs_per_node=env.world_size))
-    optimizer = steps.build_optimizer(model, TrainConfig(lr=1e-3))
+    optimizer = optim.build_optimizer(model, TrainConfig(lr=1e-3))
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(env.rank))
     model(input_ids=ids, labels=ids).loss.backward()
     grads = sum(local(p.grad) for p in model.parameters() if p.grad is not None)
@@ -95,7 +96,7 @@ def run_ends(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.train.loss import token_loss_sum
+    from homelab_ft.train.loss import batch_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     model = parallelize.parallelize(model, env, rung=Rung("full", "full_shard", False, procs_per_node=env.world_size))
@@ -125,7 +126,7 @@ def run_ends(job: dict, env) -> dict:
     labels[:, :4] = -100
     FSDPParamGroup.unshard, FSDPParamGroup.post_backward = counted_unshard, counted_post_backward
     try:
-        summed = token_loss_sum(model, {"input_ids": ids, "labels": labels}, device=env.device, chunk_tokens=8)
+        summed = batch_loss_sum(model, {"input_ids": ids, "labels": labels}, device=env.device, chunk_tokens=8)
         after_forward = {"embed": gathered(embed), "head": gathered(head)}
         events.append(("backward", ""))
         summed.backward()
@@ -166,7 +167,7 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = loading.resolve_model_dir(recipe.model.path)
-    model = trainer.build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
+    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
     with torch.no_grad():  # in place, into this rank's shards, as checkpoint.load does
         dcp.load({"model": trainable_state(model)}, checkpoint_id=Path(job["checkpoint"]) / "state")
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -245,7 +246,8 @@ def run_lora_hf_load(job: dict, env) -> dict:
         model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
         return loading.attach_lora(model, LoraConfig(r=4, dropout=0.0))
 
-    model = sharded_loading.build_sharded(env, build=build, model_dir=job["model_dir"], rung=_lora_fsdp(env))
+    model = sharded_loading.build_sharded(env, build=build, source=sharded_loading.FromSafetensors(Path(job["model_dir"])),
+                                          rung=_lora_fsdp(env))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     ids = torch.arange(12).reshape(1, 12)
     with torch.no_grad():
@@ -253,7 +255,7 @@ def run_lora_hf_load(job: dict, env) -> dict:
     base = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     with torch.no_grad():
         ref = base(input_ids=ids).logits
-    rank0 = sharded_loading.build_sharded(env, build=build, load_full=load_full, rung=_lora_fsdp(env))
+    rank0 = sharded_loading.build_sharded(env, build=build, source=sharded_loading.FromRank0(load_full), rung=_lora_fsdp(env))
     with torch.no_grad():
         rank0_logits = rank0(input_ids=ids).logits
     inner = model.get_base_model()
@@ -306,7 +308,7 @@ def run_qlora_shards(job: dict, env) -> dict:
     rung = rung_for(recipe)
     gc.collect()
     rss_before, maxrss_before = _rss_bytes(), _maxrss_bytes()
-    model = trainer.build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
     gc.collect()
     maxrss_after = _maxrss_bytes()
     cls = sharded_qlora._linear4bit_class()
@@ -344,7 +346,7 @@ def run_qlora_shards(job: dict, env) -> dict:
                                   quantization_config=quant.bnb_config(recipe.quant, device="cpu"))
         quant.after_load(ref)
         ref = loading.attach_lora(ref, recipe.lora)
-        sharded_qlora.reset_adapters(ref, seed=recipe.train.seed)
+        loading.reset_adapters(ref, seed=recipe.train.seed)
         with torch.no_grad():
             plain = ref(input_ids=ids).logits
         result["forward_max_abs_diff"] = float((plain - sharded).abs().max())

@@ -20,10 +20,11 @@ from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.model import compiling
 from homelab_ft.rung import rung_for
-from homelab_ft.train import steps
-from homelab_ft.train.loss import token_loss_sum
+from homelab_ft.train import optim
+from homelab_ft.train.build import build_model
+from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.steps import IGNORE_INDEX
-from homelab_ft.train.trainer import build_model, train_step
+from homelab_ft.train.trainer import train_step
 
 ENV = comm.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
 TOL = 1e-4
@@ -61,13 +62,13 @@ def _run(model_dir, *, method: str, compile: bool, checkpointing: bool,
     assert [name for name, _ in model.named_parameters()] == names  # checkpoints and exports unchanged
     batches = _batches(model.config.vocab_size, list(lengths))
     model.train()
-    first = token_loss_sum(model, batches[0], device=ENV.device, chunk_tokens=CHUNK, compiled=compile)
+    first = batch_loss_sum(model, batches[0], device=ENV.device, chunk_tokens=CHUNK, compiled=compile)
     first.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     s = SimpleNamespace(env=ENV, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                        scheduler=steps.build_scheduler(optimizer, recipe.train))
+                        scheduler=optim.build_scheduler(optimizer, recipe.train))
     losses = [float(train_step(s, [mb])[0]) for mb in batches[1:]]
     trained = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return {"first": first.item(), "grads": grads, "losses": losses, "weights": trained,

@@ -45,8 +45,9 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
     from homelab_ft.distributed import comm
     from homelab_ft.model import compiling
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train import optim
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     recipe = recipe_from_dict({
         "method": method, "model": {"path": str(model_dir)}, "data": {"max_length": SEQ},
@@ -62,9 +63,9 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
                         env=env)
     if compile:
         compiling.compile_blocks(model)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                        scheduler=steps.build_scheduler(optimizer, recipe.train))
+                        scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
     losses = [float(train_step(s, [{"input_ids": ids, "labels": ids}])[0])]  # compiles; optimizer state
     torch.cuda.synchronize()

@@ -53,8 +53,9 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.plan.planner import option_rung, request_from_recipe
     from homelab_ft.plan.shapes import model_shape
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import steps
-    from homelab_ft.train.trainer import build_model, train_step
+    from homelab_ft.train import optim
+    from homelab_ft.train.build import build_model
+    from homelab_ft.train.trainer import train_step
 
     method, train, *lora = CASES[name]
     recipe = recipe_from_dict({
@@ -67,9 +68,9 @@ def test_peak_matches_the_plan(model_dir, name):
     torch.cuda.reset_peak_memory_stats()
     model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
                         env=env)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                        scheduler=steps.build_scheduler(optimizer, recipe.train))
+                        scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, VOCAB, (1, 2048), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         loss, *_ = train_step(s, [{"input_ids": ids, "labels": ids}])

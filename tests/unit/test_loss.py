@@ -53,7 +53,7 @@ def _batch(seed: int = 0) -> dict:
 
 def _loss_and_grads(model, batch, *, chunk_tokens: int):
     model.zero_grad(set_to_none=True)
-    summed = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
+    summed = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
     summed.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return float(summed), grads
@@ -72,8 +72,8 @@ def _assert_parity(model, batch, chunk_tokens: int = 5):
 def test_reference_is_the_trainer_loss_of_today():
     model, batch = _llama(tied=False), _batch()
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    want = steps.token_loss_sum(logits, batch["labels"])
-    got = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=0)
+    want = steps.next_token_loss_sum(logits, batch["labels"])
+    got = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=0)
     assert float(got.detach()) == float(want.detach())
 
 
@@ -115,7 +115,7 @@ def test_no_trained_token_gives_zero_with_a_graph_to_the_head():
     model = _llama(tied=False)
     batch = _batch()
     batch["labels"] = torch.full_like(batch["labels"], IGNORE_INDEX)
-    summed = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=4)
+    summed = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=4)
     assert float(summed) == 0.0
     summed.backward()
     assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().max()) == 0.0
@@ -124,8 +124,8 @@ def test_no_trained_token_gives_zero_with_a_graph_to_the_head():
 def test_eval_without_grad_matches():
     model, batch = _llama(tied=True), _batch(4)
     with torch.no_grad():
-        want = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=0)
-        got = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=3)
+        want = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=0)
+        got = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=3)
     assert abs(float(got) - float(want)) <= TOL * float(want)
 
 
@@ -148,7 +148,7 @@ class _LargestVocabRows(TorchDispatchMode):
 def test_no_whole_batch_logits_in_forward_or_backward(chunk_tokens):
     model, batch = _llama(tied=False), _batch()
     with _LargestVocabRows() as forward:
-        summed = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
+        summed = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
     with _LargestVocabRows() as backward:
         summed.backward()
     tokens = batch["input_ids"].numel()
@@ -180,7 +180,7 @@ def _saved_vocab_tensors(model, batch, *, chunk_tokens: int) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        summed = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
+        summed = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=chunk_tokens)
     summed.backward()
     return len(saved)
 

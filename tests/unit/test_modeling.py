@@ -54,13 +54,13 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     from homelab_ft.plan.inputs import Cluster
     from homelab_ft.plan.memory import adapter_bytes
     from homelab_ft.plan.planner import default_request
-    from homelab_ft.train import steps
+    from homelab_ft.train import optim
 
     cfg = ModelConfig(path=str(tiny_model_dir))
     model = loading.load_model(cfg, tiny_model_dir, dtype=base, device=torch.device("cpu"))
     peft_model = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dtype=lora_dtype), compute_dtype=base)
     assert {p.dtype for p in peft_model.parameters() if p.requires_grad} == {want}
-    optimizer = steps.build_optimizer(peft_model, TrainConfig())
+    optimizer = optim.build_optimizer(peft_model, TrainConfig())
     ids = torch.arange(8).reshape(1, 8)
     peft_model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()

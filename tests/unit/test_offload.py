@@ -26,7 +26,7 @@ def _llama():
 def _loss_and_grads(model, batch, *, offload: bool):
     model.zero_grad(set_to_none=True)
     with activations_on_host(enabled=offload, pin_memory=False):
-        summed = loss.token_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=64)
+        summed = loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=64)
     summed.backward()
     return float(summed.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 

@@ -12,7 +12,7 @@ from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
 from homelab_ft.rung import Rung, rung_for
-from homelab_ft.train import steps
+from homelab_ft.train import optim
 from homelab_ft.train.optim_backward import OptimizerInBackward
 from homelab_ft.train.steps import IGNORE_INDEX
 from homelab_ft.train.trainer import train_step
@@ -44,10 +44,10 @@ def _train(*, tied: bool, in_backward: bool, num_steps: int = 3):
         "optimizer_in_backward": in_backward, "max_grad_norm": 0.0, "lr": 1e-2, "weight_decay": 0.1,
         "warmup_steps": 1, "max_steps": num_steps, "loss_chunk_tokens": 8}})
     model = _llama(tied=tied)
-    optimizer = steps.build_optimizer(model, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
     assert isinstance(optimizer, OptimizerInBackward) == in_backward
     s = SimpleNamespace(env=ENV, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
-                        scheduler=steps.build_scheduler(optimizer, recipe.train))
+                        scheduler=optim.build_scheduler(optimizer, recipe.train))
     losses, norms = [], []
     for mb in _batches(1) * num_steps:  # the same rows every step: the loss must fall
         loss, norm, _, _ = train_step(s, [mb])
@@ -96,8 +96,8 @@ def test_scheduler_reaches_the_optimizers_after_a_state_load():
     recipe = recipe_from_dict({"method": "full", "train": {"optimizer_in_backward": True, "max_grad_norm": 0.0,
                                                            "warmup_steps": 4, "lr": 1e-3}})
     model = _llama(tied=True)
-    optimizer = steps.build_optimizer(model, recipe.train)
-    scheduler = steps.build_scheduler(optimizer, recipe.train)
+    optimizer = optim.build_optimizer(model, recipe.train)
+    scheduler = optim.build_scheduler(optimizer, recipe.train)
     for inner in optimizer.optimizers:
         inner.load_state_dict(inner.state_dict())
     optimizer.step()

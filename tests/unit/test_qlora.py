@@ -53,7 +53,7 @@ def load_quantized(model_dir: Path, quant_cfg: QuantConfig, *, guard: bool = Tru
     )
     if guard:
         quant.after_load(model)
-    return quant.prepare_for_training(model, activation_checkpointing=False)
+    return quant.prepare_for_training(model)
 
 
 def dequantized_reference(model_dir: Path, quantized) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""The shared arithmetic: the learning-rate schedule, and checkpoint pruning past keep_last."""
+"""The optimizer and its schedule (train/optim.py): the learning-rate schedule, the optimizer built over the trainable parameters, and checkpoint pruning past keep_last."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import torch
 
 from homelab_ft.config import TrainConfig
 from homelab_ft.store import checkpoint
-from homelab_ft.train import steps
+from homelab_ft.train import optim
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_warmup_then_decay_to_the_floor(schedule):
     cfg = TrainConfig(max_steps=10, warmup_steps=2, lr_schedule=schedule, min_lr_ratio=0.1)
-    factors = [steps.lr_factor(s, train_cfg=cfg) for s in range(11)]
+    factors = [optim.lr_factor(s, train_cfg=cfg) for s in range(11)]
     assert factors[:2] == [pytest.approx(1 / 3), pytest.approx(2 / 3)]  # linear warmup, never 0
     assert factors[2] == pytest.approx(1.0)
     if schedule == "constant":
@@ -23,7 +23,7 @@ def test_warmup_then_decay_to_the_floor(schedule):
         return
     assert factors[10] == pytest.approx(0.1)  # the floor at max_steps
     assert all(a >= b for a, b in zip(factors[2:], factors[3:], strict=False))  # monotone decay
-    middle = steps.lr_factor(6, train_cfg=cfg)  # halfway through the decay
+    middle = optim.lr_factor(6, train_cfg=cfg)  # halfway through the decay
     expected = 0.1 + 0.9 * (0.5 if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert middle == pytest.approx(expected)
 
@@ -31,8 +31,8 @@ def test_warmup_then_decay_to_the_floor(schedule):
 def test_the_scheduler_gives_each_step_its_own_rate():
     cfg = TrainConfig(max_steps=4, lr=1.0, lr_schedule="linear")
     model = torch.nn.Linear(2, 2)
-    optimizer = steps.build_optimizer(model, cfg)
-    scheduler = steps.build_scheduler(optimizer, cfg)
+    optimizer = optim.build_optimizer(model, cfg)
+    scheduler = optim.build_scheduler(optimizer, cfg)
     used = []
     for _ in range(cfg.max_steps):
         used.append(scheduler.get_last_lr()[0])  # what the trainer logs for the step it is about to take

@@ -1,0 +1,134 @@
+"""The model for a rung, as one sequence (torchtitan's `parallelize` order).
+
+    base (loaded, or built on the meta device) -> adapters -> activation checkpointing
+    -> shard (FSDP2) or replicate (DDP) -> fill the shards
+
+One process and DDP load the base the ordinary way (`from_pretrained`, 4-bit through
+bitsandbytes for QLoRA) and every rank holds all of it. FSDP builds the architecture on meta,
+shards it, and only then fills this rank's shards from a typed source: rank 0's ordinary load for
+LoRA (bit-identical to one process), per-rank safetensors reads for a full fine-tune, per-block
+quantisation for QLoRA. Every QLoRA rung takes its adapters from the seed alone
+(`loading.initial_adapters`), so 1 process, DDP and FSDP start from the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from homelab_ft.config import Recipe
+from homelab_ft.distributed import parallelize, sharded_loading
+from homelab_ft.model import loading, quant
+from homelab_ft.model.blocks import enable_activation_checkpointing
+from homelab_ft.rung import Rung
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The three dtypes of a rung, decided once from the recipe and the device."""
+
+    compute: torch.dtype
+    """Weights and activations on the device: model.dtype, or quant.compute_dtype for QLoRA (the
+    dtype the 4-bit matmuls dequantize to, and the storage dtype of the sharded 4-bit bytes)."""
+    param: torch.dtype
+    """What FSDP2 gathers and computes in (sharding.param_dtype, auto = compute). For QLoRA it must be
+    compute: the packed bytes are stored as that dtype and a cast would destroy them
+    (sharded_qlora.check_recipe refuses anything else)."""
+    reduce: torch.dtype
+    """What gradients are reduced in across ranks (sharding.reduce_dtype)."""
+
+
+def dtypes_for(recipe: Recipe, *, rung: Rung, device: torch.device) -> Dtypes:
+    """The rung's compute, gathered-parameter and gradient-reduction dtypes."""
+    if rung.quantized_enabled:
+        compute = quant.compute_dtype(recipe.quant, device=device)
+    else:
+        compute = loading.resolve_dtype(recipe.model.dtype, device)
+    sharding = recipe.sharding
+    param = compute if sharding.param_dtype == "auto" else getattr(torch, sharding.param_dtype)
+    return Dtypes(compute=compute, param=param, reduce=getattr(torch, sharding.reduce_dtype))
+
+
+def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Module:
+    """The model to train for `rung`: sharded when the rung shards, else whole on every rank."""
+    dtypes = dtypes_for(recipe, rung=rung, device=env.device)
+    if rung.fsdp_enabled:
+        return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
+    model = _load_base(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
+    if rung.adapters_enabled:
+        model = loading.attach_lora(model, recipe.lora, compute_dtype=dtypes.compute)
+    if rung.quantized_enabled:
+        loading.reset_adapters(model, seed=recipe.train.seed)  # the sharded 4-bit build's adapters
+    if rung.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if env.distributed:
+        # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
+        model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)
+    return model
+
+
+def _load_base(recipe: Recipe, *, model_dir: Path, rung: Rung, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """`from_pretrained` onto the device; QLoRA's 4-bit base frozen and guarded (quant.py says why)."""
+    if not rung.quantized_enabled:
+        return loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
+    model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device,
+                               quantization_config=quant.bnb_config(recipe.quant, device=device))
+    quant.after_load(model)
+    return quant.prepare_for_training(model)
+
+
+def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtypes: Dtypes) -> nn.Module:
+    """FSDP: meta build with adapters, checkpointing, FSDP2, then this rank's shards filled."""
+    if rung.quantized_enabled:
+        from homelab_ft.distributed import sharded_qlora
+
+        quant.require_bitsandbytes(device=env.device)
+        sharded_qlora.check_recipe(recipe, compute_dtype=dtypes.compute)
+    return sharded_loading.build_sharded(
+        env,
+        build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),
+        source=_weight_source(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtypes.compute),
+        rung=rung,
+        param_dtype=dtypes.param,
+        reduce_dtype=dtypes.reduce,
+        activation_checkpointing=rung.activation_checkpointing,
+    )
+
+
+def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: torch.dtype) -> nn.Module:
+    """The architecture from config.json (4-bit layers for QLoRA) with its adapters, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
+                                             trust_remote_code=recipe.model.trust_remote_code)
+    if rung.quantized_enabled:
+        from homelab_ft.distributed import sharded_qlora
+
+        sharded_qlora.to_4bit_layers(model, recipe.quant, compute_dtype=dtype, shard_size=rung.shard_size)
+    if rung.adapters_enabled:
+        model = loading.attach_lora(model, recipe.lora, compute_dtype=dtype)
+    if rung.quantized_enabled:
+        sharded_qlora.plain_weights(model)
+    return model
+
+
+def _weight_source(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtype: torch.dtype) -> sharded_loading.WeightSource:
+    """Where the shards' weights come from (sharded_loading.py and sharded_qlora.py say why each)."""
+    if rung.quantized_enabled:
+        from homelab_ft.distributed import sharded_qlora
+
+        return sharded_qlora.FromSafetensors4bit(model_dir=model_dir, adapter_seed=recipe.train.seed,
+                                                 compute_device=env.device)
+    if not rung.adapters_enabled:
+        return sharded_loading.FromSafetensors(model_dir=model_dir)
+
+    def load_full() -> nn.Module:
+        model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=torch.device("cpu"))
+        return loading.attach_lora(model, recipe.lora, compute_dtype=dtype)
+
+    return sharded_loading.FromRank0(load_full=load_full)

@@ -1,0 +1,73 @@
+"""The held-out passes: mean loss per trained token (SFT) or per pair (DPO), all ranks together.
+
+Every rank runs the same number of forwards, because sharded forwards are collective (`_eval_batches`);
+the loop calls these every `train.eval_every` steps and after the last one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from homelab_ft.config import Recipe
+from homelab_ft.data.pairs import collate_pairs
+from homelab_ft.data.sft import collate
+from homelab_ft.distributed import comm, parallelize
+from homelab_ft.train import preference, steps
+from homelab_ft.train.loss import batch_loss_sum
+
+
+@torch.no_grad()
+def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
+    """Mean loss per trained token over the held-out split, all ranks together.
+
+    Every rank runs the same number of forward passes (sharded forwards are collective); a rank
+    with no batch left re-runs its first one and counts nothing from it.
+    """
+    model.eval()
+    loss_sum = torch.zeros((), device=env.device)
+    tokens = 0
+    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
+        mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
+        summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
+                                compiled=recipe.train.compile)
+        if real:
+            loss_sum += summed
+            tokens += steps.trained_tokens(mb["labels"])
+    parallelize.reshard(model)
+    total_tokens = comm.all_reduce_sum(tokens, env)
+    return comm.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
+
+
+@torch.no_grad()
+def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tuple[float, dict]:
+    """Mean DPO loss per held-out pair and the means of the other preference.METRICS (`eval_` keys),
+    all ranks together, with evaluate's batch schedule (every rank runs the same forwards)."""
+    model.eval()
+    sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
+    pairs = 0
+    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
+        mb = collate_pairs([rows[i] for i in indices], pad_token_id=pad_token_id)
+        reference = preference.reference_logps(model, mb, env.device)
+        policy, num_tokens = preference.policy_logps(model, mb, env.device)
+        _, stats = preference.pair_losses(policy, reference, num_tokens, recipe.dpo)
+        if real:
+            sums += stats.cpu()
+            pairs += preference.num_pairs(mb)
+    parallelize.reshard(model)  # no backward follows: free what FSDP2 left gathered
+    means = (comm.all_reduce_sum_tensor(sums, env) / max(comm.all_reduce_sum(pairs, env), 1)).tolist()
+    metrics = {f"eval_{k}": v for k, v in zip(preference.METRICS, means, strict=True)}
+    return metrics.pop("eval_loss"), metrics
+
+
+def _eval_batches(num_rows: int, *, recipe: Recipe, env):
+    """(row indices, counts) for this rank's eval forwards. Every rank runs the same number of
+    forwards (sharded forwards are collective); a rank with no batch left re-runs one of the
+    first ones and counts nothing from it."""
+    size = recipe.train.micro_batch_size
+    batches = [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]
+    if recipe.train.eval_max_batches:
+        batches = batches[: recipe.train.eval_max_batches]
+    for r in range(-(-len(batches) // env.world_size)):
+        index = r * env.world_size + env.rank
+        real = index < len(batches)
+        yield batches[index if real else env.rank % len(batches)], real
