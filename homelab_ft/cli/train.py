@@ -121,7 +121,7 @@ def _check_this_machine(recipe, *, plan, rung) -> None:
     from homelab_ft.train import preflight
 
     if rung.activation_offload:
-        from homelab_ft.plan.hardware import available_ram_bytes
+        from homelab_ft.host import available_ram_bytes
         from homelab_ft.plan.memory import activation_offload_host_bytes
 
         preflight.check_activation_offload(

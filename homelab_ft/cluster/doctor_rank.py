@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from homelab_ft import host
 from homelab_ft.cluster.doctor_facts import LinkResult, Needs, NodeFacts, Timing
 from homelab_ft.cluster.launch import DEFAULT_PORT
 from homelab_ft.errors import UserError
@@ -129,7 +130,7 @@ def node_facts(*, name: str, address: str, nproc: int, device: str, iface_given:
         address=address, iface=iface, iface_given=iface_given, nic_speed_mbit=hardware.nic_speed_mbit(iface),
         probe_dir=str(probe), writable=os.access(probe, os.W_OK), sees_token=None if head else Path(token_path).is_file(),
         free_disk_bytes=shutil.disk_usage(probe).free, host_ram_bytes=hardware.detect().host_ram_bytes,
-        available_ram_bytes=hardware.available_ram_bytes(),
+        available_ram_bytes=host.available_ram_bytes(),
     )
 
 

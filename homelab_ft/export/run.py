@@ -226,7 +226,7 @@ def _write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str,
     """The adapter merged into the base, one base safetensors file at a time (merge.py), then
     checked. Adapters merge.py cannot stream take PEFT's in-memory merge (`_write_merged_in_memory`)."""
     from homelab_ft.export import merge
-    from homelab_ft.plan.hardware import available_ram_bytes
+    from homelab_ft.host import available_ram_bytes
 
     reason = merge.unsupported_reason(ckpt / checkpoint.ADAPTER, model_dir)
     if reason is not None:

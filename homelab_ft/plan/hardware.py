@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from homelab_ft import host
 from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
 from homelab_ft.plan.inputs import Cluster
@@ -51,7 +52,7 @@ def detect() -> Detected:
         gpu_count=len(names),
         gpu_name=names[0] if names else None,
         vram_bytes=min(vram) if vram else None,
-        host_ram_bytes=_meminfo_total(),
+        host_ram_bytes=host.total_ram_bytes(),
         cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
     )
 
@@ -74,27 +75,6 @@ def _nvidia_smi() -> tuple[list[str], list[int]]:
             names.append(name.strip())
             vram.append(int(mib.strip()) * 1024**2)  # nvidia-smi reports MiB
     return names, vram
-
-
-def _meminfo_total() -> int:
-    total = _meminfo("MemTotal")
-    return total if total is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def available_ram_bytes() -> int:
-    """Host RAM the kernel could give a new allocation now (MemAvailable; 0 when unknown)."""
-    return _meminfo("MemAvailable") or 0
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(f"{key}:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return None
 
 
 def cpu_cores_per_process(cores: int, processes: int) -> float:

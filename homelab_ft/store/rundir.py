@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 from homelab_ft.config import Recipe, load_recipe
-from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir
@@ -69,33 +68,30 @@ def check_before_launch(recipe: Recipe) -> None:
         )
 
 
-def init_run_dir(recipe: Recipe, *, env, resume_from: Path | None) -> None:
+def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:
     """Create (or, with overwrite, replace) the run directory once every input has been checked.
 
-    Every rank has run the same checks; the main rank writes between two barriers, so no rank
-    sees a half-made directory.
+    The main rank alone calls it, between two barriers of the caller's (train.trainer), so no
+    rank sees a half-made directory; the store itself knows nothing of process groups.
     """
     run_dir = recipe.run_dir
     layout = RunDir(run_dir)
-    comm.barrier(env)
-    if env.is_main:
-        runlock.acquire(run_dir)  # creates the directory; held until trainer.train returns
-        if recipe.output.overwrite and not recipe.train.resume:
-            for child in run_dir.iterdir():
-                if child.name == layout.lock_file.name:
-                    continue
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
-        # With the lock held nobody else writes here: a temporary checkpoint folder is what a
-        # killed save left behind, and only takes space.
-        for leftover in checkpoint.unfinished(run_dir):
-            shutil.rmtree(leftover, ignore_errors=True)
-        layout.write_recipe(recipe)
-        if recipe.train.resume and resume_from is None:
-            log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
-    comm.barrier(env)
+    runlock.acquire(run_dir)  # creates the directory; held until trainer.train returns
+    if recipe.output.overwrite and not recipe.train.resume:
+        for child in run_dir.iterdir():
+            if child.name == layout.lock_file.name:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    # With the lock held nobody else writes here: a temporary checkpoint folder is what a
+    # killed save left behind, and only takes space.
+    for leftover in checkpoint.unfinished(run_dir):
+        shutil.rmtree(leftover, ignore_errors=True)
+    layout.write_recipe(recipe)
+    if recipe.train.resume and resume_from is None:
+        log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
 
 
 def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:

@@ -259,7 +259,10 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
-    init_run_dir(recipe, env=env, resume_from=inputs.resume_from)
+    comm.barrier(env)  # every rank has passed its checks before the main rank writes
+    if env.is_main:
+        init_run_dir(recipe, resume_from=inputs.resume_from)
+    comm.barrier(env)  # and no rank reads a half-made run directory
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
     model = build.build_model(recipe, model_dir=model_dir, rung=rung, env=env)
