@@ -1,1 +1,13 @@
-"""export"""
+"""After training: a run becomes a model that `transformers`, llama.cpp, Ollama and LM Studio load.
+
+    run             `export_run(run_dir, out_dir, ...)`: the front door; branches on the run's `Rung`
+    merge           LoRA merged into the base one safetensors file at a time, and read back
+    consolidate     a sharded (DCP) full fine-tune -> Hugging Face safetensors
+    gguf_export     a Hugging Face folder -> one GGUF (`write_gguf`), streamed per tensor
+    gguf_arch, gguf_vocab   what llama.cpp expects per architecture; the tokenizer in GGUF
+    gguf_check      the GGUF read back through transformers' loader and compared
+    gguf_adapter    a PEFT adapter -> llama.cpp's LoRA-adapter GGUF
+    local_runtimes  the Ollama Modelfile and RUNNING.md beside a GGUF
+
+Every export is checked by reloading it and comparing logits before it is reported done.
+"""

@@ -1,1 +1,9 @@
-"""model"""
+"""The model itself, knowing nothing of ranks: find, load, quantize, adapt, compile.
+
+    loading    where the weights are (`resolve_model_dir`; GGUF converted once), tokenizer, model, LoRA (PEFT)
+    quant      bitsandbytes: the 4/8-bit config, the CPU guard, k-bit preparation, 8-bit optimizers
+    blocks     the transformer blocks (from `_no_split_modules`) and activation checkpointing on them
+    compiling  `train.compile`: torch.compile per block in place, and its preflight check
+
+No per-family tables: what differs between architectures is read from transformers.
+"""

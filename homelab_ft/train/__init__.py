@@ -1,1 +1,12 @@
-"""train"""
+"""The run: the model for a rung, the one loop, and what it computes.
+
+    trainer         `train(recipe, plan=..., rung=..., inputs=...)`: setup -> steps -> checkpoints -> cleanup
+    build           `build_model`: load or meta -> adapters -> checkpointing -> shard -> fill
+    preflight       every input checked before anything is created (`check_inputs`)
+    steps           shared arithmetic: trained tokens, the loss normalised once over them
+    loss            the chunked LM-head loss (no full-vocabulary logits)
+    optim, optim_backward   the optimizer and LR schedule; the optimizer step inside backward
+    evaluate        held-out loss (SFT) and pair metrics (DPO)
+    preference, reference_cache   DPO/IPO arithmetic; a full fine-tune's reference cached on disk
+    offload, stopping, metrics    activations in host RAM; SIGTERM/SIGINT; metrics.jsonl, TensorBoard, plot
+"""
