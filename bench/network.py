@@ -111,7 +111,8 @@ def predict(recipe: dict, cluster_path: Path, *, tflops_per_core: float):
     two cores (the namespaces share them), shared by its processes."""
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.locate import locate_config
-    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.ladder import option_rung
+    from homelab_ft.plan.planner import request_from_recipe
     from homelab_ft.plan.shapes import model_shape
 
     r = recipe_from_dict(recipe, overrides=clusterfile.overrides(cluster_path))

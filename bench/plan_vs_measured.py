@@ -117,8 +117,9 @@ def predict(method: str, recipe, model_dir: Path, *, device: str):
     from homelab_ft.config import ClusterConfig
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.ladder import option_rung
     from homelab_ft.plan.memory import estimate
-    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.planner import request_from_recipe
     from homelab_ft.plan.shapes import model_shape
 
     shape = model_shape(read_model_config(str(model_dir)))

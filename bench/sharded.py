@@ -190,8 +190,9 @@ def ends_planned(method: str, model_dir: str) -> int:
     from homelab_ft.config import ClusterConfig
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.ladder import option_rung
     from homelab_ft.plan.memory import estimate
-    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.planner import request_from_recipe
     from homelab_ft.plan.shapes import model_shape
 
     recipe = _ends_recipe(model_dir, method)

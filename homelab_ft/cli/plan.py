@@ -26,7 +26,8 @@ def cmd_plan(args) -> int:
     """Exit 0 when an option fits, 2 when nothing does (the table says what would)."""
     from homelab_ft.config import load_recipe
     from homelab_ft.plan.hardware import cluster_overrides
-    from homelab_ft.plan.planner import format_plan, plan_for_recipe
+    from homelab_ft.plan.planner import plan_for_recipe
+    from homelab_ft.plan.report import format_plan
 
     flags = cluster_overrides(gpus=args.gpus, nodes=args.nodes, link=args.link, host_ram=args.host_ram)
     result = plan_for_recipe(load_recipe(args.recipe, common.with_cluster_file(args, list(args.overrides)) + flags),

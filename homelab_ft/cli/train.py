@@ -37,14 +37,14 @@ def planned(recipe, *, cluster_file: str | None):
     rung; a named method the planner expects not to fit is tried anyway with the recipe's own rung
     (`rung_for`, which validates it). A refused combination stops here, with its fix; with `auto`
     and nothing fitting, the plan goes to stderr to say what would."""
-    from homelab_ft.plan import planner
+    from homelab_ft.plan import planner, report
     from homelab_ft.rung import rung_for
 
     plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file)
     if plan.chosen is not None:
         return plan, plan.chosen.rung
     if recipe.method == "auto":
-        print(planner.format_plan(plan), file=sys.stderr)
+        print(report.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
     rung = rung_for(recipe)  # a refused combination stops here, before the warning
     log.warning("the planner expects method %s not to fit (run `homelab-ft plan` for the numbers); trying anyway",
@@ -122,7 +122,7 @@ def _check_this_machine(recipe, *, plan, rung) -> None:
 
     if rung.activation_offload:
         from homelab_ft.host import available_ram_bytes
-        from homelab_ft.plan.memory import activation_offload_host_bytes
+        from homelab_ft.plan.activations import activation_offload_host_bytes
 
         preflight.check_activation_offload(
             rung, device_type=comm.device_type(recipe.train.device), available_bytes=available_ram_bytes(),

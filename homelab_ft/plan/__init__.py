@@ -1,1 +1,23 @@
-"""plan"""
+"""The planner: which rung (QLoRA -> LoRA -> full fine-tuning, with a sharding strategy and CPU
+offload) a recipe trains with on a cluster, and why. Torch-free throughout, so `homelab-ft plan`
+answers on a machine without torch or a GPU (tests/unit/test_planner.py checks that planning
+imports no torch), and pure: dataclasses and arithmetic over a model's config.json. The I/O is
+at the edges: hardware's probe, plan_for_recipe reading config.json, diskspace's free-space check.
+
+The modules, in the order a plan is made:
+  inputs       the request (PlanRequest, from the recipe) and the cluster (Cluster, with its links)
+  hardware     the cluster as detected on this machine, or as the recipe, flags or a cluster file say
+  shapes       the model's parameter counts and dimensions, from config.json alone
+  params       what the parameters cost: weights (quantized or not), adapters, optimizer state
+  activations  what one micro-batch costs: the activations kept for backward, the loss's logits
+  network      seconds per step: compute, collectives over the links, offload copies, overlap
+  memory       one option's peak bytes per device and host RAM per node (`estimate`)
+  ladder       every option priced and judged against the headroom, and the rule that picks one
+  planner      the plan: the choice, what would fit when nothing does, the warnings
+  report       the plan as the table `homelab-ft plan` prints
+  diskspace    one checkpoint's bytes on disk, and the warning when the disk is short
+
+Entry points: `planner.plan_for_recipe(recipe) -> Plan`, `report.format_plan(plan) -> str` and,
+for one rung, `memory.estimate(shape, rung=..., request=..., cluster=...) -> Estimate`. Nothing is
+re-exported here: import each name from its module.
+"""

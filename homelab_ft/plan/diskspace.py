@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.memory import Estimate, optimizer_bytes_per_param, weight_bytes
+from homelab_ft.plan.memory import Estimate
+from homelab_ft.plan.params import optimizer_bytes_per_param, weight_bytes
 
 
 def checkpoint_bytes(option: Estimate, *, request: PlanRequest, cluster: Cluster) -> int:

@@ -2,7 +2,7 @@
 figures a cluster description falls back to when nothing was measured. Pure dataclasses.
 
 `planner.request_from_recipe` and `hardware.resolve_cluster` build these from a recipe; memory.py
-prices an option from them and network.py times its step.
+(with params.py and activations.py) prices an option from them and network.py times its step.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ class Cluster:
         return "cpu" if self.device == "cpu" else self.intra_link
 
     @property
+    def inter_link_name(self) -> str:
+        """A measured link is named by its rate alone; a nominal one is the Ethernet speed given."""
+        return f"{self.inter_link_gbit:g} Gbit/s" + ("" if self.inter_link_measured else " Ethernet")
+
+    @property
     def inter_bytes_per_s(self) -> float:
         """Bytes per second one rank's ring collective moves between nodes."""
         efficiency = 1.0 if self.inter_link_measured else ETHERNET_EFFICIENCY
@@ -100,7 +105,7 @@ class PlanRequest:
     micro_batch_size: int
     grad_accum_steps: int
     activation_checkpointing: bool | Literal["auto"]
-    """The recipe's setting; `auto` lets the planner turn it on (planner.saver_levels). What an
+    """The recipe's setting; `auto` lets the planner turn it on (ladder.saver_levels). What an
     estimate prices is the rung's value."""
     activation_offload: bool | Literal["auto"]
     """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""

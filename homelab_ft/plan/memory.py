@@ -2,18 +2,25 @@
 
 For one option (method x sharding strategy x CPU offload) on one cluster, `estimate` returns the
 bytes each device holds at peak, broken into the items that decide whether a run OOMs, and the
-host RAM per node; network.py adds the bytes each rank sends per optimizer step and the seconds
-of compute and communication per step. Every formula says where it comes from; docs/ladder.md
-walks through a worked example and bench/plan_vs_measured.py checks the model-state bytes against
-real runs.
+host RAM per node: it spreads what the parameters cost (params.py) over the rung's ranks, adds
+one micro-batch's activations and logits (activations.py), and asks network.py for the bytes
+each rank sends per optimizer step and the seconds of compute and communication per step.
+Every formula says where it comes from; docs/ladder.md walks through a worked example and
+bench/plan_vs_measured.py checks the model-state bytes against real runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
+from homelab_ft.plan.activations import (
+    activation_bytes,
+    activation_dtype_bytes,
+    activation_offload_host_bytes,
+    logits_bytes,
+    recomputed_block_bytes,
+)
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.network import (
     OFFLOAD_BYTES_PER_S,
@@ -21,6 +28,20 @@ from homelab_ft.plan.network import (
     compute_s,
     offload_s,
     prepass_s_per_pair,
+)
+from homelab_ft.plan.params import (
+    adapter_bytes,
+    adapter_params,
+    base_weight_bytes,
+    gathered_end_params,
+    largest_param,
+    optimizer_bytes_per_param,
+    optimizer_step_bytes,
+    pageable_optimizer_bytes,
+    quant_state_bytes,
+    sharded_qlora_loading_bytes,
+    targeted_linears,
+    weight_bytes,
 )
 from homelab_ft.plan.shapes import ModelShape
 from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
@@ -39,6 +60,10 @@ CPU_PROCESS_BYTES = int(0.6 * GiB)
 # Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
 CUDA_HOST_PROCESS_BYTES = 2 * GiB
 
+
+def gib_text(nbytes: float) -> str:
+    """Bytes as every plan line shows them: GiB with one decimal."""
+    return f"{nbytes / GiB:.1f}"
 
 
 @dataclass(frozen=True)
@@ -135,192 +160,6 @@ class Estimate:
         return self.compute_s + self.comm_s - self.comm_hidden_s + self.offload_s
 
 
-# --------------------------------------------------------------------------------------------
-# bytes per parameter
-
-
-def weight_bytes(request: PlanRequest, cluster: Cluster) -> int:
-    """Bytes per base weight: `auto` is bf16 on GPUs and fp32 on CPUs (config.ModelConfig.dtype)."""
-    if request.dtype == "auto":
-        return 2 if cluster.device == "cuda" else 4
-    return 4 if request.dtype == "float32" else 2
-
-
-def qlora_compute_bytes(request: PlanRequest, cluster: Cluster) -> int:
-    """Bytes of QLoRA's non-quantized weights and activations: the compute dtype (`auto`: bf16 on
-    GPUs, fp32 on CPUs). fp16 counts as fp32: quant.prepare_for_training upcasts non-quantized
-    fp16 weights, since fp16's range overflows on LLM activation outliers."""
-    if request.quant_compute_dtype == "auto":
-        return 2 if cluster.device == "cuda" else 4
-    return 2 if request.quant_compute_dtype == "bfloat16" else 4
-
-
-def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, double_quant: bool) -> int:
-    """Bytes of one bitsandbytes-quantized nn.Linear weight, quantization constants included.
-
-    4-bit (bitsandbytes functional.quantize_4bit): two values per byte, one absmax per block of 64
-    values; fp32 absmax, or with double quantization (QLoRA sec. 3) uint8 absmax re-quantized in
-    blocks of 256 with fp32 second-level absmax plus one fp32 offset.
-    8-bit (LLM.int8, Linear8bitLt): one byte per value plus an fp32 scale per output row (SCB).
-    """
-    n = in_features * out_features
-    if bits == 8:
-        return n + 4 * out_features
-    blocks = math.ceil(n / 64)
-    if double_quant:
-        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
-    return math.ceil(n / 2) + 4 * blocks
-
-
-def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
-    """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
-    bf16 (fp16 bases keep fp32 adapters)."""
-    if request.lora_dtype != "compute":
-        return 4
-    name = request.quant_compute_dtype if method == "qlora" else request.dtype
-    bf16 = name == "bfloat16" or (name == "auto" and cluster.device == "cuda")
-    return 2 if bf16 else 4
-
-
-def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
-    """Bytes of the 4-bit quantisation constants (absmax, nested absmax, offset) of all blocks.
-
-    A sharded 4-bit base (sharded_qlora.py) splits the packed weights over ranks but keeps each
-    layer's constants whole on every rank: the kernel dequantizes the all-gathered weight with
-    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: ~1.0 GiB per rank).
-    """
-    if request.quant_bits != 4:
-        return 0
-    total = 0
-    for block in shape.blocks:
-        per_block = 0
-        for lin in block.linears:
-            n = lin.in_features * lin.out_features
-            per_block += quantized_linear_bytes(lin.in_features, lin.out_features, bits=4,
-                                                double_quant=request.double_quant) - math.ceil(n / 2)
-        total += block.num_blocks * per_block
-    return total
-
-
-def sharded_qlora_loading_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
-    """Host RAM one rank holds while it fills its 4-bit shards (sharded_qlora.fill_from_safetensors):
-    one tensor at a time as read from disk (bf16 assumed, 2 B) plus its compute-dtype copy. The
-    largest is the embedding (vocab x hidden) or the widest linear layer; never the whole model."""
-    largest = max([shape.vocab_size * shape.hidden_size] + [lin.in_features * lin.out_features
-                                                             for b in shape.blocks for lin in b.linears])
-    return largest * (2 + qlora_compute_bytes(request, cluster))
-
-
-def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
-    """Adapter parameters of one block: r x (in + out) per targeted linear (A: r x in, B: out x r).
-
-    `all-linear` is PEFT's every nn.Linear except the LM head; MoE experts are nn.Parameters in
-    transformers 5 and are not reached by it.
-    """
-    block = shape.blocks[block_index]
-    return sum(request.lora_r * (lin.in_features + lin.out_features) for lin in _targeted(block, request))
-
-
-def _targeted(block, request: PlanRequest):
-    if "all-linear" in request.lora_targets:
-        return block.linears
-    return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in request.lora_targets))
-
-
-def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
-    return sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
-
-
-def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
-    """(total bytes, largest block's bytes) of the unsharded base weights.
-
-    QLoRA: the blocks' linear weights quantized; every
-    other parameter (embeddings, norms, biases, LM head, MoE experts) in the compute dtype
-    (quant.prepare_for_training keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast).
-    """
-    if method != "qlora":
-        per_param = weight_bytes(request, cluster)
-        return shape.total_params * per_param, shape.max_block_params * per_param
-    other = qlora_compute_bytes(request, cluster)
-    block_bytes = []
-    for block in shape.blocks:
-        quantized = sum(
-            quantized_linear_bytes(lin.in_features, lin.out_features, bits=request.quant_bits, double_quant=request.double_quant)
-            for lin in block.linears
-        )
-        block_bytes.append(quantized + other * (block.params - block.linear_weight_params))
-    total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
-    return total, max(block_bytes)
-
-
-def gathered_end_params(shape: ModelShape) -> int:
-    """Parameters outside the blocks that FSDP2 holds gathered at the activation peak (the loss and
-    the start of backward), as distributed.shard_ends places them: the LM head, a unit of its own
-    gathered from its forward until its post-backward right after the loss, and the root unit's
-    final norm. Untied embeddings are a unit of their own, gathered only while their forward runs,
-    before any activation exists, and never in backward. A tied embedding is the head: it stays in
-    the root unit, gathered from the first forward to the end of backward."""
-    if shape.tie_word_embeddings:
-        return shape.root_params
-    return shape.root_params - shape.embedding_params
-
-
-def largest_param(shape: ModelShape) -> int:
-    """Elements of the largest single parameter: the embedding for any vocabulary of 32k and up,
-    else a block's widest linear or half of its stacked MoE experts (gate_up and down tensors)."""
-    biggest = shape.embedding_params
-    for block in shape.blocks:
-        biggest = max(biggest, *(lin.weight_params for lin in block.linears), block.expert_params // 2)
-    return biggest
-
-
-def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int, largest: int,
-                         state_bytes: int) -> int:
-    """Temporaries of one optimizer step over `params` parameters (largest tensor: `largest`).
-
-    torch's AdamW (torch/optim/adamw.py) on GPUs takes the multi-tensor path, whose
-    `_foreach_sqrt(exp_avg_sqs)` copies every second moment at once (1 x the states' dtype per
-    parameter); on the CPU it loops over tensors, and `exp_avg_sq.sqrt() / bias_correction2_sqrt`
-    holds two temporaries of the largest one (measured: bench/memory.py). bitsandbytes' 8-bit
-    AdamW updates each tensor in place in one kernel.
-    """
-    if request.optimizer != "adamw":
-        return 0
-    if cluster.device == "cuda":
-        return params * state_bytes
-    return 2 * largest * state_bytes
-
-
-# bitsandbytes' Optimizer8bit.get_state_buffer pages only the state of tensors with >= 1e5 elements.
-PAGED_MIN_NUMEL = 100_000
-
-
-def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
-    """Optimizer state that paged_adamw_8bit allocates in CUDA unified memory (0 otherwise).
-
-    The driver migrates such pages to host RAM when the GPU is oversubscribed and back when the
-    step touches them, so this state may spill instead of failing the run. Only tensors of at
-    least PAGED_MIN_NUMEL elements are paged: every large weight of a full fine-tune; of LoRA's
-    A (r x in) and B (out x r) only those that big (r=16 on a 4096-wide model: A and B of the
-    14336-wide MLP projections, not the attention ones). On the CPU paged AdamW is plain 8-bit.
-    """
-    if request.optimizer != "paged_adamw_8bit" or cluster.device != "cuda":
-        return 0
-    per_param = optimizer_bytes_per_param(request, 0)
-    if method == "full":
-        big = shape.embedding_params + shape.vocab_size * shape.hidden_size * (not shape.tie_word_embeddings)
-        for block in shape.blocks:
-            linears = sum(n for lin in block.linears if (n := lin.in_features * lin.out_features) >= PAGED_MIN_NUMEL)
-            experts = block.params - block.linear_weight_params if shape.is_moe else 0
-            big += block.num_blocks * (linears + experts)
-        return int(big * per_param)
-    r = request.lora_r
-    big = sum(block.num_blocks * sum(n for lin in _targeted(block, request)
-                                     for n in (r * lin.in_features, r * lin.out_features) if n >= PAGED_MIN_NUMEL)
-              for block in shape.blocks)
-    return int(big * per_param)
-
-
 def with_paged_spill(est: Estimate, *, budget: int) -> Estimate:
     """`est` with the paged optimizer state that does not fit under `budget` moved to host RAM.
 
@@ -333,112 +172,6 @@ def with_paged_spill(est: Estimate, *, budget: int) -> Estimate:
         return est
     return dataclasses.replace(est, spilled_bytes=over, host_bytes=est.host_bytes + over,
                                offload_s=est.offload_s + 2 * over / OFFLOAD_BYTES_PER_S)
-
-
-def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
-    """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
-    8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
-    if request.optimizer == "adamw":
-        return 2 * state_bytes
-    return 2 * (1 + 4 / 256)
-
-
-# --------------------------------------------------------------------------------------------
-# activations
-
-
-def activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int, *,
-                     offloaded: bool = False) -> int:
-    """Tensors autograd keeps for backward on one device, for one micro-batch.
-
-    Per block and token, in elements (HF Llama-style block with SDPA attention, which keeps no
-    seq x seq score matrix; after Korthikanti et al. 2022, "Reducing Activation Recomputation"):
-      6h     two RMSNorms: input (kept in fp32 by the HF norm = 2h in 16-bit units) + normed output
-      3q     attention output, its reshaped copy fed to o_proj, and q after RoPE
-      2kv    k and v after RoPE (kept by SDPA)
-      4i     MLP: gate output (for SiLU), SiLU output and up output (for the product), down input
-    LoRA adds, per targeted linear, its dropout's copy of the input plus a 1-byte mask (dropout > 0)
-    and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
-    one block recomputed in full during its backward; with activation offload (`offloaded`) those
-    block inputs wait in host RAM and only the running block's input is back on the device.
-    """
-    tokens = request.seq_len * request.rows_per_micro_batch
-    per_block = _block_activation_bytes(shape, method, request, act_bytes)
-    if request.activation_checkpointing and offloaded:
-        per_token = shape.hidden_size * act_bytes + max(per_block)
-    elif request.activation_checkpointing:
-        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
-    else:
-        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
-    return tokens * per_token
-
-
-def recomputed_block_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> int:
-    """The part of `activation_bytes` that one block recomputed by activation checkpointing holds:
-    it exists only once backward has reached the blocks, after the loss has freed its logits."""
-    if not request.activation_checkpointing:
-        return 0
-    return request.seq_len * request.rows_per_micro_batch * max(_block_activation_bytes(shape, method, request, act_bytes))
-
-
-def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> list[int]:
-    """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
-    per_block = []
-    for block in shape.blocks:
-        q = shape.num_attention_heads * shape.head_dim
-        kv = shape.num_kv_heads * shape.head_dim
-        nbytes = (6 * shape.hidden_size + 3 * q + 2 * kv + 4 * block.mlp_width) * act_bytes
-        if method != "full":
-            targets = _targeted(block, request)
-            if request.lora_dropout > 0:
-                nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
-            nbytes += len(targets) * request.lora_r * act_bytes
-        per_block.append(nbytes)
-    return per_block
-
-
-def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
-    """Host bytes per rank of activation offload: every block's input, and the final norm's."""
-    return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
-
-
-def activation_dtype_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
-    """Bytes per activation element: the weights' dtype, or for QLoRA the 4-bit base's compute dtype."""
-    return qlora_compute_bytes(request, cluster) if method == "qlora" else weight_bytes(request, cluster)
-
-
-def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
-    """Host bytes per rank the rung's activation offload holds (0 when off, or without a GPU to
-    offload from); preflight refuses a run whose node has not that much RAM available."""
-    if not (rung.activation_offload and rung.activation_checkpointing and cluster.device == "cuda"):
-        return 0
-    return offloaded_activation_bytes(shape, request, activation_dtype_bytes(rung.method, request, cluster))
-
-
-# train.compile (compiling.py) is priced as eager, on purpose. Its fused kernels only free
-# intermediates: the compiled cross-entropy stores no fp32 log-softmax (bench/compile.py: a loss
-# chunk peaks at 8.2 B per logit instead of 12.3), and AOTAutograd's min-cut partitioner picks
-# what a compiled block saves for backward to keep it small, recomputing cheap elementwise results
-# instead of storing them; so the eager figures below are an upper bound (tests/gpu/
-# test_cuda_compile.py checks a compiled step's peak against eager's). Its speed (1.1-1.2x tokens
-# per CPU-second, bench/compile.py) is not credited to step time either, and the first step's
-# compiling (seconds to minutes per distinct block graph) is a one-off that step time leaves out.
-def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
-    """The loss's peak: logits of `rows` tokens x vocab, often the largest single item without
-    chunking. Per row and vocab entry: the LM head output (activation dtype); its fp32 copy
-    (`logits.float()`, a no-op in fp32); cross-entropy's fp32 log-softmax kept for backward, and
-    backward's fp32 gradient of the same size while that is alive. Gemma 2's tanh soft-capping
-    keeps one more copy. Rows are the micro-batch's tokens, or with the chunked loss (loss.py) one
-    chunk, plus the trained rows of the hidden states it gathers and their gradient
-    (2 x tokens x hidden). DPO's answer log-probabilities (preference.sequence_logps) take the
-    full logits of twice the rows (the chunked loss does not serve them yet); the reference's
-    no-grad forward runs before the policy's and leaves only one number per row behind."""
-    tokens = request.seq_len * request.rows_per_micro_batch
-    per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
-    if not request.chunked_loss:
-        return tokens * shape.vocab_size * per_entry
-    rows = min(request.loss_chunk_tokens, tokens)
-    return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,7 +315,7 @@ def _step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, 
     if method == "full":
         largest = largest_param(shape)
     else:
-        largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in _targeted(b, request)) \
+        largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in targeted_linears(b, request)) \
             * request.lora_r if trainable else 0
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)
 
@@ -598,7 +331,6 @@ def _loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster
     return base_bytes
 
 
-
 def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluster) -> int:
     """Host RAM on node 0. On a CPU 'device' this is every process's memory. On GPUs: the process
     overhead, offloaded shards of every local rank, and, for sharded runs, one full copy of the
@@ -609,4 +341,3 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
     if cluster.device == "cpu":
         return device.total * per_node
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
-

@@ -1,15 +1,13 @@
-"""The decision ladder: which rung (QLoRA -> LoRA -> full sharded) and strategy a run uses, and why.
+"""The plan: the ladder's choice for a recipe on a cluster, with the advice around it. Pure and
+torch-free, except that `plan_for_recipe` reads the model's config.json and, when the recipe leaves
+the cluster to detection, probes this machine (hardware.detect).
 
-`plan()` is pure: it evaluates every option (method x sharding strategy x CPU offload) with the
-memory/network model of memory.py, marks which fit the cluster with the recipe's headroom, and
-picks one:
-- `method: auto` walks the ladder in the seed's order, quantize first, then LoRA, then full
-  fine-tuning, and takes the first rung with an option that the request allows and that fits;
-- a named method keeps to that rung.
-Within a rung the fastest fitting option wins (estimated step time, then traffic, then memory), which is how
-full fine-tuning ends on the cheapest strategy for the link and how a slow link steers towards
-HYBRID_SHARD or adapter-only data parallelism. When nothing fits, the plan keeps the closest
-option and what would make something fit; the CLI prints that and exits 2.
+`plan()` checks the request against the model, evaluates every option on the ladder (ladder.py,
+each priced by memory.estimate) and takes the one `ladder.choose` picks. When nothing fits, the
+plan keeps the closest option and what would make something fit, each change tried on the ladder
+with its numbers; the CLI prints that (report.format_plan) and exits 2. The warnings are the
+shape's notes and what the chosen option pays for: communication that outweighs compute, CPU
+offload's copies, MoE experts that LoRA leaves untrained, paged AdamW without CUDA.
 """
 
 from __future__ import annotations
@@ -18,55 +16,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION
 from homelab_ft.errors import UserError
 from homelab_ft.plan.diskspace import checkpoint_bytes
-from homelab_ft.plan.memory import (
-    OFFLOAD_BYTES_PER_S,
-    Cluster,
-    Estimate,
-    GiB,
-    PlanRequest,
-    estimate,
-    with_paged_spill,
-)
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.ladder import Option, choose, evaluate
+from homelab_ft.plan.memory import gib_text
 from homelab_ft.plan.shapes import ModelShape
-from homelab_ft.rung import (
-    FULL_SHARD,
-    HYBRID_SHARD,
-    METHODS,
-    NO_SHARD,
-    SHARD_GRAD_OP,
-    Rung,
-    RungError,
-    implied_checkpointing,
-    requested_rung,
-)
-
-LADDER = METHODS
-STEP_TIME_TIE = 0.05
-"""Step times closer than this fraction are below what the time model resolves (bench/network.py
-measured its predictions within ~25% on slow links); the option moving fewer bytes wins them."""
-
-
-@dataclass(frozen=True)
-class Option(Estimate):
-    """An estimate judged against the cluster's budget and the user's request."""
-
-    budget_bytes: int
-    """Device memory minus headroom: what `memory.total` must stay under."""
-    host_budget_bytes: int
-    """Host RAM per node minus headroom (0 on a CPU 'device', where memory.total is host RAM)."""
-    allowed: bool
-    """The request (method, strategy, offload) permits this option."""
-    fits: bool
-    reason: str
-    rung: Rung
-    """The validated rung this option trains with: the planner offers nothing the trainer refuses."""
-
-    @property
-    def label(self) -> str:
-        return self.rung.label
+from homelab_ft.rung import HYBRID_SHARD, RungError, requested_rung
 
 
 @dataclass(frozen=True)
@@ -127,7 +83,7 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
-# the decision
+# the plan
 
 
 def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: str = "", config_source: str = "") -> Plan:
@@ -162,154 +118,11 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
                         "it needs cluster.nodes >= 2; on one machine use full_shard")
 
 
-def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
-                savers: tuple[bool, bool] | None = None) -> Rung:
-    """The validated rung of one option on this cluster (raises RungError for one the trainer refuses).
-    `savers` is (activation checkpointing, activation offload); default: the request's first level."""
-    checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
-    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
-                procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
-                optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
-                activation_checkpointing=checkpointing, activation_offload=act_offload)
-
-
-def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:
-    """The (activation checkpointing, activation offload) settings one option is priced with, fastest
-    first: what the recipe fixes stays fixed, what it leaves `auto` is tried off, then on. The cheap
-    savers come before any costlier rung, offload or GPU: `evaluate` keeps, per option, the first
-    level that fits. Activation offload only helps where there is a GPU to offload from."""
-    off = request.activation_offload
-    ckpt = implied_checkpointing(request.activation_checkpointing, activation_offload=off)
-    ckpts = [ckpt] if isinstance(ckpt, bool) else [False, True]
-    levels = []
-    for c in ckpts:
-        offs = [off] if isinstance(off, bool) else [False, True] if c and cluster.device == "cuda" else [False]
-        levels += [(c, o) for o in offs]
-    return levels
-
-
-def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
-    """Every option this cluster supports and the trainer accepts (a `Rung` that validates), with
-    its estimate, whether it fits and why."""
-    budget = int(cluster.device_bytes * (1 - request.headroom))
-    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
-    out = []
-    levels = saver_levels(request, cluster)
-    for method in LADDER:
-        for strategy, offload in _strategies(cluster):
-            try:
-                rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level)
-                         for level in levels]
-            except RungError:
-                continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
-            saver_note = ""
-            for rung in rungs:  # the first saver level that fits, else the leanest
-                est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
-                fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
-                if fits or rung is rungs[-1]:
-                    break
-                saver_note = f"{_next_saver(rung)}=auto turned on: without it {_gib(est.memory.total)} GiB"
-            if saver_note and fits:
-                reason += f" ({saver_note})"
-            estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
-            out.append(Option(
-                **estimated, budget_bytes=budget,
-                host_budget_bytes=host_budget if cluster.device == "cuda" else 0,
-                allowed=_allowed(method, strategy, offload, request=request, cluster=cluster), fits=fits, reason=reason,
-                rung=rung,
-            ))
-    return tuple(out)
-
-
-def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | None:
-    rungs = LADDER if request.method == "auto" else (request.method,)
-    for rung in rungs:
-        candidates = [o for o in options if o.method == rung and o.allowed and o.fits]
-        if candidates:
-            # Step times within STEP_TIME_TIE of the fastest are a tie, which goes to the option that
-            # moves fewer bytes: overlap of communication with compute is never perfect, and fewer
-            # collectives fail less.
-            fastest = min(o.step_s for o in candidates)
-            tied = [o for o in candidates if o.step_s <= fastest * (1 + STEP_TIME_TIE)]
-            return min(tied, key=lambda o: (o.comm_bytes, round(o.step_s, 3), o.memory.total))
-    return None
-
-
-def _next_saver(rung: Rung) -> str:
-    """The recipe key of what the next saver level adds to `rung` (for the note on an option that needed it)."""
-    return "train.activation_offload" if rung.activation_checkpointing else "train.activation_checkpointing"
-
-
-def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
-    """One device: plain, or FSDP2 on one rank to offload to the CPU. Several: DDP-style
-    replication, FULL_SHARD and SHARD_GRAD_OP (and HYBRID_SHARD across nodes with several GPUs
-    each), the sharded ones with and without offload. A CPU 'device' has nothing to offload to."""
-    offloads = (False,) if cluster.device == "cpu" else (False, True)
-    if cluster.world_size == 1:
-        return [(NO_SHARD, False)] + [(FULL_SHARD, True)] * (cluster.device != "cpu")
-    sharded = [FULL_SHARD, SHARD_GRAD_OP]
-    if cluster.nodes > 1 and cluster.gpus_per_node > 1:
-        sharded.append(HYBRID_SHARD)
-    return [(NO_SHARD, False)] + [(s, off) for s in sharded for off in offloads]
-
-
-def _allowed(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> bool:
-    if request.method not in ("auto", method):
-        return False
-    if request.cpu_offload and not offload:
-        return False
-    if request.strategy == "auto":
-        return True
-    if cluster.world_size == 1 and not offload:
-        return True  # one device has no strategy to choose
-    return strategy == request.strategy and offload == request.cpu_offload
-
-
-def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int, request: PlanRequest,
-             cluster: Cluster) -> tuple[bool, str]:
-    device = "GPU" if cluster.device == "cuda" else "process"
-    name = f"{_method_label(est.method, request, cluster)} {est.strategy}{' +offload' if est.cpu_offload else ''}"
-    if est.method == "qlora" and _unquantizable_fraction(shape) > MAX_UNQUANTIZABLE_FRACTION:
-        share = _unquantizable_fraction(shape)
-        return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
-                       "cannot quantize (quant.py refuses); use lora or full")
-    limit = f"{_gib(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
-    total = est.memory.total - est.spilled_bytes
-    if total > budget:
-        biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
-                      key=lambda k: getattr(est.memory, k))
-        return False, (f"{name}: {_gib(total)} GiB per {device} > {limit} "
-                       f"(largest: {biggest} {_gib(getattr(est.memory, biggest))} GiB)")
-    if cluster.device == "cuda" and est.host_bytes > host_budget:
-        return False, (f"{name}: host RAM {_gib(est.host_bytes)} GiB per node > "
-                       f"{_gib(cluster.host_ram_bytes)} GiB - {request.headroom:.0%} headroom")
-    spill = (f" (paged optimizer state: {_gib(est.spilled_bytes)} GiB spills to host RAM, "
-             f"~{2 * est.spilled_bytes / OFFLOAD_BYTES_PER_S:.1f} s/step of paging)") if est.spilled_bytes else ""
-    return True, f"{name}: {_gib(total)} GiB per {device} <= {limit}{spill}"
-
-
-def _unquantizable_fraction(shape: ModelShape) -> float:
-    blocks = shape.block_params
-    return sum(b.num_blocks * (b.params - b.linear_weight_params) for b in shape.blocks) / blocks
-
-
-def _method_label(method: str, request: PlanRequest, cluster: Cluster) -> str:
-    if method == "qlora":
-        return "QLoRA nf4" if request.quant_bits == 4 else "QLoRA int8"
-    dtype = request.dtype if request.dtype != "auto" else ("bfloat16" if cluster.device == "cuda" else "float32")
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
-    return f"{'LoRA' if method == 'lora' else 'full'} {short}"
-
-
 def _pressure(option: Option) -> float:
     """How far over its limits an option is: the worse of device memory and (on GPUs) host RAM."""
     device = option.memory.total / max(1, option.budget_bytes)
     host = option.host_bytes / max(1, option.host_budget_bytes) if option.host_budget_bytes else 0.0
     return max(device, host)
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +160,7 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
         tries.append((f"method={lighter}", dataclasses.replace(r, method=lighter), c))
     for more in (2, 4, 8):
         if more > c.gpus_per_node and c.device == "cuda":
-            tries.append((f"--gpus {more}x{_gib(c.device_bytes)}GB", r, dataclasses.replace(c, gpus_per_node=more)))
+            tries.append((f"--gpus {more}x{gib_text(c.device_bytes)}GB", r, dataclasses.replace(c, gpus_per_node=more)))
     if c.device == "cuda":
         tries.append((f"--nodes {c.nodes * 2}", r, dataclasses.replace(c, nodes=c.nodes * 2)))
 
@@ -358,18 +171,18 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
             continue  # the longest sequence that fits is the useful one
         option = choose(evaluate(shape, request=req, cluster=clu), request=req)
         if option is not None:
-            found.append(f"{text}: {option.label} fits ({_gib(option.memory.total)} of {_gib(option.budget_bytes)} GiB)")
+            found.append(f"{text}: {option.label} fits ({gib_text(option.memory.total)} of {gib_text(option.budget_bytes)} GiB)")
             shorter_found = shorter_found or text.startswith("data.max_length")
         if len(found) >= 4:
             break
     device_need = closest.memory.total / (1 - request.headroom)
     if closest.host_budget_bytes and closest.host_bytes > closest.host_budget_bytes:
-        found.append(f"host RAM >= {_gib(closest.host_bytes / (1 - request.headroom))} GiB per node"
-                     + (f" and GPUs with >= {_gib(device_need)} GiB" if closest.memory.total > closest.budget_bytes else "")
+        found.append(f"host RAM >= {gib_text(closest.host_bytes / (1 - request.headroom))} GiB per node"
+                     + (f" and GPUs with >= {gib_text(device_need)} GiB" if closest.memory.total > closest.budget_bytes else "")
                      + f": {closest.label} would fit")
     else:
         what = "GPUs" if cluster.device == "cuda" else "host RAM per process"
-        found.append(f"{what} with >= {_gib(device_need)} GiB: {closest.label} would fit")
+        found.append(f"{what} with >= {gib_text(device_need)} GiB: {closest.label} would fit")
     return tuple(dict.fromkeys(found))
 
 
@@ -378,12 +191,12 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
     if chosen is None:
         return tuple(out)
     if chosen.comm_s > chosen.compute_s and chosen.comm_s > 0:
-        link = (_inter_link_name(cluster) if cluster.nodes > 1
+        link = (cluster.inter_link_name if cluster.nodes > 1
                 else cluster.intra_link if cluster.device == "cuda" else "gloo")
         advice = ("hybrid_shard keeps weight traffic inside each node, and LoRA/QLoRA with no_shard "
                   "(adapter-only data parallelism) sends only the adapter gradients"
                   if chosen.method == "full" else "fewer, larger optimizer steps (grad_accum_steps) amortise it")
-        out.append(f"communication dominates: {chosen.comm_s:.1f} s/step ({_gib(chosen.comm_bytes)} GiB per rank over "
+        out.append(f"communication dominates: {chosen.comm_s:.1f} s/step ({gib_text(chosen.comm_bytes)} GiB per rank over "
                    f"{link}) vs {chosen.compute_s:.1f} s/step of compute; {advice}")
     if chosen.cpu_offload:
         out.append(f"CPU offload adds ~{chosen.offload_s:.1f} s/step (PCIe copies of the shards, AdamW on the CPU)")
@@ -396,7 +209,7 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
 
 
 # --------------------------------------------------------------------------------------------
-# from a recipe, and as text
+# from a recipe
 
 
 def request_from_recipe(recipe) -> PlanRequest:
@@ -437,78 +250,3 @@ def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str
         cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(), cluster_file=cluster_file)
     return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,
                 config_source=source)
-
-
-def _inter_link_name(c: Cluster) -> str:
-    """A measured link is named by its rate alone; a nominal one is the Ethernet speed given."""
-    return f"{c.inter_link_gbit:g} Gbit/s" + ("" if c.inter_link_measured else " Ethernet")
-
-
-def link_text(c: Cluster, *, inter: bool) -> str:
-    """The link the plan assumed: bandwidth a collective gets, latency of a tiny all-reduce, and
-    whether each was measured (a cluster file from `doctor`) or assumed from the link kind."""
-    if inter:
-        name = _inter_link_name(c)
-        bw_measured, latency_measured = c.inter_link_measured, c.inter_latency_s is not None
-        bytes_per_s, hop_s = c.inter_bytes_per_s, c.inter_hop_s
-    else:
-        name = "gloo" if c.device == "cpu" else c.intra_link
-        bw_measured, latency_measured = c.intra_link_gbit is not None, c.intra_latency_s is not None
-        bytes_per_s, hop_s = c.intra_bytes_per_s, c.intra_hop_s
-    if bw_measured == latency_measured:
-        how = "measured" if bw_measured else "assumed"
-    else:
-        how = f"{'bandwidth' if bw_measured else 'latency'} measured, {'latency' if bw_measured else 'bandwidth'} assumed"
-    return f"{name} ({bytes_per_s / 1e6:.0f} MB/s, {2 * hop_s * 1000:.2f} ms all-reduce latency, {how})"
-
-
-def format_plan(p: Plan) -> str:
-    """A readable table: one row per option, the chosen one marked with `>`."""
-    s, c, r = p.shape, p.cluster, p.request
-    params = f"{s.total_params / 1e9:.2f}B params" + (f" ({s.active_params / 1e9:.2f}B active)" if s.is_moe else "")
-    device = (f"{c.gpus_per_node}x {_gib(c.device_bytes)} GiB GPU" if c.device == "cuda"
-              else f"CPU, {c.gpus_per_node} process(es), {_gib(c.device_bytes)} GiB RAM each")
-    links = ""
-    if c.gpus_per_node > 1:
-        links += f", {link_text(c, inter=False)} inside a node"
-    if c.nodes > 1:
-        links += f", {link_text(c, inter=True)} between nodes"
-    lines = [
-        f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
-        f"cluster  {c.nodes} node(s) x {device}, host RAM {_gib(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
-        f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
-        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
-        f" act_offload={str(r.activation_offload).lower()}" + (" optim_in_bwd" if r.optimizer_in_backward else "")
-        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
-        + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
-        "",
-        "  option                                weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
-    ]
-    for o in p.options:
-        m = o.memory
-        mark = ">" if o is p.chosen else " "
-        verdict = ("fits" if o.fits else "no") + ("" if o.allowed else " (not requested)")
-        verdict += f" (paged optimizer: {_gib(o.spilled_bytes)} GiB in host RAM)" if o.spilled_bytes else ""
-        lines.append(
-            f"{mark} {o.label:37s} {_gib(m.weights):>7} {_gib(m.gradients):>6} {_gib(m.optimizer):>6} "
-            f"{_gib(m.activations):>6} {_gib(m.logits):>7} {_gib(m.gathered):>7} {_gib(m.total - o.spilled_bytes):>6} "
-            f"{_gib(o.budget_bytes):>7} {_gib(o.host_bytes):>5} {_gib(o.comm_bytes):>8}Gi {o.comm_s:>7.2f} {o.step_s:>7.2f}  {verdict}"
-        )
-    lines.append("  (GiB per device; host: GiB on node 0; comm s: seconds of collectives per step; "
-                 "step s: compute + the communication it does not hide + offload)")
-    lines.append("")
-    if p.chosen is not None:
-        lines.append(f"chosen   {p.chosen.reason}")
-        lines.append(f"disk     {_gib(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
-    else:
-        lines.append(f"nothing fits; closest: {p.closest.reason}" if p.closest else "nothing fits")
-        lines += [f"  would fit: {text}" for text in p.suggestions]
-    rejected = [o for o in p.options if o.allowed and not o.fits]
-    if p.chosen is not None and rejected:
-        lines.append("rejected " + rejected[0].reason)
-        lines += [f"         {o.reason}" for o in rejected[1:]]
-    if p.chosen is not None and p.chosen.prepass_s_per_pair:
-        lines.append(f"dpo      the reference is scored once before step 1: ~{p.chosen.prepass_s_per_pair * 1000:.1f} s "
-                     "per 1000 pairs (cached beside the tokenised data)")
-    lines += [f"warning  {w}" for w in p.warnings]
-    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """On a CUDA GPU: `train.compile` in bf16 against eager, for LoRA with activation checkpointing and a
 full fine-tune. The losses agree to bf16 precision, and the compiled step's peak
 (`torch.cuda.max_memory_allocated`) is no larger than eager's, which is what the planner assumes
-when it prices a compiled run as an eager one (memory.py). Also the loss alone: the compiled
+when it prices a compiled run as an eager one (plan/activations.py). Also the loss alone: the compiled
 cross-entropy stores no fp32 copy or log-softmax of a chunk's logits.
 
 `make test-gpu` runs these; without CUDA they are skipped. Written without a GPU at hand.

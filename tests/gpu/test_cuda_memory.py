@@ -49,8 +49,9 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.distributed import comm
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
+    from homelab_ft.plan.ladder import option_rung
     from homelab_ft.plan.memory import estimate
-    from homelab_ft.plan.planner import option_rung, request_from_recipe
+    from homelab_ft.plan.planner import request_from_recipe
     from homelab_ft.plan.shapes import model_shape
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim

@@ -52,7 +52,7 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     """`lora.dtype: compute` keeps bf16 adapters (and so bf16 AdamW moments) on a bf16 base only."""
     from homelab_ft.config import TrainConfig
     from homelab_ft.plan.inputs import Cluster
-    from homelab_ft.plan.memory import adapter_bytes
+    from homelab_ft.plan.params import adapter_bytes
     from homelab_ft.plan.planner import default_request
     from homelab_ft.train import optim
 

@@ -15,9 +15,10 @@ import pytest
 from homelab_ft.cli.main import main
 from homelab_ft.cluster import clusterfile
 from homelab_ft.plan.inputs import ETHERNET_EFFICIENCY, LATENCY_S, Cluster
+from homelab_ft.plan.ladder import option_rung
 from homelab_ft.plan.memory import GiB, estimate
 from homelab_ft.plan.network import DDP_FIRST_BUCKET_BYTES, LOOP_ALL_REDUCES
-from homelab_ft.plan.planner import default_request, option_rung, plan
+from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.shapes import model_shape
 
 ROOT = Path(__file__).parent.parent.parent

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.ladder import option_rung
 from homelab_ft.plan.memory import GiB, sync_deferred
 from homelab_ft.plan.network import communication
-from homelab_ft.plan.planner import default_request, option_rung
+from homelab_ft.plan.planner import default_request
 from homelab_ft.plan.shapes import model_shape
 
 CONFIGS = Path(__file__).parent.parent / "configs"

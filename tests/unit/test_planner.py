@@ -24,8 +24,10 @@ from homelab_ft.plan.hardware import (
     parse_size,
     resolve_cluster,
 )
-from homelab_ft.plan.memory import Cluster, GiB, estimate
-from homelab_ft.plan.planner import LADDER, default_request, option_rung, plan, saver_levels
+from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.ladder import LADDER, option_rung, saver_levels
+from homelab_ft.plan.memory import GiB, estimate
+from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import RungError
 

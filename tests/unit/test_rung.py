@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.config import recipe_from_dict
-from homelab_ft.plan.memory import Cluster, GiB, PlanRequest
-from homelab_ft.plan.planner import default_request, plan, saver_levels
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.ladder import saver_levels
+from homelab_ft.plan.memory import GiB
+from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import Rung, RungError, implied_checkpointing, rung_for
 

@@ -12,8 +12,10 @@ from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
 from homelab_ft.errors import UserError
 from homelab_ft.plan.inputs import Cluster
-from homelab_ft.plan.memory import GiB, estimate, quant_state_bytes
-from homelab_ft.plan.planner import default_request, option_rung
+from homelab_ft.plan.ladder import option_rung
+from homelab_ft.plan.memory import GiB, estimate
+from homelab_ft.plan.params import quant_state_bytes
+from homelab_ft.plan.planner import default_request
 from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import Rung
 

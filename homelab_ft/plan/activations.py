@@ -1,0 +1,108 @@
+"""What one micro-batch's tensors cost: the activations autograd keeps for backward (with and
+without activation checkpointing and offload) and the loss's logits. Pure arithmetic, no torch,
+no I/O.
+
+memory.estimate adds these to the model state of a rung; preflight checks the host RAM that
+activation offload needs (activation_offload_host_bytes) before a run starts.
+"""
+
+from __future__ import annotations
+
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.params import qlora_compute_bytes, targeted_linears, weight_bytes
+from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.rung import Rung
+
+
+def activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int, *,
+                     offloaded: bool = False) -> int:
+    """Tensors autograd keeps for backward on one device, for one micro-batch.
+
+    Per block and token, in elements (HF Llama-style block with SDPA attention, which keeps no
+    seq x seq score matrix; after Korthikanti et al. 2022, "Reducing Activation Recomputation"):
+      6h     two RMSNorms: input (kept in fp32 by the HF norm = 2h in 16-bit units) + normed output
+      3q     attention output, its reshaped copy fed to o_proj, and q after RoPE
+      2kv    k and v after RoPE (kept by SDPA)
+      4i     MLP: gate output (for SiLU), SiLU output and up output (for the product), down input
+    LoRA adds, per targeted linear, its dropout's copy of the input plus a 1-byte mask (dropout > 0)
+    and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
+    one block recomputed in full during its backward; with activation offload (`offloaded`) those
+    block inputs wait in host RAM and only the running block's input is back on the device.
+    """
+    tokens = request.seq_len * request.rows_per_micro_batch
+    per_block = _block_activation_bytes(shape, method, request, act_bytes)
+    if request.activation_checkpointing and offloaded:
+        per_token = shape.hidden_size * act_bytes + max(per_block)
+    elif request.activation_checkpointing:
+        per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
+    else:
+        per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
+    return tokens * per_token
+
+
+def recomputed_block_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> int:
+    """The part of `activation_bytes` that one block recomputed by activation checkpointing holds:
+    it exists only once backward has reached the blocks, after the loss has freed its logits."""
+    if not request.activation_checkpointing:
+        return 0
+    return request.seq_len * request.rows_per_micro_batch * max(_block_activation_bytes(shape, method, request, act_bytes))
+
+
+def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> list[int]:
+    """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
+    per_block = []
+    for block in shape.blocks:
+        q = shape.num_attention_heads * shape.head_dim
+        kv = shape.num_kv_heads * shape.head_dim
+        nbytes = (6 * shape.hidden_size + 3 * q + 2 * kv + 4 * block.mlp_width) * act_bytes
+        if method != "full":
+            targets = targeted_linears(block, request)
+            if request.lora_dropout > 0:
+                nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
+            nbytes += len(targets) * request.lora_r * act_bytes
+        per_block.append(nbytes)
+    return per_block
+
+
+def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
+    """Host bytes per rank of activation offload: every block's input, and the final norm's."""
+    return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
+
+
+def activation_dtype_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per activation element: the weights' dtype, or for QLoRA the 4-bit base's compute dtype."""
+    return qlora_compute_bytes(request, cluster) if method == "qlora" else weight_bytes(request, cluster)
+
+
+def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
+    """Host bytes per rank the rung's activation offload holds (0 when off, or without a GPU to
+    offload from); preflight refuses a run whose node has not that much RAM available."""
+    if not (rung.activation_offload and rung.activation_checkpointing and cluster.device == "cuda"):
+        return 0
+    return offloaded_activation_bytes(shape, request, activation_dtype_bytes(rung.method, request, cluster))
+
+
+# train.compile (compiling.py) is priced as eager, on purpose. Its fused kernels only free
+# intermediates: the compiled cross-entropy stores no fp32 log-softmax (bench/compile.py: a loss
+# chunk peaks at 8.2 B per logit instead of 12.3), and AOTAutograd's min-cut partitioner picks
+# what a compiled block saves for backward to keep it small, recomputing cheap elementwise results
+# instead of storing them; so the eager figures below are an upper bound (tests/gpu/
+# test_cuda_compile.py checks a compiled step's peak against eager's). Its speed (1.1-1.2x tokens
+# per CPU-second, bench/compile.py) is not credited to step time either, and the first step's
+# compiling (seconds to minutes per distinct block graph) is a one-off that step time leaves out.
+def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
+    """The loss's peak: logits of `rows` tokens x vocab, often the largest single item without
+    chunking. Per row and vocab entry: the LM head output (activation dtype); its fp32 copy
+    (`logits.float()`, a no-op in fp32); cross-entropy's fp32 log-softmax kept for backward, and
+    backward's fp32 gradient of the same size while that is alive. Gemma 2's tanh soft-capping
+    keeps one more copy. Rows are the micro-batch's tokens, or with the chunked loss (loss.py) one
+    chunk, plus the trained rows of the hidden states it gathers and their gradient
+    (2 x tokens x hidden). DPO's answer log-probabilities (preference.sequence_logps) take the
+    full logits of twice the rows (the chunked loss does not serve them yet); the reference's
+    no-grad forward runs before the policy's and leaves only one number per row behind."""
+    tokens = request.seq_len * request.rows_per_micro_batch
+    per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
+    if not request.chunked_loss:
+        return tokens * shape.vocab_size * per_entry
+    rows = min(request.loss_chunk_tokens, tokens)
+    return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes

@@ -1,0 +1,197 @@
+"""The ladder: every option (method x sharding strategy x CPU offload) a cluster supports and the
+trainer accepts, each priced by memory.estimate and judged against the recipe's headroom, and the
+one rule that picks among those that fit. Pure: no torch, no I/O.
+
+- `method: auto` walks the ladder in the seed's order, quantize first, then LoRA, then full
+  fine-tuning, and takes the first rung with an option that the request allows and that fits;
+- a named method keeps to that rung.
+Within a rung the fastest fitting option wins (estimated step time, then traffic, then memory), which is how
+full fine-tuning ends on the cheapest strategy for the link and how a slow link steers towards
+HYBRID_SHARD or adapter-only data parallelism. Each option carries its verdict as one line of
+text (`Option.reason`), which the plan shows as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
+from homelab_ft.plan.network import OFFLOAD_BYTES_PER_S
+from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.rung import (
+    FULL_SHARD,
+    HYBRID_SHARD,
+    METHODS,
+    NO_SHARD,
+    SHARD_GRAD_OP,
+    Rung,
+    RungError,
+    implied_checkpointing,
+)
+
+LADDER = METHODS
+STEP_TIME_TIE = 0.05
+"""Step times closer than this fraction are below what the time model resolves (bench/network.py
+measured its predictions within ~25% on slow links); the option moving fewer bytes wins them."""
+
+
+@dataclass(frozen=True)
+class Option(Estimate):
+    """An estimate judged against the cluster's budget and the user's request."""
+
+    budget_bytes: int
+    """Device memory minus headroom: what `memory.total` must stay under."""
+    host_budget_bytes: int
+    """Host RAM per node minus headroom (0 on a CPU 'device', where memory.total is host RAM)."""
+    allowed: bool
+    """The request (method, strategy, offload) permits this option."""
+    fits: bool
+    reason: str
+    rung: Rung
+    """The validated rung this option trains with: the planner offers nothing the trainer refuses."""
+
+    @property
+    def label(self) -> str:
+        return self.rung.label
+
+
+def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
+                savers: tuple[bool, bool] | None = None) -> Rung:
+    """The validated rung of one option on this cluster (raises RungError for one the trainer refuses).
+    `savers` is (activation checkpointing, activation offload); default: the request's first level."""
+    checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
+    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
+                procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
+                optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
+                activation_checkpointing=checkpointing, activation_offload=act_offload)
+
+
+def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:
+    """The (activation checkpointing, activation offload) settings one option is priced with, fastest
+    first: what the recipe fixes stays fixed, what it leaves `auto` is tried off, then on. The cheap
+    savers come before any costlier rung, offload or GPU: `evaluate` keeps, per option, the first
+    level that fits. Activation offload only helps where there is a GPU to offload from."""
+    off = request.activation_offload
+    ckpt = implied_checkpointing(request.activation_checkpointing, activation_offload=off)
+    ckpts = [ckpt] if isinstance(ckpt, bool) else [False, True]
+    levels = []
+    for c in ckpts:
+        offs = [off] if isinstance(off, bool) else [False, True] if c and cluster.device == "cuda" else [False]
+        levels += [(c, o) for o in offs]
+    return levels
+
+
+def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
+    """Every option this cluster supports and the trainer accepts (a `Rung` that validates), with
+    its estimate, whether it fits and why."""
+    budget = int(cluster.device_bytes * (1 - request.headroom))
+    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
+    out = []
+    levels = saver_levels(request, cluster)
+    for method in LADDER:
+        for strategy, offload in _strategies(cluster):
+            try:
+                rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level)
+                         for level in levels]
+            except RungError:
+                continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
+            saver_note = ""
+            for rung in rungs:  # the first saver level that fits, else the leanest
+                est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
+                fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+                if fits or rung is rungs[-1]:
+                    break
+                saver_note = f"{_next_saver(rung)}=auto turned on: without it {gib_text(est.memory.total)} GiB"
+            if saver_note and fits:
+                reason += f" ({saver_note})"
+            estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
+            out.append(Option(
+                **estimated, budget_bytes=budget,
+                host_budget_bytes=host_budget if cluster.device == "cuda" else 0,
+                allowed=_allowed(method, strategy, offload, request=request, cluster=cluster), fits=fits, reason=reason,
+                rung=rung,
+            ))
+    return tuple(out)
+
+
+def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | None:
+    rungs = LADDER if request.method == "auto" else (request.method,)
+    for rung in rungs:
+        candidates = [o for o in options if o.method == rung and o.allowed and o.fits]
+        if candidates:
+            # Step times within STEP_TIME_TIE of the fastest are a tie, which goes to the option that
+            # moves fewer bytes: overlap of communication with compute is never perfect, and fewer
+            # collectives fail less.
+            fastest = min(o.step_s for o in candidates)
+            tied = [o for o in candidates if o.step_s <= fastest * (1 + STEP_TIME_TIE)]
+            return min(tied, key=lambda o: (o.comm_bytes, round(o.step_s, 3), o.memory.total))
+    return None
+
+
+def _next_saver(rung: Rung) -> str:
+    """The recipe key of what the next saver level adds to `rung` (for the note on an option that needed it)."""
+    return "train.activation_offload" if rung.activation_checkpointing else "train.activation_checkpointing"
+
+
+def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
+    """One device: plain, or FSDP2 on one rank to offload to the CPU. Several: DDP-style
+    replication, FULL_SHARD and SHARD_GRAD_OP (and HYBRID_SHARD across nodes with several GPUs
+    each), the sharded ones with and without offload. A CPU 'device' has nothing to offload to."""
+    offloads = (False,) if cluster.device == "cpu" else (False, True)
+    if cluster.world_size == 1:
+        return [(NO_SHARD, False)] + [(FULL_SHARD, True)] * (cluster.device != "cpu")
+    sharded = [FULL_SHARD, SHARD_GRAD_OP]
+    if cluster.nodes > 1 and cluster.gpus_per_node > 1:
+        sharded.append(HYBRID_SHARD)
+    return [(NO_SHARD, False)] + [(s, off) for s in sharded for off in offloads]
+
+
+def _allowed(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> bool:
+    if request.method not in ("auto", method):
+        return False
+    if request.cpu_offload and not offload:
+        return False
+    if request.strategy == "auto":
+        return True
+    if cluster.world_size == 1 and not offload:
+        return True  # one device has no strategy to choose
+    return strategy == request.strategy and offload == request.cpu_offload
+
+
+def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int, request: PlanRequest,
+             cluster: Cluster) -> tuple[bool, str]:
+    device = "GPU" if cluster.device == "cuda" else "process"
+    name = f"{_method_label(est.method, request, cluster)} {est.strategy}{' +offload' if est.cpu_offload else ''}"
+    if est.method == "qlora" and _unquantizable_fraction(shape) > MAX_UNQUANTIZABLE_FRACTION:
+        share = _unquantizable_fraction(shape)
+        return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
+                       "cannot quantize (quant.py refuses); use lora or full")
+    limit = f"{gib_text(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
+    total = est.memory.total - est.spilled_bytes
+    if total > budget:
+        biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
+                      key=lambda k: getattr(est.memory, k))
+        return False, (f"{name}: {gib_text(total)} GiB per {device} > {limit} "
+                       f"(largest: {biggest} {gib_text(getattr(est.memory, biggest))} GiB)")
+    if cluster.device == "cuda" and est.host_bytes > host_budget:
+        return False, (f"{name}: host RAM {gib_text(est.host_bytes)} GiB per node > "
+                       f"{gib_text(cluster.host_ram_bytes)} GiB - {request.headroom:.0%} headroom")
+    spill = (f" (paged optimizer state: {gib_text(est.spilled_bytes)} GiB spills to host RAM, "
+             f"~{2 * est.spilled_bytes / OFFLOAD_BYTES_PER_S:.1f} s/step of paging)") if est.spilled_bytes else ""
+    return True, f"{name}: {gib_text(total)} GiB per {device} <= {limit}{spill}"
+
+
+def _unquantizable_fraction(shape: ModelShape) -> float:
+    blocks = shape.block_params
+    return sum(b.num_blocks * (b.params - b.linear_weight_params) for b in shape.blocks) / blocks
+
+
+def _method_label(method: str, request: PlanRequest, cluster: Cluster) -> str:
+    if method == "qlora":
+        return "QLoRA nf4" if request.quant_bits == 4 else "QLoRA int8"
+    dtype = request.dtype if request.dtype != "auto" else ("bfloat16" if cluster.device == "cuda" else "float32")
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+    return f"{'LoRA' if method == 'lora' else 'full'} {short}"

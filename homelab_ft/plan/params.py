@@ -1,0 +1,206 @@
+"""What the parameters cost: bytes of the base weights (quantized or not), the adapters, the
+quantisation constants, the optimizer state and the optimizer step's temporaries. Pure
+arithmetic, no torch, no I/O.
+
+memory.estimate spreads these over the ranks of a rung; diskspace.py prices a checkpoint from
+them. Every formula says where it comes from; bench/plan_vs_measured.py checks the weights,
+gradients and optimizer state against real runs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.shapes import BlockShape, Linear, ModelShape
+
+
+def weight_bytes(request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per base weight: `auto` is bf16 on GPUs and fp32 on CPUs (config.ModelConfig.dtype)."""
+    if request.dtype == "auto":
+        return 2 if cluster.device == "cuda" else 4
+    return 4 if request.dtype == "float32" else 2
+
+
+def qlora_compute_bytes(request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes of QLoRA's non-quantized weights and activations: the compute dtype (`auto`: bf16 on
+    GPUs, fp32 on CPUs). fp16 counts as fp32: quant.prepare_for_training upcasts non-quantized
+    fp16 weights, since fp16's range overflows on LLM activation outliers."""
+    if request.quant_compute_dtype == "auto":
+        return 2 if cluster.device == "cuda" else 4
+    return 2 if request.quant_compute_dtype == "bfloat16" else 4
+
+
+def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, double_quant: bool) -> int:
+    """Bytes of one bitsandbytes-quantized nn.Linear weight, quantization constants included.
+
+    4-bit (bitsandbytes functional.quantize_4bit): two values per byte, one absmax per block of 64
+    values; fp32 absmax, or with double quantization (QLoRA sec. 3) uint8 absmax re-quantized in
+    blocks of 256 with fp32 second-level absmax plus one fp32 offset.
+    8-bit (LLM.int8, Linear8bitLt): one byte per value plus an fp32 scale per output row (SCB).
+    """
+    n = in_features * out_features
+    if bits == 8:
+        return n + 4 * out_features
+    blocks = math.ceil(n / 64)
+    if double_quant:
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
+    return math.ceil(n / 2) + 4 * blocks
+
+
+def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
+    bf16 (fp16 bases keep fp32 adapters)."""
+    if request.lora_dtype != "compute":
+        return 4
+    name = request.quant_compute_dtype if method == "qlora" else request.dtype
+    bf16 = name == "bfloat16" or (name == "auto" and cluster.device == "cuda")
+    return 2 if bf16 else 4
+
+
+def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
+    """Bytes of the 4-bit quantisation constants (absmax, nested absmax, offset) of all blocks.
+
+    A sharded 4-bit base (sharded_qlora.py) splits the packed weights over ranks but keeps each
+    layer's constants whole on every rank: the kernel dequantizes the all-gathered weight with
+    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: ~1.0 GiB per rank).
+    """
+    if request.quant_bits != 4:
+        return 0
+    total = 0
+    for block in shape.blocks:
+        per_block = 0
+        for lin in block.linears:
+            n = lin.in_features * lin.out_features
+            per_block += quantized_linear_bytes(lin.in_features, lin.out_features, bits=4,
+                                                double_quant=request.double_quant) - math.ceil(n / 2)
+        total += block.num_blocks * per_block
+    return total
+
+
+def sharded_qlora_loading_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
+    """Host RAM one rank holds while it fills its 4-bit shards (sharded_qlora.fill_from_safetensors):
+    one tensor at a time as read from disk (bf16 assumed, 2 B) plus its compute-dtype copy. The
+    largest is the embedding (vocab x hidden) or the widest linear layer; never the whole model."""
+    largest = max([shape.vocab_size * shape.hidden_size] + [lin.in_features * lin.out_features
+                                                             for b in shape.blocks for lin in b.linears])
+    return largest * (2 + qlora_compute_bytes(request, cluster))
+
+
+def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
+    """Adapter parameters of one block: r x (in + out) per targeted linear (A: r x in, B: out x r).
+
+    `all-linear` is PEFT's every nn.Linear except the LM head; MoE experts are nn.Parameters in
+    transformers 5 and are not reached by it.
+    """
+    block = shape.blocks[block_index]
+    return sum(request.lora_r * (lin.in_features + lin.out_features) for lin in targeted_linears(block, request))
+
+
+def targeted_linears(block: BlockShape, request: PlanRequest) -> tuple[Linear, ...]:
+    """The block's linears that LoRA wraps: `lora.target_modules` matched by name suffix, as PEFT does."""
+    if "all-linear" in request.lora_targets:
+        return block.linears
+    return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in request.lora_targets))
+
+
+def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
+    return sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
+
+
+def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
+    """(total bytes, largest block's bytes) of the unsharded base weights.
+
+    QLoRA: the blocks' linear weights quantized; every
+    other parameter (embeddings, norms, biases, LM head, MoE experts) in the compute dtype
+    (quant.prepare_for_training keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast).
+    """
+    if method != "qlora":
+        per_param = weight_bytes(request, cluster)
+        return shape.total_params * per_param, shape.max_block_params * per_param
+    other = qlora_compute_bytes(request, cluster)
+    block_bytes = []
+    for block in shape.blocks:
+        quantized = sum(
+            quantized_linear_bytes(lin.in_features, lin.out_features, bits=request.quant_bits, double_quant=request.double_quant)
+            for lin in block.linears
+        )
+        block_bytes.append(quantized + other * (block.params - block.linear_weight_params))
+    total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
+    return total, max(block_bytes)
+
+
+def gathered_end_params(shape: ModelShape) -> int:
+    """Parameters outside the blocks that FSDP2 holds gathered at the activation peak (the loss and
+    the start of backward), as distributed.shard_ends places them: the LM head, a unit of its own
+    gathered from its forward until its post-backward right after the loss, and the root unit's
+    final norm. Untied embeddings are a unit of their own, gathered only while their forward runs,
+    before any activation exists, and never in backward. A tied embedding is the head: it stays in
+    the root unit, gathered from the first forward to the end of backward."""
+    if shape.tie_word_embeddings:
+        return shape.root_params
+    return shape.root_params - shape.embedding_params
+
+
+def largest_param(shape: ModelShape) -> int:
+    """Elements of the largest single parameter: the embedding for any vocabulary of 32k and up,
+    else a block's widest linear or half of its stacked MoE experts (gate_up and down tensors)."""
+    biggest = shape.embedding_params
+    for block in shape.blocks:
+        biggest = max(biggest, *(lin.weight_params for lin in block.linears), block.expert_params // 2)
+    return biggest
+
+
+def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int, largest: int,
+                         state_bytes: int) -> int:
+    """Temporaries of one optimizer step over `params` parameters (largest tensor: `largest`).
+
+    torch's AdamW (torch/optim/adamw.py) on GPUs takes the multi-tensor path, whose
+    `_foreach_sqrt(exp_avg_sqs)` copies every second moment at once (1 x the states' dtype per
+    parameter); on the CPU it loops over tensors, and `exp_avg_sq.sqrt() / bias_correction2_sqrt`
+    holds two temporaries of the largest one (measured: bench/memory.py). bitsandbytes' 8-bit
+    AdamW updates each tensor in place in one kernel.
+    """
+    if request.optimizer != "adamw":
+        return 0
+    if cluster.device == "cuda":
+        return params * state_bytes
+    return 2 * largest * state_bytes
+
+
+# bitsandbytes' Optimizer8bit.get_state_buffer pages only the state of tensors with >= 1e5 elements.
+PAGED_MIN_NUMEL = 100_000
+
+
+def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
+    """Optimizer state that paged_adamw_8bit allocates in CUDA unified memory (0 otherwise).
+
+    The driver migrates such pages to host RAM when the GPU is oversubscribed and back when the
+    step touches them, so this state may spill instead of failing the run. Only tensors of at
+    least PAGED_MIN_NUMEL elements are paged: every large weight of a full fine-tune; of LoRA's
+    A (r x in) and B (out x r) only those that big (r=16 on a 4096-wide model: A and B of the
+    14336-wide MLP projections, not the attention ones). On the CPU paged AdamW is plain 8-bit.
+    """
+    if request.optimizer != "paged_adamw_8bit" or cluster.device != "cuda":
+        return 0
+    per_param = optimizer_bytes_per_param(request, 0)
+    if method == "full":
+        big = shape.embedding_params + shape.vocab_size * shape.hidden_size * (not shape.tie_word_embeddings)
+        for block in shape.blocks:
+            linears = sum(n for lin in block.linears if (n := lin.in_features * lin.out_features) >= PAGED_MIN_NUMEL)
+            experts = block.params - block.linear_weight_params if shape.is_moe else 0
+            big += block.num_blocks * (linears + experts)
+        return int(big * per_param)
+    r = request.lora_r
+    big = sum(block.num_blocks * sum(n for lin in targeted_linears(block, request)
+                                     for n in (r * lin.in_features, r * lin.out_features) if n >= PAGED_MIN_NUMEL)
+              for block in shape.blocks)
+    return int(big * per_param)
+
+
+def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
+    """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
+    8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
+    if request.optimizer == "adamw":
+        return 2 * state_bytes
+    return 2 * (1 + 4 / 256)

@@ -1,0 +1,80 @@
+"""The plan as text: the table `homelab-ft plan` prints, one row per option with the chosen one
+marked, the links it assumed, and the verdict, advice and warnings the plan carries. Pure: it
+formats what planner.plan decided and decides nothing.
+"""
+
+from __future__ import annotations
+
+from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.memory import gib_text
+from homelab_ft.plan.planner import Plan
+
+
+def link_text(c: Cluster, *, inter: bool) -> str:
+    """The link the plan assumed: bandwidth a collective gets, latency of a tiny all-reduce, and
+    whether each was measured (a cluster file from `doctor`) or assumed from the link kind."""
+    if inter:
+        name = c.inter_link_name
+        bw_measured, latency_measured = c.inter_link_measured, c.inter_latency_s is not None
+        bytes_per_s, hop_s = c.inter_bytes_per_s, c.inter_hop_s
+    else:
+        name = "gloo" if c.device == "cpu" else c.intra_link
+        bw_measured, latency_measured = c.intra_link_gbit is not None, c.intra_latency_s is not None
+        bytes_per_s, hop_s = c.intra_bytes_per_s, c.intra_hop_s
+    if bw_measured == latency_measured:
+        how = "measured" if bw_measured else "assumed"
+    else:
+        how = f"{'bandwidth' if bw_measured else 'latency'} measured, {'latency' if bw_measured else 'bandwidth'} assumed"
+    return f"{name} ({bytes_per_s / 1e6:.0f} MB/s, {2 * hop_s * 1000:.2f} ms all-reduce latency, {how})"
+
+
+def format_plan(p: Plan) -> str:
+    """A readable table: one row per option, the chosen one marked with `>`."""
+    s, c, r = p.shape, p.cluster, p.request
+    params = f"{s.total_params / 1e9:.2f}B params" + (f" ({s.active_params / 1e9:.2f}B active)" if s.is_moe else "")
+    device = (f"{c.gpus_per_node}x {gib_text(c.device_bytes)} GiB GPU" if c.device == "cuda"
+              else f"CPU, {c.gpus_per_node} process(es), {gib_text(c.device_bytes)} GiB RAM each")
+    links = ""
+    if c.gpus_per_node > 1:
+        links += f", {link_text(c, inter=False)} inside a node"
+    if c.nodes > 1:
+        links += f", {link_text(c, inter=True)} between nodes"
+    lines = [
+        f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
+        f"cluster  {c.nodes} node(s) x {device}, host RAM {gib_text(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
+        f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
+        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
+        f" act_offload={str(r.activation_offload).lower()}" + (" optim_in_bwd" if r.optimizer_in_backward else "")
+        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
+        + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
+        "",
+        "  option                                weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
+    ]
+    for o in p.options:
+        m = o.memory
+        mark = ">" if o is p.chosen else " "
+        verdict = ("fits" if o.fits else "no") + ("" if o.allowed else " (not requested)")
+        verdict += f" (paged optimizer: {gib_text(o.spilled_bytes)} GiB in host RAM)" if o.spilled_bytes else ""
+        lines.append(
+            f"{mark} {o.label:37s} {gib_text(m.weights):>7} {gib_text(m.gradients):>6} {gib_text(m.optimizer):>6} "
+            f"{gib_text(m.activations):>6} {gib_text(m.logits):>7} {gib_text(m.gathered):>7} {gib_text(m.total - o.spilled_bytes):>6} "
+            f"{gib_text(o.budget_bytes):>7} {gib_text(o.host_bytes):>5} {gib_text(o.comm_bytes):>8}Gi {o.comm_s:>7.2f} {o.step_s:>7.2f}  {verdict}"
+        )
+    lines.append("  (GiB per device; host: GiB on node 0; comm s: seconds of collectives per step; "
+                 "step s: compute + the communication it does not hide + offload)")
+    lines.append("")
+    if p.chosen is not None:
+        lines.append(f"chosen   {p.chosen.reason}")
+        lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
+    else:
+        lines.append(f"nothing fits; closest: {p.closest.reason}" if p.closest else "nothing fits")
+        lines += [f"  would fit: {text}" for text in p.suggestions]
+    rejected = [o for o in p.options if o.allowed and not o.fits]
+    if p.chosen is not None and rejected:
+        lines.append("rejected " + rejected[0].reason)
+        lines += [f"         {o.reason}" for o in rejected[1:]]
+    if p.chosen is not None and p.chosen.prepass_s_per_pair:
+        lines.append(f"dpo      the reference is scored once before step 1: ~{p.chosen.prepass_s_per_pair * 1000:.1f} s "
+                     "per 1000 pairs (cached beside the tokenised data)")
+    lines += [f"warning  {w}" for w in p.warnings]
+    return "\n".join(lines)
