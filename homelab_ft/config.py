@@ -173,6 +173,14 @@ class TrainConfig:
     eval_every: NonNegInt = 0
     """Evaluate on the held-out split every N steps (0: only at the end, if there is a split)."""
     eval_max_batches: PositiveInt | None = None
+    sample_every: NonNegInt = 0
+    """Every N optimizer steps, greedy replies to `sample_prompts` go to metrics.jsonl (rows with
+    `samples`), TensorBoard (text) and the progress output (train/samples.py); 0: off."""
+    sample_prompts: tuple[str, ...] = ()
+    """User turns to sample, rendered with the data's chat template; empty: the prompts of the first
+    3 held-out rows (a run without held-out rows must name some)."""
+    sample_max_new_tokens: PositiveInt = 64
+    """Longest sampled reply, in tokens (64: a sentence or two, seconds per prompt on a CPU)."""
     save_every: NonNegInt = 0
     """Write a resumable checkpoint every N steps (0: only at the end)."""
     keep_last: PositiveInt = 2
@@ -201,6 +209,9 @@ class TrainConfig:
         if self.optimizer_in_backward and self.max_grad_norm > 0:
             raise ValueError("train.optimizer_in_backward steps each parameter before the global gradient norm "
                              "exists; set train.max_grad_norm=0 (the norm is still logged)")
+        if self.sample_prompts and not self.sample_every:
+            raise ValueError("train.sample_prompts are sampled only with train.sample_every=N (every N steps); set it, "
+                             "or drop the prompts")
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -5,6 +5,7 @@
     plan       `plan`, `recipes`, `data inspect`          train    `train`, `demo`; `planned`: plan once
     cluster    `launch`, `doctor`                         export   `export`, `generate`
     generate, data_inspect   what those two commands print
+    chat       `chat RUN`: talk to a run's newest checkpoint, no export (shares generate's reply)
 
 Only this package prints. Each command module imports what it calls inside the command, so
 `homelab-ft plan` never imports torch.

@@ -80,4 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (plan.add_plan, train.add_train, export.add_export, export.add_generate, train.add_demo,
                 plan.add_recipes, plan.add_data, cluster.add_launch, cluster.add_doctor):
         add(sub)
+    from homelab_ft.cli.chat import add_chat  # talk to a run's checkpoint (issue 24 item 12)
+    add_chat(sub)
     return parser

@@ -52,6 +52,25 @@ def model_tensors(checkpoint_dir: Path) -> dict[str, tuple[torch.Size, torch.dty
     return out
 
 
+def load_weights(checkpoint_dir: Path, model: torch.nn.Module) -> None:
+    """The checkpoint's weights read into `model` (its base, loaded from the base config) in place, by
+    DCP without a process group: `homelab-ft chat` talks to a full fine-tune without an export."""
+    import torch.distributed.checkpoint as dcp
+
+    from homelab_ft.store.dcp_metadata import SafeFileSystemReader
+
+    tensors = model_tensors(checkpoint_dir)
+    if any(".lora_" in name for name in tensors):
+        raise UserError(f"{checkpoint_dir} is a LoRA checkpoint (adapters only); apply its adapter instead")
+    state = model.state_dict()
+    unknown = sorted(set(tensors) - set(state))[:3]
+    if not tensors or unknown:
+        raise UserError(f"the checkpoint's weights do not match the model (unexpected {unknown}); "
+                        "use the model it was trained from")
+    buffers = {MODEL_PREFIX + name: state[name] for name in tensors}  # the parameters' own storage
+    dcp.load(buffers, storage_reader=SafeFileSystemReader(str(_state_dir(checkpoint_dir))), no_dist=True)
+
+
 def consolidate_to_hf(
     checkpoint_dir: Path,
     base_model_dir: Path,

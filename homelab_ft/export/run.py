@@ -207,7 +207,7 @@ def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: 
     return consolidate_to_hf(ckpt, model_dir, out, dtype=_save_dtype(request.dtype, model_dir))
 
 
-def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
+def load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
     """The base in full precision (`dtype`, default fp32) + the checkpoint's adapter."""
     import torch
     from peft import PeftModel
@@ -257,7 +257,7 @@ def _check_logits(ckpt: Path, model_dir: Path, recipe, out: Path, *, save_dtype)
     import torch
     from transformers import AutoModelForCausalLM
 
-    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
     peft_model.eval()
     probe = _probe_ids(loading.load_tokenizer(recipe.model, model_dir))
     with torch.no_grad():
@@ -296,7 +296,7 @@ def _write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, d
     from transformers import AutoModelForCausalLM
 
     save_dtype = _save_dtype(dtype, model_dir)
-    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
     peft_model.eval()
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     probe = _probe_ids(tokenizer)
@@ -318,7 +318,7 @@ def _write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, d
 
 def _write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
     """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
-    _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     shutil.copytree(ckpt / checkpoint.ADAPTER, out, dirs_exist_ok=True)
     config_path = out / "adapter_config.json"
     config = json.loads(config_path.read_text())
@@ -362,7 +362,7 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
     """llama.cpp's LoRA GGUF, checked against PEFT's own delta for every adapted weight."""
     from homelab_ft.export.gguf_adapter import check_adapter_gguf, write_adapter_gguf
 
-    peft_model = _load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    peft_model = load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     write_adapter_gguf(ckpt / checkpoint.ADAPTER, model_dir, path, name=name)
     diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
     log.info("adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference %.1e", diff)

@@ -35,6 +35,14 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, row["step"])
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Sampled replies (samples.py): one metrics row `{"step", "samples": [{"prompt", "completion"}]}`
+        (no `loss`, so the plot skips it) and one TensorBoard text entry per step."""
+        self.log({"step": step, "samples": samples})
+        if self._tb is not None:
+            text = "\n\n".join(f"**{s['prompt']}**\n\n{s['completion']}" for s in samples)
+            self._tb.add_text("samples", text, step)
+
     def truncate_after(self, step: int) -> None:
         """On resume, drop rows of steps after the checkpoint (they will be logged again)."""
         if not self.enabled or not self.path.is_file():

@@ -27,7 +27,7 @@ from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo
 from homelab_ft.store.rundir import init_run_dir
-from homelab_ft.train import build, evaluate, optim, preference, preflight, steps, stopping
+from homelab_ft.train import build, evaluate, optim, preference, preflight, samples, steps, stopping
 from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
@@ -88,6 +88,7 @@ class Session:
     fingerprint: str
     start_step: int
     rung: Rung
+    samples: samples.Samples
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> TrainResult:
@@ -121,6 +122,8 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         progress.update(1)
         if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
             eval_loss = _evaluate(s, step=step, dpo=dpo, progress=progress)
+        if s.samples.due(step):
+            s.samples.run(s.model, step=step, env=env, logger=s.logger, progress=progress)
         # Every rank learns whether any rank was asked to stop, so all stop after the same step.
         signum = comm.all_reduce_max(stopping.requested(), env)
         save_now = (cfg.save_every and step % cfg.save_every == 0) or last or (signum and cfg.save_on_interrupt)
@@ -259,6 +262,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
+    sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
     comm.barrier(env)  # every rank has passed its checks before the main rank writes
     if env.is_main:
         init_run_dir(recipe, resume_from=inputs.resume_from)
@@ -298,7 +302,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
              len(data.train), start + 1, cfg.max_steps)
     return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung)
+                   start_step=start, rung=rung, samples=sampled)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):

@@ -1,0 +1,109 @@
+"""`homelab-ft chat RUN`: talk to a run's newest complete checkpoint before exporting it.
+
+The base is loaded from the model folder the run recorded (run.json), then the checkpoint goes on
+top the way export reads it: a LoRA/QLoRA run's adapter applied in memory with PEFT over the
+full-precision base (export.run.load_base_with_adapter), a full fine-tune's weights read from its
+sharded checkpoint by DCP (export.consolidate.load_weights). Nothing is written. The reply is the
+one `generate` gives on the run's export (same template, same decoding: cli/generate.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from homelab_ft.errors import UserError
+
+EXIT = "/exit"
+"""The line that ends an interactive chat (as EOF, Ctrl-D, does)."""
+
+
+def add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="talk to a run's newest checkpoint (adapters applied in memory; no export)")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--prompt", help="one reply to this prompt, then exit (default: a conversation on stdin, "
+                                    f"one line per turn; {EXIT} or EOF ends it)")
+    p.add_argument("--system", help="system prompt (default: the run's data.system_prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own Python code when the run's recipe asks for it")
+    p.set_defaults(func=cmd_chat)
+
+
+@dataclass(frozen=True)
+class _Talker:
+    model: object
+    tokenizer: object
+    device: object
+    chat_template: str | None
+    system: str | None
+
+
+def cmd_chat(args) -> int:
+    from homelab_ft.cli.generate import reply, turns
+
+    talker = open_run(args.run_dir, system=args.system, trust_remote_code=args.trust_remote_code)
+
+    def answer(prompt: str, history: tuple[dict, ...] = ()) -> str:
+        return reply(talker.model, talker.tokenizer, turns(prompt, system=talker.system, history=history),
+                     device=talker.device, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                     chat_template=talker.chat_template)
+
+    if args.prompt is not None:
+        print(answer(args.prompt))
+        return 0
+    if sys.stdin.isatty():
+        print(f"chatting with {args.run_dir}; {EXIT} or Ctrl-D ends", file=sys.stderr)
+    history: tuple[dict, ...] = ()
+    for line in sys.stdin:
+        prompt = line.strip()
+        if prompt == EXIT:
+            break
+        if not prompt:
+            continue
+        text = answer(prompt, history)
+        print(text, flush=True)
+        history += ({"role": "user", "content": prompt}, {"role": "assistant", "content": text})
+    return 0
+
+
+def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool) -> _Talker:
+    """The run's model with its newest intact checkpoint on top; one-line refusals otherwise."""
+    import torch
+
+    from homelab_ft.data.templates import resolve_template
+    from homelab_ft.model import loading
+    from homelab_ft.store import checkpoint
+    from homelab_ft.store.layout import RunDir
+
+    layout = RunDir(run_dir)
+    info = layout.read_info()  # refuses a folder that is not a run directory
+    recipe = layout.read_recipe()
+    if recipe.model.trust_remote_code and not trust_remote_code:
+        raise UserError(f"{layout.recipe_file} sets model.trust_remote_code=true; chat runs the model's own Python "
+                        "code only when you pass --trust-remote-code (check the model folder first)")
+    ckpt = checkpoint.newest_intact(run_dir)
+    if ckpt is None:
+        raise UserError(f"{run_dir} has no complete checkpoint to talk to; train it first (or resume it)")
+    model_dir = Path(info.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"the run's base model folder {model_dir} (run.json) is gone; put the model back there")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = loading.resolve_dtype("auto", device)
+    if info.rung.adapters_enabled:
+        from homelab_ft.export.run import load_base_with_adapter
+
+        model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=dtype).to(device)
+    else:
+        from homelab_ft.export.consolidate import load_weights
+
+        model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
+        load_weights(ckpt, model)
+    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    # The recipe's own template only when it set one: otherwise the tokenizer's, as `generate` renders.
+    template = (resolve_template(tokenizer, recipe.data.chat_template, base_dir=layout.recipe_file.parent)
+                if recipe.data.chat_template else None)
+    return _Talker(model=model, tokenizer=tokenizer, device=device, chat_template=template,
+                   system=system if system is not None else recipe.data.system_prompt)
