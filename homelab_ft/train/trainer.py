@@ -45,7 +45,7 @@ class TrainResult:
 
 def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: preflight.Inputs | None = None,
           base_dir: Path | None = None) -> TrainResult:
-    """Run `recipe` to `train.max_steps`.
+    """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
     `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
     checked model folder and resume point when the caller (the CLI) already ran the checks;
@@ -88,6 +88,8 @@ class Session:
     fingerprint: str
     start_step: int
     rung: Rung
+    max_steps: int | None = None
+    """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> TrainResult:
@@ -95,12 +97,12 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     cfg = recipe.train
     losses: list[float] = []
     eval_loss = None
-    progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main and logs.info_enabled())
+    progress = progress_bar(s.start_step, s.max_steps, enabled=env.is_main and logs.info_enabled())
     # objective: dpo swaps the batch builder, the step and the evaluation; the loop stays one loop.
     dpo = recipe.objective == "dpo"
     collate_fn, step_fn = (collate_pairs, dpo_step) if dpo else (collate, train_step)
     loop_start = time.perf_counter()
-    for step in range(s.start_step + 1, cfg.max_steps + 1):
+    for step in range(s.start_step + 1, s.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [
             collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
@@ -111,7 +113,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         pair_metrics = more[0] if more else {}
         elapsed = time.perf_counter() - t0
         losses.append(loss)
-        last = step == cfg.max_steps
+        last = step == s.max_steps
         if step % cfg.log_every == 0 or last:
             s.logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": read,
                           "trained_tokens": trained, "tokens_per_s": read / elapsed, "epoch": s.sampler.epoch,
@@ -137,7 +139,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         plot_loss(layout.metrics_file, layout.loss_plot)
         log.info("run directory: %s (%s, %s, %s/)", recipe.run_dir, layout.metrics_file.name, layout.loss_plot.name,
                  layout.checkpoints.name)
-    return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+    return TrainResult(run_dir=recipe.run_dir, step=s.max_steps, losses=losses, eval_loss=eval_loss)
 
 
 def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
@@ -160,6 +162,7 @@ def _save(s: Session, *, step: int) -> None:
         sampler=s.sampler.state_dict(),
         model_fingerprint=s.fingerprint,
         world_size=s.env.world_size,
+        max_steps=s.max_steps,
     )
     checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
@@ -259,6 +262,11 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
+    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
+                                world_size=env.world_size, shuffle=recipe.data.shuffle)
+    max_steps = steps.total_steps(cfg, batches_per_epoch=sampler.batches_per_epoch)
+    if inputs.resume_from is not None:  # the run's length is known now, before the run directory is touched
+        steps.check_resume_point(cfg, start_step=checkpoint.step_of(inputs.resume_from), max_steps=max_steps)
     comm.barrier(env)  # every rank has passed its checks before the main rank writes
     if env.is_main:
         init_run_dir(recipe, resume_from=inputs.resume_from)
@@ -277,9 +285,6 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
     trainable, total = loading.count_params(model)
     optimizer = optim.build_optimizer(model, cfg)
-    scheduler = optim.build_scheduler(optimizer, cfg)
-    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
-                                world_size=env.world_size, shuffle=recipe.data.shuffle)
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
         _write_run_info(recipe.run_dir, rung=rung, plan=plan, model_dir=model_dir, world_size=env.world_size, total=total)
@@ -287,18 +292,20 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     start = 0
     if inputs.resume_from is not None:
         state = checkpoint.load(inputs.resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint)
-        scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start = state.step
+    # After the resume: the schedule of this run's length at its step, not the saved one (optim.py).
+    scheduler = optim.build_scheduler(optimizer, cfg, max_steps=max_steps, start_step=start)
     if cfg.resume:  # also with no checkpoint: rows of a run killed before its first save go
         logger.truncate_after(start)
     log.info(data.report.summary())
-    log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d",
+    log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d%s",
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
-             len(data.train), start + 1, cfg.max_steps)
+             len(data.train), start + 1, max_steps,
+             steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
     return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung)
+                   start_step=start, rung=rung, max_steps=max_steps)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):
