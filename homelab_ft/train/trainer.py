@@ -10,6 +10,7 @@ gradient-sync switch during accumulation.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +45,14 @@ class TrainResult:
 
 
 def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: preflight.Inputs | None = None,
-          base_dir: Path | None = None) -> TrainResult:
+          base_dir: Path | None = None, resume_command: str | None = None) -> TrainResult:
     """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
     `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
     checked model folder and resume point when the caller (the CLI) already ran the checks;
     `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
-    the run directory.
+    the run directory. `resume_command`: what the stop line tells the user to run (the CLI knows the
+    recipe path and the overrides); default: the run directory's own recipe.yaml with --resume.
     """
     if rung is None:
         chosen = getattr(plan, "chosen", None)
@@ -60,7 +62,8 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
     with stopping.StopRequest(announce=env.is_main):
         try:
-            return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
+            return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir,
+                          resume_command=resume_command)
         except RuntimeError:
             if env.distributed and stopping.wait_for_request(seconds=2.0):
                 # A collective failed and torchrun asked us to stop: a peer rank died, and torchrun
@@ -92,7 +95,8 @@ class Session:
     """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
 
 
-def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> TrainResult:
+def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
+           resume_command: str | None) -> TrainResult:
     s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
@@ -131,7 +135,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         if signum:
             progress.close()
             s.logger.close()
-            raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now))
+            raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now), command=resume_command)
     progress.close()
     s.logger.close()
     layout = RunDir(recipe.run_dir)
@@ -167,18 +171,17 @@ def _save(s: Session, *, step: int) -> None:
     checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
 
-def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool) -> Stopped:
-    """The one line that ends a stopped run: where it stopped and how to continue (rank 0 says it)."""
+def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool, command: str | None) -> Stopped:
+    """The one line that ends a stopped run: where it stopped and the command that continues it
+    (rank 0 says it): the CLI's, naming the recipe and overrides it ran with, else the run's own
+    recipe.yaml, which holds every override already."""
     if not env.is_main:
         return Stopped("", signum=signum)
     latest = checkpoint.latest(recipe.run_dir)
     kept = (f"checkpoint of step {step} written" if saved
             else f"no checkpoint written (train.save_on_interrupt=false); newest: {latest.name if latest else 'none'}")
-    return Stopped(
-        f"{stopping.name(signum)} after step {step}; {kept}; continue with: homelab-ft train RECIPE --resume "
-        f"--run-dir {recipe.run_dir}",
-        signum=signum,
-    )
+    command = command or f"homelab-ft train {shlex.quote(str(RunDir(recipe.run_dir).recipe_file))} --resume"
+    return Stopped(f"{stopping.name(signum)} after step {step}; {kept}; continue with: {command}", signum=signum)
 
 
 def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
