@@ -46,3 +46,26 @@ def test_the_start_line_says_what_the_epochs_mean():
     note = steps.length_note(TrainConfig(num_epochs=2, micro_batch_size=4, grad_accum_steps=2), batches_per_epoch=6,
                              world_size=2)
     assert note == " (train.num_epochs 2 of 6 micro-batches: 4 rows x 2 processes each, 2 per step)"
+
+
+def test_data_inspect_counts_the_steps_and_plan_says_where(tmp_path, tiny_model_dir, capsys):
+    import json
+
+    from homelab_ft.cli.main import main
+
+    rows = [{"messages": [{"role": "user", "content": f"what is {i}"}, {"role": "assistant", "content": f"answer: {i}"}]}
+            for i in range(14)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  sources:\n    - path: d.jsonl\n  max_length: 128\n"
+                      f"  cache_dir: {tmp_path / 'c'}\ntrain:\n  micro_batch_size: 4\n  device: cpu\n")
+    epochs = ["train.max_steps=null", "train.num_epochs=2", "train.grad_accum_steps=2"]
+    assert main(["data", "inspect", str(recipe), "--no-color", *epochs]) == 0
+    # 14 rows: 3 micro-batches of 4 an epoch (2 rows left over), 2 per step: ceil(2 x 3 / 2) = 3 steps
+    assert ("run length: train.num_epochs 2 = 3 optimizer steps = 2.00 epochs of 3 micro-batches "
+            "(4 rows x 1 processes, 2 per step)") in capsys.readouterr().out
+    main(["plan", str(recipe), *epochs])
+    assert f"the steps are counted once the data is tokenised; `homelab-ft data inspect {recipe}`" in \
+        capsys.readouterr().out
+    main(["plan", str(recipe), "--json", *epochs])
+    json.loads(capsys.readouterr().out)  # --json stays one JSON document
