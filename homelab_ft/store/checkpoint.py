@@ -54,6 +54,8 @@ _TMP_PREFIX = ".tmp-"
 class TrainerState:
     step: int
     scheduler: dict
+    """LambdaLR's state at the save, for a reader: a resume rebuilds the schedule from `step` and
+    the run's length (train.optim.build_scheduler), so a changed length takes effect at once."""
     sampler: dict
     model_fingerprint: str
     world_size: int
