@@ -131,11 +131,21 @@ class DataConfig:
     """Where tokenised data is cached; default: the `datasets` cache."""
 
 
+DEFAULT_MAX_STEPS = 100
+"""train.max_steps when neither it nor train.num_epochs is set."""
+
+
 @dataclass(frozen=True, config=_STRICT)
 class TrainConfig:
     seed: int = 42
-    max_steps: PositiveInt = 100
-    """Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples)."""
+    max_steps: PositiveInt | None = None
+    """Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples); 100
+    (DEFAULT_MAX_STEPS) unless `num_epochs` is set. Exclusive with `num_epochs`."""
+    num_epochs: Annotated[float, Field(gt=0)] | None = None
+    """Passes over the training rows instead of `max_steps`: the optimizer steps they mean are
+    counted once the data is tokenised (and packed), as ceil(num_epochs x rows // (micro_batch_size
+    x ranks) / grad_accum_steps) (train.steps.total_steps), logged at the start, the progress bar's
+    total and the schedule's length."""
     micro_batch_size: PositiveInt = 4
     grad_accum_steps: PositiveInt = 1
     lr: Annotated[float, Field(gt=0)] = 2e-4
@@ -198,6 +208,12 @@ class TrainConfig:
 
     def __post_init__(self):
         # Refusals that depend on this section alone; rung-dependent ones: optim_backward.py.
+        if self.max_steps is not None and self.num_epochs is not None:
+            raise ValueError(f"train.max_steps ({self.max_steps}) and train.num_epochs ({self.num_epochs}) both say "
+                             "how long to train; set one (train.max_steps=null or train.num_epochs=null drops the other)")
+        if self.max_steps is None and self.num_epochs is None:
+            # frozen: the one default is filled in here, where it is decided, so every reader sees an int.
+            object.__setattr__(self, "max_steps", DEFAULT_MAX_STEPS)
         if self.activation_offload is True and self.activation_checkpointing is False:
             raise ValueError("train.activation_offload moves the checkpointed block inputs to host RAM; set "
                              "train.activation_checkpointing=true as well (offloading every activation is slower "

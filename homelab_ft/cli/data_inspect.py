@@ -23,7 +23,27 @@ def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str
     model_dir = None if recipe.model.tokenizer else loading.resolve_model_dir(recipe.model.path)
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
-    return describe(prepared, tokenizer, recipe.data, color=color)
+    return describe(prepared, tokenizer, recipe.data, color=color) + "\n\n" + length_line(recipe, len(prepared.train))
+
+
+def length_line(recipe: Recipe, num_rows: int) -> str:
+    """The run's length in optimizer steps over these rows, counted as `train` counts them (the
+    data order's micro-batches per epoch, train.steps.total_steps): `plan` cannot, it tokenises nothing."""
+    from homelab_ft.data.sampling import MicroBatchSampler
+    from homelab_ft.errors import UserError
+    from homelab_ft.train import steps
+
+    cfg = recipe.train
+    try:
+        sampler = MicroBatchSampler(num_rows, micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=0,
+                                    world_size=recipe.world_size, shuffle=False)
+    except UserError as err:
+        return f"run length: {err}"
+    total = steps.total_steps(cfg, batches_per_epoch=sampler.batches_per_epoch)
+    epochs = total * cfg.grad_accum_steps / sampler.batches_per_epoch
+    what = f"train.num_epochs {cfg.num_epochs:g}" if cfg.num_epochs is not None else f"train.max_steps {total}"
+    return (f"run length: {what} = {total} optimizer steps = {epochs:.2f} epochs of {sampler.batches_per_epoch} "
+            f"micro-batches ({cfg.micro_batch_size} rows x {recipe.world_size} processes, {cfg.grad_accum_steps} per step)")
 
 
 def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool) -> str:

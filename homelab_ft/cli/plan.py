@@ -30,9 +30,12 @@ def cmd_plan(args) -> int:
     from homelab_ft.plan.report import format_plan
 
     flags = cluster_overrides(gpus=args.gpus, nodes=args.nodes, link=args.link, host_ram=args.host_ram)
-    result = plan_for_recipe(load_recipe(args.recipe, common.with_cluster_file(args, list(args.overrides)) + flags),
-                             cluster_file=common.cluster_file_name(args))
+    recipe = load_recipe(args.recipe, common.with_cluster_file(args, list(args.overrides)) + flags)
+    result = plan_for_recipe(recipe, cluster_file=common.cluster_file_name(args))
     print(result.to_json() if args.json else format_plan(result))
+    if not args.json and recipe.train.num_epochs is not None:  # the planner prices a step; it tokenises nothing
+        print(f"train.num_epochs {recipe.train.num_epochs:g}: the steps are counted once the data is tokenised; "
+              f"`homelab-ft data inspect {args.recipe}` says how many")
     return 0 if result.fits else 2
 
 

@@ -9,6 +9,7 @@ it trains that rung with those inputs and plans nothing.
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -80,6 +81,24 @@ def _train_overrides(args) -> list[str]:
     return overrides
 
 
+_SAID_AS_FLAGS = ("train.resume=", "output.overwrite=", "output.dir=")
+"""Overrides `_train_overrides` makes of flags (a torchrun worker receives them so): the resume
+command says --resume and --run-dir instead, and never --overwrite."""
+
+
+def resume_command(args, *, run_dir: Path, nodes: int = 1) -> str:
+    """The command a stopped run prints to continue: this recipe with the overrides it ran with
+    (and its --cluster file), --resume and the run directory, quoted for a POSIX shell. A job of
+    several nodes continues through `launch`, which takes the same as overrides; its hostfile is
+    known only where `launch` ran, so that one word stays a placeholder."""
+    kept = [o for o in args.overrides if not o.startswith(_SAID_AS_FLAGS)]
+    if nodes > 1:
+        return shlex.join(["homelab-ft", "launch", "--hosts", "HOSTFILE", str(args.recipe), *kept,
+                           "train.resume=true", f"output.dir={run_dir}"])
+    cluster = ["--cluster", str(args.cluster)] if args.cluster else []
+    return shlex.join(["homelab-ft", "train", str(args.recipe), *kept, *cluster, "--resume", "--run-dir", str(run_dir)])
+
+
 def cmd_train(args) -> int:
     """Plan, check every input, then train here or under torchrun; nothing is created before the
     checks pass, and torchrun's workers reuse this process's plan instead of planning again."""
@@ -92,16 +111,17 @@ def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, overrides)
     base_dir = args.recipe.resolve().parent
     received = handoffs.received()
+    again = resume_command(args, run_dir=recipe.run_dir, nodes=received.rung.nodes if received else 1)
     if received is not None:
         log.info("received the launching machine's rung (%s) and checked inputs; not planning, probing the "
                  "hardware or checking again", received.rung.label)
         trainer.train(recipe, plan=received.plan, rung=received.rung,
-                      inputs=preflight.inputs_in_worker(recipe, received), base_dir=base_dir)
+                      inputs=preflight.inputs_in_worker(recipe, received), base_dir=base_dir, resume_command=again)
         return 0
     plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args))
     if handoffs.under_torchrun():
         # torchrun started by hand, without a handoff: every rank checks its own inputs.
-        trainer.train(recipe, plan=plan, rung=rung, base_dir=base_dir)
+        trainer.train(recipe, plan=plan, rung=rung, base_dir=base_dir, resume_command=again)
         return 0
     handoff, inputs = checked_handoff(recipe, plan=plan, rung=rung)
     _check_this_machine(recipe, plan=plan, rung=rung)
@@ -110,7 +130,7 @@ def cmd_train(args) -> int:
         # any worker starts.
         preflight.check_data(recipe, inputs, base_dir=base_dir)
         return launch.run_workers(recipe, str(args.recipe), overrides + common.verbosity_flags(args), handoff=handoff)
-    trainer.train(recipe, plan=plan, rung=rung, inputs=inputs, base_dir=base_dir)
+    trainer.train(recipe, plan=plan, rung=rung, inputs=inputs, base_dir=base_dir, resume_command=again)
     return 0
 
 

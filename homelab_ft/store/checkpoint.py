@@ -45,7 +45,7 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 ADAPTER = "adapter"
 """A LoRA run's adapter inside each checkpoint, as PEFT safetensors (what export and serving read)."""
 STATE_FILE = "trainer_state.json"
-"""Step, scheduler, data position and model identity; rewritten by every save."""
+"""Step, run length, scheduler, data position and model identity; rewritten by every save."""
 _TMP_PREFIX = ".tmp-"
 """A save in progress: `.tmp-step_000123` until it is complete and renamed."""
 
@@ -54,9 +54,15 @@ _TMP_PREFIX = ".tmp-"
 class TrainerState:
     step: int
     scheduler: dict
+    """LambdaLR's state at the save, for a reader: a resume rebuilds the schedule from `step` and
+    the run's length (train.optim.build_scheduler), so a changed length takes effect at once."""
     sampler: dict
     model_fingerprint: str
     world_size: int
+    max_steps: int | None = None
+    """The run's length when it saved (train.max_steps, or what train.num_epochs meant), for a
+    reader; the schedule of a resume follows its own length (train.optim.build_scheduler).
+    None in checkpoints written before it was recorded."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -100,7 +106,7 @@ def newest_intact(run_dir: Path, *, verbose: bool = True) -> Path | None:
             continue
         if damaged and verbose and _rank() == 0:
             log.warning("checkpoint %s is damaged; going back to %s (step %d)", "; ".join(damaged), path.name,
-                        _step_of(path))
+                        step_of(path))
         return path
     if damaged:
         raise UserError(
@@ -115,8 +121,8 @@ def verify(path: Path) -> TrainerState:
     with itself (folder name, manifest and trainer state give one step, data position and world
     size). Files are hashed in parallel: rank r hashes every world_size-th file."""
     m = manifest.read(path)
-    if m.step != _step_of(path):
-        raise manifest.DamagedCheckpoint(f"the folder says step {_step_of(path)}, its manifest step {m.step}")
+    if m.step != step_of(path):
+        raise manifest.DamagedCheckpoint(f"the folder says step {step_of(path)}, its manifest step {m.step}")
     manifest.check_sizes(path, m)
     names = sorted(m.files)
     problem = ""
@@ -147,7 +153,8 @@ def _read_state(path: Path) -> TrainerState:
         raise manifest.DamagedCheckpoint(f"trainer_state.json is unreadable ({type(err).__name__})") from None
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
+    """The step of a `step_N` checkpoint folder, from its name (`verify` checks it against the manifest)."""
     return int(_STEP_DIR.match(path.name).group(1))
 
 

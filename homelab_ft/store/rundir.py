@@ -23,8 +23,9 @@ checkpoint (AdamW's param groups, LambdaLR's base_lrs) and the data position wer
 saved values, so a new value would be ignored or would silently change which rows come next.
 The rows per optimizer step (micro_batch_size x grad_accum_steps x processes) are fixed too, but
 not how they are split: a run may resume on another number of processes with the same global batch
-(DCP reshards, and the data position is counted in rows). `train.max_steps` may change: the
-schedule then follows the new length from the resumed step."""
+(DCP reshards, and the data position is counted in rows). `train.max_steps` and `train.num_epochs`
+may change: the remaining steps then follow the schedule of a run of the new length from the
+resumed step (train.optim.build_scheduler; docs/recipes.md, "Resuming with another length")."""
 
 
 def check_run_dir(recipe: Recipe) -> Path | None:

@@ -17,14 +17,15 @@ from homelab_ft.errors import UserError
 from homelab_ft.train.optim_backward import OptimizerInBackward
 
 
-def lr_factor(step: int, *, train_cfg: TrainConfig) -> float:
-    """Multiplier of train.lr after `step` optimizer steps: linear warmup, then the decay."""
+def lr_factor(step: int, *, train_cfg: TrainConfig, max_steps: int) -> float:
+    """Multiplier of train.lr after `step` optimizer steps of a `max_steps` run: linear warmup,
+    then the decay to `min_lr_ratio` at `max_steps` (train.steps.total_steps: also for epochs)."""
     warmup = train_cfg.warmup_steps
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if train_cfg.lr_schedule == "constant":
         return 1.0
-    span = max(train_cfg.max_steps - warmup, 1)
+    span = max(max_steps - warmup, 1)
     progress = min((step - warmup) / span, 1.0)
     floor = train_cfg.min_lr_ratio
     if train_cfg.lr_schedule == "linear":
@@ -64,6 +65,22 @@ def make_optimizer(params: list[torch.nn.Parameter], *, train_cfg: TrainConfig) 
     return quant.make_optimizer(groups, train_cfg)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """`lr_factor` as torch's scheduler, so its state saves and resumes with the checkpoint."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train_cfg=train_cfg))
+def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainConfig, *, max_steps: int | None = None,
+                    start_step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_factor` of a `max_steps` run as torch's scheduler, positioned after `start_step` steps.
+
+    A resume builds it here rather than loading the saved scheduler state: the step is all the
+    schedule needs (LambdaLR's rate is base_lr x factor(step), nothing accumulates), and the saved
+    state carries the rate the old length gave, so loading it ran the first resumed step at the old
+    schedule's rate (0.0 at the end of a finished cosine run) before jumping to the new one. With
+    another `max_steps` the remaining steps therefore follow a run of the new length from
+    `start_step`; the steps already run followed the old length and cannot (docs/recipes.md).
+    `max_steps` defaults to train.max_steps; a `num_epochs` recipe passes train.steps.total_steps.
+    """
+    max_steps = train_cfg.max_steps if max_steps is None else max_steps
+    assert max_steps is not None, "train.num_epochs: pass the run's steps (train.steps.total_steps)"
+    for group in optimizer.param_groups:
+        # LambdaLR's base rate; a resumed optimizer's state already holds it (train.lr is fixed on resume).
+        group.setdefault("initial_lr", train_cfg.lr)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, train_cfg=train_cfg, max_steps=max_steps), last_epoch=start_step - 1)

@@ -1,4 +1,4 @@
-"""The arithmetic every rung shares, written once: token counts and loss normalisation.
+"""The arithmetic every rung shares, written once: token counts, loss normalisation, run length.
 
 torchtune's recipes each carried their own copy of this and the copies drifted (gradient
 accumulation was normalised differently in different recipes); here there is one copy.
@@ -6,10 +6,14 @@ accumulation was normalised differently in different recipes); here there is one
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from homelab_ft.config import TrainConfig
 from homelab_ft.data.templates import IGNORE_INDEX  # the one definition: transformers' -100
+from homelab_ft.errors import UserError
 
 
 def trained_tokens(labels: torch.Tensor) -> int:
@@ -52,3 +56,35 @@ def loss_scale(*, world_size: int, global_tokens: int) -> float:
     than through a custom divide factor matters on CPU: gloo rejects ReduceOp.PREMUL_SUM.
     """
     return world_size / max(global_tokens, 1)
+
+
+def total_steps(train_cfg: TrainConfig, *, batches_per_epoch: int) -> int:
+    """The optimizer steps of the run: `train.max_steps`, or what `train.num_epochs` means.
+
+    `batches_per_epoch` is the sampler's count of global micro-batches in one pass over the rows
+    after tokenising and packing (rows // (micro_batch_size x ranks): the incomplete last one is
+    dropped). Rounded up, so every row is seen at least `num_epochs` times; the sampler carries on
+    into the next epoch's order for the last step's remainder.
+    """
+    if train_cfg.num_epochs is None:
+        return train_cfg.max_steps
+    # Rounded to 1e-6 first: 0.1 epoch of 30 batches is 3.0000000000000004 in floats, and 3 steps.
+    return max(math.ceil(round(train_cfg.num_epochs * batches_per_epoch / train_cfg.grad_accum_steps, 6)), 1)
+
+
+def check_resume_point(train_cfg: TrainConfig, *, start_step: int, max_steps: int) -> None:
+    """Refuse a resume from a checkpoint past the run's length: it would train nothing and say nothing."""
+    if start_step > max_steps:
+        what = (f"train.num_epochs={train_cfg.num_epochs:g} ({max_steps} steps)" if train_cfg.num_epochs is not None
+                else f"train.max_steps={max_steps}")
+        raise UserError(f"--resume: the checkpoint is of step {start_step}, past {what}; raise it to continue, "
+                        "or export the checkpoint as it is")
+
+
+def length_note(train_cfg: TrainConfig, *, batches_per_epoch: int, world_size: int) -> str:
+    """What the start line adds about the run's length: how `num_epochs` became steps."""
+    if train_cfg.num_epochs is None:
+        return ""
+    processes = f"{world_size} process" + ("es" if world_size > 1 else "")
+    return (f" (train.num_epochs {train_cfg.num_epochs:g} of {batches_per_epoch} micro-batches: "
+            f"{train_cfg.micro_batch_size} rows x {processes} each, {train_cfg.grad_accum_steps} per step)")

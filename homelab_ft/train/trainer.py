@@ -10,6 +10,7 @@ gradient-sync switch during accumulation.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +45,14 @@ class TrainResult:
 
 
 def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: preflight.Inputs | None = None,
-          base_dir: Path | None = None) -> TrainResult:
-    """Run `recipe` to `train.max_steps`.
+          base_dir: Path | None = None, resume_command: str | None = None) -> TrainResult:
+    """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
     `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
     checked model folder and resume point when the caller (the CLI) already ran the checks;
     `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
-    the run directory.
+    the run directory. `resume_command`: what the stop line tells the user to run (the CLI knows the
+    recipe path and the overrides); default: the run directory's own recipe.yaml with --resume.
     """
     if rung is None:
         chosen = getattr(plan, "chosen", None)
@@ -60,7 +62,8 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
     with stopping.StopRequest(announce=env.is_main):
         try:
-            return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
+            return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir,
+                          resume_command=resume_command)
         except RuntimeError:
             if env.distributed and stopping.wait_for_request(seconds=2.0):
                 # A collective failed and torchrun asked us to stop: a peer rank died, and torchrun
@@ -89,19 +92,22 @@ class Session:
     start_step: int
     rung: Rung
     samples: samples.Samples
+    max_steps: int | None = None
+    """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
 
 
-def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> TrainResult:
+def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
+           resume_command: str | None) -> TrainResult:
     s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
     eval_loss = None
-    progress = progress_bar(s.start_step, cfg.max_steps, enabled=env.is_main and logs.info_enabled())
+    progress = progress_bar(s.start_step, s.max_steps, enabled=env.is_main and logs.info_enabled())
     # objective: dpo swaps the batch builder, the step and the evaluation; the loop stays one loop.
     dpo = recipe.objective == "dpo"
     collate_fn, step_fn = (collate_pairs, dpo_step) if dpo else (collate, train_step)
     loop_start = time.perf_counter()
-    for step in range(s.start_step + 1, cfg.max_steps + 1):
+    for step in range(s.start_step + 1, s.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [
             collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
@@ -112,7 +118,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         pair_metrics = more[0] if more else {}
         elapsed = time.perf_counter() - t0
         losses.append(loss)
-        last = step == cfg.max_steps
+        last = step == s.max_steps
         if step % cfg.log_every == 0 or last:
             s.logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": read,
                           "trained_tokens": trained, "tokens_per_s": read / elapsed, "epoch": s.sampler.epoch,
@@ -132,7 +138,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         if signum:
             progress.close()
             s.logger.close()
-            raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now))
+            raise _stopped(recipe, env=env, step=step, signum=signum, saved=bool(save_now), command=resume_command)
     progress.close()
     s.logger.close()
     layout = RunDir(recipe.run_dir)
@@ -140,7 +146,7 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         plot_loss(layout.metrics_file, layout.loss_plot)
         log.info("run directory: %s (%s, %s, %s/)", recipe.run_dir, layout.metrics_file.name, layout.loss_plot.name,
                  layout.checkpoints.name)
-    return TrainResult(run_dir=recipe.run_dir, step=cfg.max_steps, losses=losses, eval_loss=eval_loss)
+    return TrainResult(run_dir=recipe.run_dir, step=s.max_steps, losses=losses, eval_loss=eval_loss)
 
 
 def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
@@ -163,22 +169,22 @@ def _save(s: Session, *, step: int) -> None:
         sampler=s.sampler.state_dict(),
         model_fingerprint=s.fingerprint,
         world_size=s.env.world_size,
+        max_steps=s.max_steps,
     )
     checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
 
-def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool) -> Stopped:
-    """The one line that ends a stopped run: where it stopped and how to continue (rank 0 says it)."""
+def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool, command: str | None) -> Stopped:
+    """The one line that ends a stopped run: where it stopped and the command that continues it
+    (rank 0 says it): the CLI's, naming the recipe and overrides it ran with, else the run's own
+    recipe.yaml, which holds every override already."""
     if not env.is_main:
         return Stopped("", signum=signum)
     latest = checkpoint.latest(recipe.run_dir)
     kept = (f"checkpoint of step {step} written" if saved
             else f"no checkpoint written (train.save_on_interrupt=false); newest: {latest.name if latest else 'none'}")
-    return Stopped(
-        f"{stopping.name(signum)} after step {step}; {kept}; continue with: homelab-ft train RECIPE --resume "
-        f"--run-dir {recipe.run_dir}",
-        signum=signum,
-    )
+    command = command or f"homelab-ft train {shlex.quote(str(RunDir(recipe.run_dir).recipe_file))} --resume"
+    return Stopped(f"{stopping.name(signum)} after step {step}; {kept}; continue with: {command}", signum=signum)
 
 
 def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
@@ -263,6 +269,11 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
+    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
+                                world_size=env.world_size, shuffle=recipe.data.shuffle)
+    max_steps = steps.total_steps(cfg, batches_per_epoch=sampler.batches_per_epoch)
+    if inputs.resume_from is not None:  # the run's length is known now, before the run directory is touched
+        steps.check_resume_point(cfg, start_step=checkpoint.step_of(inputs.resume_from), max_steps=max_steps)
     comm.barrier(env)  # every rank has passed its checks before the main rank writes
     if env.is_main:
         init_run_dir(recipe, resume_from=inputs.resume_from)
@@ -281,9 +292,6 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
     trainable, total = loading.count_params(model)
     optimizer = optim.build_optimizer(model, cfg)
-    scheduler = optim.build_scheduler(optimizer, cfg)
-    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
-                                world_size=env.world_size, shuffle=recipe.data.shuffle)
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
         _write_run_info(recipe.run_dir, rung=rung, plan=plan, model_dir=model_dir, world_size=env.world_size, total=total)
@@ -291,18 +299,20 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     start = 0
     if inputs.resume_from is not None:
         state = checkpoint.load(inputs.resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint)
-        scheduler.load_state_dict(state.scheduler)
         sampler.load_state_dict(state.sampler)
         start = state.step
+    # After the resume: the schedule of this run's length at its step, not the saved one (optim.py).
+    scheduler = optim.build_scheduler(optimizer, cfg, max_steps=max_steps, start_step=start)
     if cfg.resume:  # also with no checkpoint: rows of a run killed before its first save go
         logger.truncate_after(start)
     log.info(data.report.summary())
-    log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d",
+    log.info("%s (%s): %s trainable of %s parameters on %d x %s; %d training rows; steps %d..%d%s",
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
-             len(data.train), start + 1, cfg.max_steps)
+             len(data.train), start + 1, max_steps,
+             steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
     return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung, samples=sampled)
+                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):

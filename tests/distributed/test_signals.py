@@ -103,6 +103,9 @@ def test_sigterm_then_a_killed_rank(tmp_path, tiny_model_dir):
     assert proc.returncode == 143, err
     said = [line for line in err.splitlines() if line.startswith("homelab-ft:")]
     assert len(said) == 1 and "SIGTERM after step" in said[0] and "Traceback" not in err, err
+    # rank 0 of torchrun's workers says it: the recipe as typed, the run directory, not the overrides
+    # the launching process made of the flags (issue 24, item 6)
+    assert said[0].endswith(f"continue with: homelab-ft train {two} --resume --run-dir {run}"), err
     stopped = checkpoint.verify(checkpoint.newest_intact(run)).step
     assert checkpoint.verify(checkpoint.newest_intact(run)).world_size == 2
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -236,11 +237,15 @@ def test_sigterm_stops_with_a_checkpoint_and_one_writer_per_run(trained, tmp_pat
             proc.kill()
     assert proc.returncode == 143, err
     lines = [line for line in err.splitlines() if line.startswith("homelab-ft:")]
-    assert len(lines) == 1 and "SIGTERM after step" in lines[0] and "--resume" in lines[0], err
+    assert len(lines) == 1 and "SIGTERM after step" in lines[0], err
+    # The line names the real recipe and the overrides the run was started with (issue 24, item 6).
+    again = f"homelab-ft train {recipe} train.max_steps=100000 train.save_every=0 --resume --run-dir {run}"
+    assert lines[0].endswith(f"continue with: {again}"), err
     ckpt = checkpoint.newest_intact(run)
     stopped = checkpoint.verify(ckpt).step
     assert stopped >= 1
-    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", f"train.max_steps={stopped + 2}"]) == 0
+    # ... and it runs as printed (one override more, for a short test: the later value wins).
+    assert main([*shlex.split(again)[1:], f"train.max_steps={stopped + 2}"]) == 0
     # the reference: the same recipe run without a stop to the same step
     reference = tmp_path / "reference"
     assert main(["train", str(recipe), "--run-dir", str(reference), f"train.max_steps={stopped + 2}",
