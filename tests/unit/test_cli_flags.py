@@ -114,3 +114,23 @@ def test_data_inspect_refuses_a_config_only_folder_as_train_does(capsys, tmp_pat
         messages.append(capsys.readouterr().err.strip())
     assert messages[0] == messages[1]
     assert "has config.json but no weights" in messages[0] and len(messages[0].splitlines()) == 1
+
+
+def test_a_log_line_to_a_closed_pipe_stops_the_command_without_a_logging_traceback(monkeypatch, capsys):
+    """Information is logged to stdout: a closed pipe there reaches the CLI's quiet exit, not
+    logging's "--- Logging error ---" traceback on stderr (and the command does not run on)."""
+    import logging
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    logs.configure(logs.NORMAL)
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    with pytest.raises(BrokenPipeError):
+        logging.getLogger("homelab_ft.cli.test").info("a line for a reader that is gone")
+    monkeypatch.undo()
+    assert "Logging error" not in capsys.readouterr().err
