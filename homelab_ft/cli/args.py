@@ -6,11 +6,9 @@ import argparse
 from pathlib import Path
 
 
-def verbosity(default=0) -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-q", "--quiet", action="count", default=default, help="only warnings and errors")
-    common.add_argument("-v", "--verbose", action="count", default=default, help="more detail (debug messages)")
-    return common
+def add_verbosity(p: argparse.ArgumentParser, *, default=0) -> None:
+    p.add_argument("-q", "--quiet", action="count", default=default, help="only warnings and errors, no progress bars")
+    p.add_argument("-v", "--verbose", action="count", default=default, help="more detail (debug messages)")
 
 
 def verbosity_flags(args) -> list[str]:

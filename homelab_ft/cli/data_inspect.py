@@ -18,10 +18,7 @@ GREEN, RESET = "\033[1;32m", "\033[0m"
 
 def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str:
     """Load the recipe's tokenizer, prepare its data exactly as training would, describe it."""
-    from homelab_ft.model import loading
-
-    model_dir = None if recipe.model.tokenizer else loading.resolve_model_dir(recipe.model.path)
-    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    tokenizer = checked_tokenizer(recipe)
     prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
     return describe(prepared, tokenizer, recipe.data, color=color) + "\n\n" + length_line(recipe, len(prepared.train))
 
@@ -44,6 +41,24 @@ def length_line(recipe: Recipe, num_rows: int) -> str:
     what = f"train.num_epochs {cfg.num_epochs:g}" if cfg.num_epochs is not None else f"train.max_steps {total}"
     return (f"run length: {what} = {total} optimizer steps = {epochs:.2f} epochs of {sampler.batches_per_epoch} "
             f"micro-batches ({cfg.micro_batch_size} rows x {recipe.world_size} processes, {cfg.grad_accum_steps} per step)")
+
+
+def checked_tokenizer(recipe: Recipe):
+    """The tokenizer training would use, after the model-folder checks `train` makes first, so a
+    folder that is only a config.json gets the same one-line message here as there (not the first
+    line of the error transformers raises on a folder without a vocabulary)."""
+    from homelab_ft.locate import locate
+    from homelab_ft.model import loading
+    from homelab_ft.train import preflight
+
+    if recipe.model.tokenizer:
+        preflight.check_tokenizer(recipe.model.tokenizer, None)
+        return loading.load_tokenizer(recipe.model, None)
+    where = locate(recipe.model.path)
+    model_dir = loading.resolve_model_dir(where)
+    preflight.check_model_files(model_dir, converted=where.is_gguf)
+    preflight.check_tokenizer(None, model_dir)
+    return loading.load_tokenizer(recipe.model, model_dir)
 
 
 def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool) -> str:

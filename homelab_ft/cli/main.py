@@ -2,7 +2,8 @@
 module beside this one (plan.py, train.py, cluster.py, export.py). Thin: parse, call one function, print.
 
 A `UserError` anywhere below becomes one line on stderr and exit code 2; anything else is our bug
-and keeps its traceback.
+and keeps its traceback. A reader that goes away (`homelab-ft plan r.yaml | head -1`) ends the
+command quietly with 141, the status `head`'s writer gets from SIGPIPE in a shell.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import os
 import sys
 import warnings
 
-from homelab_ft.cli.args import verbosity
+from homelab_ft.cli.args import add_verbosity
 from homelab_ft.errors import UserError
+
+EXIT_BROKEN_PIPE = 128 + 13
+"""128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer, so `set -o pipefail` scripts see the same."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,21 +48,33 @@ def _offline_and_quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
-def _run(argv: list[str] | None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line; overrides may come after options (`train r.yaml --resume
+    train.lr=1e-4`), which argparse's positional handling alone does not allow."""
     parser = build_parser()
-    # Overrides may come after options (`train r.yaml --resume train.lr=1e-4`), which argparse's
-    # positional handling alone does not allow.
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if "=" not in a or a.startswith("-")]
     if stray or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    return args
+
+
+def _run(argv: list[str] | None) -> int:
+    args = parse_args(argv)
     from homelab_ft import logs
 
     logs.configure(args.verbose - args.quiet)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader is gone: point stdout at /dev/null so the interpreter's own final flush
+        # does not raise again (the recipe in Python's signal module documentation).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except UserError as err:
         if str(err):  # empty on the ranks that leave the telling to rank 0
             print(f"homelab-ft: {err.label}: {err}", file=sys.stderr)
@@ -69,17 +85,26 @@ def _run(argv: list[str] | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from homelab_ft.cli import cluster, export, plan, train
+    from homelab_ft.cli import chat, cluster, export, plan, train
 
-    parser = argparse.ArgumentParser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.",
-                                     parents=[verbosity()])
+    parser = argparse.ArgumentParser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.")
+    add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # Every subcommand takes -q/-v too, after its own arguments (`homelab-ft train r.yaml -q`).
-    original = sub.add_parser
-    sub.add_parser = lambda *a, **kw: original(*a, parents=[verbosity(default=argparse.SUPPRESS)], **kw)
     for add in (plan.add_plan, train.add_train, export.add_export, export.add_generate, train.add_demo,
-                plan.add_recipes, plan.add_data, cluster.add_launch, cluster.add_doctor):
+                plan.add_recipes, plan.add_data, cluster.add_launch, cluster.add_doctor, chat.add_chat):
         add(sub)
-    from homelab_ft.cli.chat import add_chat  # talk to a run's checkpoint (issue 24 item 12)
-    add_chat(sub)
+    # Every subcommand, nested ones too (`data inspect`), takes -q/-v after its own arguments
+    # (`homelab-ft data inspect r.yaml -q`); SUPPRESS keeps a -q given before the command.
+    for _, command in subcommands(parser):
+        if "--quiet" not in command._option_string_actions:
+            add_verbosity(command, default=argparse.SUPPRESS)
     return parser
+
+
+def subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(name path, parser) of every subcommand below `parser`, depth first: ("data",), ("data", "inspect")."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, command in action.choices.items():
+                yield (*path, name), command
+                yield from subcommands(command, (*path, name))

@@ -66,32 +66,58 @@ def gguf_content_key(gguf_path: Path) -> str:
 def convert_gguf(gguf_path: Path) -> Path:
     """Dequantize a GGUF file into a HF directory under cache_root(), once per file content.
 
-    The directory is written under a temporary name and renamed when complete, so an interrupted
-    conversion is redone rather than half-loaded.
+    The copy is fp32 safetensors, 4 bytes per parameter whatever the GGUF's type (538 MB for the
+    embedded 98 MB SmolLM2-135M, ~32 GB for an 8B), so the user is told where it goes and how big
+    before it is written, and a disk without room for it is refused first. The directory is written
+    under a temporary name and renamed when complete, so an interrupted conversion is redone rather
+    than half-loaded.
     """
     out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
     if (out / "config.json").is_file():
-        return out  # these bytes were checked and converted before
+        log.info("%s: reusing its fp32 copy in %s (%s), converted on an earlier run", gguf_path.name, out,
+                 format_size(sum(f.stat().st_size for f in out.iterdir() if f.is_file())))
+        return out
     from filelock import FileLock
 
     from homelab_ft.locate import read_gguf
 
     # Parsing the header and tensor index takes seconds for a large file, so only a file about to
     # be converted is checked: a damaged one is refused in one line, before anything is written.
-    read_gguf(gguf_path)
+    num_bytes = FP32_BYTES * sum(int(t.n_elements) for t in read_gguf(gguf_path).tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(out.parent, num_bytes=num_bytes, gguf_path=gguf_path)
     # Several processes (torchrun ranks, two runs) may ask at once: one converts, the rest wait.
     with FileLock(str(out) + ".lock"):
         if not (out / "config.json").is_file():
+            log.info("%s: dequantizing to an fp32 Hugging Face copy of %s in %s (GGUF blocks can be neither "
+                     "trained nor saved); written once, the next run with this file reuses it",
+                     gguf_path.name, format_size(num_bytes), out)
             _convert(gguf_path, out)
     return out
+
+
+FP32_BYTES = 4
+"""Bytes per parameter of the converted copy: transformers dequantizes GGUF blocks to fp32."""
+
+
+def check_free_space(folder: Path, *, num_bytes: int, gguf_path: Path) -> None:
+    """Refuse before converting when `folder`'s disk cannot take the copy (the weights; the
+    tokenizer files add a few MB), instead of failing with ENOSPC halfway through the write."""
+    free = shutil.disk_usage(folder).free
+    if free < num_bytes:
+        raise UserError(f"model.path: dequantizing {gguf_path.name} writes an fp32 copy of {format_size(num_bytes)} to "
+                        f"{folder}, but that disk has {format_size(free)} free; free some space there, or set "
+                        "HOMELAB_FT_CACHE to a folder on a disk with room")
+
+
+def format_size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    log.info("converting %s to a Hugging Face model in %s (once)", gguf_path.name, out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         # dequantize=True leaves a plain dense model with no GGUF quantizer attached; with the

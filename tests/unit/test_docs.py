@@ -1,0 +1,96 @@
+"""What the docs claim holds: every Markdown table renders as a table, and `help()` of a recipe
+section shows its fields' docstrings (docs/recipes.md says it does)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pydoc
+import re
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+
+from homelab_ft import config
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+
+
+def table_problems(text: str) -> list[str]:
+    """Source lines that look like table rows (`| ... |`) but are not rendered inside a table (a
+    blank line or a missing delimiter row turns them into a paragraph of raw text), and rows whose
+    cell count differs from their header's (markdown-it pads or drops cells silently)."""
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    in_table, in_code = set(), set()
+    for token in tokens:
+        if token.type == "table_open":
+            in_table.update(range(*token.map))
+        elif token.type in ("fence", "code_block", "html_block"):
+            in_code.update(range(*token.map))
+    lines = text.splitlines()
+    problems = []
+    header_cells = None
+    for i, line in enumerate(lines):
+        if i in in_code or not line.lstrip().startswith("|"):
+            header_cells = None
+            continue
+        if i not in in_table:
+            problems.append(f"line {i + 1} is not part of a table: {line[:60]}")
+            continue
+        cells = len(re.split(r"(?<!\\)\|", line.strip().strip("|")))
+        if header_cells is None:
+            header_cells = cells
+        elif cells != header_cells:
+            problems.append(f"line {i + 1} has {cells} cells, its header {header_cells}: {line[:60]}")
+    return problems
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_table_renders(path):
+    assert table_problems(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_check_catches_a_blank_line_and_a_short_row():
+    table = "| a | b |\n|---|---|\n| 1 | 2 |\n"
+    assert table_problems(table) == []
+    assert table_problems(table + "\n| 3 | 4 |\n") == ["line 5 is not part of a table: | 3 | 4 |"]
+    assert table_problems(table + "| 3 |\n") == ["line 4 has 1 cells, its header 2: | 3 |"]
+    assert table_problems("```\n| not | a table |\n```\n") == []
+
+
+SECTIONS = [obj for obj in vars(config).values()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == config.__name__]
+
+
+@pytest.mark.parametrize("cls", SECTIONS, ids=lambda c: c.__name__)
+def test_help_shows_every_field_and_its_docstring(cls):
+    shown = pydoc.render_doc(cls, renderer=pydoc.plaintext)
+    for field in dataclasses.fields(cls):
+        assert f"{field.name}: " in shown
+        description = cls.__pydantic_fields__[field.name].description
+        if description:
+            assert description.splitlines()[0] in shown, field.name
+
+
+def test_help_of_train_config_as_docs_recipes_md_runs_it():
+    shown = pydoc.render_doc(config.TrainConfig, renderer=pydoc.plaintext)
+    assert "max_steps: PositiveInt = 100" in shown
+    assert "Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples)." in shown
+    assert "help(TrainConfig)" in (REPO / "docs" / "recipes.md").read_text()
+
+
+def test_the_llama_1b_recipe_comment_is_the_plan():
+    """The comment's per-GPU items are the planner's, in its order, and add up to its total."""
+    from homelab_ft.plan.planner import plan_for_recipe
+
+    path = REPO / "recipes" / "llama-1b-full-2x24gb.yaml"
+    m = plan_for_recipe(config.load_recipe(path)).chosen.memory
+    planned = [m.weights, m.gradients, m.optimizer, m.gathered, m.gradients_in_backward - m.gradients,
+               m.activations, m.logits, m.context + m.fragmentation]
+    comment = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    items = [re.search(r"\(?(\d+\.\d\d)\)?$", line) for line in comment]
+    values = [(float(x.group(1)), x.group(0).startswith("(")) for x in items if x]
+    assert [v for v, _ in values] == [round(b / 2**30, 2) for b in planned]
+    peak = sum(b for b, (_, aside) in zip(planned, values, strict=True) if not aside)
+    assert peak == m.total and f"`homelab-ft plan`: {m.total / 2**30:.1f} GiB per GPU" in "\n".join(comment)
