@@ -11,7 +11,6 @@ pydantic does the type checking and coercion; recipe_io.py reads the YAML, appli
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,7 +18,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
-from homelab_ft.recipe_io import apply_overrides, explain, read_yaml_mapping, write_yaml
+from homelab_ft.recipe_io import apply_overrides, explain, read_yaml_mapping, with_field_docs, write_yaml
 from homelab_ft.rung import METHODS, OPTIMIZERS, STRATEGIES
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -329,23 +328,9 @@ class Recipe:
         return Path(self.output.dir) if self.output.dir else Path("runs") / self.name
 
 
-def _with_field_docs(cls: type) -> str:
-    """The class docstring followed by every field (`name: type = default`) and the docstring
-    written under it, so `help(TrainConfig)` shows them: pydantic reads those docstrings into each
-    field's `description` (use_attribute_docstrings), but help() shows only the class's `__doc__`."""
-    own = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(") else ""  # not the dataclass signature
-    lines = [inspect.cleandoc(own), "", "Fields:"] if own else ["Fields:"]
-    for field in dataclasses.fields(cls):
-        info = cls.__pydantic_fields__[field.name]
-        default = f"{info.default_factory.__name__}()" if info.default_factory else repr(info.default)
-        lines.append(f"    {field.name}: {field.type} = {default}")
-        lines += [f"        {line}" for line in (info.description or "").splitlines()]
-    return "\n".join(lines)
-
-
 for _section in [obj for obj in list(globals().values())
                  if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__]:
-    _section.__doc__ = _with_field_docs(_section)
+    _section.__doc__ = with_field_docs(_section)
 
 _RECIPE_ADAPTER = TypeAdapter(Recipe)
 

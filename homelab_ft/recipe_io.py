@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -145,3 +146,17 @@ def _dataclass_in(annotation) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def with_field_docs(cls: type) -> str:
+    """The class docstring followed by every field (`name: type = default`) and the docstring
+    written under it, so `help(TrainConfig)` shows them: pydantic reads those docstrings into each
+    field's `description` (use_attribute_docstrings), but help() shows only the class's `__doc__`."""
+    own = cls.__doc__ if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}(") else ""  # not the dataclass signature
+    lines = [inspect.cleandoc(own), "", "Fields:"] if own else ["Fields:"]
+    for field in dataclasses.fields(cls):
+        info = cls.__pydantic_fields__[field.name]
+        default = f"{info.default_factory.__name__}()" if info.default_factory else repr(info.default)
+        lines.append(f"    {field.name}: {field.type} = {default}")
+        lines += [f"        {line}" for line in (info.description or "").splitlines()]
+    return "\n".join(lines)

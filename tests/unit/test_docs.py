@@ -75,8 +75,8 @@ def test_help_shows_every_field_and_its_docstring(cls):
 
 def test_help_of_train_config_as_docs_recipes_md_runs_it():
     shown = pydoc.render_doc(config.TrainConfig, renderer=pydoc.plaintext)
-    assert "max_steps: PositiveInt = 100" in shown
-    assert "Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples)." in shown
+    assert "max_steps: PositiveInt | None = None" in shown
+    assert "Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples); 100" in shown
     assert "help(TrainConfig)" in (REPO / "docs" / "recipes.md").read_text()
 
 
