@@ -159,3 +159,10 @@ def test_nothing_below_the_cli_prints():
         wrong += [f"{module}:{node.lineno}" for node in ast.walk(tree)
                   if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and id(node) not in allowed]
     assert not wrong, f"print() below the CLI: {wrong}"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test files by basename (no packages under tests/): two test_x.py in different
+    folders stop the whole collection with an 'import file mismatch'."""
+    names = [p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
