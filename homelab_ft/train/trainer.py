@@ -208,7 +208,7 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
                                         compiled=s.recipe.train.compile)
             (summed * scale).backward()
         loss_sum += summed.detach()
-    if s.recipe.train.optimizer_in_backward:  # every parameter already stepped from its gradient hook
+    if s.rung.optimizer_in_backward:  # every parameter already stepped from its gradient hook
         grad_norm = s.optimizer.grad_norm(env)
     else:
         grad_norm = comm.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
