@@ -306,8 +306,11 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
     from homelab_ft.cluster import clusterfile, doctor_report
 
     values = doctor_report.cluster_values(nodes, links)
-    needs = plan_needs(recipe, values, label=recipe_path) if recipe is not None else None
-    lines = doctor_report.all_lines(nodes, links, needs=needs,
+    wants_cuda = cuda_key(recipe) if recipe is not None else None
+    on_cpu = wants_cuda is not None and values["device"] != "cuda"
+    # a CUDA recipe on CPU-only ranks FAILs on its device line; planning it for the CPU would mislead
+    needs = plan_needs(recipe, values, label=recipe_path) if recipe is not None and not on_cpu else None
+    lines = doctor_report.all_lines(nodes, links, needs=needs, wants_cuda=wants_cuda,
                                     assumed_gbit=recipe.cluster.inter_link_gbit if recipe is not None else None)
     device = "NCCL (CUDA)" if nodes[0].device == "cuda" else "gloo (CPU)"
     title = (f"homelab-ft doctor: {len(nodes)} node(s) x {values['gpus_per_node']} process(es), {device}"
@@ -324,6 +327,15 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
             return Outcome(code=2, table=table, error=f"--out {out}: cannot write it ({err.strerror}); choose a "
                                                       "path this user can write on the head node")
     return Outcome(code=doctor_report.exit_code(lines), table=table, written=out)
+
+
+def cuda_key(recipe) -> str | None:
+    """The recipe key that asks for CUDA (`train.device=cuda` or `cluster.device=cuda`), or None."""
+    if recipe.train.device == "cuda":
+        return "train.device=cuda"
+    if recipe.cluster.device == "cuda":
+        return "cluster.device=cuda"
+    return None
 
 
 def plan_needs(recipe, values: dict, *, label: str) -> Needs:

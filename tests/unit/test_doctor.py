@@ -302,3 +302,20 @@ def test_plan_needs_prices_the_recipe_on_the_measured_cluster():
     assert other.option is None and "set cluster.nodes=3 cluster.gpus_per_node=1" in other.problem
     tight = doctor_rank.plan_needs(recipe, {**measured, "host_ram_gib": 0.01}, label="r.yaml")
     assert tight.option is None and tight.problem == ""  # priced with the measured RAM: nothing fits in 10 MiB
+
+
+def test_a_cuda_recipe_on_a_cpu_build_of_torch_fails_with_the_fix():
+    """Issue 24 item 5: this used to print 0 FAIL and a plan for the CPU."""
+    cpu_build = node("a", device="cpu", gpus=[], nproc=1, versions={**VERSIONS, "cuda": None, "torch": "2.13.0+cpu"})
+    recipe = recipe_from_dict({"method": "lora", "model": {"path": "smollm2"}, "train": {"device": "cuda"}})
+    outcome = doctor_rank._report([cpu_build], [], recipe=recipe, recipe_path="r.yaml", out=None)
+    assert outcome.code == 2
+    assert "train.device=cuda, but torch 2.13.0+cpu is a CPU-only build" in outcome.table
+    assert "install a CUDA build of torch" in outcome.table and "set train.device=cpu" in outcome.table
+    assert "\nplan " not in outcome.table  # not priced for the CPU it would not run on
+    no_gpu = report.device_lines([node("a", device="cpu", gpus=[])], wants_cuda="cluster.device=cuda")[0]
+    assert no_gpu.verdict == FAIL and "sees no GPU" in no_gpu.result and "CUDA_VISIBLE_DEVICES" in no_gpu.fix
+    assert report.device_lines([node("a")], wants_cuda="train.device=cuda") == []
+    assert report.device_lines([cpu_build], wants_cuda=None) == []
+    cpu_recipe = recipe_from_dict({"method": "lora", "model": {"path": "smollm2"}, "train": {"device": "cpu"}})
+    assert doctor_rank.cuda_key(cpu_recipe) is None
