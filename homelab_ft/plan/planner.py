@@ -134,8 +134,8 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     r, c = request, cluster
     tries: list[tuple[str, PlanRequest, Cluster]] = []
     # The cheap savers first: they cost a little compute, never a rung or a GPU.
-    if r.loss_chunk_tokens <= 0:
-        tries.append(("train.loss_chunk_tokens=128", dataclasses.replace(r, loss_chunk_tokens=128), c))
+    if r.loss_chunk_tokens == 0:
+        tries.append(("train.loss_chunk_tokens=auto", dataclasses.replace(r, loss_chunk_tokens="auto"), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
     if c.device == "cuda" and not r.activation_offload:

@@ -84,7 +84,7 @@ def test_8b_on_24gb_rejects_lora_with_numbers():
     # the cheap saver comes first among the suggestions, before a lighter rung or more GPUs
     p = plan(shape("llama-3-8b"), request=dataclasses.replace(full_logits, method="lora", strategy="no_shard"),
              cluster=gpus(1))
-    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=128: lora no_shard +ckpt fits")
+    assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=auto: lora no_shard +ckpt fits")
 
 
 def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
@@ -184,7 +184,7 @@ def test_nothing_fits_gives_closest_and_what_would_fit():
     p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
     assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
     assert p.closest.label == "lora no_shard +act-off"  # the leanest saver level of the requested option
-    for change in ("train.loss_chunk_tokens=128", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
+    for change in ("train.loss_chunk_tokens=auto", "train.micro_batch_size=1", "sharding.cpu_offload=true"):
         assert any(s.startswith(change) or f" {change}" in s.split(":")[0] for s in p.suggestions), (change, p.suggestions)
     need = next(s for s in p.suggestions if s.startswith("GPUs with >="))
     assert f"{p.closest.memory.total / 0.9 / GiB:.1f} GiB" in need
@@ -480,3 +480,25 @@ def test_a_clearly_faster_option_beats_fewer_moving_parts():
     assert faster.step_s < plain.step_s * (1 - STEP_TIME_TIE)
     assert choose((plain, faster), request=request) is faster
     assert choose((plain, offload), request=request) is plain
+
+
+def test_auto_loss_chunks_are_priced_by_logits_as_they_run():
+    """Issue 24 item 11: the logits item and the head's recompute follow loss_chunks exactly."""
+    from homelab_ft.plan.network import compute_s
+
+    request = dataclasses.replace(LONG, micro_batch_size=2)
+    assert request.loss_chunk_tokens == "auto"
+    tokens = 2 * 2048
+    mistral = shape("mistral-7b-v0.1")  # 32,000 entries: 513 tokens a chunk (not 128)
+    cluster = gpus(1)
+    est = estimate(mistral, rung=option_rung("qlora", "no_shard", False, request=request, cluster=cluster),
+                   request=request, cluster=cluster)
+    assert est.memory.logits == 513 * 32000 * 14 + 2 * tokens * 4096 * 2
+    small = dataclasses.replace(shape("llama-3.2-1b"), vocab_size=320)  # one chunk: the whole micro-batch
+    est = estimate(small, rung=option_rung("lora", "no_shard", False, request=request, cluster=cluster),
+                   request=request, cluster=cluster)
+    assert est.memory.logits == tokens * 320 * 14 + 2 * tokens * small.hidden_size * 2
+    # one chunk is not recomputed: the step is the unchunked one's, while 128-token chunks pay the head again
+    unchunked = compute_s(small, "lora", dataclasses.replace(request, loss_chunk_tokens=0), cluster)
+    fixed = compute_s(small, "lora", dataclasses.replace(request, loss_chunk_tokens=128), cluster)
+    assert compute_s(small, "lora", request, cluster) == unchunked < fixed
