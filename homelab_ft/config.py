@@ -229,7 +229,13 @@ class ClusterConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """What the planner plans for; `cpu` plans host RAM as the device memory."""
     gpu_name: str | None = None
-    """GPU model name (as nvidia-smi prints it) for its throughput; default: detected on this machine."""
+    """GPU model name (as nvidia-smi prints it, e.g. `NVIDIA GeForce RTX 4060 Ti`, or just `4060 Ti`):
+    the plan looks up its throughput in the GPU table (plan/gpus.py); default: detected on this
+    machine. Unset with `--gpus`, or a card the table lacks: priced as the table's slowest card
+    with that much memory, and the plan says so."""
+    gpu_tflops: Annotated[float, Field(gt=0)] | None = None
+    """Dense bf16 matmul TFLOPS one GPU reaches, as `homelab-ft doctor` measures it (written to the
+    cluster file); replaces the GPU table's figure in the plan."""
     inter_latency_ms: Annotated[float, Field(ge=0)] | None = None
     """Latency of a small collective between nodes; default: the planner's assumption for Ethernet."""
     intra_link_gbit: Annotated[float, Field(gt=0)] | None = None

@@ -79,10 +79,42 @@ def gpu_facts() -> tuple[list[dict], list[list[int]]]:
         props = torch.cuda.get_device_properties(i)
         # bf16 tensor cores arrived with Ampere (compute capability 8.0); older GPUs emulate it slowly
         gpus.append({"name": props.name, "memory_bytes": int(props.total_memory),
-                     "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8})
+                     "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8,
+                     "matmul_tflops": round(matmul_tflops(torch.device("cuda", i), bf16=props.major >= 8), 1)})
     no_peer = [[a, b] for a in range(count) for b in range(a + 1, count)
                if not (torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a))]
     return gpus, no_peer
+
+
+MATMUL_SIZE = 8192
+"""A square bf16 matmul this big (1.1 TFLOP) keeps every tensor core of the largest GPUs busy
+(cuBLAS reaches its plateau from ~4096 on an H100) and takes 5-45 ms on homelab cards."""
+MATMUL_TIME_S = 0.3
+
+
+def matmul_tflops(device, *, bf16: bool = True) -> float:
+    """Dense matmul throughput of one GPU in TFLOPS: a timed MATMUL_SIZE^3 matmul, in bf16 (fp16 on
+    GPUs without bf16), repeated for about MATMUL_TIME_S after two untimed ones, best of the timed
+    runs (the planner's peak figure; gpus.throughput applies its MFU to it)."""
+    import torch
+
+    n = MATMUL_SIZE
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        torch.matmul(a, b)
+    torch.cuda.synchronize(device)
+    best, spent = float("inf"), 0.0
+    while spent < MATMUL_TIME_S or best == float("inf"):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        best, spent = min(best, seconds), spent + seconds
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / best / 1e12
 
 
 def local_address() -> str:

@@ -123,6 +123,8 @@ def gpu_lines(nodes: list[NodeFacts]) -> list[Line]:
         kinds: dict[str, int] = {}
         for g in n.gpus:
             label = f"{g['name']} {g['memory_bytes'] / GiB:.1f} GiB, cc {g['capability']}, bf16 {'yes' if g['bf16'] else 'no'}"
+            if g.get("matmul_tflops"):
+                label += f", matmul {g['matmul_tflops']:g} TFLOPS"
             kinds[label] = kinds.get(label, 0) + 1
         result = "; ".join(f"{count}x {label}" for label, count in kinds.items())
         if any(not g["bf16"] for g in n.gpus):
@@ -300,6 +302,9 @@ def cluster_values(nodes: list[NodeFacts], links: list[LinkResult]) -> dict:
         smallest = min(gpus, key=lambda g: g["memory_bytes"])
         values["vram_gib"] = round(smallest["memory_bytes"] / GiB, 2)
         values["gpu_name"] = smallest["name"]
+        measured = [g["matmul_tflops"] for g in gpus if g.get("matmul_tflops")]
+        if measured:  # the slowest GPU sets every step's pace
+            values["gpu_tflops"] = min(measured)
         values["intra_link"] = "nvlink" if all(n.nvlink for n in nodes) else "pcie"
     values["host_ram_gib"] = round(min(n.host_ram_bytes for n in nodes) / GiB, 2)
     for scope, prefix in (("inter-node", "inter"), ("intra-node", "intra")):

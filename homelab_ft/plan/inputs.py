@@ -40,7 +40,9 @@ class Cluster:
     intra_link: Literal["pcie", "nvlink"] = "pcie"
     inter_link_gbit: float = 1.0
     tflops: float = 40.0
-    """Sustained training throughput per device in TFLOPS (peak x utilisation; see hardware.py)."""
+    """Sustained training throughput per device in TFLOPS (peak x utilisation; gpus.throughput)."""
+    tflops_source: str = ""
+    """Which peak `tflops` comes from and where (gpus.throughput), shown in the plan."""
     source: str = "recipe"
     """Where the description came from (recipe, flags, detected, a cluster file), shown in the plan."""
     inter_link_measured: bool = False

@@ -50,6 +50,7 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
         f"cluster  {c.nodes} node(s) x {device}, host RAM {gib_text(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
+        f"compute  {c.tflops_source or f'{c.tflops:.3g} TFLOPS sustained per device (as given)'}",
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
         f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={_chunk_text(r.loss_chunk_tokens, s.vocab_size)}"
         f" act_offload={str(r.activation_offload).lower()}" + (" optim_in_bwd" if r.optimizer_in_backward else "")

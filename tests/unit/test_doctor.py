@@ -319,3 +319,19 @@ def test_a_cuda_recipe_on_a_cpu_build_of_torch_fails_with_the_fix():
     assert report.device_lines([cpu_build], wants_cuda=None) == []
     cpu_recipe = recipe_from_dict({"method": "lora", "model": {"path": "smollm2"}, "train": {"device": "cpu"}})
     assert doctor_rank.cuda_key(cpu_recipe) is None
+
+
+def test_the_measured_matmul_goes_to_the_cluster_file_and_the_plan(tmp_path):
+    """doctor times a bf16 matmul per GPU; the slowest is `cluster.gpu_tflops`, which the plan then prices with."""
+    from homelab_ft.plan.hardware import Detected, resolve_cluster
+
+    fast, slow = {**GPU, "matmul_tflops": 68.0}, {**GPU, "matmul_tflops": 61.5}
+    values = report.cluster_values([node("a", gpus=[fast, slow])], [])
+    assert values["gpu_tflops"] == 61.5
+    assert "matmul 61.5 TFLOPS" in by_check(report.gpu_lines([node("a", gpus=[fast, slow])]), "GPUs").result
+    path = tmp_path / "cluster.yaml"
+    clusterfile.write(path, cluster=values, measured={})
+    cfg = recipe_from_dict({}, overrides=clusterfile.overrides(path)).cluster
+    cluster = resolve_cluster(cfg, detected=Detected(gpu_count=0, gpu_name=None, vram_bytes=None,
+                                                     host_ram_bytes=64 * 2**30, cpu_cores=4))
+    assert cluster.tflops == 61.5 * 0.4 and "61.5 TFLOPS bf16 matmul measured by doctor" in cluster.tflops_source
