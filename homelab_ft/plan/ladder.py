@@ -101,8 +101,7 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
             saver_note = ""
             for rung in rungs:  # the first saver level that fits, else the leanest
-                est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
-                fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+                est, fits, reason = price(shape, rung=rung, request=request, cluster=cluster)
                 if fits or rung is rungs[-1]:
                     break
                 saver_note = f"{_next_saver(rung)}=auto turned on: without it {gib_text(est.memory.total)} GiB"
@@ -116,6 +115,16 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 rung=rung,
             ))
     return tuple(out)
+
+
+def price(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> tuple[Estimate, bool, str]:
+    """One rung's estimate (paged optimizer state spilled past the budget), whether it fits the
+    device and host budgets left by the recipe's headroom, and the verdict's line."""
+    budget = int(cluster.device_bytes * (1 - request.headroom))
+    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
+    est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
+    fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+    return est, fits, reason
 
 
 def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | None:

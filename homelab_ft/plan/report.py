@@ -75,6 +75,7 @@ def format_plan(p: Plan) -> str:
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
+        lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]
     else:
         lines.append(f"nothing fits; closest: {p.closest.reason}" if p.closest else "nothing fits")
         lines += [f"  would fit: {text}" for text in p.suggestions]

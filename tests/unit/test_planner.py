@@ -502,3 +502,45 @@ def test_auto_loss_chunks_are_priced_by_logits_as_they_run():
     unchunked = compute_s(small, "lora", dataclasses.replace(request, loss_chunk_tokens=0), cluster)
     fixed = compute_s(small, "lora", dataclasses.replace(request, loss_chunk_tokens=128), cluster)
     assert compute_s(small, "lora", request, cluster) == unchunked < fixed
+
+
+def test_largest_finds_the_edge_of_a_monotone_fit():
+    from homelab_ft.plan.afford import largest
+
+    for edge in (1, 2, 3, 7, 64, 100, 1000, 4095, 4096):
+        assert largest(lambda n, e=edge: n <= e, low=1, high=4096) == edge
+    assert largest(lambda n: n <= 10_000, low=1, high=4096) == 4096
+    assert largest(lambda n: False, low=1, high=4096) == 0
+    assert largest(lambda n: n <= 13_800, low=64, high=131_072, step=64) == 13_760
+    assert largest(lambda n: n <= 9000, low=64, high=8192, step=64) == 8192
+
+
+def test_plan_says_the_largest_micro_batch_and_sequence_that_fit():
+    """Issue 24 item 3: the limits, for the chosen option and the next rung, are the edges of what fits."""
+    from homelab_ft.plan.ladder import choose, evaluate
+
+    llama = shape("llama-3-8b")
+    request = dataclasses.replace(LONG, micro_batch_size=8)
+    p = plan(llama, request=request, cluster=gpus(1))
+    mine, heavier = p.affordable
+    assert mine.label == "qlora no_shard" and heavier.label == "lora"
+
+    def option_fits(**change):
+        req = dataclasses.replace(request, method="qlora", strategy="no_shard", **change)
+        return any(o.fits and o.strategy == "no_shard" and not o.cpu_offload
+                   for o in evaluate(llama, request=req, cluster=gpus(1)) if o.method == "qlora")
+
+    def rung_fits(**change):
+        req = dataclasses.replace(request, method="lora", **change)
+        return choose(evaluate(llama, request=req, cluster=gpus(1)), request=req) is not None
+
+    for fits, limits in ((option_fits, mine), (rung_fits, heavier)):
+        assert limits.micro_batch_size > 1 and not limits.micro_batch_capped and not limits.seq_capped
+        assert fits(micro_batch_size=limits.micro_batch_size) and not fits(micro_batch_size=limits.micro_batch_size + 1)
+        assert fits(seq_len=limits.seq_len) and not fits(seq_len=limits.seq_len + 64)
+    text = mine.text(request=request)
+    assert text == (f"qlora no_shard: micro_batch <= {mine.micro_batch_size} at max_length 2048; "
+                    f"max_length <= {mine.seq_len} at micro_batch 8")
+    assert p.to_dict()["afford"][0]["micro_batch_size"] == mine.micro_batch_size
+    full = plan(llama, request=dataclasses.replace(LONG, method="full"), cluster=gpus(8, 80))
+    assert len(full.affordable) == 1  # no rung after full
