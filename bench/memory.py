@@ -110,6 +110,7 @@ def measure_row(name: str, model_dir: Path, args) -> int:
     import torch
 
     from homelab_ft.distributed import comm
+    from homelab_ft.loss_chunks import chunk_rows
     from homelab_ft.rung import rung_for
     from homelab_ft.train import loss, optim, steps
     from homelab_ft.train.build import build_model
@@ -128,7 +129,7 @@ def measure_row(name: str, model_dir: Path, args) -> int:
         head.requires_grad_(False)
         hidden = torch.randn(args.batch, args.seq_len, args.hidden, device=env.device, requires_grad=True)
         labels = batch["labels"].to(env.device)
-        chunk = recipe.train.loss_chunk_tokens
+        chunk = chunk_rows(recipe.train.loss_chunk_tokens, vocab_size=head.out_features)
 
         def loss_step():
             if chunk:

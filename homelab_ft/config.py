@@ -163,10 +163,12 @@ class TrainConfig:
     activation_checkpointing: bool | Literal["auto"] = "auto"
     """Recompute each block's activations in backward: ~30% slower steps, far less memory. `auto`:
     the planner turns it on only when the chosen option fits no other way (and says so)."""
-    loss_chunk_tokens: NonNegInt = 128
-    """Compute the LM head and cross-entropy this many trained tokens at a time, recomputing each
+    loss_chunk_tokens: NonNegInt | Literal["auto"] = "auto"
+    """Compute the LM head and cross-entropy a chunk of trained tokens at a time, recomputing each
     chunk in backward (loss.py): the full-vocabulary logits never exist (7.4 GB -> 0.23 GB for
-    Llama 3 at 2 x 2048 tokens). 0: the model's full logits and one cross-entropy."""
+    Llama 3 at 2 x 2048 tokens). `auto`: chunks of 16.4 M logits (128 tokens of a 128k
+    vocabulary; a small vocabulary takes one chunk, which is not recomputed: loss_chunks.py). A
+    number: that many tokens per chunk. 0: the model's full logits and one cross-entropy."""
     activation_offload: bool | Literal["auto"] = "auto"
     """With activation_checkpointing: keep each block's checkpointed input in host RAM (pinned on
     CUDA) until backward needs it (offload.py): layers x tokens x hidden fewer bytes per GPU, at the
@@ -254,7 +256,13 @@ class ClusterConfig:
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """What the planner plans for; `cpu` plans host RAM as the device memory."""
     gpu_name: str | None = None
-    """GPU model name (as nvidia-smi prints it) for its throughput; default: detected on this machine."""
+    """GPU model name (as nvidia-smi prints it, e.g. `NVIDIA GeForce RTX 4060 Ti`, or just `4060 Ti`):
+    the plan looks up its throughput in the GPU table (plan/gpus.py); default: detected on this
+    machine. Unset with `--gpus`, or a card the table lacks: priced as the table's slowest card
+    with that much memory, and the plan says so."""
+    gpu_tflops: Annotated[float, Field(gt=0)] | None = None
+    """Dense bf16 matmul TFLOPS one GPU reaches, as `homelab-ft doctor` measures it (written to the
+    cluster file); replaces the GPU table's figure in the plan."""
     inter_latency_ms: Annotated[float, Field(ge=0)] | None = None
     """Latency of a small collective between nodes; default: the planner's assumption for Ethernet."""
     intra_link_gbit: Annotated[float, Field(gt=0)] | None = None

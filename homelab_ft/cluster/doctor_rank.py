@@ -79,10 +79,42 @@ def gpu_facts() -> tuple[list[dict], list[list[int]]]:
         props = torch.cuda.get_device_properties(i)
         # bf16 tensor cores arrived with Ampere (compute capability 8.0); older GPUs emulate it slowly
         gpus.append({"name": props.name, "memory_bytes": int(props.total_memory),
-                     "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8})
+                     "capability": f"{props.major}.{props.minor}", "bf16": props.major >= 8,
+                     "matmul_tflops": round(matmul_tflops(torch.device("cuda", i), bf16=props.major >= 8), 1)})
     no_peer = [[a, b] for a in range(count) for b in range(a + 1, count)
                if not (torch.cuda.can_device_access_peer(a, b) and torch.cuda.can_device_access_peer(b, a))]
     return gpus, no_peer
+
+
+MATMUL_SIZE = 8192
+"""A square bf16 matmul this big (1.1 TFLOP) keeps every tensor core of the largest GPUs busy
+(cuBLAS reaches its plateau from ~4096 on an H100) and takes 5-45 ms on homelab cards."""
+MATMUL_TIME_S = 0.3
+
+
+def matmul_tflops(device, *, bf16: bool = True) -> float:
+    """Dense matmul throughput of one GPU in TFLOPS: a timed MATMUL_SIZE^3 matmul, in bf16 (fp16 on
+    GPUs without bf16), repeated for about MATMUL_TIME_S after two untimed ones, best of the timed
+    runs (the planner's peak figure; gpus.throughput applies its MFU to it)."""
+    import torch
+
+    n = MATMUL_SIZE
+    dtype = torch.bfloat16 if bf16 else torch.float16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        torch.matmul(a, b)
+    torch.cuda.synchronize(device)
+    best, spent = float("inf"), 0.0
+    while spent < MATMUL_TIME_S or best == float("inf"):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        best, spent = min(best, seconds), spent + seconds
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n**3 / best / 1e12
 
 
 def local_address() -> str:
@@ -306,8 +338,11 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
     from homelab_ft.cluster import clusterfile, doctor_report
 
     values = doctor_report.cluster_values(nodes, links)
-    needs = plan_needs(recipe, values, label=recipe_path) if recipe is not None else None
-    lines = doctor_report.all_lines(nodes, links, needs=needs,
+    wants_cuda = cuda_key(recipe) if recipe is not None else None
+    on_cpu = wants_cuda is not None and values["device"] != "cuda"
+    # a CUDA recipe on CPU-only ranks FAILs on its device line; planning it for the CPU would mislead
+    needs = plan_needs(recipe, values, label=recipe_path) if recipe is not None and not on_cpu else None
+    lines = doctor_report.all_lines(nodes, links, needs=needs, wants_cuda=wants_cuda,
                                     assumed_gbit=recipe.cluster.inter_link_gbit if recipe is not None else None)
     device = "NCCL (CUDA)" if nodes[0].device == "cuda" else "gloo (CPU)"
     title = (f"homelab-ft doctor: {len(nodes)} node(s) x {values['gpus_per_node']} process(es), {device}"
@@ -324,6 +359,15 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
             return Outcome(code=2, table=table, error=f"--out {out}: cannot write it ({err.strerror}); choose a "
                                                       "path this user can write on the head node")
     return Outcome(code=doctor_report.exit_code(lines), table=table, written=out)
+
+
+def cuda_key(recipe) -> str | None:
+    """The recipe key that asks for CUDA (`train.device=cuda` or `cluster.device=cuda`), or None."""
+    if recipe.train.device == "cuda":
+        return "train.device=cuda"
+    if recipe.cluster.device == "cuda":
+        return "cluster.device=cuda"
+    return None
 
 
 def plan_needs(recipe, values: dict, *, label: str) -> Needs:

@@ -91,6 +91,29 @@ def version_lines(nodes: list[NodeFacts]) -> list[Line]:
     return lines
 
 
+def device_lines(nodes: list[NodeFacts], *, wants_cuda: str | None) -> list[Line]:
+    """A recipe that names CUDA (`wants_cuda`: the key that does, e.g. `train.device=cuda`) on a node
+    whose ranks compute on the CPU: a FAIL, since the run would stop there (or, planned from this
+    check, be priced for a CPU). A CPU build of torch (no `torch.version.cuda`) needs another wheel;
+    a CUDA build that sees no GPU needs the driver or CUDA_VISIBLE_DEVICES looked at."""
+    lines = []
+    for n in nodes:
+        if not wants_cuda or n.device == "cuda":
+            continue
+        if n.versions.get("cuda") is None:
+            lines.append(Line("device", n.name, f"the recipe sets {wants_cuda}, but torch {n.versions.get('torch')} is a "
+                              "CPU-only build", FAIL,
+                              "install a CUDA build of torch (the command for your CUDA version is on pytorch.org, "
+                              "e.g. `pip install torch --index-url https://download.pytorch.org/whl/cu128`), or set "
+                              "train.device=cpu cluster.device=cpu to train on the CPU"))
+        else:
+            lines.append(Line("device", n.name, f"the recipe sets {wants_cuda}, but torch (CUDA {n.versions['cuda']}) "
+                              "sees no GPU", FAIL,
+                              "check `nvidia-smi` and the driver, and that CUDA_VISIBLE_DEVICES is not empty; or set "
+                              "train.device=cpu cluster.device=cpu to train on the CPU"))
+    return lines
+
+
 def gpu_lines(nodes: list[NodeFacts]) -> list[Line]:
     lines = []
     for n in nodes:
@@ -100,6 +123,8 @@ def gpu_lines(nodes: list[NodeFacts]) -> list[Line]:
         kinds: dict[str, int] = {}
         for g in n.gpus:
             label = f"{g['name']} {g['memory_bytes'] / GiB:.1f} GiB, cc {g['capability']}, bf16 {'yes' if g['bf16'] else 'no'}"
+            if g.get("matmul_tflops"):
+                label += f", matmul {g['matmul_tflops']:g} TFLOPS"
             kinds[label] = kinds.get(label, 0) + 1
         result = "; ".join(f"{count}x {label}" for label, count in kinds.items())
         if any(not g["bf16"] for g in n.gpus):
@@ -232,8 +257,8 @@ def plan_lines(needs: Needs | None) -> list[Line]:
 
 
 def all_lines(nodes: list[NodeFacts], links: list[LinkResult], *, needs: Needs | None = None,
-              assumed_gbit: float | None = None) -> list[Line]:
-    lines = version_lines(nodes) + gpu_lines(nodes) + interface_lines(nodes)
+              assumed_gbit: float | None = None, wants_cuda: str | None = None) -> list[Line]:
+    lines = version_lines(nodes) + device_lines(nodes, wants_cuda=wants_cuda) + gpu_lines(nodes) + interface_lines(nodes)
     nic = [n.nic_speed_mbit for n in nodes if n.nic_speed_mbit]
     for link in links:
         if link.scope == "inter-node" and len(nic) == len(nodes):
@@ -277,6 +302,9 @@ def cluster_values(nodes: list[NodeFacts], links: list[LinkResult]) -> dict:
         smallest = min(gpus, key=lambda g: g["memory_bytes"])
         values["vram_gib"] = round(smallest["memory_bytes"] / GiB, 2)
         values["gpu_name"] = smallest["name"]
+        measured = [g["matmul_tflops"] for g in gpus if g.get("matmul_tflops")]
+        if measured:  # the slowest GPU sets every step's pace
+            values["gpu_tflops"] = min(measured)
         values["intra_link"] = "nvlink" if all(n.nvlink for n in nodes) else "pcie"
     values["host_ram_gib"] = round(min(n.host_ram_bytes for n in nodes) / GiB, 2)
     for scope, prefix in (("inter-node", "inter"), ("intra-node", "intra")):

@@ -7,6 +7,7 @@ at the edges: hardware's probe, plan_for_recipe reading config.json, diskspace's
 The modules, in the order a plan is made:
   inputs       the request (PlanRequest, from the recipe) and the cluster (Cluster, with its links)
   hardware     the cluster as detected on this machine, or as the recipe, flags or a cluster file say
+  gpus         the GPU table (vendors' dense bf16 TFLOPS, bandwidth) and the throughput a step is priced with
   shapes       the model's parameter counts and dimensions, from config.json alone
   params       what the parameters cost: weights (quantized or not), adapters, optimizer state
   activations  what one micro-batch costs: the activations kept for backward, the loss's logits
@@ -14,6 +15,7 @@ The modules, in the order a plan is made:
   memory       one option's peak bytes per device and host RAM per node (`estimate`)
   ladder       every option priced and judged against the headroom, and the rule that picks one
   planner      the plan: the choice, what would fit when nothing does, the warnings
+  afford       the largest micro-batch and longest sequence that fit, chosen option and next rung
   report       the plan as the table `homelab-ft plan` prints
   diskspace    one checkpoint's bytes on disk, and the warning when the disk is short
 

@@ -8,6 +8,7 @@ activation offload needs (activation_offload_host_bytes) before a run starts.
 
 from __future__ import annotations
 
+from homelab_ft.loss_chunks import chunk_rows
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.params import qlora_compute_bytes, targeted_linears, weight_bytes
 from homelab_ft.plan.shapes import ModelShape
@@ -96,7 +97,7 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     (`logits.float()`, a no-op in fp32); cross-entropy's fp32 log-softmax kept for backward, and
     backward's fp32 gradient of the same size while that is alive. Gemma 2's tanh soft-capping
     keeps one more copy. Rows are the micro-batch's tokens, or with the chunked loss (loss.py) one
-    chunk, plus the trained rows of the hidden states it gathers and their gradient
+    chunk (loss_chunks.chunk_rows: sized by its logits, so a small vocabulary's is the whole micro-batch), plus the trained rows of the hidden states it gathers and their gradient
     (2 x tokens x hidden). DPO's answer log-probabilities (preference.sequence_logps) take the
     full logits of twice the rows (the chunked loss does not serve them yet); the reference's
     no-grad forward runs before the policy's and leaves only one number per row behind."""
@@ -104,5 +105,5 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
     if not request.chunked_loss:
         return tokens * shape.vocab_size * per_entry
-    rows = min(request.loss_chunk_tokens, tokens)
+    rows = min(chunk_rows(request.loss_chunk_tokens, vocab_size=shape.vocab_size), tokens)
     return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes

@@ -17,19 +17,10 @@ from dataclasses import dataclass
 from homelab_ft import host
 from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
+from homelab_ft.plan import gpus
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.memory import GiB
 
-# Peak dense bf16 tensor TFLOPS (vendor datasheets; GeForce figures with fp32 accumulation, which
-# is what torch uses), keyed by a substring of the nvidia-smi name.
-PEAK_BF16_TFLOPS = {
-    "H200": 989, "H100": 989, "A100": 312, "L40S": 362, "L40": 181, "A6000": 155, "A5000": 111,
-    "A4000": 77, "4090": 165, "4080": 97, "4070": 58, "3090": 71, "3080": 59, "3060": 25, "V100": 125, "T4": 65,
-}
-UNKNOWN_GPU_PEAK_TFLOPS = 100
-# Hugging Face training loops reach 30-50% model-FLOPs utilisation on one GPU (nanoGPT/torchtitan
-# MFU reports); 0.4 turns a peak figure into a sustained one.
-MFU = 0.4
 # fp32 training matmuls on one modern x86 core: ~30 GFLOPS measured for a 1024x576x1536 matmul
 # with one thread on this project's CI machine; training reaches about two thirds of that.
 CPU_TFLOPS_PER_CORE = 0.02
@@ -85,12 +76,6 @@ def cpu_cores_per_process(cores: int, processes: int) -> float:
     return cores // processes
 
 
-def gpu_tflops(name: str | None) -> float:
-    """Sustained training TFLOPS of a GPU from its name (peak x MFU)."""
-    peak = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if name and key in name), UNKNOWN_GPU_PEAK_TFLOPS)
-    return peak * MFU
-
-
 def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str | None = None) -> Cluster:
     """The recipe's cluster section, with what it leaves open filled from `detected`.
     `cluster_file`: the name of the `--cluster` file whose values the section holds, for the plan."""
@@ -103,26 +88,28 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
         source = f"cluster file {cluster_file}"
     links = _links(cfg)
     if device == "cpu":
-        cores = detected.cpu_cores
+        cores = cpu_cores_per_process(detected.cpu_cores, cfg.gpus_per_node)
         return Cluster(
             device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
             device_bytes=host // cfg.gpus_per_node, host_ram_bytes=host, intra_link=cfg.intra_link,
-            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cpu_cores_per_process(cores, cfg.gpus_per_node),
-            source=source, **links,
+            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cores,
+            tflops_source=f"CPU: {CPU_TFLOPS_PER_CORE * 1000:g} GFLOPS per core (hardware.CPU_TFLOPS_PER_CORE) x {cores:g} "
+                          f"core(s) per process = {CPU_TFLOPS_PER_CORE * cores:.3g} TFLOPS sustained per process", source=source, **links,
         )
     if cfg.vram_gib is not None:
-        vram, tflops = int(cfg.vram_gib * GiB), gpu_tflops(cfg.gpu_name)
+        vram, name = int(cfg.vram_gib * GiB), cfg.gpu_name
     elif detected.vram_bytes is not None:
-        vram, tflops = detected.vram_bytes, gpu_tflops(detected.gpu_name)
+        vram, name = detected.vram_bytes, cfg.gpu_name or detected.gpu_name
     else:
         raise UserError(
             "cluster: no GPU detected on this machine and cluster.vram_gib is not set; describe the GPUs "
             "with --gpus 1x24GB (or cluster.vram_gib=24), or plan for the CPU with cluster.device=cpu"
         )
+    speed = gpus.throughput(name, vram_bytes=vram, measured_tflops=cfg.gpu_tflops)
     return Cluster(
         device="cuda", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, device_bytes=vram,
         host_ram_bytes=host, intra_link=cfg.intra_link, inter_link_gbit=cfg.inter_link_gbit,
-        tflops=tflops, source=source, **links,
+        tflops=speed.tflops, tflops_source=speed.source, source=source, **links,
     )
 
 

@@ -40,7 +40,9 @@ class Cluster:
     intra_link: Literal["pcie", "nvlink"] = "pcie"
     inter_link_gbit: float = 1.0
     tflops: float = 40.0
-    """Sustained training throughput per device in TFLOPS (peak x utilisation; see hardware.py)."""
+    """Sustained training throughput per device in TFLOPS (peak x utilisation; gpus.throughput)."""
+    tflops_source: str = ""
+    """Which peak `tflops` comes from and where (gpus.throughput), shown in the plan."""
     source: str = "recipe"
     """Where the description came from (recipe, flags, detected, a cluster file), shown in the plan."""
     inter_link_measured: bool = False
@@ -109,8 +111,9 @@ class PlanRequest:
     estimate prices is the rung's value."""
     activation_offload: bool | Literal["auto"]
     """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
-    loss_chunk_tokens: int
-    """Tokens per LM-head/cross-entropy chunk (loss.py); 0: the full logits of the micro-batch."""
+    loss_chunk_tokens: int | Literal["auto"]
+    """Tokens per LM-head/cross-entropy chunk (loss.py), `auto`: sized by logits (loss_chunks.chunk_rows);
+    0: the full logits of the micro-batch."""
     optimizer_in_backward: bool
     """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
     lora_r: int
@@ -141,4 +144,4 @@ class PlanRequest:
     @property
     def chunked_loss(self) -> bool:
         """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
-        return self.loss_chunk_tokens > 0 and self.objective != "dpo"
+        return self.loss_chunk_tokens != 0 and self.objective != "dpo"

@@ -5,7 +5,8 @@ one rule that picks among those that fit. Pure: no torch, no I/O.
 - `method: auto` walks the ladder in the seed's order, quantize first, then LoRA, then full
   fine-tuning, and takes the first rung with an option that the request allows and that fits;
 - a named method keeps to that rung.
-Within a rung the fastest fitting option wins (estimated step time, then traffic, then memory), which is how
+Within a rung the fastest fitting option wins, a near-tie going to fewer moving parts, then less traffic
+(`choose`), which is how
 full fine-tuning ends on the cheapest strategy for the link and how a slow link steers towards
 HYBRID_SHARD or adapter-only data parallelism. Each option carries its verdict as one line of
 text (`Option.reason`), which the plan shows as it is.
@@ -35,7 +36,7 @@ from homelab_ft.rung import (
 LADDER = METHODS
 STEP_TIME_TIE = 0.05
 """Step times closer than this fraction are below what the time model resolves (bench/network.py
-measured its predictions within ~25% on slow links); the option moving fewer bytes wins them."""
+measured its predictions within ~25% on slow links): `choose` calls them a tie."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,7 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
             saver_note = ""
             for rung in rungs:  # the first saver level that fits, else the leanest
-                est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
-                fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+                est, fits, reason = price(shape, rung=rung, request=request, cluster=cluster)
                 if fits or rung is rungs[-1]:
                     break
                 saver_note = f"{_next_saver(rung)}=auto turned on: without it {gib_text(est.memory.total)} GiB"
@@ -117,18 +117,46 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
     return tuple(out)
 
 
+def price(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> tuple[Estimate, bool, str]:
+    """One rung's estimate (paged optimizer state spilled past the budget), whether it fits the
+    device and host budgets left by the recipe's headroom, and the verdict's line."""
+    budget = int(cluster.device_bytes * (1 - request.headroom))
+    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
+    est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
+    fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
+    return est, fits, reason
+
+
 def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | None:
+    """The option a plan trains with: the first rung of the ladder with an allowed option that fits,
+    and within it the fastest, unless another is no more than STEP_TIME_TIE slower (a tie).
+
+    A tie goes to the option with fewer moving parts (`moving_parts`: CPU offload, activation
+    offload, sharding on one GPU), then to the one that moves fewer bytes, then to the faster. The
+    time model cannot tell options that close apart (bench/network.py: its predictions land within
+    ~25% on slow links), while each moving part is one more thing that can be slow in ways it does
+    not model (pinned-memory pressure, PCIe shared with a second card, CPU AdamW on a busy host)
+    and one more path that can fail: an estimated 0.8% gain (one 24 GB card, micro-batch 16:
+    `qlora full_shard +offload +ckpt` against `qlora no_shard +act-off`) is not worth them. Fewer
+    collectives fail less and overlap with compute is never perfect, so fewer bytes come next.
+    """
     rungs = LADDER if request.method == "auto" else (request.method,)
     for rung in rungs:
         candidates = [o for o in options if o.method == rung and o.allowed and o.fits]
         if candidates:
-            # Step times within STEP_TIME_TIE of the fastest are a tie, which goes to the option that
-            # moves fewer bytes: overlap of communication with compute is never perfect, and fewer
-            # collectives fail less.
             fastest = min(o.step_s for o in candidates)
             tied = [o for o in candidates if o.step_s <= fastest * (1 + STEP_TIME_TIE)]
-            return min(tied, key=lambda o: (o.comm_bytes, round(o.step_s, 3), o.memory.total))
+            return min(tied, key=lambda o: (moving_parts(o.rung), o.comm_bytes, round(o.step_s, 3), o.memory.total))
     return None
+
+
+def moving_parts(rung: Rung) -> int:
+    """What a rung runs beyond a plain forward and backward on its devices, for `choose`'s ties:
+    CPU offload (shards and AdamW in host RAM), activation offload (block inputs over PCIe), and
+    FSDP2 on a single device (there only to offload). Sharding across several devices is not
+    counted: there it is how the model fits, and its cost is in the traffic `choose` compares."""
+    return (int(rung.cpu_offload) + int(rung.activation_offload and rung.activation_checkpointing)
+            + int(rung.world_size == 1 and rung.strategy != NO_SHARD))
 
 
 def _next_saver(rung: Rung) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from homelab_ft.loss_chunks import recomputes
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.shapes import ModelShape
 from homelab_ft.rung import Rung
@@ -219,7 +220,7 @@ def compute_s(shape: ModelShape, method: str, request: PlanRequest, cluster: Clu
     """6 x params x tokens FLOPs for full fine-tuning (forward 2, backward 4; Kaplan et al. 2020);
     4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
     recomputes the forward, and 2 x vocab x hidden more when the chunked loss recomputes the LM
-    head. Params are the matmul ones a token passes through (blocks' active parameters and the LM
+    head (more than one chunk: loss_chunks.recomputes, every token counted as trained). Params are the matmul ones a token passes through (blocks' active parameters and the LM
     head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
     < 10% for these models."""
     tokens = request.seq_len * request.rows_per_micro_batch * request.grad_accum_steps
@@ -227,7 +228,8 @@ def compute_s(shape: ModelShape, method: str, request: PlanRequest, cluster: Clu
     if request.objective == "dpo" and method != "full":
         factor += 2  # the reference: one more forward with the adapters disabled
     flops = factor * _matmul_params(shape) * tokens
-    if request.chunked_loss:
+    micro_tokens = request.seq_len * request.rows_per_micro_batch
+    if request.chunked_loss and recomputes(request.loss_chunk_tokens, vocab_size=shape.vocab_size, tokens=micro_tokens):
         flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
     seconds = flops / (cluster.tflops * 1e12)
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)

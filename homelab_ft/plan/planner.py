@@ -13,10 +13,12 @@ offload's copies, MoE experts that LoRA leaves untrained, paged AdamW without CU
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 
 from homelab_ft.errors import UserError
+from homelab_ft.plan import afford
 from homelab_ft.plan.diskspace import checkpoint_bytes
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import Option, choose, evaluate
@@ -52,6 +54,18 @@ class Plan:
             return None
         return checkpoint_bytes(self.chosen, request=self.request, cluster=self.cluster)
 
+    @functools.cached_property
+    def affordable(self) -> tuple[afford.Afford, ...]:
+        """How far the batch and the sequence can grow: for the chosen option and the ladder's next
+        rung (afford.py); empty when nothing fits (the suggestions say what would)."""
+        if self.chosen is None:
+            return ()
+        found = [afford.for_option(self.shape, self.chosen, request=self.request, cluster=self.cluster)]
+        heavier = afford.next_rung(self.chosen.method)
+        if heavier is not None:
+            found.append(afford.for_rung(self.shape, heavier, request=self.request, cluster=self.cluster))
+        return tuple(found)
+
     def to_dict(self) -> dict:
         def option(o: Option | None):
             if o is None:
@@ -74,6 +88,7 @@ class Plan:
             "checkpoint_bytes": self.checkpoint_bytes,
             "closest": option(self.closest),
             "suggestions": list(self.suggestions),
+            "afford": [dataclasses.asdict(a) for a in self.affordable],
             "warnings": list(self.warnings),
             "options": [option(o) for o in self.options],
         }
@@ -134,8 +149,8 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     r, c = request, cluster
     tries: list[tuple[str, PlanRequest, Cluster]] = []
     # The cheap savers first: they cost a little compute, never a rung or a GPU.
-    if r.loss_chunk_tokens <= 0:
-        tries.append(("train.loss_chunk_tokens=128", dataclasses.replace(r, loss_chunk_tokens=128), c))
+    if r.loss_chunk_tokens == 0:
+        tries.append(("train.loss_chunk_tokens=auto", dataclasses.replace(r, loss_chunk_tokens="auto"), c))
     if not r.activation_checkpointing:
         tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
     if c.device == "cuda" and not r.activation_offload:

@@ -5,6 +5,7 @@ formats what planner.plan decided and decides nothing.
 
 from __future__ import annotations
 
+from homelab_ft.loss_chunks import AUTO, chunk_rows
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.memory import gib_text
 from homelab_ft.plan.planner import Plan
@@ -28,6 +29,13 @@ def link_text(c: Cluster, *, inter: bool) -> str:
     return f"{name} ({bytes_per_s / 1e6:.0f} MB/s, {2 * hop_s * 1000:.2f} ms all-reduce latency, {how})"
 
 
+def _chunk_text(chunk_tokens: int | str, vocab_size: int) -> str:
+    """`auto` with the tokens per chunk it means for this vocabulary (loss_chunks.chunk_rows)."""
+    if chunk_tokens != AUTO:
+        return str(chunk_tokens)
+    return f"auto ({chunk_rows(chunk_tokens, vocab_size=vocab_size)} tokens)"
+
+
 def format_plan(p: Plan) -> str:
     """A readable table: one row per option, the chosen one marked with `>`."""
     s, c, r = p.shape, p.cluster, p.request
@@ -42,8 +50,9 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
         f"cluster  {c.nodes} node(s) x {device}, host RAM {gib_text(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
+        f"compute  {c.tflops_source or f'{c.tflops:.3g} TFLOPS sustained per device (as given)'}",
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
-        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={r.loss_chunk_tokens}"
+        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={_chunk_text(r.loss_chunk_tokens, s.vocab_size)}"
         f" act_offload={str(r.activation_offload).lower()}" + (" optim_in_bwd" if r.optimizer_in_backward else "")
         + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
@@ -66,6 +75,7 @@ def format_plan(p: Plan) -> str:
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
+        lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]
     else:
         lines.append(f"nothing fits; closest: {p.closest.reason}" if p.closest else "nothing fits")
         lines += [f"  would fit: {text}" for text in p.suggestions]

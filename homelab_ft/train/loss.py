@@ -5,8 +5,9 @@ dtype, which the loss then upcasts to fp32, and cross-entropy keeps an fp32 log-
 backward while backward allocates an fp32 gradient of the same size. For Llama 3 (128,256 entries)
 at 2 x 2048 tokens that is 7.4 GB, more than the 4-bit weights of an 8B model (docs/ladder.md).
 
-Here the head runs on `train.loss_chunk_tokens` tokens at a time, and only on the tokens that
-carry loss (prompt tokens are masked and need no logits at all). Each chunk runs under
+Here the head runs on a chunk of tokens at a time (`train.loss_chunk_tokens`; `auto` holds as many
+logits as 128 tokens of Llama 3's vocabulary, so a small vocabulary takes one chunk: loss_chunks.py),
+and only on the tokens that carry loss (prompt tokens are masked and need no logits at all). Each chunk runs under
 `torch.utils.checkpoint` (non-reentrant): its logits are freed as soon as its summed loss exists
 and recomputed in backward, one chunk at a time. Peak logits memory is one chunk's, whatever the
 micro-batch (128 tokens x 128,256 x 14 B = 0.23 GB instead of 7.4 GB). The price is one more
@@ -42,14 +43,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from homelab_ft.loss_chunks import chunk_rows
 from homelab_ft.train import steps
 from homelab_ft.train.steps import IGNORE_INDEX
 
 
-def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk_tokens: int,
+def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk_tokens: int | str,
                    compiled: bool = False) -> torch.Tensor:
     """Summed next-token cross-entropy (fp32) over the trained tokens of one micro-batch, running
     `model` on it with the head in chunks (`steps.next_token_loss_sum` scores logits already made).
+    `chunk_tokens` is train.loss_chunk_tokens (`auto` or a number), which loss_chunks.chunk_rows
+    turns into the chunk's size for this vocabulary, as the planner prices it.
 
     `chunk_tokens=0` runs the model's full logits and one cross-entropy (`steps.next_token_loss_sum`),
     kept as the reference the chunked path is tested against. `compiled` (train.compile) runs each
@@ -57,13 +61,14 @@ def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk
     """
     inputs = {k: v.to(device) for k, v in batch.items() if k != "labels"}
     labels = batch["labels"].to(device)
-    if chunk_tokens <= 0:
+    if chunk_tokens == 0:
         return steps.next_token_loss_sum(model(**inputs, use_cache=False).logits, labels)
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(lm).__name__} has no output embeddings to compute the loss from")
     transform = LogitTransform.from_config(lm.config)
+    rows = chunk_rows(chunk_tokens, vocab_size=lm.config.get_text_config().vocab_size)
     state: dict = {"busy": False}
 
     def hook(module, args, kwargs):
@@ -72,7 +77,7 @@ def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk
         hidden = args[0] if args else kwargs["input"]
         state["busy"] = True
         try:
-            state["loss"] = chunked_loss_sum(hidden, labels, head=module, chunk_tokens=chunk_tokens,
+            state["loss"] = chunked_loss_sum(hidden, labels, head=module, chunk_tokens=rows,
                                              transform=transform, compiled=compiled)
         finally:
             state["busy"] = False
@@ -109,7 +114,9 @@ def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, *, head: nn.Mod
     targets = targets.index_select(0, keep)
     # A head with trainable weights (LoRA on lm_head over a frozen trunk) needs the recompute even
     # when the hidden states need no gradient; without it every chunk's logits would wait for backward.
-    recompute = torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in head.parameters()))
+    # A single chunk does not (loss_chunks.recomputes): its logits peak at backward's start either way.
+    recompute = (torch.is_grad_enabled() and rows.size(0) > chunk_tokens
+                 and (rows.requires_grad or any(p.requires_grad for p in head.parameters())))
     total = None
     for start in range(0, max(rows.size(0), 1), chunk_tokens):
         x, y = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens]

@@ -302,3 +302,36 @@ def test_plan_needs_prices_the_recipe_on_the_measured_cluster():
     assert other.option is None and "set cluster.nodes=3 cluster.gpus_per_node=1" in other.problem
     tight = doctor_rank.plan_needs(recipe, {**measured, "host_ram_gib": 0.01}, label="r.yaml")
     assert tight.option is None and tight.problem == ""  # priced with the measured RAM: nothing fits in 10 MiB
+
+
+def test_a_cuda_recipe_on_a_cpu_build_of_torch_fails_with_the_fix():
+    """Issue 24 item 5: this used to print 0 FAIL and a plan for the CPU."""
+    cpu_build = node("a", device="cpu", gpus=[], nproc=1, versions={**VERSIONS, "cuda": None, "torch": "2.13.0+cpu"})
+    recipe = recipe_from_dict({"method": "lora", "model": {"path": "smollm2"}, "train": {"device": "cuda"}})
+    outcome = doctor_rank._report([cpu_build], [], recipe=recipe, recipe_path="r.yaml", out=None)
+    assert outcome.code == 2
+    assert "train.device=cuda, but torch 2.13.0+cpu is a CPU-only build" in outcome.table
+    assert "install a CUDA build of torch" in outcome.table and "set train.device=cpu" in outcome.table
+    assert "\nplan " not in outcome.table  # not priced for the CPU it would not run on
+    no_gpu = report.device_lines([node("a", device="cpu", gpus=[])], wants_cuda="cluster.device=cuda")[0]
+    assert no_gpu.verdict == FAIL and "sees no GPU" in no_gpu.result and "CUDA_VISIBLE_DEVICES" in no_gpu.fix
+    assert report.device_lines([node("a")], wants_cuda="train.device=cuda") == []
+    assert report.device_lines([cpu_build], wants_cuda=None) == []
+    cpu_recipe = recipe_from_dict({"method": "lora", "model": {"path": "smollm2"}, "train": {"device": "cpu"}})
+    assert doctor_rank.cuda_key(cpu_recipe) is None
+
+
+def test_the_measured_matmul_goes_to_the_cluster_file_and_the_plan(tmp_path):
+    """doctor times a bf16 matmul per GPU; the slowest is `cluster.gpu_tflops`, which the plan then prices with."""
+    from homelab_ft.plan.hardware import Detected, resolve_cluster
+
+    fast, slow = {**GPU, "matmul_tflops": 68.0}, {**GPU, "matmul_tflops": 61.5}
+    values = report.cluster_values([node("a", gpus=[fast, slow])], [])
+    assert values["gpu_tflops"] == 61.5
+    assert "matmul 61.5 TFLOPS" in by_check(report.gpu_lines([node("a", gpus=[fast, slow])]), "GPUs").result
+    path = tmp_path / "cluster.yaml"
+    clusterfile.write(path, cluster=values, measured={})
+    cfg = recipe_from_dict({}, overrides=clusterfile.overrides(path)).cluster
+    cluster = resolve_cluster(cfg, detected=Detected(gpu_count=0, gpu_name=None, vram_bytes=None,
+                                                     host_ram_bytes=64 * 2**30, cpu_cores=4))
+    assert cluster.tflops == 61.5 * 0.4 and "61.5 TFLOPS bf16 matmul measured by doctor" in cluster.tflops_source

@@ -196,3 +196,27 @@ def test_lora_on_the_head_alone_recomputes_its_chunks():
     assert _saved_vocab_tensors(model, batch, chunk_tokens=0) > 0  # the check can fail
     assert _saved_vocab_tensors(model, batch, chunk_tokens=4) == 0
     _assert_parity(model, batch, 4)
+
+
+def test_auto_chunks_by_logits_so_a_small_vocabulary_takes_one_unrecomputed_chunk(monkeypatch):
+    """Issue 24 item 11: `auto` (the default) sized in tokens gave this 256-entry vocabulary a
+    128-token chunk; sized by logits it is one chunk, whose head is neither run again in backward
+    nor split, and whose loss and gradients are the full-logits path's."""
+    from homelab_ft import loss_chunks
+    from homelab_ft.config import recipe_from_dict
+
+    assert recipe_from_dict({}).train.loss_chunk_tokens == "auto"
+    assert loss_chunks.chunk_rows("auto", vocab_size=128_256) == 128  # Llama 3 keeps its chunks
+    assert loss_chunks.chunk_rows("auto", vocab_size=VOCAB) == 128 * 128_256 // VOCAB
+    assert loss_chunks.chunk_rows(5, vocab_size=VOCAB) == 5 and loss_chunks.chunk_rows(0, vocab_size=VOCAB) == 0
+    model, batch = _llama(tied=False), _batch(3)
+    _assert_parity(model, batch, "auto")
+    calls = []
+    head_forward = model.lm_head.forward
+    # the chunks call the head on [rows, hidden]; the model's own call gets an empty [batch, 0, hidden]
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: (x.dim() == 2 and calls.append(x.shape[0])) or head_forward(x))
+    loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens="auto").backward()
+    assert calls == [int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())]  # one chunk, run once
+    calls.clear()
+    loss.batch_loss_sum(model, batch, device=torch.device("cpu"), chunk_tokens=5).backward()
+    assert len(calls) > 2 * 5  # a number is still a token count: chunks of 5, each recomputed
