@@ -18,7 +18,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
-from homelab_ft.recipe_io import apply_overrides, explain, read_yaml_mapping, with_field_docs, write_yaml
+from homelab_ft.recipe_io import apply_overrides, attach_field_docs, explain, read_yaml_mapping, write_yaml
 from homelab_ft.rung import METHODS, OPTIMIZERS, STRATEGIES
 
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -336,15 +336,9 @@ class Recipe:
         return Path(self.output.dir) if self.output.dir else Path("runs") / self.name
 
 
-for _section in [obj for obj in list(globals().values())
-                 if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == __name__]:
-    _section.__doc__ = with_field_docs(_section)
+attach_field_docs(globals())  # help(TrainConfig) lists every field with its docstring
 
 _RECIPE_ADAPTER = TypeAdapter(Recipe)
-
-
-# --------------------------------------------------------------------------------------------
-# loading
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

@@ -160,3 +160,11 @@ def with_field_docs(cls: type) -> str:
         lines.append(f"    {field.name}: {field.type} = {default}")
         lines += [f"        {line}" for line in (info.description or "").splitlines()]
     return "\n".join(lines)
+
+
+def attach_field_docs(namespace: dict) -> None:
+    """`with_field_docs` on every dataclass defined in a module (pass its `globals()`)."""
+    module = namespace["__name__"]
+    for obj in list(namespace.values()):
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module:
+            obj.__doc__ = with_field_docs(obj)
