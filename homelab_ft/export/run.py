@@ -13,12 +13,13 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_ft.config import load_recipe
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_check, gguf_export, local_runtimes
+from homelab_ft.export import gguf_check, gguf_export, gguf_quality, local_runtimes
 from homelab_ft.model import loading
 from homelab_ft.store import checkpoint
 
@@ -38,6 +39,8 @@ class ExportResult:
     gguf_path: Path | None = None
     quantize_hint: str | None = None
     """The llama-quantize command that makes the k-quant asked for from the written f16 GGUF."""
+    quality: gguf_quality.GgufQuality | None = None
+    """What the quantized GGUF costs against the merged model, measured on the run's eval rows."""
 
 
 def run_info(run_dir: Path) -> dict:
@@ -57,9 +60,13 @@ def export_run(
     formats: str = "safetensors",
     gguf_type: str | None = None,
     trust_remote_code: bool = False,
+    eval_rows: Callable[[], list[dict] | None] | None = None,
 ) -> ExportResult:
     """`trust_remote_code` is the command line's flag: a run directory is data, possibly copied
-    from elsewhere, so its recipe alone never makes export run code shipped with a model."""
+    from elsewhere, so its recipe alone never makes export run code shipped with a model.
+    `eval_rows` gives the run's tokenized eval rows that a quantized GGUF is measured on; it is
+    called only once one is written (export may not import the data stage, and a refused or
+    skipped export never reads the data)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     wanted = gguf_export.parse_formats(formats)
     if gguf_type is not None and "gguf" not in wanted:
@@ -112,11 +119,15 @@ def export_run(
 
             diff = consolidate_to_hf(ckpt, model_dir, hf_dir, dtype=_save_dtype(dtype, model_dir))
         record = {"source": identity, "method": info["method"], "max_abs_diff": diff}
-        gguf_path = None
+        gguf_path = quality = system = None
         if gguf_type:
             gguf_path, check = _write_gguf(hf_dir, tmp, file_name=gguf_name, gguf_type=gguf_type, name=out_dir.name,
                                            system_prompt=recipe.data.system_prompt)
             record["gguf"] = {"file": gguf_name, "type": gguf_type, "max_abs_diff": check.max_abs_diff, "bound": check.bound}
+            quality = gguf_quality.measure(gguf_path, hf_dir, gguf_type=gguf_type, rows=eval_rows)
+            if quality:
+                record["gguf"]["quality"] = quality.as_dict()
+            system = local_runtimes.trained_system_turn(hf_dir, system_prompt=recipe.data.system_prompt)
             if hf_dir != tmp:
                 shutil.rmtree(hf_dir)
         if adapter_gguf:
@@ -126,7 +137,7 @@ def export_run(
             (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(out_dir.name, base=recipe.model.path))
         if not adapter_only:
             _write_runtime_notes(tmp, name=out_dir.name, safetensors="safetensors" in wanted, gguf_name=gguf_name,
-                                 k_quant_hint=hint)
+                                 k_quant_hint=hint, system=system)
         (tmp / META).write_text(json.dumps(record, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -135,7 +146,7 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out_dir, diff, skipped=False, gguf_path=out_dir / gguf_name if gguf_path else None,
-                        quantize_hint=hint)
+                        quantize_hint=hint, quality=quality)
 
 
 def _load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
@@ -283,8 +294,7 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
     path = out / file_name
     gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
     check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
-    log.info("GGUF check: max |logit difference| %s GGUF vs merged model = %.2e (bound %.2e)",
-             gguf_type, check.max_abs_diff, check.bound)
+    log.info("GGUF check (%s): %s", gguf_type, check.describe())
     (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
     return path, check
 
@@ -300,11 +310,12 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
     return diff
 
 
-def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None) -> None:
+def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None,
+                         system: local_runtimes.SystemTurn | None = None) -> None:
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
     text = "# Running this model\n\n"
     if gguf_name:
-        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint)
+        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system)
     if safetensors:
         text += (
             "transformers:\n\n"
