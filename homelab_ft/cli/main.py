@@ -365,7 +365,7 @@ def _export_eval_rows(run_dir: Path) -> list[dict] | None:
         recipe = load_recipe(Path(run_dir) / "recipe.yaml")
         model_dir = loading.resolve_model_dir(recipe.model.path)
         prepared = prepare_for(recipe, loading.load_tokenizer(recipe.model, model_dir))
-    except (UserError, OSError, ValueError) as err:
+    except (UserError, OSError, ValueError, KeyError) as err:
         logging.getLogger(__name__).warning("the run's eval rows cannot be read here (%s); a quantized GGUF is "
                                             "measured on held-out prompts instead", str(err).splitlines()[0][:160])
         return None

@@ -190,7 +190,7 @@ def unknown_llama_cpp_flags(text: str) -> list[str]:
     known = llama_cpp_flags()
     problems = []
     for line in text.splitlines():
-        words = shlex.split(line.strip()) if line.strip().startswith(LLAMA_CPP_TOOLS) else []
+        words = shlex.split(line.strip(), comments=True) if line.strip().startswith(LLAMA_CPP_TOOLS) else []
         if not words or words[0] not in known:
             continue
         problems += [f"{words[0]}: {w}" for w in words[1:] if w.startswith("-") and w not in known[words[0]]]

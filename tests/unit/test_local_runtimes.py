@@ -86,3 +86,8 @@ def test_a_gguf_base_is_its_own_file(tmp_path):
     gguf.write_bytes(b"GGUF")
     text = local_runtimes.adapter_running_notes("a", base=str(gguf))
     assert all(Path(words[words.index("-m") + 1]) == gguf for words in commands(text))
+
+
+def test_docs_export_commands_work_in_current_llama_cpp():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    assert len(commands(docs)) >= 3 and unknown_llama_cpp_flags(docs) == []
