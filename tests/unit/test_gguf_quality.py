@@ -38,11 +38,13 @@ def quality(**kw) -> GgufQuality:
 def test_line_warns_above_the_threshold_and_names_less_lossy_types():
     assert quality().line() == (
         "gguf q4_0 vs merged: greedy next-token agreement 91.3% on 48 eval rows (1,204 tokens), eval loss 0.812 vs "
-        "0.655 (+0.157); warning: above the 0.05 threshold, q5_1 or q8_0 keeps more")
-    calm = quality(gguf_type="q8_0", loss_gguf=0.660)
+        "0.655 (+0.157); warning: below the 99.5% agreement threshold, q5_1 or q8_0 keeps more")
+    calm = quality(gguf_type="q8_0", agreement=0.998, loss_gguf=0.660)
     assert not calm.warns and "warning" not in calm.line() and calm.line().endswith("(+0.005)")
+    assert quality(agreement=gguf_quality.AGREEMENT_WARN).warns is False
     assert gguf_quality.less_lossy("q8_0") == ("bf16", "f16")
-    assert quality().as_dict()["loss_delta"] == pytest.approx(0.157) and quality().as_dict()["threshold"] == 0.05
+    report = quality().as_dict()
+    assert report["loss_delta"] == pytest.approx(0.157) and report["agreement_threshold"] == 0.995
 
 
 def test_compare_counts_agreement_and_means_losses_over_tokens():
