@@ -33,7 +33,7 @@ AGREEMENT_WARN = 0.995
 disagreement is a point where greedy decoding takes another token and the reply leaves the merged
 model's from there on: at the demo's ~25 trained tokens per reply, 99.5% leaves about one reply in
 nine changed (1 - 0.995^25 = 0.12). The demo's q4_0 measured 98.8% (about one reply in four; issue
-26 saw it answer 32/48 where the merged model answers 41/48). The eval loss is
+26 saw it answer 32/48 where the merged model answers 41/48), its q8_0 100.0%. The eval loss is
 reported but not judged: a fine-tuned model is confident on its task (the demo's eval loss is
 0.037), so flipping a greedy token barely moves its mean loss (q4_0: +0.019 nats)."""
 
