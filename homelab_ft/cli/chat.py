@@ -2,7 +2,7 @@
 
 The base is loaded from the model folder the run recorded (run.json), then the checkpoint goes on
 top the way export reads it: a LoRA/QLoRA run's adapter applied in memory with PEFT over the
-full-precision base (export.run.load_base_with_adapter), a full fine-tune's weights read from its
+full-precision base (export.merged.load_base_with_adapter), a full fine-tune's weights read from its
 sharded checkpoint by DCP (export.consolidate.load_weights). Nothing is written. The reply is the
 one `generate` gives on the run's export (same template, same decoding: cli/generate.py).
 """
@@ -93,7 +93,7 @@ def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool) -> _
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = loading.resolve_dtype("auto", device)
     if info.rung.adapters_enabled:
-        from homelab_ft.export.run import load_base_with_adapter
+        from homelab_ft.export.merged import load_base_with_adapter
 
         model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=dtype).to(device)
     else:

@@ -1,7 +1,9 @@
 """After training: a run becomes a model that `transformers`, llama.cpp, Ollama and LM Studio load.
 
     run             `export_run(run_dir, out_dir, ...)`: the front door; branches on the run's `Rung`
+    merged          an adapter run's merged model: written, reloaded, its logits compared; the adapter alone
     merge           LoRA merged into the base one safetensors file at a time, and read back
+    gguf_quality    what a lossy GGUF costs: greedy agreement and eval loss against the merged model
     consolidate     a sharded (DCP) full fine-tune -> Hugging Face safetensors
     gguf_export     a Hugging Face folder -> one GGUF (`write_gguf`), streamed per tensor
     gguf_arch, gguf_vocab   what llama.cpp expects per architecture; the tokenizer in GGUF

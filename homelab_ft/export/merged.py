@@ -1,0 +1,163 @@
+"""The merged model of an adapter run: written (one safetensors file at a time through merge.py,
+or PEFT's in-memory merge where merge.py cannot stream), reloaded with plain transformers and its
+logits compared with base + adapter before export reports it done; and the adapter alone.
+
+Split from run.py, which decides what an export holds; this module only makes and checks weights.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from homelab_ft.errors import UserError
+from homelab_ft.export import merge
+from homelab_ft.model import loading
+from homelab_ft.store import checkpoint
+
+log = logging.getLogger(__name__)
+
+FP32_TOLERANCE = 1e-4
+"""Max abs logit difference allowed between the merged export and base + adapter in fp32, per
+unit of the largest logit's magnitude (1e-4 flat when logits stay within +-1)."""
+
+
+def load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
+    """The base in full precision (`dtype`, default fp32) + the checkpoint's adapter."""
+    import torch
+    from peft import PeftModel
+
+    base = loading.load_model(recipe.model, model_dir, dtype=dtype or torch.float32, device=torch.device("cpu"))
+    try:
+        return PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise UserError(
+            f"the adapter in {ckpt} does not fit the base {recipe.model.path} "
+            f"({str(err).splitlines()[0][:160]}); export it against the model it was trained on"
+        ) from None
+
+
+def write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, name: str) -> float:
+    """The adapter merged into the base, one base safetensors file at a time (merge.py), then
+    checked. Adapters merge.py cannot stream take PEFT's in-memory merge (`write_merged_in_memory`)."""
+    from homelab_ft.host import available_ram_bytes
+
+    reason = merge.unsupported_reason(ckpt / checkpoint.ADAPTER, model_dir)
+    if reason is not None:
+        log.info("export: %s, so the adapter is merged in memory with PEFT", reason)
+        return write_merged_in_memory(ckpt, model_dir, recipe, out, dtype=dtype, name=name)
+
+    save_dtype = saved_dtype(dtype, model_dir)
+    stats = merge.merge_files(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype)
+    loading.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
+    log.info("export: merged %d adapted weights file by file (%d base file(s), %s)", stats["merged"], stats["files"],
+             save_dtype)
+    # The logit check loads base + adapter and then the export, one after the other; a model too
+    # big for that (a 70B is 141 GB in bf16) gets its merged weights re-read and recomputed instead.
+    # Two models in memory one after the other, each up to twice its file size (bf16 read as fp32).
+    if 4 * merge.base_bytes(model_dir) < available_ram_bytes():
+        return check_logits(ckpt, model_dir, recipe, out, save_dtype=save_dtype)
+    worst = merge.check_written(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype)
+    if worst > 0:
+        raise RuntimeError(f"export check failed: a merged weight read back differs by {worst:.2e} from base + adapter")
+    log.info("export check: merged weights read back equal base + adapter (model too large for a logit check here)")
+    return worst
+
+
+def check_logits(ckpt: Path, model_dir: Path, recipe, out: Path, *, save_dtype) -> float:
+    """Logits of the written export against base + adapter on a chat-formatted probe."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    peft_model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model.eval()
+    probe = probe_ids(loading.load_tokenizer(recipe.model, model_dir))
+    with torch.no_grad():
+        expected = peft_model(input_ids=probe).logits.float()
+    del peft_model
+    gc.collect()
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=save_dtype)
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits.float()
+    return judge(got, expected, save_dtype=save_dtype)
+
+
+def judge(got, expected, *, save_dtype) -> float:
+    import torch
+
+    diff = float((got - expected).abs().max())
+    # In fp32, merging only reorders sums: relative errors of ~1e-7 per op that grow through the
+    # layers, ~1e-4 on SmolLM2's logits of magnitude ~25 (measured 8e-5..1.0e-4). So the bound is
+    # 1e-4 per unit of logit magnitude (1e-4 flat for logits within +-1). In bf16 the merged weight
+    # is rounded once more; the bound there only catches real mistakes (a wrong or missing adapter
+    # moves logits by whole units).
+    scale = float(expected.abs().max())
+    tolerance = FP32_TOLERANCE * max(1.0, scale) if save_dtype == torch.float32 else 0.05 * scale
+    if diff > tolerance:
+        raise RuntimeError(f"export check failed: merged logits differ from base + adapter by {diff:.2e} > {tolerance:.2e}")
+    log.info("export check: max |logit difference| merged vs base + adapter = %.2e (%s)", diff, save_dtype)
+    return diff
+
+
+def write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, name: str) -> float:
+    """PEFT's merge_and_unload, in the dtype the export is saved in (fp32, or the base's bf16/fp16
+    that the weights were published in): an 8B model then needs 16 GB of host RAM, not 32 GB."""
+    import gc
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    save_dtype = saved_dtype(dtype, model_dir)
+    peft_model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=save_dtype)
+    peft_model.eval()
+    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    probe = probe_ids(tokenizer)
+    with torch.no_grad():
+        expected = peft_model(input_ids=probe).logits.float()
+    merged = peft_model.merge_and_unload()
+    merged.config.use_cache = True
+    # 5 GB shards: the size the Hub and llama.cpp's converter handle comfortably.
+    merged.save_pretrained(out, max_shard_size="5GB")
+    tokenizer.save_pretrained(out)
+    del merged, peft_model  # one copy of the weights in memory at a time
+    gc.collect()
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=save_dtype)
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits.float()
+    return judge(got, expected, save_dtype=save_dtype)
+
+
+def write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
+    """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
+    load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
+    shutil.copytree(ckpt / checkpoint.ADAPTER, out, dirs_exist_ok=True)
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = recipe.model.path
+    config_path.write_text(json.dumps(config, indent=2))
+    loading.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
+    return None
+
+
+def saved_dtype(name: str, model_dir: Path):
+    import torch
+
+    if name != "auto":
+        return getattr(torch, name)
+    config = json.loads((model_dir / "config.json").read_text())
+    declared = config.get("dtype") or config.get("torch_dtype")  # the name differs across transformers versions
+    return getattr(torch, declared) if declared in ("float32", "bfloat16", "float16") else torch.float32
+
+
+def probe_ids(tokenizer):
+    import torch
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
