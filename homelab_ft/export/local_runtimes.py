@@ -40,8 +40,12 @@ def trained_system_turn(model_dir: Path, *, system_prompt: str | None) -> System
     return SystemTurn(default, from_recipe=False) if default else None
 
 
-def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> str:
+def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None, run_first: str | None = None) -> str:
     """An Ollama Modelfile for the GGUF: its stop tokens, and the recipe's system prompt if set.
+
+    `run_first` is the command that makes `file_name` (llama-quantize for a k-quant, which gguf-py
+    cannot write): the Modelfile names the file that command writes, not the f16 file it reads, so
+    `ollama create` loads the quantized model once the command has run, with no edit by hand.
 
     For a ChatML model (SmolLM2, Qwen) the template is written out, with the system turn the Jinja
     template inserts by default as SYSTEM, since the model was trained with it; for others Ollama
@@ -52,7 +56,8 @@ def modelfile(model_dir: Path, *, file_name: str, system_prompt: str | None) -> 
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stops = list(dict.fromkeys(_stop_tokens(model_dir, tokenizer)))
-    lines = [f"FROM ./{file_name}", ""]
+    lines = [f"# Run first, in this folder: {run_first}", ""] if run_first else []
+    lines += [f"FROM ./{file_name}", ""]
     if "<|im_start|>" in (tokenizer.chat_template or ""):
         lines += [f'TEMPLATE """{_CHATML_TEMPLATE}"""', ""]
         system_prompt = system_prompt or _default_chatml_system(tokenizer)
@@ -119,7 +124,8 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system
         f"    lms load {Path(gguf_name).stem}\n\n"
     )
     if k_quant_hint:
-        text += f"A k-quant needs llama.cpp's llama-quantize (gguf-py cannot write one):\n\n    {k_quant_hint}\n\n"
+        text += (f"A k-quant needs llama.cpp's llama-quantize (gguf-py cannot write one); run it before `ollama create`\n"
+                 f"or `lms import` (the Modelfile already names the file it writes):\n\n    {k_quant_hint}\n\n")
     return text
 
 

@@ -183,7 +183,7 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
     quality = system = None
     if request.gguf_type:
         _, check = _write_gguf(hf_dir, tmp, file_name=request.gguf_name, gguf_type=request.gguf_type, name=name,
-                               system_prompt=recipe.data.system_prompt)
+                               system_prompt=recipe.data.system_prompt, k_quant=request.k_quant)
         record["gguf"] = {"file": request.gguf_name, "type": request.gguf_type, "max_abs_diff": check.max_abs_diff,
                           "bound": check.bound}
         quality = gguf_quality.measure(tmp / request.gguf_name, hf_dir, gguf_type=request.gguf_type, rows=eval_rows)
@@ -219,13 +219,20 @@ def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: 
     return consolidate_to_hf(ckpt, model_dir, out, dtype=merged.saved_dtype(request.dtype, model_dir))
 
 
-def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name: str, system_prompt: str | None):
-    """The GGUF beside the export, checked against the merged model, plus an Ollama Modelfile."""
+def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name: str, system_prompt: str | None,
+                k_quant: str | None):
+    """The GGUF beside the export, checked against the merged model, plus an Ollama Modelfile (for
+    a k-quant, naming the file llama-quantize will write from this one)."""
     path = out / file_name
     gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
     check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
     log.info("GGUF check (%s): %s", gguf_type, check.describe())
-    (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=file_name, system_prompt=system_prompt))
+    loads, run_first = file_name, None
+    if k_quant:
+        loads = gguf_export.gguf_file_name(k_quant)
+        run_first = gguf_export.quantize_command(Path(file_name), k_quant)
+    (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=loads, system_prompt=system_prompt,
+                                                            run_first=run_first))
     return path, check
 
 

@@ -306,8 +306,13 @@ def test_k_quant_writes_f16_and_prints_the_llama_quantize_command(models, tmp_pa
     printed = capsys.readouterr().out
     assert f"llama-quantize {out}/model-f16.gguf {out}/model-q4_k_m.gguf Q4_K_M" in printed
     assert "llama-quantize" in (out / "RUNNING.md").read_text()
+    modelfile = (out / "Modelfile").read_text()
     # no system prompt in this recipe: the template's default system turn, which the model was trained with
-    assert 'SYSTEM """You are a helpful AI assistant."""' in (out / "Modelfile").read_text()
+    assert 'SYSTEM """You are a helpful AI assistant."""' in modelfile
+    # the Modelfile loads what the printed command writes (issue 24 item 9: it said FROM ./model-f16.gguf),
+    # and says to run that command first, in the export folder
+    assert "FROM ./model-q4_k_m.gguf" in modelfile and "model-f16.gguf" not in modelfile.split("FROM")[1]
+    assert modelfile.startswith("# Run first, in this folder: llama-quantize model-f16.gguf model-q4_k_m.gguf Q4_K_M\n")
 
 
 def refused(capsys, *argv) -> str:
