@@ -97,7 +97,7 @@ class Session:
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
-           resume_command: str | None) -> TrainResult:
+           resume_command: str | None = None) -> TrainResult:
     s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
