@@ -17,15 +17,13 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from homelab_ft.bounds import Fraction, LearningRate, NonNegative, NonNegInt, Positive, PositiveInt, Seed
 from homelab_ft.errors import UserError
 from homelab_ft.recipe_io import apply_overrides, attach_field_docs, explain, read_yaml_mapping, write_yaml
 from homelab_ft.rung import METHODS, OPTIMIZERS, STRATEGIES
 
-_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0.0, lt=1.0)]
+# allow_inf_nan=False: every float is finite (bounds.py names each kind's range).
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 # The names live once, in rung.py; `auto` lets the planner choose.
 Method = Literal[("auto", *METHODS)]
@@ -51,7 +49,7 @@ class ModelConfig:
 class LoraConfig:
     r: PositiveInt = 16
     """Adapter rank."""
-    alpha: Annotated[float, Field(gt=0)] = 32.0
+    alpha: Positive = 32.0
     """Scaling numerator: the adapter output is multiplied by alpha / r (alpha / sqrt(r) with rsLoRA)."""
     dropout: Fraction = 0.05
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
@@ -95,7 +93,7 @@ class SourceConfig:
     rejected as strings or message lists, as in UltraFeedback-style sets)."""
     split: str = "train"
     """Split to read when the source has several (hub datasets, `DatasetDict` folders)."""
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    weight: Positive = 1.0
     """Multiplier on this source's row count when mixing: 2.0 uses every row twice, 0.5 a random half
     (chosen by the seed). Held-out eval rows are taken before weighting, so repeats never leak into eval."""
     limit: PositiveInt | None = None
@@ -137,25 +135,25 @@ DEFAULT_MAX_STEPS = 100
 
 @dataclass(frozen=True, config=_STRICT)
 class TrainConfig:
-    seed: int = 42
+    seed: Seed = 42
     max_steps: PositiveInt | None = None
     """Optimizer steps (each is `micro_batch_size x grad_accum_steps x ranks` samples); 100
     (DEFAULT_MAX_STEPS) unless `num_epochs` is set. Exclusive with `num_epochs`."""
-    num_epochs: Annotated[float, Field(gt=0)] | None = None
+    num_epochs: Positive | None = None
     """Passes over the training rows instead of `max_steps`: the optimizer steps they mean are
     counted once the data is tokenised (and packed), as ceil(num_epochs x rows // (micro_batch_size
     x ranks) / grad_accum_steps) (train.steps.total_steps), logged at the start, the progress bar's
     total and the schedule's length."""
     micro_batch_size: PositiveInt = 4
     grad_accum_steps: PositiveInt = 1
-    lr: Annotated[float, Field(gt=0)] = 2e-4
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: LearningRate = 2e-4
+    weight_decay: NonNegative = 0.0
+    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
     warmup_steps: NonNegInt = 0
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = 0.0
     """The schedule decays to `lr * min_lr_ratio` at `max_steps`."""
-    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
+    max_grad_norm: NonNegative = 1.0
     """Clip the global gradient norm to this; 0 turns clipping off."""
     optimizer: Literal[OPTIMIZERS] = "adamw"
     """8-bit and paged AdamW come from bitsandbytes (optimizer state in 8 bits: ~75% less than
@@ -246,12 +244,12 @@ class ClusterConfig:
     nodes: PositiveInt = 1
     gpus_per_node: PositiveInt = 1
     """Processes per node: one per GPU (or, on CPU, worker processes)."""
-    vram_gib: Annotated[float, Field(gt=0)] | None = None
+    vram_gib: Positive | None = None
     """Memory per GPU; default: detected on this machine."""
-    host_ram_gib: Annotated[float, Field(gt=0)] | None = None
+    host_ram_gib: Positive | None = None
     """RAM per node; default: detected on this machine."""
     intra_link: Literal["pcie", "nvlink"] = "pcie"
-    inter_link_gbit: Annotated[float, Field(gt=0)] = 1.0
+    inter_link_gbit: Positive = 1.0
     """Ethernet speed between nodes in Gbit/s (1, 2.5, 10 ...)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """What the planner plans for; `cpu` plans host RAM as the device memory."""
@@ -260,14 +258,14 @@ class ClusterConfig:
     the plan looks up its throughput in the GPU table (plan/gpus.py); default: detected on this
     machine. Unset with `--gpus`, or a card the table lacks: priced as the table's slowest card
     with that much memory, and the plan says so."""
-    gpu_tflops: Annotated[float, Field(gt=0)] | None = None
+    gpu_tflops: Positive | None = None
     """Dense bf16 matmul TFLOPS one GPU reaches, as `homelab-ft doctor` measures it (written to the
     cluster file); replaces the GPU table's figure in the plan."""
-    inter_latency_ms: Annotated[float, Field(ge=0)] | None = None
+    inter_latency_ms: NonNegative | None = None
     """Latency of a small collective between nodes; default: the planner's assumption for Ethernet."""
-    intra_link_gbit: Annotated[float, Field(gt=0)] | None = None
+    intra_link_gbit: Positive | None = None
     """Measured collective bandwidth between processes of one node; default: from `intra_link`."""
-    intra_latency_ms: Annotated[float, Field(ge=0)] | None = None
+    intra_latency_ms: NonNegative | None = None
     """Latency of a small collective inside a node; default: the planner's assumption for `intra_link`."""
     inter_link_measured: bool = False
     """`inter_link_gbit` is a measured collective bandwidth (set by a cluster file, `--cluster`),
@@ -296,7 +294,7 @@ class PlannerConfig:
 
 @dataclass(frozen=True, config=_STRICT)
 class DpoConfig:
-    beta: Annotated[float, Field(gt=0)] = 0.1
+    beta: Positive = 0.1
     """Strength of the pull towards the reference model (the KL weight in the DPO paper, Rafailov
     et al. 2023); 0.1 is the paper's and TRL's default."""
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
@@ -304,7 +302,7 @@ class DpoConfig:
     Azar et al. 2023, which cannot drive the margin to infinity on deterministic preferences."""
     label_smoothing: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.0
     """Probability that a pair's label is wrong (conservative DPO): the loss mixes in the flipped pair."""
-    sft_weight: Annotated[float, Field(ge=0.0)] = 0.0
+    sft_weight: NonNegative = 0.0
     """Weight of a negative log-likelihood term on the chosen answer, per token (RPO, Pang et al. 2024)."""
 
 
