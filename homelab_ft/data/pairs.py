@@ -9,7 +9,8 @@ turns are context, not answer).
 Length: each row is cut to `sft.max_length` (`overlong: truncate`) or the pair is dropped
 (`overlong: drop`). A prompt that leaves either answer no token within `max_length` stops the run
 naming the row (`bad_rows: fail`) or is counted and skipped (`bad_rows: skip`). Pairs are never
-packed: each answer is scored whole against its prompt.
+packed: each answer is scored whole against its prompt. An empty or whitespace-only prompt, chosen or
+rejected is a bad row of formats.py, failed or skipped by the same `bad_rows` rule.
 
 Tokenised pairs go through the one cached map and kept-rows count of rows.py, as SFT samples do,
 under a fingerprint of the pairs, tokenizer, template and settings.

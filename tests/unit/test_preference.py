@@ -188,6 +188,20 @@ BAD_PAIRS = {
     "missing chosen": ({"prompt": "fox", "rejected": "no", "chosen": None}, r"row 2: field 'chosen' is missing"),
     "identical": (pair(chosen="same", rejected="same"), r"row 2: field 'rejected' is identical to 'chosen'"),
     "no prompt": ({"chosen": "yes", "rejected": "no"}, r"row 2: field 'prompt' is missing"),
+    # issue 23 point 5: an empty or whitespace-only text trained before (a pair with nothing to say)
+    "empty prompt": (pair(prompt=""), r"row 2: field 'prompt' is empty"),
+    "blank prompt": (pair(prompt=" \n\t"), r"row 2: field 'prompt' is empty"),
+    "empty chosen": (pair(chosen=""), r"row 2: field 'chosen' is empty"),
+    "blank rejected": (pair(rejected="   "), r"row 2: field 'rejected' is empty"),
+    "blank prompt turn": ({"prompt": [{"role": "user", "content": " "}], "chosen": "yes", "rejected": "no"},
+                          r"row 2: field 'prompt\[0\]\.content' is empty"),
+    "blank messages turn": ({"messages": [{"role": "user", "content": ""}], "chosen": "yes", "rejected": "no"},
+                            r"row 2: field 'messages\[0\]\.content' is empty"),
+    "blank chosen turn": ({"prompt": "fox", "chosen": [{"role": "assistant", "content": "\n"}], "rejected": "no"},
+                          r"row 2: field 'chosen\[0\]\.content' is empty"),
+    "blank conversation answer": ({"chosen": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "yes"}],
+                                   "rejected": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": " "}]},
+                                  r"row 2: field 'rejected\[1\]\.content' is empty"),
 }
 
 
