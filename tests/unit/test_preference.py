@@ -218,7 +218,7 @@ def test_bad_pair_fails_naming_file_row_and_field(tmp_path, tokenizer, case):
 
 def test_prompt_without_room_for_the_answer(tmp_path, tokenizer):
     write(tmp_path, pair(), pair(prompt="the quick brown fox jumps over the lazy dog " * 8), pair())
-    with pytest.raises(UserError, match=r"p\.jsonl: row 2: the prompt takes \d+ tokens and leaves no room .*max_length=90"):
+    with pytest.raises(UserError, match=r"p\.jsonl: row 2: the prompt takes \d+ tokens and leaves no room .*data\.max_length=90.*data\.bad_rows=skip"):
         prepare(tmp_path, tokenizer, max_length=90)
     report = prepare(tmp_path, tokenizer, max_length=90, bad_rows="skip").report
     assert report.num_dropped_no_target == 1 and report.num_train_samples == 2
