@@ -104,6 +104,8 @@ def _to_pair(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_
       are the prompt, the rest are the answers; a `prompt` column beside them is then ignored.
     """
     answers = {name: _answer(row, col[name]) for name in ("chosen", "rejected")}
+    for name, turns in answers.items():
+        _check_text(turns, col[name], listed=isinstance(row[col[name]], list))
     whole = all(any(m["role"] != "assistant" for m in turns) for turns in answers.values())
     if whole:
         chosen, rejected = answers["chosen"], answers["rejected"]
@@ -117,10 +119,13 @@ def _to_pair(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_
             raise RowError(col["chosen"], "and 'rejected' are conversations that share no prompt turns")
     elif col["messages"] in row and row[col["messages"]] is not None:
         prompt = _turns(row, col["messages"], role_key="role", text_key="content", roles={r: r for r in ROLES})
+        _check_text(prompt, col["messages"], listed=True)
     elif col["prompt"] in row and isinstance(row[col["prompt"]], list):
         prompt = _turns(row, col["prompt"], role_key="role", text_key="content", roles={r: r for r in ROLES})
+        _check_text(prompt, col["prompt"], listed=True)
     elif col["prompt"] in row and row[col["prompt"]] is not None:
         prompt = [{"role": "user", "content": _string(row, col["prompt"])}]
+        _check_text(prompt, col["prompt"], listed=False)
     else:
         raise RowError(col["prompt"], f"is missing; a pair needs its prompt ('{col['prompt']}' or '{col['messages']}')")
     if drop_system:
@@ -139,6 +144,14 @@ def _to_pair(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_
         raise RowError(col["rejected"], f"is identical to '{col['chosen']}'; the pair has nothing to prefer")
     return {"kind": "pair", "messages": prompt, "chosen": answers["chosen"], "rejected": answers["rejected"],
             "prompt": "", "completion": ""}
+
+
+def _check_text(turns: list[dict], key: str, *, listed: bool) -> None:
+    """An empty or whitespace-only prompt or answer is a bad row: DPO would push the model toward (or
+    away from) saying nothing, and the pair carries no preference to learn. A system turn may be empty."""
+    for i, turn in enumerate(turns):
+        if turn["role"] != "system" and not turn["content"].strip():
+            raise RowError(f"{key}[{i}].content" if listed else key, "is empty; a pair needs text in its prompt and both answers")
 
 
 def _answer(row: dict, key: str) -> list[dict]:

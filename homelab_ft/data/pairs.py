@@ -6,10 +6,11 @@ prompt + rejected, whose labels cover only the answer turns: the trained span ru
 templates.py, restricted to what follows the prompt (a multi-turn prompt's earlier assistant
 turns are context, not answer).
 
-Length: each row is cut to `sft.max_length` (`overlong: truncate`) or the pair is dropped
+Length: each row is cut to `data.max_length` (`overlong: truncate`) or the pair is dropped
 (`overlong: drop`). A prompt that leaves either answer no token within `max_length` stops the run
 naming the row (`bad_rows: fail`) or is counted and skipped (`bad_rows: skip`). Pairs are never
-packed: each answer is scored whole against its prompt.
+packed: each answer is scored whole against its prompt. An empty or whitespace-only prompt, chosen or
+rejected is a bad row of formats.py, failed or skipped by the same `bad_rows` rule.
 
 Tokenised pairs go through the one cached map and kept-rows count of rows.py, as SFT samples do,
 under a fingerprint of the pairs, tokenizer, template and settings.
@@ -39,7 +40,7 @@ def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path 
     template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
     if template is None:
         raise UserError("the tokenizer has no chat template, and preference pairs are rendered through one; set "
-                        "sft.chat_template (e.g. chatml)")
+                        "data.chat_template (e.g. chatml)")
     train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(data_cfg, seed=seed, base_dir=base_dir,
                                                                                 pairs=True)
     train, train_hit = _tokenize(train_parts, tokenizer, template, data_cfg)
@@ -146,8 +147,8 @@ class _PairEncoder:
             if status == NO_TARGET and self.cfg.bad_rows == "fail":
                 raise UserError(
                     f"{batch['origin'][i]}: the prompt takes {prompt_tokens} tokens and leaves no room for an answer "
-                    f"within sft.max_length={self.cfg.max_length}; raise sft.max_length, shorten the prompt, or set "
-                    "sft.bad_rows=skip to leave such pairs out")
+                    f"within data.max_length={self.cfg.max_length}; raise data.max_length, shorten the prompt, or set "
+                    "data.bad_rows=skip to leave such pairs out")
             out["status"][i] = status
             if status in KEPT:
                 for k, side in enumerate(SIDES):

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
 from homelab_ft.store.layout import RunDir
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -44,7 +47,8 @@ class MetricsLogger:
             self._tb.add_text("samples", text, step)
 
     def truncate_after(self, step: int) -> None:
-        """On resume, drop rows of steps after the checkpoint (they will be logged again)."""
+        """On resume, drop rows of steps after the checkpoint (they will be logged again), and a torn
+        last line (a kill -9 mid-write): left in place, the next row would be appended to it."""
         if not self.enabled or not self.path.is_file():
             return
         rows = read_metrics(self.path)
@@ -60,7 +64,20 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The rows of metrics.jsonl, less a torn last line.
+
+    A row is one `write` of one line, so a kill -9 (or a full disk) can cut only the last one: it is
+    left out with a warning. A bad line before the last is not a torn write and still raises.
+    """
+    lines = [line for line in Path(path).read_bytes().splitlines() if line.strip()]
+    rows = [json.loads(line.decode("utf-8")) for line in lines[:-1]]
+    if lines:
+        try:  # bytes, so a cut inside a UTF-8 character is torn too
+            rows.append(json.loads(lines[-1].decode("utf-8")))
+        except ValueError:
+            log.warning("%s: left out a torn last line (%d bytes; a write cut short, e.g. by kill -9): %.60r",
+                        path, len(lines[-1]), lines[-1])
+    return rows
 
 
 def plot_loss(metrics_path: Path, out_png: Path) -> None:

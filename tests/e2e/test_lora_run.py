@@ -65,7 +65,10 @@ def test_train_resume_export(tmp_path, tiny_model_dir):
     half = run / "checkpoints" / ".tmp-step_000006"
     (half / "state").mkdir(parents=True)
     (run / "checkpoints" / "step_000009").mkdir()  # no trainer_state.json: incomplete
+    with (run / "metrics.jsonl").open("a") as fh:  # a kill -9 mid-write: a torn last row (it crashed resume)
+        fh.write('{"step": 7, "lo')
     assert main(["train", str(recipe), "--run-dir", str(run), "--resume"]) == 0
+    assert all(line.startswith("{") and line.endswith("}") for line in (run / "metrics.jsonl").read_text().splitlines())
     resumed = losses(run)
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     for step in (4, 5, 6):

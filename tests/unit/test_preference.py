@@ -188,6 +188,20 @@ BAD_PAIRS = {
     "missing chosen": ({"prompt": "fox", "rejected": "no", "chosen": None}, r"row 2: field 'chosen' is missing"),
     "identical": (pair(chosen="same", rejected="same"), r"row 2: field 'rejected' is identical to 'chosen'"),
     "no prompt": ({"chosen": "yes", "rejected": "no"}, r"row 2: field 'prompt' is missing"),
+    # issue 23 point 5: an empty or whitespace-only text trained before (a pair with nothing to say)
+    "empty prompt": (pair(prompt=""), r"row 2: field 'prompt' is empty"),
+    "blank prompt": (pair(prompt=" \n\t"), r"row 2: field 'prompt' is empty"),
+    "empty chosen": (pair(chosen=""), r"row 2: field 'chosen' is empty"),
+    "blank rejected": (pair(rejected="   "), r"row 2: field 'rejected' is empty"),
+    "blank prompt turn": ({"prompt": [{"role": "user", "content": " "}], "chosen": "yes", "rejected": "no"},
+                          r"row 2: field 'prompt\[0\]\.content' is empty"),
+    "blank messages turn": ({"messages": [{"role": "user", "content": ""}], "chosen": "yes", "rejected": "no"},
+                            r"row 2: field 'messages\[0\]\.content' is empty"),
+    "blank chosen turn": ({"prompt": "fox", "chosen": [{"role": "assistant", "content": "\n"}], "rejected": "no"},
+                          r"row 2: field 'chosen\[0\]\.content' is empty"),
+    "blank conversation answer": ({"chosen": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": "yes"}],
+                                   "rejected": [{"role": "user", "content": "fox"}, {"role": "assistant", "content": " "}]},
+                                  r"row 2: field 'rejected\[1\]\.content' is empty"),
 }
 
 
@@ -204,7 +218,7 @@ def test_bad_pair_fails_naming_file_row_and_field(tmp_path, tokenizer, case):
 
 def test_prompt_without_room_for_the_answer(tmp_path, tokenizer):
     write(tmp_path, pair(), pair(prompt="the quick brown fox jumps over the lazy dog " * 8), pair())
-    with pytest.raises(UserError, match=r"p\.jsonl: row 2: the prompt takes \d+ tokens and leaves no room .*max_length=90"):
+    with pytest.raises(UserError, match=r"p\.jsonl: row 2: the prompt takes \d+ tokens and leaves no room .*data\.max_length=90.*data\.bad_rows=skip"):
         prepare(tmp_path, tokenizer, max_length=90)
     report = prepare(tmp_path, tokenizer, max_length=90, bad_rows="skip").report
     assert report.num_dropped_no_target == 1 and report.num_train_samples == 2
