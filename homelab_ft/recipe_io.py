@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 import yaml
 from pydantic import ValidationError
 
+from homelab_ft import bounded_yaml
 from homelab_ft.errors import UserError
 
 
@@ -26,7 +27,7 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"recipe {path} not found; pass a YAML file such as recipes/smollm2-lora-cpu.yaml")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = bounded_yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
@@ -64,7 +65,7 @@ def apply_overrides(raw: dict[str, Any], overrides) -> dict[str, Any]:
                 raise UserError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section")
             node = child
         try:
-            node[parts[-1]] = yaml.safe_load(value) if value.strip() else None
+            node[parts[-1]] = bounded_yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
             node[parts[-1]] = value
     return raw

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from homelab_ft import bounded_yaml
 from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
 
@@ -57,7 +58,10 @@ def read(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"--cluster {path}: no such file; {fix}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = bounded_yaml.safe_load(path.read_text(encoding="utf-8"))
+    except bounded_yaml.YAMLBoundError as err:
+        line = f"line {err.problem_mark.line + 1}: " if err.problem_mark is not None else ""
+        raise UserError(f"--cluster {path}: {line}{err.problem}; {fix}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         raise UserError(f"--cluster {path}: not a readable YAML file ({type(err).__name__}); {fix}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("cluster"), dict):

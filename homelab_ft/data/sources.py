@@ -13,9 +13,11 @@ bad line name neither the line nor the field (it reports an Arrow parse error fo
 
 from __future__ import annotations
 
-import glob
+import fnmatch
 import importlib.resources
 import json
+import logging
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,8 @@ from homelab_ft.data.report import SourceReport
 from homelab_ft.errors import UserError
 
 FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+log = logging.getLogger(__name__)
 
 
 def check_sources_declared(data_cfg: DataConfig) -> None:
@@ -74,8 +78,8 @@ def resolve_files(path: str, *, base_dir: Path | None, where: str) -> list[Path]
     roots = [base_dir, None] if base_dir is not None else [None]
     for root in roots:
         full = Path(path) if root is None or Path(path).is_absolute() else root / path
-        if any(ch in path for ch in "*?["):
-            found = sorted(Path(p) for p in glob.glob(str(full), recursive=True) if Path(p).suffix in FILE_TYPES)
+        if _is_pattern(path):
+            found = sorted(Path(p) for p in set(_glob(str(full))) if Path(p).suffix in FILE_TYPES)
             if found:
                 return found
         elif full.is_dir():
@@ -93,6 +97,67 @@ def resolve_files(path: str, *, base_dir: Path | None, where: str) -> list[Path]
         return path  # owner/name: a hub dataset id
     looked = ", ".join(str(r) for r in [base_dir, Path.cwd()] if r is not None)
     raise UserError(f"{where}: dataset {path} does not exist (looked relative to {looked}); fix the path")
+
+
+def _glob(pattern: str) -> Iterator[str]:
+    """What `glob.glob(pattern, recursive=True)` yields, except that `**` does not descend into a
+    folder it is already inside: through a symlink loop (`d/up -> d`) glob.glob recursed until the
+    path hit the OS limit, ~40 levels with every level multiplying the names, which hung. A link
+    that is not a loop is followed, as glob does; names starting with a dot match only a dot."""
+    parts = Path(pattern).parts
+    if Path(pattern).is_absolute():
+        return _glob_from(parts[0], parts[1:], frozenset())
+    return _glob_from("", parts, frozenset())
+
+
+def _glob_from(base: str, parts: tuple[str, ...], inside: frozenset) -> Iterator[str]:
+    if not parts:
+        yield base
+        return
+    part, rest = parts[0], parts[1:]
+    if not _is_pattern(part):
+        path = os.path.join(base, part)
+        if os.path.isdir(path) if rest else os.path.lexists(path):
+            yield from _glob_from(path, rest, inside)
+        return
+    if part == "**":
+        here = inside | {_identity(base or os.curdir)}
+        yield from _glob_from(base, rest, here)
+        for name in _names(base, "*"):
+            path = os.path.join(base, name)
+            if not os.path.isdir(path):
+                if not rest:
+                    yield path
+            elif _identity(path) in here:
+                log.info("data glob: not following %s, a link back into a folder it is inside", path)
+            else:
+                yield from _glob_from(path, parts, here)
+        return
+    for name in _names(base, part):
+        path = os.path.join(base, name)
+        if not rest or os.path.isdir(path):
+            yield from _glob_from(path, rest, inside)
+
+
+def _is_pattern(text: str) -> bool:
+    """glob's wildcards: `*`, `?` and `[...]`."""
+    return any(ch in text for ch in "*?[")
+
+
+def _names(base: str, part: str) -> list[str]:
+    try:
+        names = os.listdir(base or os.curdir)
+    except OSError:  # unreadable or vanished, as glob.glob skips it
+        return []
+    return [n for n in fnmatch.filter(names, part) if part.startswith(".") or not n.startswith(".")]
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def read_rows(target, *, split: str, where: str, on_bad) -> Iterator[tuple[str, int, dict]]:

@@ -43,3 +43,19 @@ def test_bad_files_name_file_and_field(tmp_path, text, says):
 def test_missing_file(tmp_path):
     with pytest.raises(UserError, match="no such file; run `homelab-ft doctor"):
         clusterfile.read(tmp_path / "nope.yaml")
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("text, says", [
+    ("format: homelab-ft-cluster/1\ncluster: &c {nodes: 2, again: *c}\n", "refers to itself"),
+    ("format: homelab-ft-cluster/1\na0: &a0 [x, x, x, x, x, x, x, x, x, x]\n"
+     + "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10)) + "cluster: {nodes: 2}\n",
+     "expand to more than"),
+    ("format: homelab-ft-cluster/1\ncluster: {nodes: 2}\nx: " + "[" * 5000 + "]" * 5000 + "\n", "nest deeper than"),
+])
+def test_recursive_anchors_and_alias_bombs_are_one_line(tmp_path, text, says):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        clusterfile.read(path)
+    assert str(path) in str(err.value) and says in str(err.value) and "\n" not in str(err.value)

@@ -62,3 +62,32 @@ def test_yaml_round_trip_keeps_key_order_and_refuses_non_mappings(tmp_path):
         read_yaml_mapping(path)
     with pytest.raises(UserError, match="not found"):
         read_yaml_mapping(tmp_path / "missing.yaml")
+
+
+# A self-referencing anchor (it gave a 3,000-line RecursionError) and an alias bomb (9 levels of 10
+# aliases each: 10**9 values, which hung) are refused in one line, fast, before anything walks them.
+_RECURSIVE = "name: x\nmodel: &m\n  path: m\n  again: *m\n"
+_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 10))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("text, says", [
+    (_RECURSIVE, "refers to itself"), (_BOMB, "expand to more than"),
+    ("name: " + "[" * 200 + "]" * 200 + "\n", "nest deeper than"),  # past the bound, within Python's stack
+    ("name: " + "[" * 5000 + "]" * 5000 + "\n", "nest deeper than"),  # past Python's stack in PyYAML's composer
+])
+def test_recursive_anchors_and_alias_bombs_are_one_line(tmp_path, text, says):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        read_yaml_mapping(path)
+    message = str(err.value)
+    assert str(path) in message and says in message and "\n" not in message
+
+
+def test_ordinary_aliases_still_read(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("base: &b {lr: 1.0e-4, seed: 3}\ntrain: *b\nlist: [*b, *b]\n")
+    raw = read_yaml_mapping(path)
+    assert raw["train"] == {"lr": 1.0e-4, "seed": 3} and raw["list"] == [raw["base"]] * 2
