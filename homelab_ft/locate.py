@@ -137,12 +137,18 @@ def hub_snapshot(spec: str) -> Path | None:
 def read_json(path: Path, *, hint: str, field: str = "model.path") -> dict:
     if not path.is_file():
         raise UserError(f"{field}: {path} not found; {hint}")
+    return json_object(path, fix=hint)
+
+
+def json_object(path: Path, *, fix: str) -> dict:
+    """An existing JSON file that must hold an object (a config.json, a run's run.json): anything
+    else is one UserError naming the file and `fix`."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not valid JSON ({err}); {hint}") from None
+        raise UserError(f"{path} is not valid JSON ({err}); {fix}") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path} is not a JSON object; {hint}")
+        raise UserError(f"{path} holds a {type(data).__name__}, not a JSON object; {fix}")
     return data
 
 

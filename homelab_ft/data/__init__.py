@@ -21,7 +21,7 @@ from homelab_ft.data.prepare import prepare_for
 from homelab_ft.data.report import DataReport, PreparedData, SourceReport
 from homelab_ft.data.rows import collate
 from homelab_ft.data.sft import prepare_data
-from homelab_ft.data.templates import IGNORE_INDEX
+from homelab_ft.labels import IGNORE_INDEX
 
 __all__ = [
     "IGNORE_INDEX",

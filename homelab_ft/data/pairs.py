@@ -23,9 +23,9 @@ from pathlib import Path
 from homelab_ft.config import DataConfig
 from homelab_ft.data import packing, rows, sources, templates
 from homelab_ft.data.report import DataReport, PreparedData
-from homelab_ft.data.rows import BAD_TEMPLATE, KEPT, NO_TARGET, OK, TOO_LONG, TRUNCATED, collate
-from homelab_ft.data.templates import IGNORE_INDEX
+from homelab_ft.data.rows import BAD_TEMPLATE, KEPT, NO_TARGET, OK, collate
 from homelab_ft.errors import UserError
+from homelab_ft.labels import IGNORE_INDEX
 
 SIDES = ("chosen", "rejected")
 PAIR_ROWS = rows.RowKind(cache_prefix="pairs", fingerprint_tag=(b"pairs",), turn_columns=("messages", *SIDES),
@@ -43,16 +43,11 @@ def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path 
                         "data.chat_template (e.g. chatml)")
     train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(data_cfg, seed=seed, base_dir=base_dir,
                                                                                 pairs=True)
-    train, train_hit = _tokenize(train_parts, tokenizer, template, data_cfg)
-    train = rows.kept(train, kind=PAIR_ROWS)
-    if len(train.rows) == 0:
-        raise UserError(rows.empty_reason(train.counts, data_cfg, unit="pair"))
-    eval_ds, eval_hit, num_eval = None, True, 0
-    if eval_parts:
-        eval_ds, eval_hit = _tokenize(eval_parts, tokenizer, template, data_cfg)
-        eval_ds = rows.kept(eval_ds, kind=PAIR_ROWS).rows
-        num_eval = len(eval_ds)
-        eval_ds = eval_ds if num_eval else None
+    train, held_out, cache_hit = rows.kept_splits(
+        train_parts, eval_parts, tokenize=lambda parts: _tokenize(parts, tokenizer, template, data_cfg),
+        kind=PAIR_ROWS, cfg=data_cfg, unit="pair")
+    num_eval = len(held_out.rows) if held_out is not None else 0
+    eval_ds = held_out.rows if num_eval else None
     lengths = train.lengths.tolist()
     report = DataReport(
         sources=tuple(train_reports),
@@ -60,18 +55,12 @@ def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path 
         num_train_samples=len(train.rows),
         num_eval_samples=num_eval,
         num_train_rows=len(train.rows),
-        num_train_tokens=sum(lengths),
-        num_trained_tokens=train.num_trained_tokens,
-        num_truncated=train.counts[TRUNCATED],
-        num_dropped_overlong=train.counts[TOO_LONG],
-        num_dropped_no_target=train.counts[NO_TARGET],
-        num_bad_template=train.counts[BAD_TEMPLATE],
         max_length=data_cfg.max_length,
         packed=False,
         non_pad_fraction=packing.non_pad_fraction(lengths, num_rows=len(lengths), max_length=data_cfg.max_length),
-        sample_lengths=tuple(lengths),
-        cache_hit=train_hit and eval_hit,
+        cache_hit=cache_hit,
         pairs=True,
+        **rows.report_counts(train),
     )
     return PreparedData(train=train.rows, eval=eval_ds, report=report)
 

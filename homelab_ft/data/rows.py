@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from homelab_ft.config import DataConfig
-from homelab_ft.data.templates import IGNORE_INDEX
 from homelab_ft.errors import UserError
+from homelab_ft.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import datasets
@@ -187,3 +187,27 @@ def collate(rows: list[dict], *, pad_token_id: int) -> dict:
         else:
             extra[b, :n] = 1
     return {"input_ids": input_ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
+
+
+def kept_splits(train_parts: list[dict], eval_parts: list[dict], *, tokenize, kind: RowKind, cfg: DataConfig,
+                unit: str) -> tuple[Kept, Kept | None, bool]:
+    """The training and held-out parts through `tokenize` (the pipeline's cached map) and the
+    kept-rows rule: (train, eval or None, every split a cache hit). An empty training split is
+    refused here, with what dropped its rows, so SFT and pairs say it the same way."""
+    train, train_hit = tokenize(train_parts)
+    train = kept(train, kind=kind)
+    if len(train.rows) == 0:
+        raise UserError(empty_reason(train.counts, cfg, unit=unit))
+    if not eval_parts:
+        return train, None, train_hit
+    held_out, eval_hit = tokenize(eval_parts)
+    return train, kept(held_out, kind=kind), train_hit and eval_hit
+
+
+def report_counts(train: Kept) -> dict:
+    """The DataReport fields both pipelines fill from the kept training split the same way."""
+    lengths = train.lengths.tolist()
+    return {"num_train_tokens": sum(lengths), "num_trained_tokens": train.num_trained_tokens,
+            "num_truncated": train.counts[TRUNCATED], "num_dropped_overlong": train.counts[TOO_LONG],
+            "num_dropped_no_target": train.counts[NO_TARGET], "num_bad_template": train.counts[BAD_TEMPLATE],
+            "sample_lengths": tuple(lengths)}

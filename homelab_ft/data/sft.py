@@ -14,7 +14,7 @@ from pathlib import Path
 from homelab_ft.config import DataConfig
 from homelab_ft.data import packing, rows, sources, templates
 from homelab_ft.data.report import DataReport, PreparedData
-from homelab_ft.data.rows import BAD_TEMPLATE, NO_TARGET, OK, TOO_LONG, TRUNCATED
+from homelab_ft.data.rows import BAD_TEMPLATE, OK
 from homelab_ft.errors import UserError
 
 SAMPLE_ROWS = rows.RowKind(cache_prefix="tokenized", fingerprint_tag=(), turn_columns=("messages",), sides=("",),
@@ -28,16 +28,11 @@ def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path |
     template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
     train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(data_cfg, seed=seed, base_dir=base_dir)
 
-    train, train_hit = _tokenize(train_parts, tokenizer, template, data_cfg)
-    train = rows.kept(train, kind=SAMPLE_ROWS)
-    if len(train.rows) == 0:
-        raise UserError(rows.empty_reason(train.counts, data_cfg, unit="sample"))
-    eval_ds, eval_hit, num_eval = None, True, 0
-    if eval_parts:
-        eval_ds, eval_hit = _tokenize(eval_parts, tokenizer, template, data_cfg)
-        eval_kept = rows.kept(eval_ds, kind=SAMPLE_ROWS)
-        num_eval = len(eval_kept.rows)
-        eval_ds = _finish(eval_kept.rows, eval_kept.lengths, data_cfg, seed=seed) if num_eval else None
+    train, held_out, cache_hit = rows.kept_splits(
+        train_parts, eval_parts, tokenize=lambda parts: _tokenize(parts, tokenizer, template, data_cfg),
+        kind=SAMPLE_ROWS, cfg=data_cfg, unit="sample")
+    num_eval = len(held_out.rows) if held_out is not None else 0
+    eval_ds = _finish(held_out.rows, held_out.lengths, data_cfg, seed=seed) if num_eval else None
 
     lengths = train.lengths.tolist()
     final = _finish(train.rows, lengths, data_cfg, seed=seed)
@@ -47,17 +42,11 @@ def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path |
         num_train_samples=len(lengths),
         num_eval_samples=num_eval,
         num_train_rows=len(final),
-        num_train_tokens=sum(lengths),
-        num_trained_tokens=train.num_trained_tokens,
-        num_truncated=train.counts[TRUNCATED],
-        num_dropped_overlong=train.counts[TOO_LONG],
-        num_dropped_no_target=train.counts[NO_TARGET],
-        num_bad_template=train.counts[BAD_TEMPLATE],
         max_length=data_cfg.max_length,
         packed=data_cfg.packing,
         non_pad_fraction=packing.non_pad_fraction(lengths, num_rows=len(final), max_length=data_cfg.max_length),
-        sample_lengths=tuple(lengths),
-        cache_hit=train_hit and eval_hit,
+        cache_hit=cache_hit,
+        **rows.report_counts(train),
     )
     return PreparedData(train=final, eval=eval_ds, report=report)
 

@@ -27,9 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-
-IGNORE_INDEX = -100
-"""Label of a position without loss (transformers' and PyTorch's cross-entropy convention)."""
+from homelab_ft.labels import IGNORE_INDEX
 
 # A plain ChatML template, for base models whose tokenizer ships no template (`chat_template: chatml`).
 CHATML_TEMPLATE = (

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from homelab_ft.export.gguf_check import load_gguf
+from homelab_ft.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,8 @@ MAX_ROWS = 64
 """Eval rows measured at most (the first ones): two forward passes per row, of the merged model
 and of the GGUF, on CPU; the demo's 48 rows take seconds for SmolLM2-135M."""
 
-MASKED = -100
-"""The label of an untrained token: data.templates.IGNORE_INDEX, which export may not import (a
-unit test holds the two equal)."""
+MASKED = IGNORE_INDEX
+"""The label of an untrained token (labels.IGNORE_INDEX, the one definition)."""
 
 HELD_OUT_CHATS = (
     ("What is the capital of France?", "The capital of France is Paris."),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from homelab_ft.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.errors import UserError
+from homelab_ft.locate import json_object
 from homelab_ft.rung import Rung, RungError
 
 
@@ -107,12 +108,7 @@ class RunDir:
             raise UserError(f"{self.root} is not a homelab-ft run directory (no {path.name}); give the directory a "
                             "train run wrote")
         fix = "it is written when training starts; train the run again (--resume keeps its checkpoints)"
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise UserError(f"{path} is not valid JSON ({err}); {fix}") from None
-        if not isinstance(data, dict):
-            raise UserError(f"{path} holds a {type(data).__name__}, not a JSON object; {fix}")
+        data = json_object(path, fix=fix)
         try:
             return RunInfo.from_dict(data)
         except KeyError as err:

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from homelab_ft.labels import IGNORE_INDEX
 from homelab_ft.loss_chunks import chunk_rows
 from homelab_ft.train import steps
-from homelab_ft.train.steps import IGNORE_INDEX
 
 
 def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk_tokens: int | str,

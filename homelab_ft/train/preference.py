@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from homelab_ft.config import DpoConfig
-from homelab_ft.data import IGNORE_INDEX
+from homelab_ft.labels import IGNORE_INDEX
 
 METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
 """Per-pair quantities summed over a step and divided by its pair count (metrics.jsonl keys, with

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from homelab_ft.config import Recipe
-from homelab_ft.data import IGNORE_INDEX
 from homelab_ft.data.templates import render, resolve_template
+from homelab_ft.distributed import parallelize
 from homelab_ft.errors import UserError
+from homelab_ft.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +87,12 @@ def root_gathered(model):
     """
     from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if isinstance(model, FSDPModule):
         model.unshard()
     try:
         yield
     finally:
-        for unit in units:
-            unit.reshard()
+        parallelize.reshard(model)
 
 
 @contextlib.contextmanager

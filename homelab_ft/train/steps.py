@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from homelab_ft.config import TrainConfig
-from homelab_ft.data.templates import IGNORE_INDEX  # the one definition: transformers' -100
 from homelab_ft.errors import UserError
+from homelab_ft.labels import IGNORE_INDEX
 
 
 def trained_tokens(labels: torch.Tensor) -> int:
