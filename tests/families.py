@@ -1,0 +1,211 @@
+"""Tiny random models of many transformers families, built from transformers' own default configs.
+
+`transformers.CONFIG_MAPPING[model_type]()` gives each family's real default config (its layer
+pattern, MoE and linear-attention keys); `tiny_config` shrinks every size key it has to a few
+dozen units, so a test can build, save and train the family on a CPU in seconds. Nothing here
+names a family's modules: only config keys transformers itself declares are changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Size keys and their tiny values, applied when a config has the key. One table for every family.
+_TINY_SIZES = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "intermediate_size_mlp": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "sliding_window": 8,
+    "attention_chunk_size": 8,
+    # MoE
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    # multi-head latent attention (DeepSeek)
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "qk_head_dim": 16,
+    # linear attention (Qwen3-Next / Qwen 3.5 gated delta net)
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    # Mamba mixers (Falcon-H1, Granite 4 hybrid, Nemotron-H)
+    "mamba_n_heads": 4,
+    "mamba_num_heads": 4,
+    "mamba_d_head": 32,
+    "mamba_head_dim": 32,
+    "mamba_d_state": 16,
+    "ssm_state_size": 16,
+    "mamba_d_ssm": 128,
+    "mamba_n_groups": 1,
+    "n_groups": 1,
+    "mamba_chunk_size": 16,
+    "chunk_size": 16,
+    # per-layer embeddings (Gemma 3n / 4 "E" models)
+    "vocab_size_per_layer_input": 320,
+    "hidden_size_per_layer_input": 8,
+    "num_kv_shared_layers": 0,
+    "num_nextn_predict_layers": 0,
+}
+
+_INIT_ONLY = {"global_head_dim": 16}
+"""Constructor arguments a config consumes without storing them (Gemma 4's full-attention head_dim)."""
+
+_DERIVED = ("per_layer_config",)
+"""Fields a config derives from its layer pattern: rebuilt by the constructor, never copied."""
+
+RUNNABLE = {
+    # transformers' default Granite 4 hybrid is Mamba-only, which its own forward cannot run (the
+    # cache needs one attention layer); the released Granite 4 "H" models mix both.
+    "granitemoehybrid": {"layer_types": ["linear_attention"] * 3 + ["attention"]},
+}
+"""The few families whose default config is not a model anyone ships: what the released ones have."""
+
+LAYERS = 4
+"""Decoder blocks of every tiny model: enough for a repeating pattern (3 linear + 1 full attention)."""
+
+
+def tiny_config(model_type: str, **overrides):
+    """The default config of `model_type` rebuilt with tiny sizes through its own constructor (so its
+    derived fields, per-layer overrides and validation follow); a multimodal config shrinks its
+    `text_config`, which is what a text-only fine-tune trains."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    default = config_class()
+    overrides = {**RUNNABLE.get(model_type, {}), **overrides}
+    text = getattr(default, "text_config", None)
+    if text is None:
+        return config_class(**{**_tiny_kwargs(default), **overrides})
+    text_kwargs = {k: v for k, v in text.to_dict().items() if k not in _DERIVED}
+    return config_class(text_config={**text_kwargs, **_tiny_kwargs(text), **overrides})
+
+
+def _tiny_kwargs(config) -> dict:
+    present = config.to_dict()
+    kwargs = {key: value for key, value in _TINY_SIZES.items() if present.get(key) is not None}
+    kwargs.update({key: value for key, value in _INIT_ONLY.items() if key in _init_keys(config)})
+    if "qk_rope_head_dim" in kwargs:  # multi-head latent attention: rotary width is the head_dim
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+    kwargs["num_hidden_layers"] = LAYERS
+    pattern = present.get("layer_types")
+    if pattern and not isinstance(getattr(type(config), "layer_types", None), property):
+        kwargs["layer_types"] = _tiny_pattern(list(pattern))
+    elif present.get("layers_block_type") and "layers_block_type" in _init_keys(config):
+        kwargs.pop("num_hidden_layers")  # the pattern is the layer count (Nemotron-H)
+    for key in ("no_rope_layers",):
+        if present.get(key):
+            kwargs[key] = (list(present[key]) * LAYERS)[:LAYERS]
+    if present.get("moe_layers") is not None:
+        kwargs["moe_layers"] = list(range(LAYERS))
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        ids = present.get(key)
+        if isinstance(ids, int) and ids >= _TINY_SIZES["vocab_size"] or isinstance(ids, list):
+            kwargs[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[key]
+    return kwargs
+
+
+def _init_keys(config) -> set[str]:
+    import dataclasses
+    import inspect
+
+    if dataclasses.is_dataclass(config):
+        return {f.name for f in dataclasses.fields(config)} | set(inspect.signature(type(config)).parameters)
+    return set(inspect.signature(type(config)).parameters)
+
+
+def _tiny_pattern(full: list[str]) -> list[str]:
+    """The first LAYERS entries of the family's layer pattern, with every kind it has kept at least once."""
+    pattern = (full * LAYERS)[:LAYERS]
+    for kind in dict.fromkeys(full):
+        if kind not in pattern:
+            pattern[-1] = kind
+    return pattern
+
+
+FAMILIES = (
+    # dense, attention only
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "smollm3",
+    "olmo2",
+    "olmo3",
+    "gemma4_text",
+    # mixture of experts
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "glm4_moe",
+    "phimoe",
+    "llama4_text",
+    "deepseek_v3",
+    # hybrids: linear attention or Mamba layers beside attention
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "granitemoehybrid",
+    "falcon_h1",
+    "nemotron_h",
+)
+"""The families every rung is tested on: the 12 the planner knew by hand plus what users bring today."""
+
+MOE = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gpt_oss",
+    "glm4_moe",
+    "phimoe",
+    "llama4_text",
+    "deepseek_v3",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "granitemoehybrid",
+    "nemotron_h",
+)
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
+DENSE = tuple(f for f in FAMILIES if f not in MOE and f not in HYBRID)
+
+
+def save_tiny(
+    out_dir: Path, model_type: str, *, seed: int = 0, with_tokenizer: bool = True, **overrides
+) -> Path:
+    """Save a tiny random `model_type` causal LM (and the tests' tokenizer) the way `save_pretrained`
+    writes a real checkpoint, so loading it goes through the same `from_pretrained` path users hit."""
+    import torch
+    from tiny import make_tokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    if with_tokenizer:
+        make_tokenizer(out_dir, vocab_size=_TINY_SIZES["vocab_size"])
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model.save_pretrained(out_dir)
+    return out_dir
