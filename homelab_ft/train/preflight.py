@@ -189,8 +189,23 @@ def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None
     before any worker starts, and the workers then read the tokenised cache."""
     from homelab_ft.data import prepare_for
 
+    check_data_unchanged(recipe, inputs, base_dir=base_dir)
     tokenizer = loading.load_tokenizer(recipe.model, inputs.model_dir)
     prepare_for(recipe, tokenizer, base_dir=base_dir)
+
+
+def check_data_unchanged(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> dict:
+    """The data's fingerprint (recorded in every checkpoint); a resume whose data differs from the
+    checkpoint's is refused here, before anything runs, unless train.allow_data_change says go on."""
+    from homelab_ft.data import fingerprint
+    from homelab_ft.store import checkpoint
+
+    current = fingerprint.of(recipe.data, base_dir=base_dir)
+    if inputs.resume_from is not None:
+        recorded = checkpoint.read_state(inputs.resume_from).data_fingerprint
+        fingerprint.check_resume(recorded, current, checkpoint=inputs.resume_from,
+                                 allow_change=recipe.train.allow_data_change)
+    return current
 
 
 def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:
