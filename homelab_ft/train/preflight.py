@@ -132,10 +132,35 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"model.path: {path} has a damaged safetensors header; {_REFETCH}") from None
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)]
+    tensors = {key: entry for key, entry in header.items() if key != "__metadata__"}
+    _check_tensor_entries(path, tensors)
+    ends = [entry["data_offsets"][1] for entry in tensors.values()]
     needed = 8 + header_len + max(ends, default=0)
     if needed > size:
         raise UserError(f"model.path: {path} is truncated ({size:,} of {needed:,} bytes); {_REFETCH}")
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+"""Bytes per element of safetensors' dtypes (its format spec); a dtype not listed is not size-checked."""
+
+
+def _check_tensor_entries(path: Path, tensors: dict) -> None:
+    """Each header entry's byte range holds exactly shape x dtype bytes: a header that lies about a
+    size would otherwise fail inside safetensors' loader with a traceback, after the run directory
+    was made."""
+    for key, entry in tensors.items():
+        try:
+            start, end = (int(v) for v in entry["data_offsets"])
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            width = _DTYPE_BYTES.get(entry["dtype"])
+        except (TypeError, KeyError, ValueError):
+            raise UserError(f"model.path: {path} has a damaged safetensors header (entry {key!r}); {_REFETCH}") from None
+        if start < 0 or end < start or (width is not None and end - start != count * width):
+            raise UserError(f"model.path: {path} has a damaged safetensors header: {key!r} is {entry['dtype']} "
+                            f"{list(entry['shape'])} but spans {end - start:,} bytes; {_REFETCH}")
 
 
 def check_tokenizer(tokenizer_spec: str | None, model_dir: Path) -> None:
