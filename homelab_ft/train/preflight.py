@@ -67,11 +67,27 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
             sharded_qlora.check_model(config, recipe, rung=rung, device_type=device_type)
     if rung.adapters_enabled:
         check_lora_targets(model_dir, recipe)
+    check_attention(recipe.model.attn_implementation, device_type=device_type)
     return Inputs(model_dir=model_dir, resume_from=resume_from)
 
 
 # --------------------------------------------------------------------------------------------
 # the model folder
+
+
+def check_attention(implementation: str, *, device_type: str) -> None:
+    """FlashAttention 2 needs its package and a CUDA device; without them transformers raises from
+    inside `from_pretrained`, after the run directory exists. Refused here instead, with the fix."""
+    if implementation != "flash_attention_2":
+        return
+    from transformers.utils import is_flash_attn_2_available
+
+    if device_type != "cuda":
+        raise UserError(f"model.attn_implementation: flash_attention_2 runs on CUDA GPUs only, not {device_type}; "
+                        "use sdpa (the default) or eager")
+    if not is_flash_attn_2_available():
+        raise UserError("model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not "
+                        "installed (pip install flash-attn --no-build-isolation); or use sdpa (the default)")
 
 
 def check_activation_offload(rung: Rung, *, device_type: str, offloaded_bytes: int, available_bytes: int) -> None:
