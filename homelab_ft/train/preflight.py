@@ -68,6 +68,11 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
     if rung.adapters_enabled:
         check_lora_targets(model_dir, recipe)
     check_attention(recipe.model.attn_implementation, device_type=device_type)
+    if rung.adapters_enabled and recipe.lora.use_dora and (rung.quantized_enabled or rung.fsdp_enabled):
+        # loading.initial_adapters draws every adapter from one seed on CPU, which DoRA's magnitude
+        # vector (the norm of the whole base weight) cannot be: refused here, before the run exists.
+        raise UserError(f"lora.use_dora: DoRA is not supported with {rung.label} (its magnitude needs the whole base "
+                        "weight at init); set lora.use_dora=false, or use method=lora with sharding.strategy=no_shard")
     return Inputs(model_dir=model_dir, resume_from=resume_from)
 
 

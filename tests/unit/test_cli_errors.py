@@ -236,3 +236,11 @@ def test_attention_the_device_cannot_run(capsys, tmp_path, good):
     assert "flash_attention_2 runs on CUDA GPUs only" in refused(capsys, tmp_path, body)
     with pytest.raises(UserError, match="needs the flash-attn package"):  # a GPU machine without flash-attn
         preflight.check_attention("flash_attention_2", device_type="cuda")
+
+
+def test_dora_on_a_rung_that_cannot_initialise_it(capsys, tmp_path, good):
+    """method=qlora with lora.use_dora used to create the run directory, then refuse while building."""
+    _, body = good
+    body.update(method="qlora")
+    body["lora"] = {"use_dora": True}
+    assert "lora.use_dora: DoRA is not supported with qlora" in refused(capsys, tmp_path, body)
