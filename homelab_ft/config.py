@@ -202,6 +202,8 @@ class TrainConfig:
     resume: bool | Literal["auto"] = False
     """Continue from the newest complete checkpoint in the run directory (`true` refuses to start
     when there is none; `auto` starts a new run then)."""
+    allow_data_change: bool = False
+    """--allow-data-change: resume although the data differs from the checkpoint's (data/fingerprint.py)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: PositiveInt | None = None
     """CPU threads per process (torch.set_num_threads); default: torch's choice."""

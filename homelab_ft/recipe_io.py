@@ -25,7 +25,8 @@ from homelab_ft.errors import UserError
 def read_yaml_mapping(path: Path) -> dict[str, Any]:
     """The mapping of sections a recipe file holds; a UserError naming the file otherwise."""
     if not path.is_file():
-        raise UserError(f"recipe {path} not found; pass a YAML file such as recipes/smollm2-lora-cpu.yaml")
+        what = "is a directory" if path.is_dir() else "not found"
+        raise UserError(f"recipe {path} {what}; pass a YAML file such as recipes/smollm2-lora-cpu.yaml")
     try:
         raw = bounded_yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:

@@ -1,8 +1,9 @@
 """`homelab-ft`: the parser, the entry point and its error handling; each subcommand lives in a
 module beside this one (plan.py, train.py, cluster.py, export.py). Thin: parse, call one function, print.
 
-A `UserError` anywhere below becomes one line on stderr and exit code 2; anything else is our bug
-and keeps its traceback. A reader that goes away (`homelab-ft plan r.yaml | head -1`) ends the
+A `UserError` anywhere below becomes one line on stderr and exit code 2, and so does a file-system
+error a user can fix (fsio.describe: a full disk, a read-only or missing path); anything else is
+our bug and keeps its traceback. A reader that goes away (`homelab-ft plan r.yaml | head -1`) ends the
 command quietly with 141, the status `head`'s writer gets from SIGPIPE in a shell.
 """
 
@@ -14,6 +15,7 @@ import os
 import sys
 import warnings
 
+from homelab_ft import fsio
 from homelab_ft.cli.args import add_verbosity
 from homelab_ft.errors import UserError
 
@@ -82,6 +84,18 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print("homelab-ft: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:  # a full disk, a read-only target, a file where a folder should be ...
+        line = fsio.describe(err)
+        if line is None:
+            raise
+        logging.getLogger(__name__).debug("file-system error", exc_info=True)
+        print(f"homelab-ft: error: {line}", file=sys.stderr)
+        return UserError.exit_code
+    except UnicodeDecodeError as err:  # a reader that does not name its file (fsio.read_text does)
+        logging.getLogger(__name__).debug("undecodable file", exc_info=True)
+        print(f"homelab-ft: error: a file is not UTF-8 text ({err}); save it as UTF-8 (-v names the reader)",
+              file=sys.stderr)
+        return UserError.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,6 +29,8 @@ def add_train(sub) -> None:
     resume.add_argument("--resume-or-start", action="store_true",
                         help="continue from the newest complete checkpoint, or start a new run when there is none")
     p.add_argument("--overwrite", action="store_true", help="replace a run directory that holds another run")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: continue although the data differs from what the checkpoint was trained on")
     common.cluster_file(p)
     p.set_defaults(func=cmd_train)
 
@@ -78,12 +80,14 @@ def _train_overrides(args) -> list[str]:
         overrides.append("train.resume=auto")
     if args.overwrite:
         overrides.append("output.overwrite=true")
+    if args.allow_data_change:
+        overrides.append("train.allow_data_change=true")
     return overrides
 
 
-_SAID_AS_FLAGS = ("train.resume=", "output.overwrite=", "output.dir=")
+_SAID_AS_FLAGS = ("train.resume=", "output.overwrite=", "output.dir=", "train.allow_data_change=")
 """Overrides `_train_overrides` makes of flags (a torchrun worker receives them so): the resume
-command says --resume and --run-dir instead, and never --overwrite."""
+command says --resume and --run-dir instead, and never --overwrite or --allow-data-change (one resume's consent)."""
 
 
 def resume_command(args, *, run_dir: Path, nodes: int = 1) -> str:

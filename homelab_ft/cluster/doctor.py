@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.cluster import launch
 from homelab_ft.errors import UserError
 from homelab_ft.plan import hardware
@@ -134,7 +135,7 @@ def prepare(*, recipe_path: str | None, overrides: list[str], hostfile: str | No
     path = Path(hostfile)
     if not path.is_file():
         raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
-    hosts = launch.parse_hostfile(path.read_text(encoding="utf-8"), source=str(path))
+    hosts = launch.parse_hostfile(fsio.read_text(path, what="hostfile"), source=str(path))
     if not 1 <= port <= 65535:
         raise UserError(f"--port {port} is not a TCP port (1-65535)")
     if is_local_address(hosts[0].rdzv_address):

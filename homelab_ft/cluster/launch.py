@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.cluster.handoff import HANDOFF_VAR, Handoff
 from homelab_ft.errors import UserError
 
@@ -339,7 +340,7 @@ def launch_commands(
     path = Path(hostfile)
     if not path.is_file():
         raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
-    hosts = parse_hostfile(path.read_text(encoding="utf-8"), source=str(path))
+    hosts = parse_hostfile(fsio.read_text(path, what="hostfile"), source=str(path))
     return node_commands(
         hosts, recipe_path, train_args,
         nodes=handoff.rung.nodes,

@@ -78,6 +78,8 @@ def tokenize(samples: list[dict], tokenizer, *, kind: RowKind, encode, settings:
         json.dumps(settings).encode(),
     ])
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else Path(datasets.config.HF_DATASETS_CACHE) / "homelab_ft"
+    if cfg.cache_dir and any(part.exists() and not part.is_dir() for part in (cache_dir, *cache_dir.parents)):
+        raise UserError(f"data.cache_dir: {cache_dir} is (inside) a file, not a directory; point it at a folder")
     cache_dir.mkdir(parents=True, exist_ok=True)
     cache_file = cache_dir / f"{kind.cache_prefix}-{fingerprint}.arrow"
     hit = cache_file.is_file()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
 
@@ -60,7 +61,7 @@ def resolve_template(tokenizer, chat_template: str | None, *, base_dir: Path | N
     for root in [base_dir, Path.cwd()]:
         candidate = Path(chat_template) if root is None else root / chat_template
         if candidate.is_file():
-            return candidate.read_text(encoding="utf-8")
+            return fsio.read_text(candidate, what="data.chat_template file")
     raise UserError(
         f"data.chat_template = {chat_template!r} is neither a template name ({', '.join(NAMED_TEMPLATES)}), "
         "an existing file, nor inline Jinja; fix the path or paste the template"

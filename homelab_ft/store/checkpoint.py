@@ -63,6 +63,9 @@ class TrainerState:
     """The run's length when it saved (train.max_steps, or what train.num_epochs meant), for a
     reader; the schedule of a resume follows its own length (train.optim.build_scheduler).
     None in checkpoints written before it was recorded."""
+    data_fingerprint: dict | None = None
+    """The data the run read (data/fingerprint.py), so a resume after it changed is refused; None in
+    checkpoints written before it was recorded."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -133,7 +136,7 @@ def verify(path: Path) -> TrainerState:
     problems = [p for p in _all_gather(problem) if p]
     if problems:
         raise manifest.DamagedCheckpoint(problems[0])
-    state = _read_state(path)
+    state = read_state(path)
     if (state.step, state.sampler, state.world_size) != (m.step, m.data_position, m.world_size):
         raise manifest.DamagedCheckpoint(
             f"trainer_state.json (step {state.step}, {state.sampler}) disagrees with its manifest "
@@ -146,7 +149,7 @@ def verify(path: Path) -> TrainerState:
     return state
 
 
-def _read_state(path: Path) -> TrainerState:
+def read_state(path: Path) -> TrainerState:
     try:
         return TrainerState(**json.loads((path / STATE_FILE).read_text()))
     except (OSError, ValueError, TypeError) as err:
@@ -282,7 +285,7 @@ def _is_disk_full(err: BaseException) -> bool:
 def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerState:
     """Restore model, optimizer and this rank's RNG from `path` (verified by `newest_intact`);
     returns the trainer state."""
-    state = _read_state(path)
+    state = read_state(path)
     if state.model_fingerprint != model_fingerprint:
         raise UserError(
             f"{path} was written for another model or method ({state.model_fingerprint}), "

@@ -67,11 +67,32 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
             sharded_qlora.check_model(config, recipe, rung=rung, device_type=device_type)
     if rung.adapters_enabled:
         check_lora_targets(model_dir, recipe)
+    check_attention(recipe.model.attn_implementation, device_type=device_type)
+    if rung.adapters_enabled and recipe.lora.use_dora and (rung.quantized_enabled or rung.fsdp_enabled):
+        # loading.initial_adapters draws every adapter from one seed on CPU, which DoRA's magnitude
+        # vector (the norm of the whole base weight) cannot be: refused here, before the run exists.
+        raise UserError(f"lora.use_dora: DoRA is not supported with {rung.label} (its magnitude needs the whole base "
+                        "weight at init); set lora.use_dora=false, or use method=lora with sharding.strategy=no_shard")
     return Inputs(model_dir=model_dir, resume_from=resume_from)
 
 
 # --------------------------------------------------------------------------------------------
 # the model folder
+
+
+def check_attention(implementation: str, *, device_type: str) -> None:
+    """FlashAttention 2 needs its package and a CUDA device; without them transformers raises from
+    inside `from_pretrained`, after the run directory exists. Refused here instead, with the fix."""
+    if implementation != "flash_attention_2":
+        return
+    from transformers.utils import is_flash_attn_2_available
+
+    if device_type != "cuda":
+        raise UserError(f"model.attn_implementation: flash_attention_2 runs on CUDA GPUs only, not {device_type}; "
+                        "use sdpa (the default) or eager")
+    if not is_flash_attn_2_available():
+        raise UserError("model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not "
+                        "installed (pip install flash-attn --no-build-isolation); or use sdpa (the default)")
 
 
 def check_activation_offload(rung: Rung, *, device_type: str, offloaded_bytes: int, available_bytes: int) -> None:
@@ -132,10 +153,35 @@ def check_safetensors(path: Path) -> None:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise UserError(f"model.path: {path} has a damaged safetensors header; {_REFETCH}") from None
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)]
+    tensors = {key: entry for key, entry in header.items() if key != "__metadata__"}
+    _check_tensor_entries(path, tensors)
+    ends = [entry["data_offsets"][1] for entry in tensors.values()]
     needed = 8 + header_len + max(ends, default=0)
     if needed > size:
         raise UserError(f"model.path: {path} is truncated ({size:,} of {needed:,} bytes); {_REFETCH}")
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+"""Bytes per element of safetensors' dtypes (its format spec); a dtype not listed is not size-checked."""
+
+
+def _check_tensor_entries(path: Path, tensors: dict) -> None:
+    """Each header entry's byte range holds exactly shape x dtype bytes: a header that lies about a
+    size would otherwise fail inside safetensors' loader with a traceback, after the run directory
+    was made."""
+    for key, entry in tensors.items():
+        try:
+            start, end = (int(v) for v in entry["data_offsets"])
+            count = 1
+            for dim in entry["shape"]:
+                count *= int(dim)
+            width = _DTYPE_BYTES.get(entry["dtype"])
+        except (TypeError, KeyError, ValueError):
+            raise UserError(f"model.path: {path} has a damaged safetensors header (entry {key!r}); {_REFETCH}") from None
+        if start < 0 or end < start or (width is not None and end - start != count * width):
+            raise UserError(f"model.path: {path} has a damaged safetensors header: {key!r} is {entry['dtype']} "
+                            f"{list(entry['shape'])} but spans {end - start:,} bytes; {_REFETCH}")
 
 
 def check_tokenizer(tokenizer_spec: str | None, model_dir: Path) -> None:
@@ -189,8 +235,23 @@ def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None
     before any worker starts, and the workers then read the tokenised cache."""
     from homelab_ft.data import prepare_for
 
+    check_data_unchanged(recipe, inputs, base_dir=base_dir)
     tokenizer = loading.load_tokenizer(recipe.model, inputs.model_dir)
     prepare_for(recipe, tokenizer, base_dir=base_dir)
+
+
+def check_data_unchanged(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> dict:
+    """The data's fingerprint (recorded in every checkpoint); a resume whose data differs from the
+    checkpoint's is refused here, before anything runs, unless train.allow_data_change says go on."""
+    from homelab_ft.data import fingerprint
+    from homelab_ft.store import checkpoint
+
+    current = fingerprint.of(recipe.data, base_dir=base_dir)
+    if inputs.resume_from is not None:
+        recorded = checkpoint.read_state(inputs.resume_from).data_fingerprint
+        fingerprint.check_resume(recorded, current, checkpoint=inputs.resume_from,
+                                 allow_change=recipe.train.allow_data_change)
+    return current
 
 
 def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:

@@ -94,6 +94,8 @@ class Session:
     samples: samples.Samples
     max_steps: int | None = None
     """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
+    data_fingerprint: dict | None = None
+    """What the data was (data/fingerprint.py), recorded in every checkpoint."""
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
@@ -170,6 +172,7 @@ def _save(s: Session, *, step: int) -> None:
         model_fingerprint=s.fingerprint,
         world_size=s.env.world_size,
         max_steps=s.max_steps,
+        data_fingerprint=s.data_fingerprint,
     )
     checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
@@ -267,6 +270,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         inputs = preflight.check_inputs(recipe, rung=rung, device_type=env.device.type)
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    data_print = preflight.check_data_unchanged(recipe, inputs, base_dir=base_dir)  # before tokenising it
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
     sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
@@ -312,7 +316,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
     return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps)
+                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps, data_fingerprint=data_print)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):

@@ -223,3 +223,24 @@ def test_memory_savers_a_rung_cannot_use(capsys, tmp_path, tiny_model_dir):
                   "train.activation_checkpointing=false")
     assert "train.activation_checkpointing=true" in err
     assert not run.exists()
+
+
+def test_attention_the_device_cannot_run(capsys, tmp_path, good):
+    """flash_attention_2 used to pass validation, create the run directory, then fail inside
+    from_pretrained with a traceback; the corrected retry was refused as 'already holds a run'."""
+    from homelab_ft.errors import UserError
+    from homelab_ft.train import preflight
+
+    _, body = good
+    body["model"]["attn_implementation"] = "flash_attention_2"
+    assert "flash_attention_2 runs on CUDA GPUs only" in refused(capsys, tmp_path, body)
+    with pytest.raises(UserError, match="needs the flash-attn package"):  # a GPU machine without flash-attn
+        preflight.check_attention("flash_attention_2", device_type="cuda")
+
+
+def test_dora_on_a_rung_that_cannot_initialise_it(capsys, tmp_path, good):
+    """method=qlora with lora.use_dora used to create the run directory, then refuse while building."""
+    _, body = good
+    body.update(method="qlora")
+    body["lora"] = {"use_dora": True}
+    assert "lora.use_dora: DoRA is not supported with qlora" in refused(capsys, tmp_path, body)

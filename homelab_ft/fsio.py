@@ -1,0 +1,53 @@
+"""File-system failures as one line: what happened to which path, and what to do.
+
+Every command reads and writes files a user owns: recipes, hostfiles, data, run directories,
+exports. When the file system says no (a full disk, a read-only mount, a directory where a file
+should be), the user needs the path and the fix, not a traceback from wherever the write
+happened. `describe` turns an OSError into that line; the CLI's one handler (cli/main.py) uses it
+for every command, and readers of text the user wrote (`read_text`) name the file when it is
+not UTF-8. Our own files (run.json, trainer_state.json) go through `locate.json_object`.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from homelab_ft.errors import UserError
+
+FIXES = {
+    errno.ENOSPC: "free space there, or choose a path on another disk",
+    errno.EDQUOT: "free space within your quota, or choose a path on another disk",
+    errno.EROFS: "choose a path on a writable file system (or remount it read-write)",
+    errno.EACCES: "fix its permissions, or choose another path",
+    errno.EPERM: "fix its permissions or attributes (lsattr), or choose another path",
+    errno.EISDIR: "a directory is where a file should be; give a file's path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; fix the path",
+    errno.EEXIST: "remove what is there, or choose another path",
+    errno.ENOENT: "fix the path",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.ELOOP: "fix the symbolic links, or the path",
+    errno.EMFILE: "raise the open-files limit (ulimit -n) and run again",
+}
+"""The errors a user can fix, each with its fix. Anything else is not a user mistake we can name
+and keeps its traceback."""
+
+
+def describe(err: OSError) -> str | None:
+    """`path: what happened; the fix` for an error a user can fix, None otherwise."""
+    fix = FIXES.get(err.errno)
+    if fix is None:
+        return None
+    where = err.filename if err.filename is not None else "a file"
+    also = f" (and {err.filename2})" if err.filename2 is not None else ""
+    return f"{where}{also}: {err.strerror or 'failed'}; {fix}"
+
+
+def read_text(path: Path, *, what: str) -> str:
+    """A text file the user wrote (`what` names it: a hostfile, a template), as UTF-8; bytes that are
+    not UTF-8 are one UserError naming the file and the byte's position."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
+                        f"{err.start:,}); save it as UTF-8") from None
