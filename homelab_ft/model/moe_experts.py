@@ -1,0 +1,225 @@
+"""Mixture-of-experts layers for QLoRA and LoRA: 4-bit experts and adapters on every expert.
+
+transformers 5 stores a layer's experts as fused 3-D parameters (`gate_up_proj` [E, 2I, H] or,
+transposed, [E, H, 2I]; `down_proj`), which bitsandbytes' `Linear4bit` never sees and PEFT's
+`all-linear` never wraps: 97% of Qwen3-30B-A3B's block weights stayed in bf16 and untrained.
+Which modules are such expert stacks, and how their weights are laid out, is read from
+transformers itself: its `use_experts_implementation` decorator marks every fused-experts class
+and records `has_gate`, `is_transposed`, `has_bias` and the gating function (`_apply_gate`) on
+each instance. Nothing here names a family.
+
+Each expert's 2-D weight is quantized on its own with bitsandbytes' functional API, so the bytes
+are exactly what bitsandbytes produces for that slice (a dense `Linear4bit` of the same matrix
+holds the same bytes), and stays packed. The forward visits only the experts that tokens were
+routed to, one at a time, through `bnb.matmul_4bit`: it dequantizes that expert's weight for the
+matmul and again in backward, so neither a full-precision copy of the experts nor one expert's
+dequantized weight is kept for backward. A transposed layout (gpt-oss: `x @ W[e]`) quantizes
+`W[e].T`, the [out, in] matrix a `Linear4bit` would hold.
+
+LoRA on experts: per projection, A [E, r, in] and B [E, out, r] beside the (4-bit or plain) base,
+`y += dropout(x) @ A[e].T @ B[e].T * alpha / r` (alpha / sqrt(r) with rsLoRA), as PEFT's LoRA
+computes for one `nn.Linear`. PEFT 0.21's `target_parameters` wraps a 3-D parameter by adding a
+full [E, out, in] delta to it at every forward, which would materialise the very copy 4-bit
+experts exist to avoid and cannot compose with packed weights; hence this small module.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+from torch import nn
+
+BLOCKSIZE = 64
+"""bitsandbytes' 4-bit block size, as `Linear4bit` uses by default (QLoRA paper)."""
+
+_STATES = "_expert_quant_states"
+"""Instance attribute holding each projection's per-expert `QuantState`s."""
+
+
+def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules of `model` that are fused expert stacks, by name: those transformers'
+    `use_experts_implementation` decorated (it sets `has_gate` on each instance) whose `down_proj`
+    is a 3-D parameter or a packed 4-bit stack."""
+    found = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+            continue
+        down = getattr(module, "down_proj", None)
+        if (isinstance(down, nn.Parameter) and down.dim() == 3) or hasattr(module, _STATES):
+            found[name] = module
+    return found
+
+
+def projections(module: nn.Module) -> tuple[str, str]:
+    """The two weight stacks of an expert: the (gated) up projection and the down projection."""
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def _io(module: nn.Module, name: str) -> tuple[int, int, int]:
+    """(experts, in_features, out_features) of one projection, whatever its layout."""
+    if hasattr(module, _STATES):
+        experts = len(getattr(module, _STATES)[name])
+        out_features, in_features = getattr(module, _STATES)[name][0].shape
+        return experts, in_features, out_features
+    weight = getattr(module, name)
+    experts, rows, cols = weight.shape
+    return (experts, rows, cols) if module.is_transposed else (experts, cols, rows)
+
+
+# --------------------------------------------------------------------------------------------
+# 4-bit experts
+
+
+def quantize(module: nn.Module, *, quant_type: str = "nf4", double_quant: bool = True,
+             quant_storage: torch.dtype = torch.uint8) -> None:
+    """Replace each expert projection's 3-D weight by its experts' packed 4-bit bytes, in place.
+
+    The packed stack is a frozen parameter `<name>_4bit` [E, bytes, 1] (FSDP2 can shard it along
+    experts); each expert's quantisation constants are a `QuantState` kept on the module.
+    """
+    import bitsandbytes.functional as bnbf
+
+    states = {}
+    for name in projections(module):
+        weight = getattr(module, name).detach()
+        packed, per_expert = [], []
+        for e in range(weight.shape[0]):
+            matrix = weight[e].t() if module.is_transposed else weight[e]  # [out, in], as Linear4bit holds it
+            q, state = bnbf.quantize_4bit(matrix.contiguous(), blocksize=BLOCKSIZE, compress_statistics=double_quant,
+                                          quant_type=quant_type, quant_storage=quant_storage)
+            packed.append(q)
+            per_expert.append(state)
+        del module._parameters[name]
+        module.register_parameter(f"{name}_4bit", nn.Parameter(torch.stack(packed), requires_grad=False))
+        states[name] = per_expert
+    setattr(module, _STATES, states)
+    _install_forward(module)
+
+
+def dequantized(module: nn.Module, name: str, expert: int) -> torch.Tensor:
+    """One expert's weight as the model's own layout holds it ([out, in], or [in, out] transposed),
+    dequantized from its 4-bit bytes; the plain weight when not quantized."""
+    if not hasattr(module, _STATES):
+        return getattr(module, name)[expert]
+    import bitsandbytes.functional as bnbf
+
+    matrix = bnbf.dequantize_4bit(getattr(module, f"{name}_4bit")[expert], getattr(module, _STATES)[name][expert])
+    return matrix.t() if module.is_transposed else matrix
+
+
+def dequantized_stack(module: nn.Module, name: str) -> torch.Tensor:
+    """All experts' weights of one projection as the model's own 3-D parameter holds them."""
+    if not hasattr(module, _STATES):
+        return getattr(module, name)
+    return torch.stack([dequantized(module, name, e) for e in range(_io(module, name)[0])])
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of the packed experts and their quantisation constants (for the planner's tests)."""
+    total = 0
+    for name in projections(module):
+        total += getattr(module, f"{name}_4bit").numel() * getattr(module, f"{name}_4bit").element_size()
+        for state in getattr(module, _STATES)[name]:
+            total += state.absmax.numel() * state.absmax.element_size()
+            if state.nested:
+                total += state.state2.absmax.numel() * state.state2.absmax.element_size() + state.offset.numel() * 4
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# adapters on experts
+
+
+class ExpertLora(nn.Module):
+    """LoRA A [E, r, in] and B [E, out, r] for one projection of every expert, initialised as PEFT
+    initialises one `nn.Linear`'s: A Kaiming-uniform (a = sqrt(5)), B zero, so training starts
+    from the base model."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, *, r: int, alpha: float, dropout: float,
+                 rslora: bool = False, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.empty(experts, r, in_features, dtype=dtype, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(experts, out_features, r, dtype=dtype, device=device))
+        self.scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for e in range(self.lora_A.shape[0]):
+            nn.init.kaiming_uniform_(self.lora_A.data[e], a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    def delta(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        a, b = self.lora_A[expert], self.lora_B[expert]
+        return (self.dropout(x.to(a.dtype)) @ a.t() @ b.t()) * self.scaling
+
+    def merged_delta(self, expert: int) -> torch.Tensor:
+        """B @ A * scaling, [out, in]: what merging adds to the expert's weight."""
+        return (self.lora_B[expert] @ self.lora_A[expert]) * self.scaling
+
+
+def attach_lora(module: nn.Module, *, r: int, alpha: float, dropout: float, rslora: bool = False,
+                dtype: torch.dtype = torch.float32) -> None:
+    """An `ExpertLora` per projection (module.expert_lora[name]); the base stays frozen."""
+    device = next(module.parameters()).device
+    adapters = nn.ModuleDict()
+    for name in projections(module):
+        experts, in_features, out_features = _io(module, name)
+        adapters[name] = ExpertLora(experts, in_features, out_features, r=r, alpha=alpha, dropout=dropout,
+                                    rslora=rslora, dtype=dtype, device=device)
+    module.expert_lora = adapters
+    for name, param in module.named_parameters():
+        param.requires_grad_(name.startswith("expert_lora."))
+    _install_forward(module)
+
+
+# --------------------------------------------------------------------------------------------
+# the forward
+
+
+def _install_forward(module: nn.Module) -> None:
+    module.forward = types.MethodType(_experts_forward, module)
+
+
+def _project(module: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+    """x @ W_e^T (+ bias) (+ the expert's adapter) for one projection of one expert."""
+    if hasattr(module, _STATES):
+        import bitsandbytes as bnb
+
+        packed = getattr(module, f"{name}_4bit")[expert]
+        y = bnb.matmul_4bit(x, packed.t(), quant_state=getattr(module, _STATES)[name][expert])
+    else:
+        weight = getattr(module, name)[expert]
+        y = x @ weight if module.is_transposed else nn.functional.linear(x, weight)
+    if module.has_bias:
+        y = y + getattr(module, f"{name}_bias")[expert]
+    adapters = getattr(module, "expert_lora", None)
+    if adapters is not None:
+        y = y + adapters[name].delta(x, expert).to(y.dtype)
+    return y
+
+
+def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' eager experts loop (integrations/moe.py), one routed expert at a time, with
+    each projection through `_project`."""
+    up_name, down_name = projections(self)
+    experts = _io(self, down_name)[0]
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = nn.functional.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for (expert,) in hit.tolist():
+        if expert == experts:  # the sentinel of expert-parallel routing
+            continue
+        top_k_pos, token_idx = torch.where(mask[expert])
+        h = _project(self, up_name, expert, hidden_states[token_idx])
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+        h = _project(self, down_name, expert, h)
+        if getattr(self, "has_post_expert_norm", False):
+            h = self.post_expert_norm(h)
+        h = h * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
+    return final

@@ -1,0 +1,131 @@
+"""model/moe_experts.py on tiny random MoE models (Qwen3-MoE, Mixtral, gpt-oss): 4-bit experts
+against the dequantized reference, adapters on experts against plain PyTorch, gradients included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from families import tiny_config
+from torch.func import functional_call
+
+from homelab_ft.model import moe_experts
+
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+
+
+def _model(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+    for module in moe_experts.fused_experts(model).values():  # transformers initialises experts to ~0.02 std
+        for name in moe_experts.projections(module):
+            getattr(module, name).data.normal_(0, 0.2)
+    return model
+
+
+def _batch():
+    torch.manual_seed(1)
+    return torch.randint(3, 320, (2, 12))
+
+
+def test_finds_the_expert_stacks_from_transformers_own_marks():
+    from transformers import AutoModelForCausalLM
+
+    for model_type in FAMILIES:
+        model = _model(model_type)
+        found = moe_experts.fused_experts(model)
+        assert found and all(name.endswith(".experts") for name in found), (model_type, list(found))
+    dense = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    assert moe_experts.fused_experts(dense) == {}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_4bit_experts_equal_the_dequantized_reference(model_type):
+    import bitsandbytes.functional as bnbf
+
+    model = _model(model_type)
+    original = {n: {p: getattr(m, p).detach().clone() for p in moe_experts.projections(m)}
+                for n, m in moe_experts.fused_experts(model).items()}
+    reference = copy.deepcopy(model)
+    for name, module in moe_experts.fused_experts(model).items():
+        moe_experts.quantize(module)
+        twin = reference.get_submodule(name)
+        for proj in moe_experts.projections(module):
+            weight = original[name][proj]
+            for e in range(weight.shape[0]):
+                # the packed bytes are bitsandbytes' own for that expert's [out, in] matrix
+                matrix = weight[e].t() if module.is_transposed else weight[e]
+                q, _ = bnbf.quantize_4bit(matrix.contiguous(), blocksize=moe_experts.BLOCKSIZE, compress_statistics=True,
+                                          quant_type="nf4")
+                assert torch.equal(getattr(module, f"{proj}_4bit")[e], q)
+                getattr(twin, proj).data[e] = moe_experts.dequantized(module, proj, e)
+        assert not any(isinstance(p, torch.nn.Parameter) and p.dim() == 3 and p.dtype.is_floating_point
+                       for p in module.parameters(recurse=False) if not p.dtype == torch.uint8)
+    ids = _batch()
+    with torch.no_grad():
+        got, want = model(ids).logits, reference(ids).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (want - _model(model_type)(ids).logits).abs().max().item() > 1e-4  # 4-bit did change the weights
+
+
+def _reference_loss(model, adapters: dict, ids) -> torch.Tensor:
+    """Plain PyTorch: the model's own experts forward on W + scaling * B @ A, per expert."""
+    replaced = {}
+    for name, module in moe_experts.fused_experts(model).items():
+        for proj in moe_experts.projections(module):
+            a, b, scaling = adapters[(name, proj)]
+            delta = torch.einsum("eor,eri->eoi", b, a) * scaling  # [E, out, in]
+            base = moe_experts.dequantized_stack(module, proj)
+            replaced[f"{name}.{proj}"] = base + (delta.transpose(1, 2) if module.is_transposed else delta)
+    return functional_call(model, replaced, (ids,), {"labels": ids}).loss
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-base", "4bit-base"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_expert_adapters_forward_and_gradients_equal_plain_pytorch(model_type, quantized):
+    model = _model(model_type)
+    model.requires_grad_(False)  # the base is frozen, as every adapter rung builds it
+    reference = copy.deepcopy(model)
+    adapters = {}
+    for name, module in moe_experts.fused_experts(model).items():
+        if quantized:
+            moe_experts.quantize(module)
+        moe_experts.attach_lora(module, r=4, alpha=8.0, dropout=0.0)
+        twin = reference.get_submodule(name)
+        for proj in moe_experts.projections(module):
+            lora = module.expert_lora[proj]
+            lora.lora_B.data.normal_(0, 0.1)  # as after some training: A's gradient is not zero
+            adapters[(name, proj)] = (lora.lora_A.detach().clone().requires_grad_(),
+                                      lora.lora_B.detach().clone().requires_grad_(), lora.scaling)
+            if quantized:
+                for e in range(lora.lora_A.shape[0]):
+                    getattr(twin, proj).data[e] = moe_experts.dequantized(module, proj, e)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all(".expert_lora." in n for n in trained)
+    ids = _batch()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    want = _reference_loss(reference, adapters, ids)
+    want.backward()
+    assert abs(loss.item() - want.item()) <= 1e-5
+    for (name, proj), (a, b, _) in adapters.items():
+        lora = model.get_submodule(name).expert_lora[proj]
+        assert (lora.lora_A.grad - a.grad).abs().max().item() <= 1e-5
+        assert (lora.lora_B.grad - b.grad).abs().max().item() <= 1e-5
+        assert a.grad.abs().max().item() > 0 and b.grad.abs().max().item() > 0
+
+
+def test_lora_starts_at_the_base_model():
+    model = _model("qwen3_moe")
+    ids = _batch()
+    with torch.no_grad():
+        before = model(ids).logits
+        for module in moe_experts.fused_experts(model).values():
+            moe_experts.attach_lora(module, r=4, alpha=8.0, dropout=0.1)
+        after = model(ids).logits
+    assert torch.equal(before, after)
