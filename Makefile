@@ -32,6 +32,8 @@ PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)) 
 # The requirements of the installed homelab-ft (the dev extra included), torch left out.
 REQUIRES_BUT_TORCH := from importlib.metadata import requires; \
   [print(r.split(";")[0]) for r in requires("homelab-ft") if not r.startswith("torch") and ("extra" not in r or "dev" in r)]
+NO_TORCH_WHEEL = make install WHEELHOUSE=$(WHEELHOUSE): no torch==$(TORCH_VERSION) wheel there; add one, or use TORCH=system
+TORCH_FROM_INDEX = $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
 TORCH_FOUND = $(PY) -c 'from importlib.metadata import version; print(version("torch"))'
 
 $(VENV)/.installed: pyproject.toml
@@ -50,8 +52,7 @@ else
 	@# (WHEELHOUSE or pip's find-links) if there is one, else TORCH_INDEX; then its dependencies.
 	@$(PY) -m pip show torch 2>/dev/null | grep -q "^Version: $(TORCH_VERSION)" || \
 	  $(PY) -m pip install -q --no-index $(if $(WHEELHOUSE),--find-links $(abspath $(WHEELHOUSE))) --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null || \
-	  $(if $(WHEELHOUSE),{ echo "WHEELHOUSE=$(WHEELHOUSE) has no torch==$(TORCH_VERSION) wheel: add one, or use TORCH=system" >&2; exit 2; },\
-	  $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple))
+	  $(if $(WHEELHOUSE),{ echo "$(NO_TORCH_WHEEL)" >&2; exit 2; },$(TORCH_FROM_INDEX))
 	$(PY) -m pip install -q $(PIP_FROM) "torch==$(TORCH_VERSION)"
 	$(PY) -m pip install -q $(PIP_FROM) -e ".[dev]"
 endif
