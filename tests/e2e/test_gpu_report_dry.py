@@ -44,7 +44,9 @@ def test_dry_run_fills_every_field(tmp_path):
             assert row[loop]["tokens_per_s"] > 0 and row[loop]["steps"] == 1 and "mfu" in row[loop]
         assert row["ours_over_plain"] > 0 and row["ours_over_hf_trainer"] > 0
     assert parts["bitsandbytes"]["status"] == "ok"
-    assert all(r["forward_rel_error"] <= 0.02 for r in parts["bitsandbytes"]["rows"])
+    bnb = {r["path"].split()[0]: r for r in parts["bitsandbytes"]["rows"]}
+    assert set(bnb) == {"dequantize_4bit", "gemv_4bit", "matmul_4bit"} and len(parts["bitsandbytes"]["rows"]) == 4
+    assert all(r["rel_error"] <= 0.02 and r["status"] == "ok" for r in parts["bitsandbytes"]["rows"])
     md = (tmp_path / "runs" / "gpu-report.md").read_text()
     assert "## memory: ok" in md and "## skipped" in md and "ours_over_hf_trainer" in md
 
