@@ -93,7 +93,7 @@ test-all: install ## also the slow tests that use the real SmolLM2 weights
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests
 
 lint: install ## ruff
-	$(VENV)/bin/ruff check homelab_ft tests bench
+	$(VENV)/bin/ruff check homelab_ft tests bench tools
 
 plan: install ## print the memory plan: make plan RECIPE=recipes/X.yaml
 	$(PY) -m homelab_ft plan $(RECIPE)

@@ -277,7 +277,7 @@ def _throughput_row(ctx: Context, method: str, part: Part) -> dict:
     n_all = sum(p.numel() * (2 if p.dtype == torch.uint8 else 1) for p in model.parameters())
     n_all -= model.get_input_embeddings().weight.numel()
     per_token = flops_per_token(method, num_params=n_all, num_trainable=sum(p.numel() for p in trainable))
-    row = {"method": method, "tokens_per_step": tokens, "flops_per_token": per_token, "steps": {}}
+    row = {"method": method, "tokens_per_step": tokens, "flops_per_token": per_token}
     for name in LOOPS:
         if not times[name]:
             row[name] = None

@@ -128,6 +128,9 @@ def write_report(report: dict, out: Path) -> None:
     (out / "gpu-report.json").write_text(json.dumps(report, indent=1) + "\n")
     lines = [f"# GPU report: {report['gpu']}", "", f"torch {report['torch']}, model {report['model']}, "
              f"peak {report['peak_source']}; {report['wall_s']:.0f} s", ""]
+    if report["device"] == "cpu":
+        lines += ["Dry run: the figures only exercise the code. CPU peaks are the process's resident "
+                  "high-water mark, which the plan's step figures do not price.", ""]
     for part in report["parts"]:
         lines += [f"## {part['name']}: {part['status']}" + (f" ({part['note']})" if part["note"] else ""), ""]
         if part["rows"]:
@@ -141,7 +144,7 @@ def write_report(report: dict, out: Path) -> None:
 
 def _cell(value) -> str:
     if isinstance(value, dict):
-        return ", ".join(f"{k} {_cell(v)}" for k, v in value.items())
+        return ", ".join(f"{k} {'n/a' if v is None else _cell(v)}" for k, v in value.items())
     if isinstance(value, int) and value > 10**6:
         return f"{value / 2**20:.0f} MiB"
     return "" if value is None else str(value)
