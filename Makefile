@@ -40,6 +40,9 @@ $(VENV)/.installed: pyproject.toml
 ifeq ($(TORCH),system)
 	@test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	@$(TORCH_FOUND) >/dev/null 2>&1 || { echo "make install TORCH=system: $(PYTHON) has no torch; install one or leave TORCH unset" >&2; exit 2; }
+	@# refuse a torch older than homelab-ft supports now, not after installing the rest
+	@PYTHONPATH=. $(PY) -c 'import sys; from homelab_ft import torch_support as t; v = t.installed_torch(); \
+	  sys.exit(0 if t.release(v) >= t.TORCH_MIN else "make install TORCH=system: torch %s is installed; homelab-ft needs torch >= %d.%d" % (v, *t.TORCH_MIN))'
 	@echo "torch==$$($(TORCH_FOUND))" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -q $(PIP_FROM) --no-deps -e .
 	$(PY) -c '$(REQUIRES_BUT_TORCH)' > $(VENV)/requirements.txt
