@@ -18,6 +18,7 @@ import warnings
 from homelab_ft import fsio
 from homelab_ft.cli.args import add_verbosity
 from homelab_ft.errors import UserError
+from homelab_ft.torch_support import check_torch
 
 EXIT_BROKEN_PIPE = 128 + 13
 """128 + SIGPIPE: what a shell reports for `yes | head -1`'s writer, so `set -o pipefail` scripts see the same."""
@@ -69,6 +70,7 @@ def _run(argv: list[str] | None) -> int:
 
     logs.configure(args.verbose - args.quiet)
     try:
+        check_torch()
         code = args.func(args) or 0
         sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
         return code
