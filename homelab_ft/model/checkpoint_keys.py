@@ -107,7 +107,7 @@ class CheckpointKeys:
         self.model = pretrained_model(model)
         self.model_dir = Path(model_dir)
         self.files = checkpoint_files(self.model_dir)
-        self.groups = plan(self.model, self.files)
+        self.groups, self.used = plan(self.model, self.files)
 
     def names(self) -> set[str]:
         """Every model tensor (base names) the checkpoint provides."""
@@ -120,6 +120,25 @@ class CheckpointKeys:
     def converted(self, name: str) -> bool:
         """Whether `name` is made by a converter (stacked, concatenated, split), not one tensor renamed."""
         return self._group(name).converter is not None
+
+    def unit(self, name: str) -> str:
+        """The first target of `name`'s converter: tensors sharing it are converted (and saved) together."""
+        return self.groups[name].first if name in self.groups else name
+
+    def as_saved(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Model tensors (whole converter units, see `unit`) -> the keys and tensors `save_pretrained`
+        writes for a model loaded from this folder: transformers' own `revert_weight_conversion`
+        with the transforms that matched this checkpoint, as from_pretrained records them."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        before = self.model.__dict__.get("_weight_conversions")
+        self.model._weight_conversions = self.used
+        try:
+            return revert_weight_conversion(self.model, dict(tensors))
+        finally:
+            self.model.__dict__.pop("_weight_conversions", None)
+            if before is not None:
+                self.model._weight_conversions = before
 
     def tensors(self, names: Iterable[str], *, shards: dict[str, torch.Tensor] | None = None
                 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,8 +190,9 @@ class CheckpointKeys:
         return {name: value[0] if isinstance(value, list) else value for name, value in out.items()}
 
 
-def plan(model: nn.Module, files: dict[str, Path]) -> dict[str, Group]:
-    """Model tensor name -> its Group, by transformers' own renaming of every checkpoint key.
+def plan(model: nn.Module, files: dict[str, Path]) -> tuple[dict[str, Group], list]:
+    """Model tensor name -> its Group, by transformers' own renaming of every checkpoint key; and
+    the transforms that matched (what from_pretrained keeps as `_weight_conversions` for saving).
 
     The same steps as `convert_and_load_state_dict_in_model` (transformers 5.24), minus the
     loading: rename each key (`rename_source_key` with the model's transforms and base-model
@@ -214,7 +234,7 @@ def plan(model: nn.Module, files: dict[str, Path]) -> dict[str, Group]:
         if group.converter is None and group.sources:
             continue  # two keys for one tensor: the first wins, as in from_pretrained
         group.sources.append((pattern if pattern is not None else key, key))
-    return groups
+    return groups, [t for t in transforms if t.was_used()]
 
 
 def _shard_op(param: torch.Tensor | None):
