@@ -44,7 +44,8 @@ ORIGINAL_LAYOUT = ("qwen3_next", "glm4_moe", "deepseek_v3", "phimoe", "mixtral",
 """Saved with per-expert tensors (and `backbone.*`) by save_pretrained's reversed conversion."""
 
 
-def save_original(out_dir: Path, model_type: str, *, seed: int = 0) -> Path:
+def save_original(out_dir: Path, model_type: str, *, seed: int = 0, **overrides) -> Path:
+    """`model_type` saved in its released layout; `overrides` change its (text) config."""
     if model_type in MULTIMODAL:
         return save_multimodal(out_dir, model_type, seed=seed)
-    return save_tiny(out_dir, model_type, seed=seed)
+    return save_tiny(out_dir, model_type, seed=seed, **overrides)

@@ -42,7 +42,9 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, method: str) -> dict:
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("keys-fsdp")
     dirs = {family: save_original(tmp / family, family) for family in dict.fromkeys(FULL + QLORA)}
-    jobs = [{"name": f"full_{f}", "recipe": _recipe(tmp, dirs[f], f"full_{f}", method="full")} for f in FULL]
+    # 7 experts and 321 embedding rows: uneven dim-0 shards (4 + 3, 161 + 160) on 2 ranks
+    dirs["uneven"] = save_original(tmp / "uneven", "mixtral", vocab_size=321, num_local_experts=7)
+    jobs = [{"name": f"full_{f}", "recipe": _recipe(tmp, dirs[f], f"full_{f}", method="full")} for f in FULL + ("uneven",)]
     jobs += [{"name": f"qlora_{f}", "recipe": _recipe(tmp, dirs[f], f"qlora_{f}", method="qlora")} for f in QLORA]
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"jobs": jobs}))
@@ -51,7 +53,7 @@ def results(tmp_path_factory) -> dict:
     return json.loads((tmp / "out.json").read_text())
 
 
-@pytest.mark.parametrize("family", FULL)
+@pytest.mark.parametrize("family", (*FULL, "uneven"))
 def test_sharded_parameters_equal_from_pretrained(results, family):
     got = results[f"full_{family}"]
     assert got["missing"] == [] and got["unexpected"] == [] and got["unequal"] == []
