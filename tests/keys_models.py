@@ -40,12 +40,15 @@ def save_multimodal(out_dir: Path, model_type: str, *, seed: int = 0) -> Path:
 
 MULTIMODAL = ("qwen3_5", "qwen3_5_moe")
 """Released as image-text checkpoints (`model.language_model.*`) whose text decoder is fine-tuned alone."""
+LEGACY_IMAGE_TEXT = ("gemma3",)
+"""Image-text families AutoModelForCausalLM builds whole (Gemma 3), whose save_pretrained writes the
+legacy `language_model.model.*` layout that transformers' llava mapping renames on load."""
 ORIGINAL_LAYOUT = ("qwen3_next", "glm4_moe", "deepseek_v3", "phimoe", "mixtral", "nemotron_h")
 """Saved with per-expert tensors (and `backbone.*`) by save_pretrained's reversed conversion."""
 
 
 def save_original(out_dir: Path, model_type: str, *, seed: int = 0, **overrides) -> Path:
     """`model_type` saved in its released layout; `overrides` change its (text) config."""
-    if model_type in MULTIMODAL:
+    if model_type in MULTIMODAL + LEGACY_IMAGE_TEXT:
         return save_multimodal(out_dir, model_type, seed=seed)
     return save_tiny(out_dir, model_type, seed=seed, **overrides)

@@ -1,7 +1,8 @@
 """Checkpoint tensors found through transformers' own key conversion (model/checkpoint_keys.py).
 
 Each family's checkpoint is in the layout its released models ship (keys_models.py): per-expert
-MoE tensors, Nemotron-H's `backbone.*`, Qwen 3.5's image-text `model.language_model.*`. Reading it
+MoE tensors, Nemotron-H's `backbone.*`, Qwen 3.5's image-text `model.language_model.*`, Gemma 3's legacy
+`language_model.model.*`. Reading it
 by parameter name found none of those tensors (the old sharded loader raised "has no weight
 ...experts.gate_up_proj"); read through the plan, every parameter equals what from_pretrained loads.
 """
@@ -12,13 +13,13 @@ import json
 
 import pytest
 import torch
-from keys_models import MULTIMODAL, ORIGINAL_LAYOUT, save_original
+from keys_models import LEGACY_IMAGE_TEXT, MULTIMODAL, ORIGINAL_LAYOUT, save_original
 from safetensors import safe_open
 
 from homelab_ft.errors import UserError
 from homelab_ft.model import checkpoint_keys
 
-FAMILIES = MULTIMODAL + ORIGINAL_LAYOUT
+FAMILIES = MULTIMODAL + LEGACY_IMAGE_TEXT + ORIGINAL_LAYOUT
 
 
 def _saved_keys(model_dir) -> set[str]:
@@ -49,11 +50,11 @@ def test_every_parameter_equals_from_pretrained(checkpoints, family):
         assert torch.equal(tensor.float(), reference[name]), name
     renamed = [n for n in got if keys.sources(n) != (n,)]
     assert renamed, f"{family}: the checkpoint is already in the model's own names; the test proves nothing"
-    if family not in MULTIMODAL:
+    if family in ORIGINAL_LAYOUT:
         assert any(keys.converted(n) for n in got)  # per-expert tensors stacked into 3-D parameters
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "mixtral", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "mixtral", "nemotron_h"])
 def test_sources_are_what_save_pretrained_writes(checkpoints, family, tmp_path):
     """The inverse: a model loaded from this checkpoint saves exactly the keys its parameters were
     read from (save_pretrained reverses the conversions used on load); a multimodal base's vision
