@@ -150,20 +150,21 @@ class CheckpointKeys:
         """
         shards = shards or {}
         wanted = list(dict.fromkeys(names))
-        done: set[str] = set()
+        asked, done = set(wanted), set()
         for name in wanted:
             if name in done:
                 continue
             group = self._group(name)
             if group.converter is None:
                 done.add(name)
-                yield name, self._read_one(group.sources[0][1], shard=_shard_op(shards.get(name)))
+                yield name, self._read_one(group.sources[0][1], name=name, param=shards.get(name))
                 continue
             for target, tensor in self._convert(group).items():
-                if target in wanted and target not in done:
+                if target in asked and target not in done:
                     done.add(target)
-                    op = _shard_op(shards.get(target))
-                    yield target, tensor if op is None else op.shard_tensor(tensor)
+                    yield target, _local(tensor, name=target, param=shards.get(target))
+            if name not in done:
+                raise AssertionError(f"transformers' converter for {group.sources[0][1]} made no {name}")
 
     def _group(self, name: str) -> Group:
         if name not in self.groups:
@@ -171,15 +172,19 @@ class CheckpointKeys:
                             f"{type(self.model).__name__} finds none); is it the checkpoint of this architecture?")
         return self.groups[name]
 
-    def _read_one(self, key: str, *, shard=None) -> torch.Tensor:
-        """One tensor (or its shard) with its own `safe_open`: a tensor is a view of the file's
-        mapping, whose touched pages count in RSS until it closes (measured in sharded_qlora.py)."""
+    def _read_one(self, key: str, *, name: str | None = None, param: torch.Tensor | None = None) -> torch.Tensor:
+        """One tensor (or, for a DTensor `param`, this rank's shard of it, read alone) with its own
+        `safe_open`: a tensor is a view of the file's mapping, whose touched pages count in RSS
+        until it closes (measured in sharded_qlora.py)."""
         from safetensors import safe_open
 
         with safe_open(str(self.files[key]), framework="pt") as fh:
-            if shard is None:
+            op = _shard_op(param)
+            if op is None:
                 return fh.get_tensor(key)
-            return shard.shard_tensor(fh.get_slice(key)).contiguous()
+            part = fh.get_slice(key)
+            _check_shape(name, part.get_shape(), param)
+            return op.shard_tensor(part).contiguous()
 
     def _convert(self, group: Group) -> dict[str, torch.Tensor]:
         converter = copy.deepcopy(group.converter)
@@ -246,6 +251,23 @@ def _shard_op(param: torch.Tensor | None):
     from transformers.distributed.sharding_utils import DtensorShardOperation
 
     return DtensorShardOperation(param)
+
+
+def _local(tensor: torch.Tensor, *, name: str, param: torch.Tensor | None) -> torch.Tensor:
+    """A whole converted tensor, or this rank's shard of it for a DTensor `param` (the same cut)."""
+    op = _shard_op(param)
+    if op is None:
+        return tensor
+    _check_shape(name, tensor.shape, param)
+    return op.shard_tensor(tensor).contiguous()
+
+
+def _check_shape(name: str | None, shape, param: torch.Tensor) -> None:
+    """The whole tensor's shape against the parameter's before a shard is cut: a checkpoint row
+    more than the config's would otherwise cut a shard of the right size on some ranks."""
+    if tuple(shape) != tuple(param.shape):
+        raise UserError(f"checkpoint tensor {name} has shape {tuple(shape)} where the model's config wants "
+                        f"{tuple(param.shape)}; is config.json the one these weights were saved with?")
 
 
 def checkpoint_tensors(model: nn.Module, model_dir: Path, *, names: Iterable[str] | None = None,
