@@ -5,8 +5,10 @@ activation checkpointing and FSDP2 (`distributed.parallelize`), allocate only th
 (`to_empty`), then fill them (`build_sharded`, which takes where the weights come from as a typed
 source). Two ways to fill them here, and a 4-bit one in sharded_qlora.py:
 
-- `FromSafetensors`: each rank reads only its slices of the model's safetensors through DCP's
-  `HuggingFaceStorageReader`; nobody holds the whole model (what a 70B model needs). Adapter
+- `FromSafetensors`: each rank reads only its slices of the model's safetensors, the tensors found
+  through transformers' own key conversion (model/checkpoint_keys.py: a released MoE's per-expert
+  tensors, Nemotron-H's `backbone.*`, a multimodal checkpoint's `model.language_model.*`); nobody
+  holds the whole model (what a 70B model needs), at most one converted parameter whole. Adapter
   weights that the base checkpoint lacks are initialised the PEFT way on CPU, identically on
   every rank, and sliced into the shards.
 - `FromRank0`: rank 0 loads the whole model the ordinary way (`from_pretrained`, then LoRA with
@@ -36,6 +38,7 @@ from homelab_ft.distributed.parallelize import parallelize
 from homelab_ft.errors import UserError
 from homelab_ft.model import loading
 from homelab_ft.model.blocks import enable_activation_checkpointing
+from homelab_ft.model.checkpoint_keys import CheckpointKeys, base_name, is_adapter
 from homelab_ft.rung import Rung
 
 
@@ -68,8 +71,8 @@ class FromRank0:
 
 @dataclass(frozen=True)
 class FromSafetensors:
-    """Each rank reads its slices of the base weights from `model_dir`'s HF safetensors; adapters
-    the base lacks get `loading.initial_adapters(seed=adapter_seed)`."""
+    """Each rank reads its slices of the base weights from `model_dir`'s HF safetensors
+    (`checkpoint_keys.CheckpointKeys`); adapters the base lacks get `loading.initial_adapters(seed=adapter_seed)`."""
 
     model_dir: Path
     adapter_seed: int = 0
@@ -175,44 +178,51 @@ def restore_buffers(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
 
 
 def _fill_from_hf(model: nn.Module, model_dir: Path, *, seed: int) -> None:
-    """Each rank reads its slices of the base weights; adapters get PEFT's init on CPU."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        set_model_state_dict,
-    )
+    """Each rank reads its slices of the base weights through transformers' key conversion
+    (model/checkpoint_keys.py: per-expert tensors stacked, `backbone.*` and
+    `model.language_model.*` renamed); adapters get PEFT's init on CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    reader = HuggingFaceStorageReader(str(model_dir))
-    on_disk = set(reader.read_metadata().state_dict_metadata)
-    state = get_model_state_dict(model)
-    # A tied parameter is read once, under whichever of its names the file has (a tied model's
-    # file usually holds only `model.embed_tokens.weight`; some hold both, equal). A parameter
-    # none of whose names is on disk is an error, never left as to_empty's uninitialised memory.
-    groups = [[n for n in names if n in state] for names in _shared_parameter_names(model)]
-    grouped = {n for names in groups for n in names}
-    groups += [[key] for key in state if key not in grouped]  # persistent buffers
-    wanted, source = {}, {}
-    for names in filter(None, groups):
-        present = [n for n in names if hf_name(n) in on_disk]
-        if present:
-            wanted[hf_name(present[0])] = state[present[0]]
-            source[present[0]] = hf_name(present[0])
-        elif not all(_is_adapter(n) for n in names):
-            raise UserError(f"{model_dir} has no weight {hf_name(names[0])}; is it the checkpoint of this architecture?")
-    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(model_dir)))
-    loaded = {key: wanted[hf_key] for key, hf_key in source.items()}
-    set_model_state_dict(model, loaded, options=StateDictOptions(strict=False))
+    keys = CheckpointKeys(model, model_dir)
+    targets = _fill_targets(model, available=keys.names(), model_dir=model_dir)
+    with torch.no_grad():
+        for name, tensor in keys.tensors(list(targets), shards=targets):
+            _copy_local(targets[name], tensor, name=name)
     adapters = loading.initial_adapters(model, seed=seed)
     if adapters:  # full-size tensors on every rank: each keeps its slice
         set_model_state_dict(model, adapters, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
-def hf_name(key: str) -> str:
-    """A PEFT parameter name -> the base checkpoint's name (`base_model.model.` and `.base_layer`)."""
-    return key.removeprefix("base_model.model.").replace(".base_layer.", ".")
+def _fill_targets(model: nn.Module, *, available: set[str], model_dir: Path) -> dict[str, torch.Tensor]:
+    """Checkpoint-facing name -> the parameter (or persistent buffer) it fills, each tensor once.
+
+    A tied parameter is read once, under whichever of its names the checkpoint has (a tied model's
+    file usually holds only the embedding; some hold both, equal). A base tensor none of whose
+    names the checkpoint provides is an error, never left as to_empty's uninitialised memory.
+    """
+    inner = model.module if hasattr(model, "no_sync") else model
+    state = inner.state_dict(keep_vars=True)
+    groups = _shared_parameter_names(model)
+    grouped = {n for names in groups for n in names}
+    groups += [[key] for key in state if key not in grouped]  # persistent buffers
+    targets = {}
+    for names in groups:
+        pairs = [(n, base_name(n)) for n in names if not is_adapter(n) and n in state]
+        present = [(n, b) for n, b in pairs if b in available]
+        if pairs and not present:
+            raise UserError(f"{model_dir} has no weight for {pairs[0][1]} (nor does transformers' key mapping find "
+                            "one); is it the checkpoint of this architecture?")
+        if present:
+            targets[present[0][1]] = state[present[0][0]]
+    return targets
 
 
-def _is_adapter(key: str) -> bool:
-    return ".lora_" in key
+def _copy_local(param: torch.Tensor, tensor: torch.Tensor, *, name: str) -> None:
+    """Write a tensor read by `CheckpointKeys.tensors` (already this rank's shard for a DTensor) in place."""
+    from torch.distributed.tensor import DTensor
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if tuple(local.shape) != tuple(tensor.shape):
+        raise UserError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} where the model's config wants "
+                        f"{tuple(local.shape)}; is config.json the one these weights were saved with?")
+    local.copy_(tensor.to(local.dtype))

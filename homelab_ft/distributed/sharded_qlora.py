@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from homelab_ft.distributed.sharded_loading import copy_into_shard, hf_name
+from homelab_ft.distributed.sharded_loading import copy_into_shard
 from homelab_ft.errors import UserError
+from homelab_ft.model.checkpoint_keys import CheckpointKeys, base_name
 
 log = logging.getLogger(__name__)
 
@@ -219,37 +219,6 @@ class FromSafetensors4bit:
 # filling
 
 
-class _Reader:
-    """Tensors of an HF checkpoint by name, one `safe_open` per block so no mapping outlives it."""
-
-    def __init__(self, model_dir: Path):
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            self.files = {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            from safetensors import safe_open
-
-            single = model_dir / "model.safetensors"
-            if not single.is_file():
-                raise UserError(f"{model_dir} has no model.safetensors(.index.json); the sharded 4-bit base is read from safetensors")
-            with safe_open(str(single), framework="pt") as fh:
-                self.files = {k: single for k in fh.keys()}
-        self.model_dir = model_dir
-
-    def read(self, names: list[str]):
-        """Yield (name, tensor) one at a time. Each tensor gets its own `safe_open`: the tensor is
-        a view of the file's mapping, whose pages count in RSS once touched until it is closed, so
-        holding one mapping open for a whole block kept the whole block resident (measured)."""
-        from safetensors import safe_open
-
-        for name in names:
-            if name not in self.files:
-                raise UserError(f"{self.model_dir} has no weight {name}; is it the checkpoint of this architecture?")
-        for name in names:
-            with safe_open(str(self.files[name]), framework="pt") as fh:
-                yield name, fh.get_tensor(name)
-
-
 def _release_freed_memory() -> None:
     """Hand freed heap memory back to the OS after each block (glibc's `malloc_trim`).
 
@@ -281,29 +250,31 @@ def load_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
             if ".lora_" in f".{module_name}." or id(param) in seen:
                 continue
             seen.add(id(param))
-            groups[owner.get(id(module), len(blocks))].append((hf_name(f"{module_name}.{attr}"), module, attr))
+            groups[owner.get(id(module), len(blocks))].append((base_name(f"{module_name}.{attr}"), module, attr))
     return groups
 
 
 def fill_from_safetensors(model: nn.Module, groups: list, model_dir: Path, *, compute_device: torch.device, peak: dict | None = None) -> None:
-    """Fill every base shard from the checkpoint, one block at a time (see the module docstring).
+    """Fill every base shard from the checkpoint, one block at a time (see the module docstring),
+    each tensor found through transformers' key conversion (`checkpoint_keys.CheckpointKeys`).
 
     A tied parameter stored only under another name (a tied LM head) is read under the name the
     file has. `peak`, when given, receives the largest number of bytes of temporaries (read
     tensor + its packed copy + quantisation states built so far) held at once.
     """
     cls = _linear4bit_class()
-    reader = _Reader(model_dir)
+    keys = CheckpointKeys(model, model_dir)
+    available = keys.names()
     state_bytes = 0
     held = 0
     for group in groups:
         names = []
         for name, module, attr in group:
-            if name not in reader.files and attr == "weight" and module is model.get_output_embeddings():
+            if name not in available and attr == "weight" and module is model.get_output_embeddings():
                 name = hf_name_of(model, model.get_input_embeddings())  # tied head stored once
             names.append(name)
         lookup = {n: (module, attr) for n, (_, module, attr) in zip(names, group, strict=True)}
-        for name, full in reader.read(names):
+        for name, full in keys.tensors(names):
             module, attr = lookup[name]
             param = getattr(module, attr)
             if isinstance(module, cls) and attr == "weight":
@@ -375,7 +346,7 @@ def hf_name_of(model: nn.Module, module: nn.Module) -> str:
 
     for name, m in model.named_modules():
         if m is module:
-            return hf_name(f"{name}.weight")
+            return base_name(f"{name}.weight")
     raise AssertionError("module not in model")
 
 

@@ -8,6 +8,12 @@ Peak memory is one output file (5 GiB by default, the Hub's usual shard size), n
 and no process group is needed, so export runs on any one machine and any number of ranks'
 checkpoints.
 
+The files are written in the base checkpoint's own layout, as `save_pretrained` writes a model
+loaded from it (a released MoE's per-expert tensors, Nemotron-H's `backbone.*`, an image-text
+base's `model.language_model.*`): transformers' reverse conversion, asked through
+model/checkpoint_keys.py, so the folder loads with from_pretrained and reads like the base to
+llama.cpp's converters. A converter's tensors (a layer's experts) go into one file together.
+
 torch 2.13's `HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)` and
 `consolidate_safetensors_files` do the same for checkpoints *saved* in HF format; ours are in DCP
 format because they also carry the optimizer state for resuming, so we read with DCP's planner.
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 
 from homelab_ft.errors import UserError
+from homelab_ft.model import checkpoint_keys
 
 MODEL_PREFIX = "model."
 """Keys of the model's entries in the checkpoint's state dict (the optimizer's start `optim.`)."""
@@ -102,7 +109,8 @@ def consolidate_to_hf(
     for target in tied:
         tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
     _check_architecture(Path(base_model_dir), expected, {n: tensors[n][0] for n in tensors})
-    groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    keys = checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(Path(base_model_dir)), Path(base_model_dir))
+    groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes, unit=keys.unit)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -114,9 +122,10 @@ def consolidate_to_hf(
         file_name = "model.safetensors" if len(groups) == 1 else f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         buffers = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in names}
         dcp.load(buffers, storage_reader=SafeFileSystemReader(str(state_dir)), no_dist=True)
-        out = {n: _cast(buffers[MODEL_PREFIX + n], dtype).contiguous() for n in names}
+        saved = keys.as_saved({n: buffers[MODEL_PREFIX + n] for n in names})
+        out = {n: _cast(t, dtype).contiguous() for n, t in saved.items()}
         save_file(out, str(out_dir / file_name), metadata={"format": "pt"})
-        max_diff = max(max_diff, _read_back_diff(out_dir / file_name, buffers))
+        max_diff = max(max_diff, _read_back_diff(out_dir / file_name, saved))
         for n, t in out.items():
             weight_map[n] = file_name
             total_bytes += t.numel() * t.element_size()
@@ -135,7 +144,7 @@ def _read_back_diff(path: Path, originals: dict[str, torch.Tensor]) -> float:
     with safe_open(str(path), framework="pt") as f:
         for name in f.keys():
             written = f.get_tensor(name).float()
-            diff = max(diff, float((written - originals[MODEL_PREFIX + name].float()).abs().max()))
+            diff = max(diff, float((written - originals[name].float()).abs().max()))
     return diff
 
 
@@ -197,17 +206,23 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
 
 
-def _group(tensors: dict, *, dtype, max_shard_bytes: int) -> list[list[str]]:
-    """Tensors in checkpoint order, cut into files of at most `max_shard_bytes` (one tensor may exceed it)."""
+def _group(tensors: dict, *, dtype, max_shard_bytes: int, unit=lambda name: name) -> list[list[str]]:
+    """Tensors in checkpoint order, cut into files of at most `max_shard_bytes` (one tensor may
+    exceed it); the tensors of one `unit` (a converter's targets, saved from one another) stay together."""
+    units: dict[str, list[str]] = {}
+    for name in tensors:
+        units.setdefault(unit(name), []).append(name)
     groups: list[list[str]] = [[]]
     size = 0
-    for name, (shape, stored) in tensors.items():
-        itemsize = (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
-        nbytes = shape.numel() * itemsize
+    for names in units.values():
+        nbytes = 0
+        for name in names:
+            shape, stored = tensors[name]
+            nbytes += shape.numel() * (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(name)
+        groups[-1].extend(names)
         size += nbytes
     return groups
 

@@ -8,8 +8,15 @@ never the dequantized 4-bit ones), each adapted weight is merged in fp32 and cas
 export dtype, and the file is written before the next is read: peak host RAM is about one base
 file (<= 5 GB as the Hub shards them) plus the adapter.
 
+The base's files are written back in their own layout (a released MoE's per-expert tensors,
+Nemotron-H's `backbone.*`, a Qwen 3.5 image-text checkpoint's `model.language_model.*` and vision
+tower), which is what `save_pretrained` writes for a model loaded from them and what llama.cpp's
+converters read. Which checkpoint key holds an adapted module's weight is asked of transformers'
+own key conversion (model/checkpoint_keys.py), never guessed from the module's name.
+
 Adapters this module does not merge (DoRA's magnitude vectors, per-module ranks or alphas,
-`modules_to_save`, fan-in-fan-out layers, a tied LM head with LoRA on it) are reported by
+`modules_to_save`, fan-in-fan-out layers, a tied LM head with LoRA on it, LoRA on parameters or on
+a weight transformers converts on load, such as stacked experts) are reported by
 `unsupported_reason`, and export.py then takes PEFT's in-memory merge.
 """
 
@@ -25,6 +32,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from homelab_ft.errors import UserError
+from homelab_ft.model import checkpoint_keys
+
 log = logging.getLogger(__name__)
 
 PREFIX = "base_model.model."
@@ -35,7 +45,7 @@ def adapter_config(adapter_dir: Path) -> dict:
     return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
 
 
-def unsupported_reason(adapter_dir: Path, model_dir: Path) -> str | None:
+def unsupported_reason(adapter_dir: Path, model_dir: Path, *, trust_remote_code: bool = False) -> str | None:
     """Why this adapter/base pair needs PEFT's in-memory merge, or None when it streams."""
     cfg = adapter_config(adapter_dir)
     if cfg.get("use_dora"):
@@ -46,13 +56,37 @@ def unsupported_reason(adapter_dir: Path, model_dir: Path) -> str | None:
         return "modules_to_save copies"
     if cfg.get("fan_in_fan_out"):
         return "fan-in-fan-out (Conv1D) layers"
+    if cfg.get("target_parameters"):
+        return "LoRA on parameters (target_parameters), not on linear layers"
     if not base_files(model_dir):
         return "the base has no safetensors files"
-    base_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    adapted = adapted_modules(adapter_dir)
-    if base_cfg.get("tie_word_embeddings") and any(m.endswith("lm_head") for m in adapted):
+    keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
+    adapted = {f"{m}.weight" for m in adapted_modules(adapter_dir)}
+    if adapted & set(keys.model.get_expanded_tied_weights_keys(all_submodels=True)):
         return "LoRA on a tied LM head (merging unties it)"
+    converted = sorted(n for n in adapted & keys.names() if keys.converted(n))
+    if converted:
+        return f"LoRA on {converted[0]}, which transformers converts on load (from {keys.sources(converted[0])[0]}, ...)"
     return None
+
+
+def base_keys(model_dir: Path, *, trust_remote_code: bool = False) -> checkpoint_keys.CheckpointKeys:
+    """The base checkpoint's keys as transformers maps them onto the causal LM its config builds."""
+    return checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(model_dir, trust_remote_code=trust_remote_code),
+                                          model_dir)
+
+
+def adapted_keys(adapter_dir: Path, keys: checkpoint_keys.CheckpointKeys) -> dict[str, str]:
+    """Base checkpoint key -> the adapted module whose weight it holds (a one-to-one tensor, as
+    `unsupported_reason` ensures; renamed or not)."""
+    out = {}
+    for module in sorted(adapted_modules(adapter_dir)):
+        name = f"{module}.weight"
+        if name not in keys.names():
+            raise UserError(f"export: the base {keys.model_dir} has no weight for the adapted module {module}; "
+                            "export against the model the adapter was trained on")
+        out[keys.sources(name)[0]] = module
+    return out
 
 
 def base_files(model_dir: Path) -> list[str]:
@@ -80,7 +114,8 @@ def scale(cfg: dict) -> float:
     return cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
-def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype) -> dict:
+def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype,
+                trust_remote_code: bool = False) -> dict:
     """Write the merged model's safetensors (same file layout as the base) and config into `out`.
 
     Returns {"files": n, "merged": n_weights, "max_delta": largest |scale x B @ A| entry}; the
@@ -94,6 +129,7 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         part = "A" if ".lora_A." in key else "B" if ".lora_B." in key else None
         if part:
             lora.setdefault(_module(key), {})[part] = tensor
+    owner = adapted_keys(adapter_dir, base_keys(model_dir, trust_remote_code=trust_remote_code))
     out.mkdir(parents=True, exist_ok=True)
     files = base_files(model_dir)
     merged, max_delta, weight_map, total = 0, 0.0, {}, 0
@@ -102,8 +138,8 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         with safe_open(str(model_dir / name), "pt") as fh:
             for key in fh.keys():
                 tensor = fh.get_tensor(key)
-                module = key[: -len(".weight")] if key.endswith(".weight") else None
-                if module in lora:
+                module = owner.get(key)
+                if module is not None:
                     delta = factor * (lora[module]["B"].float() @ lora[module]["A"].float())
                     tensor = tensor.float() + delta
                     merged += 1
@@ -116,9 +152,8 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         del tensors  # one base file in memory at a time
         log.debug("merged %s", name)
-    missing = set(lora) - {k[: -len(".weight")] for k in weight_map if k.endswith(".weight")}
-    if missing:
-        raise RuntimeError(f"export: the base has no weight for adapted modules {sorted(missing)[:3]}")
+    if merged != len(owner):
+        raise RuntimeError(f"export: merged {merged} of the {len(owner)} adapted weights; the base's files and index disagree")
     if len(files) > 1 or (model_dir / INDEX).is_file():
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config = json.loads((model_dir / "config.json").read_text())
@@ -132,35 +167,27 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
     return {"files": len(files), "merged": merged, "max_delta": max_delta}
 
 
-def check_written(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype, samples: int = 4) -> float:
+def check_written(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype, samples: int = 4,
+                  trust_remote_code: bool = False) -> float:
     """For a model too big to load twice: read back a few merged weights (first, last and between)
     from the written files and compare them with base + scale x B @ A recomputed here; returns
     the largest difference (0.0 unless the files are wrong)."""
     adapter_dir, model_dir, out = Path(adapter_dir), Path(model_dir), Path(out)
     factor = scale(adapter_config(adapter_dir))
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    modules = sorted(adapted_modules(adapter_dir))
-    picks = sorted({modules[round(i * (len(modules) - 1) / max(samples - 1, 1))] for i in range(samples)}) if modules else []
-    where = _locations(model_dir)
+    keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
+    owner = sorted(adapted_keys(adapter_dir, keys).items(), key=lambda item: item[1])
+    picks = sorted({owner[round(i * (len(owner) - 1) / max(samples - 1, 1))] for i in range(samples)}) if owner else []
     worst = 0.0
-    for module in picks:
-        key = f"{module}.weight"
+    for key, module in picks:
         a = next(v for k, v in weights.items() if _module(k) == module and ".lora_A." in k)
         b = next(v for k, v in weights.items() if _module(k) == module and ".lora_B." in k)
-        with safe_open(str(model_dir / where[key]), "pt") as fh:
+        with safe_open(str(keys.files[key]), "pt") as fh:
             expected = (fh.get_tensor(key).float() + factor * (b.float() @ a.float())).to(dtype)
-        with safe_open(str(out / where[key]), "pt") as fh:
+        with safe_open(str(out / keys.files[key].name), "pt") as fh:
             got = fh.get_tensor(key)
         worst = max(worst, float((got.float() - expected.float()).abs().max()))
     return worst
-
-
-def _locations(model_dir: Path) -> dict[str, str]:
-    model_dir = Path(model_dir)
-    if (model_dir / INDEX).is_file():
-        return json.loads((model_dir / INDEX).read_text())["weight_map"]
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as fh:
-        return dict.fromkeys(fh.keys(), "model.safetensors")
 
 
 def base_bytes(model_dir: Path) -> int:

@@ -44,13 +44,14 @@ def write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, 
     checked. Adapters merge.py cannot stream take PEFT's in-memory merge (`write_merged_in_memory`)."""
     from homelab_ft.host import available_ram_bytes
 
-    reason = merge.unsupported_reason(ckpt / checkpoint.ADAPTER, model_dir)
+    remote = recipe.model.trust_remote_code
+    reason = merge.unsupported_reason(ckpt / checkpoint.ADAPTER, model_dir, trust_remote_code=remote)
     if reason is not None:
         log.info("export: %s, so the adapter is merged in memory with PEFT", reason)
         return write_merged_in_memory(ckpt, model_dir, recipe, out, dtype=dtype, name=name)
 
     save_dtype = saved_dtype(dtype, model_dir)
-    stats = merge.merge_files(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype)
+    stats = merge.merge_files(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype, trust_remote_code=remote)
     loading.load_tokenizer(recipe.model, model_dir).save_pretrained(out)
     log.info("export: merged %d adapted weights file by file (%d base file(s), %s)", stats["merged"], stats["files"],
              save_dtype)
@@ -59,7 +60,7 @@ def write_merged(ckpt: Path, model_dir: Path, recipe, out: Path, *, dtype: str, 
     # Two models in memory one after the other, each up to twice its file size (bf16 read as fp32).
     if 4 * merge.base_bytes(model_dir) < available_ram_bytes():
         return check_logits(ckpt, model_dir, recipe, out, save_dtype=save_dtype)
-    worst = merge.check_written(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype)
+    worst = merge.check_written(ckpt / checkpoint.ADAPTER, model_dir, out, dtype=save_dtype, trust_remote_code=remote)
     if worst > 0:
         raise RuntimeError(f"export check failed: a merged weight read back differs by {worst:.2e} from base + adapter")
     log.info("export check: merged weights read back equal base + adapter (model too large for a logit check here)")

@@ -4,6 +4,7 @@
     quant      bitsandbytes: the 4/8-bit config, the CPU guard, k-bit preparation, 8-bit optimizers
     blocks     the transformer blocks (from `_no_split_modules`) and activation checkpointing on them
     compiling  `train.compile`: torch.compile per block in place, and its preflight check
+    checkpoint_keys  a model's tensors in a safetensors folder through transformers' key conversion
 
 No per-family tables: what differs between architectures is read from transformers.
 """
