@@ -27,6 +27,9 @@ STRATEGIES = (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD)
 ADAMW = "adamw"
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 OPTIMIZERS = (ADAMW, *BNB_OPTIMIZERS)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+"""torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe; 1F1B keeps at most `stages`
+micro-batches' activations in flight on the first stage, GPipe all of them."""
 
 DEFER_SYNC_TRAINABLE_FRACTION = 0.05
 """Below this fraction of trainable parameters (adapters: typically < 2%), FSDP2's gradient
@@ -57,6 +60,12 @@ class Rung:
     """Each block's activations are recomputed in backward (the recipe's value, or the planner's when `auto`)."""
     activation_offload: bool = False
     """The checkpointed block inputs wait in host RAM (offload.py); only with checkpointing."""
+    pipeline_stages: int = 1
+    """Contiguous groups of decoder blocks, one per pipeline rank (torch.distributed.pipelining);
+    1 = no pipeline. The other ranks of the world replicate the pipeline (data parallelism)."""
+    stage_blocks: tuple[int, ...] = ()
+    """Decoder blocks per stage, first to last; () = as even as possible (the planner sizes it to each GPU)."""
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -73,6 +82,15 @@ class Rung:
         if not self.fsdp_enabled:
             return 1
         return self.procs_per_node if self.hybrid_enabled else self.world_size
+
+    @property
+    def pipeline_enabled(self) -> bool:
+        return self.pipeline_stages > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the whole model (of the whole pipeline when pipelined)."""
+        return self.world_size // self.pipeline_stages
 
     # ---- what runs
 
