@@ -218,7 +218,7 @@ def shorter_steps(shape: ModelShape, chosen: Option, *, options: tuple[Option, .
     better = [o for o in options if o.fits and o.batch_s < chosen.batch_s * (1 - STEP_TIME_TIE) and o is not chosen]
 
     def named(o: Option) -> str:
-        return f"{o.label} {o.step_s:.1f} s/step" + ("" if o.allowed else " (not requested)")
+        return f"{o.label} {o.step_s:.1f} s/step" + ("" if o.allowed else f" (not requested: {_asking_for(o, request)})")
 
     def best(group: list[Option]) -> Option:
         """The fastest of `group`, the chosen method's first (the recipe may have named it)."""
@@ -232,14 +232,15 @@ def shorter_steps(shape: ModelShape, chosen: Option, *, options: tuple[Option, .
         found.append("a pipeline, " + named(best(pipelines)))
     elif near:
         o = best(near)
+        knobs = "train.optimizer=adamw_8bit" + (", lora.dtype=compute" if o.rung.adapters_enabled else "")
         found.append(f"a pipeline, {named(o)}, if it had {gib_text(o.memory.total - o.budget_bytes)} GiB more per GPU "
-                     f"({gib_text(o.memory.total)} of {gib_text(o.budget_bytes)}: train.optimizer=adamw_8bit, "
-                     "lora.dtype=compute or a lower planner.headroom free that much)")
+                     f"({gib_text(o.memory.total)} of {gib_text(o.budget_bytes)}: {knobs} or a lower planner.headroom "
+                     "free that much)")
     adapters_dp = [o for o in better if o.rung.adapters_enabled and o.rung.ddp_enabled and not o.rung.pipeline_enabled]
     if adapters_dp and chosen.rung.fsdp_enabled:
         found.append("adapter-only data parallelism, " + named(best(adapters_dp)))
     hybrid = [o for o in better if o.rung.hybrid_enabled]
-    if hybrid:
+    if hybrid and not chosen.rung.hybrid_enabled:
         found.append("hybrid_shard, " + named(best(hybrid)))
     if chosen.rung.fsdp_enabled and request.grad_accum_steps > 1 and not request.optimizer_in_backward:
         micro, accum = request.micro_batch_size * 2, request.grad_accum_steps // 2
@@ -250,6 +251,18 @@ def shorter_steps(shape: ModelShape, chosen: Option, *, options: tuple[Option, .
             found.append(f"a larger micro-batch, train.micro_batch_size={micro} train.grad_accum_steps={accum} "
                          f"(same batch) {est.step_s:.1f} s/step")
     return found
+
+
+def _asking_for(o: Option, request: PlanRequest) -> str:
+    """The recipe keys that would let the ladder take option `o`."""
+    keys = []
+    if request.method not in ("auto", o.method):
+        keys.append(f"method={o.method}")
+    if o.rung.pipeline_enabled and request.pipeline_stages not in ("auto", o.rung.pipeline_stages):
+        keys.append("sharding.pipeline_stages=auto")
+    if request.strategy not in ("auto", o.strategy) or (o.rung.pipeline_enabled and request.strategy != "auto"):
+        keys.append("sharding.strategy=auto")
+    return " ".join(keys) or "the recipe's other settings"
 
 
 def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cluster: Cluster,
