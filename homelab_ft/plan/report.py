@@ -51,7 +51,12 @@ def pipeline_lines(p: Plan) -> list[str]:
              f"pipeline {micro} micro-batches x {boundary_mb:.1f} MB of hidden states each way per boundary over {link}: "
              f"{o.comm_s:.1f} s/step, {o.comm_s - o.comm_hidden_s:.1f} s not hidden; bubble "
              f"{bubble_fraction(stages=stages, micro_batches=micro):.0%} of compute ({o.bubble_s:.1f} s)"]
-    others = [x for x in p.options if x.fits and x.allowed and not x.stages and x.method == o.method]
+    unpipelined = [x for x in p.options if not x.stages and x.method == o.method]
+    others = [x for x in unpipelined if x.fits]
+    if unpipelined and not others:
+        closest = min(unpipelined, key=lambda x: x.memory.total / max(1, x.budget_bytes))
+        lines.append(f"why      no {o.method} option without a pipeline fits (closest: {closest.label}, "
+                     f"{gib_text(closest.memory.total)} GiB per GPU)")
     if others:
         best: Option = min(others, key=lambda x: x.batch_s)
         lines.append(f"why      {o.step_s:.1f} s/step training {_batches(o)} ({o.batch_s:.1f} s per batch) vs "
