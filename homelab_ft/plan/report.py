@@ -54,9 +54,9 @@ def pipeline_lines(p: Plan) -> list[str]:
     unpipelined = [x for x in p.options if not x.stages and x.method == o.method]
     others = [x for x in unpipelined if x.fits]
     if unpipelined and not others:
-        closest = min(unpipelined, key=lambda x: x.memory.total / max(1, x.budget_bytes))
-        lines.append(f"why      no {o.method} option without a pipeline fits (closest: {closest.label}, "
-                     f"{gib_text(closest.memory.total)} GiB per GPU)")
+        closest = min(unpipelined, key=lambda x: max(x.memory.total / max(1, x.budget_bytes),
+                                                      x.host_bytes / max(1, x.host_budget_bytes or x.host_bytes)))
+        lines.append(f"why      no {o.method} option without a pipeline fits; the closest, {closest.reason}")
     if others:
         best: Option = min(others, key=lambda x: x.batch_s)
         lines.append(f"why      {o.step_s:.1f} s/step training {_batches(o)} ({o.batch_s:.1f} s per batch) vs "
