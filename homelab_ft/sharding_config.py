@@ -32,7 +32,7 @@ class ShardingConfig:
     """Dtype gradients are reduced in; fp32 keeps small per-rank contributions from rounding away.
     DDP (no_shard) reduces gradients that are already bf16 in bf16 whatever this says, and on
     gloo (CPU) fp32 gradients in fp32 (torch's bf16 hook for DDP needs NCCL)."""
-    pipeline_stages: PositiveInt | Literal["auto"] = "auto"
+    pipeline_stages: PositiveInt | Literal["auto"] = 1
     """Cut the decoder blocks into this many contiguous stages, one per process, run by
     torch.distributed.pipelining (distributed/pipeline.py): the first stage holds the embeddings,
     the last the final norm, the head and the loss. The processes beyond one pipeline replicate it
