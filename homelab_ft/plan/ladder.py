@@ -223,10 +223,12 @@ def _strategies(shape: ModelShape, cluster: Cluster, *, request: PlanRequest) ->
 
 def pipeline_counts(shape: ModelShape, cluster: Cluster, *, request: PlanRequest) -> list[int]:
     """The pipelines the ladder prices: the recipe's sharding.pipeline_stages when it names more than
-    one, else (`auto`, on GPUs) one stage per node (the replicas of a stage share its node's PCIe),
-    and one stage per GPU; never more stages than blocks. CPU runs pipeline only when the recipe says."""
-    if isinstance(request.pipeline_stages, int):
-        return [request.pipeline_stages] if request.pipeline_stages > 1 else []
+    one, else (on GPUs) one stage per node (the replicas of a stage share its node's PCIe) and one
+    stage per GPU, never more stages than blocks. With `auto` the ladder may take them; with 1 (the
+    default) they are priced as not requested, so the advice can say what one would plan. CPU runs
+    pipeline only when the recipe names the stages."""
+    if isinstance(request.pipeline_stages, int) and request.pipeline_stages > 1:
+        return [request.pipeline_stages]
     if cluster.device != "cuda":
         return []
     counts = {cluster.nodes, cluster.world_size} if cluster.nodes > 1 else {cluster.gpus_per_node}

@@ -226,7 +226,7 @@ def shorter_steps(shape: ModelShape, chosen: Option, *, options: tuple[Option, .
 
     found = []
     pipelines = [o for o in better if o.rung.pipeline_enabled]
-    near = [o for o in options if o.rung.pipeline_enabled and not o.fits and o.allowed and o.batch_s < chosen.batch_s
+    near = [o for o in options if o.rung.pipeline_enabled and not o.fits and o.batch_s < chosen.batch_s
             and o.memory.total <= o.budget_bytes * (1 + NEAR_MISS)]
     if pipelines:
         found.append("a pipeline, " + named(best(pipelines)))

@@ -134,7 +134,8 @@ def test_uneven_gpus_split_by_what_each_has_left():
     assert abs(even[0] - even[1]) <= 2
 
     eight = shape("llama-3-8b")
-    lora = dataclasses.replace(request, method="lora", micro_batch_size=2, grad_accum_steps=4, seq_len=2048)
+    lora = dataclasses.replace(request, method="lora", micro_batch_size=2, grad_accum_steps=4, seq_len=2048,
+                               pipeline_stages="auto")
     p = plan(eight, request=lora, cluster=gpus(node_gib=(24, 12)))
     assert p.chosen is not None and p.chosen.rung.pipeline_enabled
     stages = p.chosen.stages
@@ -168,7 +169,7 @@ def test_ranking_on_a_slow_link_and_a_fast_one():
     """8B LoRA on two 16 GB machines: over 1 GbE the pipeline wins (FSDP moves ~3x the weights per
     micro-batch); over a fast link FSDP wins (no bubble)."""
     request = default_request(method="lora", seq_len=2048, micro_batch_size=2, grad_accum_steps=4,
-                              activation_checkpointing=True)
+                              activation_checkpointing=True, pipeline_stages="auto")
     slow = plan(shape("llama-3-8b"), request=request, cluster=gpus(vram_gib=16, link_gbit=1.0))
     assert slow.chosen.rung.pipeline_enabled
     fsdp = [o for o in slow.options if o.fits and o.allowed and not o.rung.pipeline_enabled]
@@ -179,15 +180,18 @@ def test_ranking_on_a_slow_link_and_a_fast_one():
 
 
 def test_pipelines_only_where_asked_or_on_gpus():
-    request = default_request(grad_accum_steps=4)
+    request = default_request(grad_accum_steps=4, pipeline_stages="auto")
     assert not any(o.rung.pipeline_enabled for o in plan(shape("llama-3.2-1b"), request=request, cluster=gpus(nodes=1)).options)
     cpu = dataclasses.replace(gpus(count=2, nodes=1), device="cpu")
     assert not any(o.rung.pipeline_enabled for o in plan(shape("llama-3.2-1b"), request=request, cluster=cpu).options)
     named = plan(shape("llama-3.2-1b"), request=dataclasses.replace(request, pipeline_stages=2), cluster=cpu)
     assert all(o.rung.pipeline_enabled == o.allowed for o in named.options)
+    # pipeline_stages: 1 (the default): priced for the advice, never taken
     none = plan(shape("llama-3.2-1b"), request=dataclasses.replace(request, pipeline_stages=1), cluster=gpus())
-    assert not any(o.rung.pipeline_enabled for o in none.options)
-    too_few = plan(shape("llama-3.2-1b"), request=default_request(grad_accum_steps=1), cluster=gpus())
+    assert all(not o.allowed for o in none.options if o.rung.pipeline_enabled)
+    assert any(o.rung.pipeline_enabled for o in none.options) and not none.chosen.rung.pipeline_enabled
+    too_few = plan(shape("llama-3.2-1b"), request=default_request(grad_accum_steps=1, pipeline_stages="auto"),
+                   cluster=gpus())
     assert not any(o.rung.pipeline_enabled for o in too_few.options)  # a schedule needs a micro-batch per stage
 
 
@@ -198,7 +202,8 @@ def test_advice_lines_are_true():
     [line] = [w for w in p.warnings if w.startswith("communication dominates")]
     assert "hybrid_shard" not in line  # one GPU per node
     assert "grad_accum_steps amortise" not in line
-    assert "a pipeline, full pipeline 2 stages" in line and "sharding.strategy=auto" in line
+    assert "a pipeline, full pipeline 2 stages" in line
+    assert "(not requested: sharding.pipeline_stages=auto sharding.strategy=auto)" in line
     assert "train.micro_batch_size=4 train.grad_accum_steps=2 (same batch)" in line
     # the larger micro-batch it names is shorter, as it says
     shorter = plan(shape("llama-3.2-1b"), request=dataclasses.replace(request, micro_batch_size=4, grad_accum_steps=2),
@@ -243,7 +248,7 @@ def test_the_issue_jobs():
     seventy = plan_for_recipe(load_recipe(ROOT / "recipes" / "llama-70b-qlora-2nodes-1gbe.yaml"))
     assert seventy.chosen.rung.pipeline_enabled and seventy.chosen.step_s < 275
     recipe = ROOT / "recipes" / "llama-1b-full-2x24gb.yaml"
-    flags = ["sharding.strategy=auto"]
+    flags = ["sharding.strategy=auto", "sharding.pipeline_stages=auto"]
     two = plan_for_recipe(load_recipe(recipe, flags + cluster_overrides(gpus="1x16GB", nodes=2, link="1Gbit")))
     one = plan_for_recipe(load_recipe(recipe, flags + cluster_overrides(gpus="1x16GB", nodes=1)))
     assert two.chosen.rung.pipeline_enabled and two.chosen.step_s < one.chosen.step_s
