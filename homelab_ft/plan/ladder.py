@@ -243,7 +243,7 @@ def _allowed(method: str, strategy: str, offload: bool, stages: int = 1, *, requ
         return False
     if request.pipeline_stages not in ("auto", stages):
         return False
-    if request.strategy == "auto" or stages == request.pipeline_stages:
+    if request.strategy == "auto" or 1 < stages == request.pipeline_stages:
         return True
     if cluster.world_size == 1 and not offload:
         return True  # one device has no strategy to choose

@@ -109,7 +109,6 @@ class _PerBlock:
     act_bytes: int
     base_bytes: float
     """One block's base weights."""
-    params: float
     trainable: float
     """One block's trainable parameters (a full fine-tune: all of them; adapters: its LoRA pairs)."""
     state_bytes: int
@@ -135,7 +134,7 @@ def _per_block(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: 
     kept = activation_bytes(shape, method, request, act) - recomputed
     pageable = pageable_optimizer_bytes(shape, method, request, cluster) / max(1, trainable)
     return _PerBlock(act_bytes=act, base_bytes=(base_total - shape.root_params * act) / layers,
-                     params=shape.block_params / layers, trainable=block_trainable, state_bytes=state,
+                     trainable=block_trainable, state_bytes=state,
                      kept_bytes=kept / layers, recomputed=recomputed, pageable_per_trainable=pageable)
 
 
@@ -161,11 +160,8 @@ def stage_memory(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster
     micro = request.grad_accum_steps
     flying = in_flight(rung.pipeline_schedule, stages=stages, stage_index=stage_index, micro_batches=micro)
     head_grads = shape.vocab_size * shape.hidden_size * per.state_bytes if full and last else 0
-    largest = max(shape.embedding_params if first or last else 0, int(per.params))
     step_temp = step_temporary_bytes(shape, rung.method, request, cluster, trainable=int(trainable),
                                      state_bytes=per.state_bytes, in_backward=False) if trainable else 0
-    if full and request.optimizer == "adamw" and cluster.device == "cpu":
-        step_temp = 2 * largest * per.state_bytes  # the CPU loop's temporaries: the stage's largest tensor
     cuda = cluster.device == "cuda"
     return Memory(
         weights=int(num_blocks * per.base_bytes + ends * per.act_bytes + (0 if full else grads)),
