@@ -13,7 +13,8 @@ def add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predict memory per device and pick QLoRA / LoRA / full sharding (no torch)")
     p.add_argument("recipe", type=Path)
     common.overrides(p)
-    p.add_argument("--gpus", help="GPUs per node and memory each, e.g. 2x24GB (default: recipe, else detected)")
+    p.add_argument("--gpus", help="GPUs per node and memory each, e.g. 2x24GB; one entry per node when they differ, "
+                                         "e.g. 1x24GB,1x12GB (default: recipe, else detected)")
     p.add_argument("--nodes", type=int, help="number of machines")
     p.add_argument("--link", help="Ethernet speed between nodes, e.g. 1Gbit, 2.5Gbit, 10GbE")
     p.add_argument("--host-ram", help="RAM per node, e.g. 64GB (default: recipe, else detected)")

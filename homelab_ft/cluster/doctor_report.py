@@ -302,6 +302,9 @@ def cluster_values(nodes: list[NodeFacts], links: list[LinkResult]) -> dict:
         smallest = min(gpus, key=lambda g: g["memory_bytes"])
         values["vram_gib"] = round(smallest["memory_bytes"] / GiB, 2)
         values["gpu_name"] = smallest["name"]
+        per_node = [round(min(g["memory_bytes"] for g in n.gpus) / GiB, 2) for n in nodes if n.gpus]
+        if len(per_node) == len(nodes) and len(set(per_node)) > 1:  # uneven: a pipeline sizes its stages to each
+            values["node_vram_gib"] = per_node
         measured = [g["matmul_tflops"] for g in gpus if g.get("matmul_tflops")]
         if measured:  # the slowest GPU sets every step's pace
             values["gpu_tflops"] = min(measured)

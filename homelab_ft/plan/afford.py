@@ -84,11 +84,14 @@ def for_option(shape: ModelShape, option: Option, *, request: PlanRequest, clust
     would: ladder.saver_levels, cheapest first)."""
     def fits(**change) -> bool:
         req = dataclasses.replace(request, **change)
+        stages = option.rung.pipeline_stages
         return any(price(shape, rung=option_rung(option.method, option.strategy, option.cpu_offload, request=req,
-                                                 cluster=cluster, savers=level), request=req, cluster=cluster)[1]
-                   for level in saver_levels(req, cluster))
+                                                 cluster=cluster, savers=level, stages=stages),
+                         request=req, cluster=cluster)[1]
+                   for level in saver_levels(req, cluster) if not (stages > 1 and level[1]))
 
-    label = f"{option.method} {option.strategy}{' +offload' if option.cpu_offload else ''}"
+    label = (f"{option.method} pipeline {option.rung.pipeline_stages} stages" if option.rung.pipeline_enabled
+             else f"{option.method} {option.strategy}{' +offload' if option.cpu_offload else ''}")
     return _limits(label, fits, shape=shape, request=request)
 
 

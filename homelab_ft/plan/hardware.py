@@ -96,7 +96,10 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
             tflops_source=f"CPU: {CPU_TFLOPS_PER_CORE * 1000:g} GFLOPS per core (hardware.CPU_TFLOPS_PER_CORE) x {cores:g} "
                           f"core(s) per process = {CPU_TFLOPS_PER_CORE * cores:.3g} TFLOPS sustained per process", source=source, **links,
         )
-    if cfg.vram_gib is not None:
+    per_node = _node_vram_bytes(cfg)
+    if per_node:
+        vram, name = min(per_node), cfg.gpu_name
+    elif cfg.vram_gib is not None:
         vram, name = int(cfg.vram_gib * GiB), cfg.gpu_name
     elif detected.vram_bytes is not None:
         vram, name = detected.vram_bytes, cfg.gpu_name or detected.gpu_name
@@ -110,7 +113,18 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
         device="cuda", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, device_bytes=vram,
         host_ram_bytes=host, intra_link=cfg.intra_link, inter_link_gbit=cfg.inter_link_gbit,
         tflops=speed.tflops, tflops_source=speed.source, source=source, **links,
+        node_device_bytes=per_node if len(set(per_node)) > 1 else (),
     )
+
+
+def _node_vram_bytes(cfg: ClusterConfig) -> tuple[int, ...]:
+    """cluster.node_vram_gib in bytes, one per node (checked against cluster.nodes); () when unset."""
+    if cfg.node_vram_gib is None:
+        return ()
+    if len(cfg.node_vram_gib) != cfg.nodes:
+        raise UserError(f"cluster.node_vram_gib has {len(cfg.node_vram_gib)} entries for cluster.nodes={cfg.nodes}; "
+                        "give one per node (e.g. --gpus 1x24GB,1x12GB sets both)")
+    return tuple(int(v * GiB) for v in cfg.node_vram_gib)
 
 
 def _links(cfg: ClusterConfig) -> dict:
@@ -142,6 +156,11 @@ def parse_size(text: str, *, flag: str) -> int:
     return int(value)
 
 
+def parse_gpu_nodes(text: str) -> list[tuple[int, int]]:
+    """'2x24GB' -> [(2, bytes)]; '1x24GB,1x12GB' -> one (GPUs, bytes each) per node, first to last."""
+    return [parse_gpus(part) for part in text.split(",")]
+
+
 def parse_gpus(text: str) -> tuple[int, int]:
     """'2x24GB' -> (2 GPUs per node, bytes each)."""
     count, sep, size = text.lower().partition("x")
@@ -169,8 +188,7 @@ def cluster_overrides(*, gpus: str | None = None, nodes: int | None = None, link
     """`--gpus 2x24GB --nodes 2 --link 2.5Gbit --host-ram 64GB` as `cluster.key=value` overrides."""
     out = []
     if gpus is not None:
-        count, vram = parse_gpus(gpus)
-        out += ["cluster.device=cuda", f"cluster.gpus_per_node={count}", f"cluster.vram_gib={vram / GiB}"]
+        out += _gpus_overrides(gpus, nodes=nodes)
     if nodes is not None:
         if nodes < 1:
             raise UserError(f"--nodes {nodes}: needs at least 1 node")
@@ -181,6 +199,25 @@ def cluster_overrides(*, gpus: str | None = None, nodes: int | None = None, link
     if host_ram is not None:
         out.append(f"cluster.host_ram_gib={parse_size(host_ram, flag='--host-ram') / GiB}")
     return out
+
+
+def _gpus_overrides(gpus: str, *, nodes: int | None) -> list[str]:
+    """`--gpus 2x24GB` (every node alike) or `--gpus 1x24GB,1x12GB` (one entry per node: sets
+    cluster.nodes and cluster.node_vram_gib, the smallest as cluster.vram_gib)."""
+    entries = parse_gpu_nodes(gpus)
+    counts = {count for count, _ in entries}
+    if len(counts) > 1:
+        raise UserError(f"--gpus {gpus!r}: every node runs the same number of processes; give each node the same "
+                        "GPU count (e.g. --gpus 1x24GB,1x12GB)")
+    if len(entries) > 1 and nodes is not None and nodes != len(entries):
+        raise UserError(f"--gpus {gpus!r} describes {len(entries)} nodes but --nodes {nodes}; drop --nodes or give "
+                        "one --gpus entry per node")
+    smallest = min(vram for _, vram in entries)
+    out = ["cluster.device=cuda", f"cluster.gpus_per_node={counts.pop()}", f"cluster.vram_gib={smallest / GiB}"]
+    if len(entries) == 1:
+        return out + ["cluster.node_vram_gib=null"]
+    sizes = ", ".join(f"{vram / GiB}" for _, vram in entries)
+    return out + [f"cluster.nodes={len(entries)}", f"cluster.node_vram_gib=[{sizes}]"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,10 +54,17 @@ class Cluster:
     """Measured collective bus bandwidth inside a node; None: LINK_BYTES_PER_S of the link kind."""
     intra_latency_s: float | None = None
     """Measured tiny all-reduce inside a node; None: LATENCY_S of the link kind."""
+    node_device_bytes: tuple[int, ...] = ()
+    """Memory per device on each node, first to last, when the nodes' GPUs differ (cluster.node_vram_gib,
+    `--gpus 1x24GB,1x12GB`); () = `device_bytes` on every node, which is then the smallest of these."""
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def node_bytes(self, node: int) -> int:
+        """Memory per device on `node` (what a pipeline stage placed there may use)."""
+        return self.node_device_bytes[node] if self.node_device_bytes else self.device_bytes
 
     @property
     def intra_kind(self) -> str:
@@ -130,6 +137,12 @@ class PlanRequest:
     headroom: float
     objective: Literal["sft", "dpo"]
     """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
+    pipeline_stages: int | Literal["auto"]
+    """sharding.pipeline_stages: 1 = no pipeline, `auto` = the planner prices pipelines beside sharding."""
+    stage_blocks: tuple[int, ...]
+    """sharding.stage_blocks: decoder blocks per stage; () = the planner sizes them to each GPU."""
+    pipeline_schedule: str
+    """sharding.pipeline_schedule: one of rung.PIPELINE_SCHEDULES."""
 
     @property
     def rows_per_micro_batch(self) -> int:

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION
+from homelab_ft.plan import pipeline
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
 from homelab_ft.plan.network import OFFLOAD_BYTES_PER_S
@@ -56,18 +57,34 @@ class Option(Estimate):
 
     @property
     def label(self) -> str:
-        return self.rung.label
+        return pipeline.label(self.rung) if self.rung.pipeline_enabled else self.rung.label
+
+    @property
+    def batch_s(self) -> float:
+        """Seconds per replica's batch (micro_batch x grad_accum_steps rows): the step divided by the
+        data-parallel replicas, what `choose` ranks by. A sharded or DDP step trains one batch per
+        rank, a pipelined one one per pipeline, so its step carries fewer rows."""
+        return self.step_s / self.rung.data_parallel_size
 
 
 def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
-                savers: tuple[bool, bool] | None = None) -> Rung:
+                savers: tuple[bool, bool] | None = None, stages: int = 1) -> Rung:
     """The validated rung of one option on this cluster (raises RungError for one the trainer refuses).
-    `savers` is (activation checkpointing, activation offload); default: the request's first level."""
+    `savers` is (activation checkpointing, activation offload); default: the request's first level.
+    `stages` > 1: a pipeline (pipeline.py), its blocks per stage as the recipe gives them, else left
+    for `price` to size to each GPU."""
     checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
+    if stages > 1 and (act_offload or request.grad_accum_steps < stages):
+        # pipeline.py prices no activation offload; a schedule needs a micro-batch per stage
+        raise RungError(f"a {stages}-stage pipeline needs train.grad_accum_steps >= {stages} "
+                        "and train.activation_offload off")
+    named = stages > 1 and stages == request.pipeline_stages
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
                 optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
-                activation_checkpointing=checkpointing, activation_offload=act_offload)
+                activation_checkpointing=checkpointing, activation_offload=act_offload,
+                pipeline_stages=stages, stage_blocks=request.stage_blocks if named else (),
+                pipeline_schedule=request.pipeline_schedule)
 
 
 def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:
@@ -93,15 +110,17 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
     out = []
     levels = saver_levels(request, cluster)
     for method in LADDER:
-        for strategy, offload in _strategies(cluster):
+        for strategy, offload, stages in _strategies(shape, cluster, request=request):
             try:
-                rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level)
-                         for level in levels]
+                rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level,
+                                     stages=stages) for level in levels if not (stages > 1 and level[1])]
             except RungError:
                 continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
+            if not rungs:
+                continue
             saver_note = ""
             for rung in rungs:  # the first saver level that fits, else the leanest
-                est, fits, reason = price(shape, rung=rung, request=request, cluster=cluster)
+                est, fits, reason, rung = sized_price(shape, rung=rung, request=request, cluster=cluster)
                 if fits or rung is rungs[-1]:
                     break
                 saver_note = f"{_next_saver(rung)}=auto turned on: without it {gib_text(est.memory.total)} GiB"
@@ -109,9 +128,10 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 reason += f" ({saver_note})"
             estimated = {f.name: getattr(est, f.name) for f in dataclasses.fields(est)}
             out.append(Option(
-                **estimated, budget_bytes=budget,
+                **estimated, budget_bytes=_budget(est, budget),
                 host_budget_bytes=host_budget if cluster.device == "cuda" else 0,
-                allowed=_allowed(method, strategy, offload, request=request, cluster=cluster), fits=fits, reason=reason,
+                allowed=_allowed(method, strategy, offload, stages, request=request, cluster=cluster), fits=fits,
+                reason=reason,
                 rung=rung,
             ))
     return tuple(out)
@@ -120,11 +140,31 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
 def price(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> tuple[Estimate, bool, str]:
     """One rung's estimate (paged optimizer state spilled past the budget), whether it fits the
     device and host budgets left by the recipe's headroom, and the verdict's line."""
+    return sized_price(shape, rung=rung, request=request, cluster=cluster)[:3]
+
+
+def sized_price(shape: ModelShape, *, rung: Rung, request: PlanRequest,
+                cluster: Cluster) -> tuple[Estimate, bool, str, Rung]:
+    """`price`, and the rung priced: a pipeline's with its blocks per stage sized to each GPU
+    (pipeline.sized) unless the recipe gave them. A pipeline's budget is its tightest stage's."""
     budget = int(cluster.device_bytes * (1 - request.headroom))
     host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
-    est = with_paged_spill(estimate(shape, rung=rung, request=request, cluster=cluster), budget=budget)
+    if rung.pipeline_enabled:
+        rung = pipeline.sized(shape, rung=rung, request=request, cluster=cluster)
+        est = pipeline.estimate(shape, rung=rung, request=request, cluster=cluster)
+    else:
+        est = estimate(shape, rung=rung, request=request, cluster=cluster)
+    budget = _budget(est, budget)
+    est = with_paged_spill(est, budget=budget)
     fits, reason = _verdict(shape, est, budget=budget, host_budget=host_budget, request=request, cluster=cluster)
-    return est, fits, reason
+    return est, fits, reason, rung
+
+
+def _budget(est: Estimate, budget: int) -> int:
+    """The device budget `est` is judged against: a pipeline's stage nearest its own GPU's budget."""
+    if not est.stages:
+        return budget
+    return max(est.stages, key=lambda s: s.memory_total / max(1, s.budget_bytes)).budget_bytes
 
 
 def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | None:
@@ -144,19 +184,20 @@ def choose(options: tuple[Option, ...], *, request: PlanRequest) -> Option | Non
     for rung in rungs:
         candidates = [o for o in options if o.method == rung and o.allowed and o.fits]
         if candidates:
-            fastest = min(o.step_s for o in candidates)
-            tied = [o for o in candidates if o.step_s <= fastest * (1 + STEP_TIME_TIE)]
-            return min(tied, key=lambda o: (moving_parts(o.rung), o.comm_bytes, round(o.step_s, 3), o.memory.total))
+            fastest = min(o.batch_s for o in candidates)
+            tied = [o for o in candidates if o.batch_s <= fastest * (1 + STEP_TIME_TIE)]
+            return min(tied, key=lambda o: (moving_parts(o.rung), o.comm_bytes, round(o.batch_s, 3), o.memory.total))
     return None
 
 
 def moving_parts(rung: Rung) -> int:
     """What a rung runs beyond a plain forward and backward on its devices, for `choose`'s ties:
-    CPU offload (shards and AdamW in host RAM), activation offload (block inputs over PCIe), and
-    FSDP2 on a single device (there only to offload). Sharding across several devices is not
-    counted: there it is how the model fits, and its cost is in the traffic `choose` compares."""
+    CPU offload (shards and AdamW in host RAM), activation offload (block inputs over PCIe),
+    FSDP2 on a single device (there only to offload), and a pipeline schedule (a stage waits on
+    its neighbours' sends). Sharding across several devices is not counted: there it is how the
+    model fits, and its cost is in the traffic `choose` compares."""
     return (int(rung.cpu_offload) + int(rung.activation_offload and rung.activation_checkpointing)
-            + int(rung.world_size == 1 and rung.strategy != NO_SHARD))
+            + int(rung.world_size == 1 and rung.strategy != NO_SHARD) + int(rung.pipeline_enabled))
 
 
 def _next_saver(rung: Rung) -> str:
@@ -164,35 +205,56 @@ def _next_saver(rung: Rung) -> str:
     return "train.activation_offload" if rung.activation_checkpointing else "train.activation_checkpointing"
 
 
-def _strategies(cluster: Cluster) -> list[tuple[str, bool]]:
-    """One device: plain, or FSDP2 on one rank to offload to the CPU. Several: DDP-style
-    replication, FULL_SHARD and SHARD_GRAD_OP (and HYBRID_SHARD across nodes with several GPUs
-    each), the sharded ones with and without offload. A CPU 'device' has nothing to offload to."""
+def _strategies(shape: ModelShape, cluster: Cluster, *, request: PlanRequest) -> list[tuple[str, bool, int]]:
+    """(strategy, offload, pipeline stages) of every option. One device: plain, or FSDP2 on one
+    rank to offload to the CPU. Several: DDP-style replication, FULL_SHARD and SHARD_GRAD_OP (and
+    HYBRID_SHARD across nodes with several GPUs each), the sharded ones with and without offload,
+    then the pipelines (`pipeline_counts`), their replicas under DDP. A CPU 'device' has nothing to
+    offload to."""
     offloads = (False,) if cluster.device == "cpu" else (False, True)
     if cluster.world_size == 1:
-        return [(NO_SHARD, False)] + [(FULL_SHARD, True)] * (cluster.device != "cpu")
+        return [(NO_SHARD, False, 1)] + [(FULL_SHARD, True, 1)] * (cluster.device != "cpu")
     sharded = [FULL_SHARD, SHARD_GRAD_OP]
     if cluster.nodes > 1 and cluster.gpus_per_node > 1:
         sharded.append(HYBRID_SHARD)
-    return [(NO_SHARD, False)] + [(s, off) for s in sharded for off in offloads]
+    pipelines = [(NO_SHARD, False, s) for s in pipeline_counts(shape, cluster, request=request)]
+    return [(NO_SHARD, False, 1)] + [(s, off, 1) for s in sharded for off in offloads] + pipelines
 
 
-def _allowed(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster) -> bool:
+def pipeline_counts(shape: ModelShape, cluster: Cluster, *, request: PlanRequest) -> list[int]:
+    """The pipelines the ladder prices: the recipe's sharding.pipeline_stages when it names more than
+    one, else (on GPUs) one stage per node (the replicas of a stage share its node's PCIe) and one
+    stage per GPU, never more stages than blocks. With `auto` the ladder may take them; with 1 (the
+    default) they are priced as not requested, so the advice can say what one would plan. CPU runs
+    pipeline only when the recipe names the stages."""
+    if isinstance(request.pipeline_stages, int) and request.pipeline_stages > 1:
+        return [request.pipeline_stages]
+    if cluster.device != "cuda":
+        return []
+    counts = {cluster.nodes, cluster.world_size} if cluster.nodes > 1 else {cluster.gpus_per_node}
+    return sorted(s for s in counts if 1 < s <= shape.num_layers)
+
+
+def _allowed(method: str, strategy: str, offload: bool, stages: int = 1, *, request: PlanRequest,
+             cluster: Cluster) -> bool:
     if request.method not in ("auto", method):
         return False
     if request.cpu_offload and not offload:
         return False
-    if request.strategy == "auto":
+    if request.pipeline_stages not in ("auto", stages):
+        return False
+    if request.strategy == "auto" or 1 < stages == request.pipeline_stages:
         return True
     if cluster.world_size == 1 and not offload:
         return True  # one device has no strategy to choose
-    return strategy == request.strategy and offload == request.cpu_offload
+    return strategy == request.strategy and offload == request.cpu_offload and stages == 1
 
 
 def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int, request: PlanRequest,
              cluster: Cluster) -> tuple[bool, str]:
     device = "GPU" if cluster.device == "cuda" else "process"
-    name = f"{_method_label(est.method, request, cluster)} {est.strategy}{' +offload' if est.cpu_offload else ''}"
+    layout = f"pipeline {len(est.stages)} stages" if est.stages else est.strategy
+    name = f"{_method_label(est.method, request, cluster)} {layout}{' +offload' if est.cpu_offload else ''}"
     if est.method == "qlora" and _unquantizable_fraction(shape) > MAX_UNQUANTIZABLE_FRACTION:
         share = _unquantizable_fraction(shape)
         return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "

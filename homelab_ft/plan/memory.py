@@ -152,12 +152,37 @@ class Estimate:
     spilled_bytes: int
     """Paged optimizer state the planner expects in host RAM because the GPU is full (see
     `with_paged_spill`); counted in `host_bytes` and, as PCIe traffic, in `offload_s`."""
+    bubble_s: float
+    """A pipeline's idle fill and drain (plan/pipeline.py); 0 without one."""
+    stages: tuple[Stage, ...]
+    """A pipeline's stages, first to last (plan/pipeline.py); () without one. `memory` is then the
+    stage nearest its GPU's budget."""
 
     @property
     def step_s(self) -> float:
         """Compute plus the communication that compute does not hide (see network.communication);
-        offload copies and the CPU optimizer step are not overlapped."""
-        return self.compute_s + self.comm_s - self.comm_hidden_s + self.offload_s
+        offload copies and the CPU optimizer step are not overlapped, nor a pipeline's bubble."""
+        return self.compute_s + self.bubble_s + self.comm_s - self.comm_hidden_s + self.offload_s
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: which blocks, where, and its peak (plan/pipeline.py prices it)."""
+
+    index: int
+    first_block: int
+    num_blocks: int
+    node: int
+    device_bytes: int
+    """The memory of the stage's GPU (uneven clusters: its node's, Cluster.node_device_bytes)."""
+    budget_bytes: int
+    """`device_bytes` minus the recipe's headroom."""
+    memory_total: int
+    """Peak bytes on the stage's GPU (Memory.total of its items)."""
+    in_flight: int
+    """Micro-batches whose activations the stage holds at once under the schedule."""
+    compute_s: float
+    """The stage's forward and backward seconds per optimizer step, bubble excluded."""
 
 
 def with_paged_spill(est: Estimate, *, budget: int) -> Estimate:
@@ -239,6 +264,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         # each micro-batch's block inputs go to the host in forward and come back in backward
         offload_s=offload + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
         prepass_s_per_pair=prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
+        bubble_s=0.0, stages=(),
     )
 
 
@@ -268,7 +294,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # unit's post-backward right after the loss, a tied head's in the root unit until backward
     # ends); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
-    step_temp = _step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
+    step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
         weights=int(0 if cpu_offload else weights),
@@ -305,7 +331,7 @@ def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pl
     return gathered_end_params(shape) * sizes.act_bytes + 2 * sizes.block_bytes + block_grads
 
 
-def _step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *,
+def step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *,
                           trainable: int, state_bytes: int, in_backward: bool) -> int:
     """The optimizer step's temporaries before sharding: with the step in backward, one parameter
     at a time (the LM head's while activations live); else the whole step over the trainable set."""

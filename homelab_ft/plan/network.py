@@ -67,7 +67,7 @@ class Communication:
         return min(compute_s, self.gathers_s + min(self.grads_s, self.backward_window * compute_s))
 
 
-def _collective_s(nbytes: float, *, ranks: int, bytes_per_s: float, hop_s: float, all_reduce: bool = False) -> float:
+def collective_s(nbytes: float, *, ranks: int, bytes_per_s: float, hop_s: float, all_reduce: bool = False) -> float:
     """A ring all-gather or reduce-scatter of `nbytes` (the full buffer) over `ranks`: N-1 steps,
     each sending 1/N of it; an all-reduce is both, twice the steps and bytes. `bytes_per_s` is
     the all-reduce bus bandwidth (what doctor measures)."""
@@ -77,16 +77,23 @@ def _collective_s(nbytes: float, *, ranks: int, bytes_per_s: float, hop_s: float
     return steps * hop_s + steps * nbytes / ranks / bytes_per_s
 
 
+def p2p_s(nbytes: float, *, bytes_per_s: float, hop_s: float) -> float:
+    """One point-to-point send of `nbytes` (a pipeline stage's hidden states or their gradient):
+    one hop's latency and the bytes at the link's bandwidth; a send and the opposite direction's
+    share nothing on full-duplex Ethernet or PCIe."""
+    return hop_s + nbytes / bytes_per_s
+
+
 def _gather_s(nbytes: float, *, gloo: bool, **link) -> float:
     """FSDP2's all-gather (see GLOO_ALL_GATHER_EFFICIENCY)."""
     if gloo:
         link = dict(link, bytes_per_s=link["bytes_per_s"] * GLOO_ALL_GATHER_EFFICIENCY)
-    return _collective_s(nbytes, **link)
+    return collective_s(nbytes, **link)
 
 
 def _scatter_s(nbytes: float, *, gloo: bool, **link) -> float:
     """FSDP2's reduce-scatter: on gloo as long as an all-reduce of the input (GLOO_REDUCE_SCATTER_FACTOR)."""
-    return _collective_s(nbytes, **link) * (GLOO_REDUCE_SCATTER_FACTOR if gloo else 1.0)
+    return collective_s(nbytes, **link) * (GLOO_REDUCE_SCATTER_FACTOR if gloo else 1.0)
 
 
 def communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: Rung, request: PlanRequest,
@@ -123,7 +130,7 @@ def communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: R
     - DDP all-reduces each bucket from a gradient hook on gloo's or NCCL's own thread/stream while
       backward goes on, on CPU and CUDA alike; only the bucket that fills last (the first layers')
       waits at the end of backward. The window is the last micro-batch's backward
-      (_backward_fraction): 2/3 of a full fine-tune's compute, 1/2 of LoRA's, more with
+      (backward_fraction): 2/3 of a full fine-tune's compute, 1/2 of LoRA's, more with
       activation checkpointing's recomputation.
     - The loop's small all-reduces (LOOP_ALL_REDUCES, + the gradient norm under FSDP2) sit
       between steps, exposed everywhere.
@@ -134,13 +141,13 @@ def communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: R
     intra = dict(bytes_per_s=cluster.intra_bytes_per_s, hop_s=cluster.intra_hop_s)
     # a ring over every rank waits on its slowest hop: Ethernet as soon as it spans nodes
     ring = dict(bytes_per_s=cluster.inter_bytes_per_s, hop_s=cluster.inter_hop_s) if nodes > 1 else intra
-    loop = (LOOP_ALL_REDUCES + rung.fsdp_enabled) * _collective_s(8, ranks=n, all_reduce=True, **ring)
-    backward = _backward_fraction(rung.method, request)
+    loop = (LOOP_ALL_REDUCES + rung.fsdp_enabled) * collective_s(8, ranks=n, all_reduce=True, **ring)
+    backward = backward_fraction(rung.method, request)
     if not rung.fsdp_enabled:
         # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
         # (distributed._replicate: torch's bf16 hook needs NCCL)
         dtype_bytes = min(request.reduce_bytes, grad_bytes) if cluster.device == "cuda" else grad_bytes
-        return _ddp_communication(trainable * dtype_bytes, ranks=n, ring=ring, window=backward / request.grad_accum_steps,
+        return ddp_communication(trainable * dtype_bytes, ranks=n, ring=ring, window=backward / request.grad_accum_steps,
                                   loop_s=loop)
     link = intra if rung.hybrid_enabled else ring
     return _fsdp_communication(shape, base_bytes, trainable * request.reduce_bytes, rung=rung, request=request,
@@ -167,7 +174,7 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
         shard all-reduced with the replicas on the other nodes."""
         if not nbytes:
             return 0.0
-        across = _collective_s(nbytes / shards, ranks=nodes, all_reduce=True, **nic) if rung.hybrid_enabled else 0.0
+        across = collective_s(nbytes / shards, ranks=nodes, all_reduce=True, **nic) if rung.hybrid_enabled else 0.0
         return _scatter_s(nbytes, ranks=shards, gloo=gloo, **link) + across
 
     root_gather = _gather_s(root_bytes, ranks=shards, gloo=gloo, **link)
@@ -188,17 +195,17 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
                          backward_window=backward / syncs, exposed_s=first + last + loop_s)
 
 
-def _ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, loop_s: float) -> Communication:
+def ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, loop_s: float) -> Communication:
     """DDP all-reduces the trainable gradients in buckets, each as soon as it is ready: all but the
     last overlap the rest of backward (`window`: backward's share of the step's compute)."""
     buckets = _ddp_buckets(grads)
-    total = sum(_collective_s(b, ranks=ranks, all_reduce=True, **ring) for b in buckets)
-    last = _collective_s(buckets[-1], ranks=ranks, all_reduce=True, **ring)
+    total = sum(collective_s(b, ranks=ranks, all_reduce=True, **ring) for b in buckets)
+    last = collective_s(buckets[-1], ranks=ranks, all_reduce=True, **ring)
     return Communication(sent_bytes=int(2 * grads * (ranks - 1) / ranks), gathers_s=0.0, grads_s=total - last,
                          backward_window=window, exposed_s=last + loop_s)
 
 
-def _backward_fraction(method: str, request: PlanRequest) -> float:
+def backward_fraction(method: str, request: PlanRequest) -> float:
     """Backward's share of a step's FLOPs (see compute_s): 4 of 6 per parameter and token for a
     full fine-tune, 2 of 4 for adapters, plus the forward that activation checkpointing recomputes
     in backward; a DPO adapter step's reference forward is forward work."""
@@ -227,7 +234,7 @@ def compute_s(shape: ModelShape, method: str, request: PlanRequest, cluster: Clu
     factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
     if request.objective == "dpo" and method != "full":
         factor += 2  # the reference: one more forward with the adapters disabled
-    flops = factor * _matmul_params(shape) * tokens
+    flops = factor * matmul_params(shape) * tokens
     micro_tokens = request.seq_len * request.rows_per_micro_batch
     if request.chunked_loss and recomputes(request.loss_chunk_tokens, vocab_size=shape.vocab_size, tokens=micro_tokens):
         flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
@@ -235,7 +242,7 @@ def compute_s(shape: ModelShape, method: str, request: PlanRequest, cluster: Clu
     return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
 
 
-def _matmul_params(shape: ModelShape) -> int:
+def matmul_params(shape: ModelShape) -> int:
     return shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
 
 
@@ -243,7 +250,7 @@ def prepass_s_per_pair(shape: ModelShape, method: str, request: PlanRequest, clu
     """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
     if request.objective != "dpo" or method != "full":
         return 0.0
-    return 2 * _matmul_params(shape) * 2 * request.seq_len / (cluster.tflops * 1e12 * cluster.world_size)
+    return 2 * matmul_params(shape) * 2 * request.seq_len / (cluster.tflops * 1e12 * cluster.world_size)
 
 
 def offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:

@@ -21,7 +21,7 @@ from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
 from homelab_ft.plan.diskspace import checkpoint_bytes
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.ladder import Option, choose, evaluate
+from homelab_ft.plan.ladder import STEP_TIME_TIE, Option, choose, evaluate, price
 from homelab_ft.plan.memory import gib_text
 from homelab_ft.plan.shapes import ModelShape
 from homelab_ft.rung import HYBRID_SHARD, RungError, requested_rung
@@ -112,7 +112,7 @@ def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: st
         closest = min(allowed, key=_pressure)
         suggestions = what_would_fit(shape, request=request, cluster=cluster, closest=closest)
     return Plan(model=model, config_source=config_source, shape=shape, cluster=cluster, request=request, options=options, chosen=chosen,
-                closest=closest, suggestions=suggestions, warnings=_warnings(shape, chosen, request, cluster))
+                closest=closest, suggestions=suggestions, warnings=_warnings(shape, chosen, request, cluster, options))
 
 
 def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> None:
@@ -201,16 +201,81 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     return tuple(dict.fromkeys(found))
 
 
-def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cluster: Cluster) -> tuple[str, ...]:
+NEAR_MISS = 0.1
+"""A pipeline over its budget by no more than this fraction is named in the advice with what it lacks:
+the recipe knobs that free a GiB or two (8-bit AdamW, bf16 adapters, less headroom) can close that."""
+
+
+def shorter_steps(shape: ModelShape, chosen: Option, *, options: tuple[Option, ...], request: PlanRequest,
+                  cluster: Cluster) -> list[str]:
+    """What would shorten a communication-bound step, each with the seconds it plans, checked on the
+    ladder rather than assumed: a pipeline (only activations cross the boundaries), adapter-only data
+    parallelism (no_shard: only the adapter gradients are all-reduced, once per step), HYBRID_SHARD
+    (only with several GPUs per node, whose weight traffic it keeps inside the node), and a larger
+    micro-batch for the same batch under FSDP (its all-gathers repeat every micro-batch). More
+    grad_accum_steps is never among them: it adds those all-gathers and makes the step longer.
+    Times compare per replica's batch (Option.batch_s): a pipeline's step carries fewer replicas."""
+    better = [o for o in options if o.fits and o.batch_s < chosen.batch_s * (1 - STEP_TIME_TIE) and o is not chosen]
+
+    def named(o: Option) -> str:
+        return f"{o.label} {o.step_s:.1f} s/step" + ("" if o.allowed else f" (not requested: {_asking_for(o, request)})")
+
+    def best(group: list[Option]) -> Option:
+        """The fastest of `group`, the chosen method's first (the recipe may have named it)."""
+        return min(group, key=lambda o: (o.method != chosen.method, o.batch_s))
+
+    found = []
+    pipelines = [o for o in better if o.rung.pipeline_enabled]
+    near = [o for o in options if o.rung.pipeline_enabled and not o.fits and o.batch_s < chosen.batch_s
+            and o.memory.total <= o.budget_bytes * (1 + NEAR_MISS)]
+    if pipelines:
+        found.append("a pipeline, " + named(best(pipelines)))
+    elif near:
+        o = best(near)
+        knobs = "train.optimizer=adamw_8bit" + (", lora.dtype=compute" if o.rung.adapters_enabled else "")
+        found.append(f"a pipeline, {named(o)}, if it had {gib_text(o.memory.total - o.budget_bytes)} GiB more per GPU "
+                     f"({gib_text(o.memory.total)} of {gib_text(o.budget_bytes)}: {knobs} or a lower planner.headroom "
+                     "free that much)")
+    adapters_dp = [o for o in better if o.rung.adapters_enabled and o.rung.ddp_enabled and not o.rung.pipeline_enabled]
+    if adapters_dp and chosen.rung.fsdp_enabled:
+        found.append("adapter-only data parallelism, " + named(best(adapters_dp)))
+    hybrid = [o for o in better if o.rung.hybrid_enabled]
+    if hybrid and not chosen.rung.hybrid_enabled:
+        found.append("hybrid_shard, " + named(best(hybrid)))
+    if chosen.rung.fsdp_enabled and request.grad_accum_steps > 1 and not request.optimizer_in_backward:
+        micro, accum = request.micro_batch_size * 2, request.grad_accum_steps // 2
+        larger = dataclasses.replace(request, micro_batch_size=micro, grad_accum_steps=accum)
+        est, fits, _ = price(shape, rung=chosen.rung, request=larger, cluster=cluster)
+        if fits and est.step_s < chosen.step_s * (1 - STEP_TIME_TIE) * micro * accum / (
+                request.micro_batch_size * request.grad_accum_steps):
+            found.append(f"a larger micro-batch, train.micro_batch_size={micro} train.grad_accum_steps={accum} "
+                         f"(same batch) {est.step_s:.1f} s/step")
+    return found
+
+
+def _asking_for(o: Option, request: PlanRequest) -> str:
+    """The recipe keys that would let the ladder take option `o`."""
+    keys = []
+    if request.method not in ("auto", o.method):
+        keys.append(f"method={o.method}")
+    if o.rung.pipeline_enabled and request.pipeline_stages not in ("auto", o.rung.pipeline_stages):
+        keys.append("sharding.pipeline_stages=auto")
+    if request.strategy not in ("auto", o.strategy) or (o.rung.pipeline_enabled and request.strategy != "auto"):
+        keys.append("sharding.strategy=auto")
+    return " ".join(keys) or "the recipe's other settings"
+
+
+def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cluster: Cluster,
+              options: tuple[Option, ...] = ()) -> tuple[str, ...]:
     out = list(shape.notes)
     if chosen is None:
         return tuple(out)
     if chosen.comm_s > chosen.compute_s and chosen.comm_s > 0:
         link = (cluster.inter_link_name if cluster.nodes > 1
                 else cluster.intra_link if cluster.device == "cuda" else "gloo")
-        advice = ("hybrid_shard keeps weight traffic inside each node, and LoRA/QLoRA with no_shard "
-                  "(adapter-only data parallelism) sends only the adapter gradients"
-                  if chosen.method == "full" else "fewer, larger optimizer steps (grad_accum_steps) amortise it")
+        shorter = shorter_steps(shape, chosen, options=options, request=request, cluster=cluster)
+        advice = ("what shortens it: " + "; ".join(shorter) if shorter
+                  else "nothing on this cluster moves less; a faster link shortens it")
         out.append(f"communication dominates: {chosen.comm_s:.1f} s/step ({gib_text(chosen.comm_bytes)} GiB per rank over "
                    f"{link}) vs {chosen.compute_s:.1f} s/step of compute; {advice}")
     if chosen.cpu_offload:
@@ -241,7 +306,8 @@ def request_from_recipe(recipe) -> PlanRequest:
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
         quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,
         dtype=recipe.model.dtype, reduce_dtype=recipe.sharding.reduce_dtype, headroom=recipe.planner.headroom,
-        objective=recipe.objective,
+        objective=recipe.objective, pipeline_stages=recipe.sharding.pipeline_stages,
+        stage_blocks=tuple(recipe.sharding.stage_blocks or ()), pipeline_schedule=recipe.sharding.pipeline_schedule,
     )
 
 

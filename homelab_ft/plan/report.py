@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from homelab_ft.loss_chunks import AUTO, chunk_rows
 from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.ladder import Option
 from homelab_ft.plan.memory import gib_text
+from homelab_ft.plan.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.planner import Plan
 
 
@@ -36,11 +38,45 @@ def _chunk_text(chunk_tokens: int | str, vocab_size: int) -> str:
     return f"auto ({chunk_rows(chunk_tokens, vocab_size=vocab_size)} tokens)"
 
 
+def pipeline_lines(p: Plan) -> list[str]:
+    """For a chosen pipeline: its split over the GPUs, and why it won, with the numbers: what crosses
+    each boundary, the bubble, and the fastest unpipelined option per replica's batch (Option.batch_s)."""
+    o, c, r = p.chosen, p.cluster, p.request
+    if o is None or not o.stages:
+        return []
+    stages, micro = len(o.stages), r.grad_accum_steps
+    boundary_mb = o.comm_bytes / max(1, 2 * micro) / 1e6 if stages > 1 else 0.0
+    link = c.inter_link_name if len({s.node for s in o.stages}) > 1 else (c.intra_link if c.device == "cuda" else "gloo")
+    lines = [f"stages   {split_text(o.stages)}",
+             f"pipeline {micro} micro-batches x {boundary_mb:.1f} MB of hidden states each way per boundary over {link}: "
+             f"{o.comm_s:.1f} s/step, {o.comm_s - o.comm_hidden_s:.1f} s not hidden; bubble "
+             f"{bubble_fraction(stages=stages, micro_batches=micro):.0%} of compute ({o.bubble_s:.1f} s)"]
+    unpipelined = [x for x in p.options if not x.stages and x.method == o.method]
+    others = [x for x in unpipelined if x.fits]
+    if unpipelined and not others:
+        closest = min(unpipelined, key=lambda x: max(x.memory.total / max(1, x.budget_bytes),
+                                                      x.host_bytes / max(1, x.host_budget_bytes or x.host_bytes)))
+        lines.append(f"why      no {o.method} option without a pipeline fits; the closest, {closest.reason}")
+    if others:
+        best: Option = min(others, key=lambda x: x.batch_s)
+        lines.append(f"why      {o.step_s:.1f} s/step training {_batches(o)} ({o.batch_s:.1f} s per batch) vs "
+                     f"{best.step_s:.1f} s/step training {_batches(best)} ({best.batch_s:.1f} s per batch) for the "
+                     f"fastest without a pipeline, {best.label}, which moves {gib_text(best.comm_bytes)} GiB per rank")
+    return lines
+
+
+def _batches(o: Option) -> str:
+    """How many micro_batch x grad_accum_steps batches one step of `o` trains: one per replica."""
+    replicas = o.rung.data_parallel_size
+    return f"{replicas} batch{'es' if replicas > 1 else ''}"
+
+
 def format_plan(p: Plan) -> str:
     """A readable table: one row per option, the chosen one marked with `>`."""
     s, c, r = p.shape, p.cluster, p.request
     params = f"{s.total_params / 1e9:.2f}B params" + (f" ({s.active_params / 1e9:.2f}B active)" if s.is_moe else "")
-    device = (f"{c.gpus_per_node}x {gib_text(c.device_bytes)} GiB GPU" if c.device == "cuda"
+    uneven = " (per node: " + ", ".join(f"{gib_text(b)}" for b in c.node_device_bytes) + " GiB)" if c.node_device_bytes else ""
+    device = (f"{c.gpus_per_node}x {gib_text(c.device_bytes)} GiB GPU{uneven}" if c.device == "cuda"
               else f"CPU, {c.gpus_per_node} process(es), {gib_text(c.device_bytes)} GiB RAM each")
     links = ""
     if c.gpus_per_node > 1:
@@ -74,6 +110,7 @@ def format_plan(p: Plan) -> str:
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
+        lines += pipeline_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
         lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]
     else:

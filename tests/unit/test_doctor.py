@@ -186,11 +186,14 @@ def test_cluster_values_load_as_a_recipe_cluster(tmp_path):
     assert values == {"nodes": 2, "gpus_per_node": 2, "device": "cuda", "vram_gib": 11.5,
                       "gpu_name": "NVIDIA GeForce RTX 2080 Ti", "intra_link": "pcie", "host_ram_gib": 32.0,
                       "inter_link_gbit": 0.94, "inter_latency_ms": 0.3, "intra_link_gbit": 26.0,
-                      "intra_latency_ms": 0.3}
+                      "intra_latency_ms": 0.3, "node_vram_gib": [24.0, 11.5]}  # uneven: one per node
     path = tmp_path / "cluster.yaml"
     clusterfile.write(path, cluster=values, measured={})
     cluster = recipe_from_dict({}, overrides=clusterfile.overrides(path)).cluster
     assert (cluster.nodes, cluster.vram_gib, cluster.inter_link_gbit) == (2, 11.5, 0.94)
+    assert cluster.node_vram_gib == (24.0, 11.5)
+    even = report.cluster_values([node("a"), node("b")], [link(0.94)])
+    assert "node_vram_gib" not in even
     cpu = report.cluster_values([node("a", device="cpu", gpus=[], nproc=1)], [])
     assert cpu == {"nodes": 1, "gpus_per_node": 1, "device": "cpu", "host_ram_gib": 64.0}
 
