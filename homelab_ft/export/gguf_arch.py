@@ -1,13 +1,13 @@
 """Which llama.cpp architecture a Hugging Face model is written as, and the weight layouts that
 differ from Hugging Face's.
 
-Nothing here lists model types. A model's GGUF architecture is found from transformers and gguf-py:
+Nothing here lists the model types transformers knows. A model's GGUF architecture is found from
+transformers and gguf-py:
 
 - the names: the model_type (or its transformers module, `gemma3_text` -> `gemma3`) spelt as one
-  of gguf-py's `MODEL_ARCH_NAMES` (`qwen3_moe` -> `qwen3moe`, `qwen3_5` -> `qwen35`); failing
-  that, the model its causal-LM class derives from in transformers' own modular source
-  (`class Olmo3ForCausalLM(Olmo2ForCausalLM)`, `MistralForCausalLM(LlamaForCausalLM)`), which is
-  how llama.cpp's convert_hf_to_gguf.py registers them too (Olmo 3 as `olmo2`, Mistral as `llama`);
+  of gguf-py's `MODEL_ARCH_NAMES` (`qwen3_moe` -> `qwen3moe`, `qwen3_5` -> `qwen35`); for the
+  three causal-LM classes llama.cpp's converter registers under another name (REGISTERED_AS:
+  Mistral and Mixtral as `llama`, Olmo 3 as `olmo2`), that name;
 - the tensors: every checkpoint tensor must have a place in gguf-py's TensorNameMap for that
   architecture (gguf_export.py), or the family is refused before anything is written;
 - Gemma's norm offset: a norm module that computes x * (1 + w) (llama.cpp computes x * w) is found
@@ -16,18 +16,18 @@ Nothing here lists model types. A model's GGUF architecture is found from transf
 
 What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per architecture
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
-permutation of the `llama` graphs) and the fixed conventions of llama.cpp's C++ (`smollm3`'s
-no-rope layers). An architecture outside LAYOUTS is refused in one line: its conversion has not
+permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
+no GGUF key (`smollm3`'s no-rope layers, Gemma's sliding pattern, Qwen3-MoE's weight
+normalisation). An architecture outside LAYOUTS is refused in one line: its conversion has not
 been read, and a GGUF with a silently wrong layout is worse than none.
 """
 
 from __future__ import annotations
 
-import ast
-import functools
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,32 +43,65 @@ class GgufUnsupported(UserError):
 
 
 @dataclass(frozen=True)
+class Fixed:
+    """A setting llama.cpp's C++ fixes for an architecture, with no GGUF key to carry another
+    value: a config that differs is a model llama.cpp would run differently, so it is refused."""
+
+    key: str
+    """The config.json key (not checked when the config lacks it)."""
+    llama_cpp: Callable[[dict], object]
+    """The value llama.cpp assumes, from the rest of config.json."""
+    source: str
+    """Where llama.cpp fixes it."""
+
+
+def _every(step: int, *, other: object, last: object) -> Callable[[dict], list]:
+    """A per-layer pattern with `last` on every `step`-th layer, `other` elsewhere."""
+    return lambda config: [last if (i + 1) % step == 0 else other for i in range(config["num_hidden_layers"])]
+
+
+def _gemma_scale(layers_27b: int) -> Callable[[dict], int]:
+    """Gemma 2/3's query scale as llama.cpp sets f_attention_scale: 1/sqrt(head_dim), except the
+    27B models (told apart by their layer count), 1/sqrt(hidden / heads)."""
+    return lambda c: (c["hidden_size"] // c["num_attention_heads"] if c["num_hidden_layers"] == layers_27b
+                      else c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+
+
+@dataclass(frozen=True)
 class Layout:
     """What llama.cpp's graph for one architecture expects beyond gguf-py's tensor names."""
 
     permute_qk: bool = False
     """llama.cpp's `llama`-style graphs rope interleaved pairs (GPT-J style), HF rotates halves:
     convert_hf_to_gguf.py's LlamaModel.permute reorders q/k rows (LlamaModel and its subclasses)."""
-    no_rope_step: int | None = None
-    """SmolLM3: llama.cpp hardcodes `n_no_rope_layer_step = 4` (no GGUF key), so a layer i has
-    no rope when (i + 1) % 4 == 0; a config whose `no_rope_layers` differs is refused."""
+    fixed: tuple[Fixed, ...] = ()
 
+
+_SLIDING = {"other": "sliding_attention", "last": "full_attention"}
 
 LAYOUTS = {
     "llama": Layout(permute_qk=True),
-    "smollm3": Layout(permute_qk=True, no_rope_step=4),
+    "smollm3": Layout(permute_qk=True, fixed=(
+        Fixed("no_rope_layers", _every(4, other=1, last=0), "llama-model.cpp: n_no_rope_layer_step = 4"),)),
     "qwen2": Layout(),
     "qwen3": Layout(),
-    "qwen3moe": Layout(),
+    "qwen3moe": Layout(fixed=(
+        Fixed("norm_topk_prob", lambda config: True, "models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true)"),)),
     "phi3": Layout(),
     "gemma": Layout(),
-    "gemma2": Layout(),
-    "gemma3": Layout(),
+    "gemma2": Layout(fixed=(
+        Fixed("layer_types", _every(2, **_SLIDING), "llama-model.cpp: set_swa_pattern(2)"),
+        Fixed("query_pre_attn_scalar", _gemma_scale(46), "llama-model.cpp: f_attention_scale"))),
+    "gemma3": Layout(fixed=(
+        Fixed("layer_types", _every(6, **_SLIDING), "llama-model.cpp: set_swa_pattern(6)"),
+        Fixed("query_pre_attn_scalar", _gemma_scale(62), "llama-model.cpp: f_attention_scale"))),
     "olmo2": Layout(),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
-Qwen2Model, Qwen3Model, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model,
-Gemma3Model, Olmo2Model). Names, hyperparameters and norm offsets are derived, not listed."""
+Qwen2Model, Qwen3Model, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
+Olmo2Model) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets are derived, not
+listed. Every released checkpoint of these families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B,
+Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """rope_type values llama.cpp reads from the keys gguf_hparams.py writes."""
@@ -125,79 +158,58 @@ def check_architecture(model_dir: Path) -> Target:
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft")
     layout = LAYOUTS[arch_name]
-    _check_no_rope(config, layout, where=where)
+    _check_fixed(config, layout, where=where)
     return Target(model_type=model_type, arch_name=arch_name, layout=layout,
                   offset_norms=_offset_norms(model_dir, arch_name))
 
 
-def _check_no_rope(config: dict, layout: Layout, *, where: str) -> None:
-    pattern = config.get("no_rope_layers")
-    if layout.no_rope_step is None or pattern is None:
-        return
-    llama_cpp = [int((i + 1) % layout.no_rope_step != 0) for i in range(config["num_hidden_layers"])]
-    if list(pattern) != llama_cpp:
-        raise GgufUnsupported(f"{where}: no_rope_layers {pattern} differs from llama.cpp's fixed pattern (no rope on "
-                              f"every {layout.no_rope_step}th layer), so llama.cpp would run another model")
+def _check_fixed(config: dict, layout: Layout, *, where: str) -> None:
+    for fixed in layout.fixed:
+        value = config.get(fixed.key)
+        if value is None:
+            continue
+        want = fixed.llama_cpp(config)
+        if (list(value) if isinstance(value, list | tuple) else value) != want:
+            raise GgufUnsupported(f"{where}: {fixed.key} = {value} but llama.cpp runs this architecture with {want} "
+                                  f"({fixed.source}, no GGUF key), so it would run another model")
 
 
 # ------------------------------------------------------------------------------- derivation
 
 
+REGISTERED_AS = {
+    "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Olmo3ForCausalLM": "olmo2",
+}
+"""Hugging Face architectures llama.cpp's convert_hf_to_gguf.py registers under an architecture of
+another name (`@ModelBase.register(...)` on LlamaModel and Olmo2Model): llama.cpp's own choice,
+which neither transformers nor gguf-py records. Every other model type is found by its name."""
+
+
 def arch_candidates(model_type: str) -> list[str]:
-    """gguf architecture names for `model_type`, most specific first: its own name, then those of the
-    models its causal-LM class derives from in transformers' modular source. The first is the one
-    llama.cpp runs it as: a family gguf-py names is never written as its parent's architecture."""
+    """gguf architecture names for `model_type`: its own name or its transformers module's
+    (`gemma3_text` -> gemma3) as gguf-py spells architectures (`qwen3_moe` -> qwen3moe, `qwen3_5`
+    -> qwen35, `gpt_oss` -> gpt-oss), else the one llama.cpp registers its causal-LM class under.
+    The first is the one llama.cpp runs it as.
+
+    Not the class transformers' modular source derives it from: that is code reuse, not the same
+    model (Cohere, Phi and GLM derive from Llama there, and llama.cpp runs each as its own)."""
     import gguf
-
-    known = set(gguf.MODEL_ARCH_NAMES.values())
-    out = []
-    for name in _lineage(model_type):
-        for spelt in (name, name.replace("_", ""), name.replace("_", "-"), re.sub(r"_v(\d)", r"\1", name)):
-            if spelt in known and spelt not in out:
-                out.append(spelt)
-    return out
-
-
-@functools.cache
-def _lineage(model_type: str) -> tuple[str, ...]:
-    """`model_type`, its transformers module, and the modules its causal-LM class derives from
-    (`olmo3` -> olmo3, olmo2; `mixtral` -> mixtral, mistral, llama), read from modular_*.py."""
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if model_type not in CONFIG_MAPPING:
-        return (model_type,)
-    module = CONFIG_MAPPING[model_type].__module__.split(".")[-2]
-    names = [model_type, module]
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    while cls:
-        parent = _modular_parent(module, cls)
-        if parent is None:
-            break
-        module, cls = parent
-        names.append(module)
-    return tuple(dict.fromkeys(names))
-
-
-def _modular_parent(module: str, cls: str) -> tuple[str, str] | None:
-    """(module, class) that `cls` subclasses in transformers/models/<module>/modular_<module>.py."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(f"transformers.models.{module}")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    source = Path(next(iter(spec.submodule_search_locations))) / f"modular_{module}.py"
-    if not source.is_file():
-        return None
-    tree = ast.parse(source.read_text())
-    imported = {alias.asname or alias.name: node.module.split(".")[0] for node in tree.body
-                if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module for alias in node.names}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            for base in node.bases:
-                if isinstance(base, ast.Name) and base.id in imported and base.id.endswith("ForCausalLM"):
-                    return imported[base.id], base.id
-    return None
+    known = set(gguf.MODEL_ARCH_NAMES.values())
+    names = [model_type]
+    if model_type in CONFIG_MAPPING:
+        names.append(CONFIG_MAPPING[model_type].__module__.split(".")[-2])
+    out = []
+    for name in names:
+        for spelt in (name, name.replace("_", ""), name.replace("_", "-"), re.sub(r"_v(\d)", r"\1", name)):
+            if spelt in known and spelt not in out:
+                out.append(spelt)
+    registered = REGISTERED_AS.get(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""))
+    return out + [registered] if registered and registered not in out else out
 
 
 def _offset_norms(model_dir: Path, arch_name: str) -> frozenset[str]:

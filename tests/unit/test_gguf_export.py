@@ -360,16 +360,34 @@ def test_a_family_without_gguf_gets_its_safetensors_export_and_one_line(tmp_path
     assert "cannot be written as GGUF" in refused(capsys, "export", run, "--out", out, "--format", "gguf")
 
 
+def test_export_of_a_family_transformers_cannot_read_back(tmp_path, capsys):
+    """SmolLM3 (llama.cpp's `smollm3`, which transformers' GGUF loader does not read): the export
+    is checked and measured from gguf-py's reading of the file."""
+    from families import save_tiny
+
+    run = make_run(tmp_path, save_tiny(tmp_path / "smollm3", "smollm3"))
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
+    meta = json.loads((out / "homelab_ft_export.json").read_text())
+    assert 0 < meta["gguf"]["max_abs_diff"] <= meta["gguf"]["bound"]
+    assert meta["gguf"]["quality"]["rows_from"] == "held-out prompts" and meta["gguf"]["quality"]["agreement"] > 0.9
+    assert not gguf_check.transformers_reads(out / "model-q8_0.gguf")
+
+
 # ------------------------------------------------------------------------------------- adapter
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2-tied"])
+@pytest.mark.parametrize("family", ["llama", "qwen2-tied", "smollm3"])
 def test_adapter_gguf_in_llama_cpp_layout_reproduces_the_merged_weights(models, tmp_path, capsys, family):
     """Base GGUF + alpha / r * B @ A from the adapter GGUF (llama.cpp's LoRA sum, done in numpy)
-    equals the GGUF of the merged model, q/k rows permuted alike."""
+    equals the GGUF of the merged model, q/k rows permuted alike (SmolLM3 too: llama.cpp's graph
+    for it is Llama's)."""
+    from families import save_tiny
     from gguf import GGUFReader
 
-    model_dir = models(family)
+    model_dir = save_tiny(tmp_path / family, family, num_hidden_layers=2, no_rope_layers=[1, 1],
+                          layer_types=["full_attention"] * 2) \
+        if family == "smollm3" else models(family)
     run = make_run(tmp_path, model_dir)
     out = tmp_path / "adapter"
     assert main(["export", str(run), "--out", str(out), "--adapter-only", "--format", "gguf"]) == 0

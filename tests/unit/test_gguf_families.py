@@ -27,13 +27,25 @@ WRITTEN = {
 olmo2 and Mixtral as llama): none of these was written before, except gemma3_text."""
 
 
+AS_RELEASED = {
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                    "query_pre_attn_scalar": 16},
+    "qwen3_moe": {"norm_topk_prob": True},
+}
+"""What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
+(gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk by tests/families.py)
+differs: Gemma 3's 5:1 sliding pattern and query scale 1/sqrt(head_dim), Qwen3-MoE's normalised
+top-k weights (Qwen3-30B-A3B sets norm_topk_prob)."""
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     cache = {}
 
     def get(model_type: str) -> Path:
         if model_type not in cache:
-            cache[model_type] = save_tiny(tmp_path_factory.mktemp(model_type), model_type)
+            cache[model_type] = save_tiny(tmp_path_factory.mktemp(model_type), model_type,
+                                          **AS_RELEASED.get(model_type, {}))
         return cache[model_type]
 
     return get
@@ -61,7 +73,8 @@ def test_family_reads_back_and_runs_as_the_merged_model(tiny, tmp_path, model_ty
     arch_name = reader.fields["general.architecture"].contents()
     assert arch_name == WRITTEN[model_type]
     arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name)
-    allowed = {f"{TENSOR_NAMES[kind].format(bid=i)}{suffix}" for kind in MODEL_TENSORS[arch] for i in range(4)
+    layers = reader.fields[f"{arch_name}.block_count"].contents()
+    allowed = {f"{TENSOR_NAMES[kind].format(bid=i)}{suffix}" for kind in MODEL_TENSORS[arch] for i in range(layers)
                for suffix in (".weight", ".bias")}
     names = {t.name for t in reader.tensors}
     assert names and names <= allowed, sorted(names - allowed)  # every tensor has its place in llama.cpp's layout
@@ -116,8 +129,17 @@ def test_olmo3_sliding_pattern_and_smollm3_rope_layers(tiny, tmp_path):
     assert fields["olmo2.attention.sliding_window"].contents() == 8
     assert fields["olmo2.attention.sliding_window_pattern"].contents() == [True, True, True, False]
     odd = save_tiny(tmp_path / "odd", "smollm3", no_rope_layers=[1, 0, 1, 0])
-    with pytest.raises(UserError, match="no_rope_layers .* llama.cpp's fixed pattern"):
+    with pytest.raises(UserError, match=r"no_rope_layers = \[1, 0, 1, 0\] but llama.cpp runs .* with \[1, 1, 1, 0\]"):
         gguf_export.check_writable(odd)
+
+
+@pytest.mark.parametrize("model_type, key", [("qwen3_moe", "norm_topk_prob"), ("gemma3_text", "layer_types")])
+def test_a_setting_llama_cpp_fixes_otherwise_is_refused(tmp_path, model_type, key):
+    """transformers' default Qwen3-MoE config leaves the top-k weights unnormalised and the shrunk
+    Gemma 3 has a 3:1 sliding pattern: llama.cpp would run both as another model."""
+    model_dir = save_tiny(tmp_path / model_type, model_type)
+    with pytest.raises(gguf_arch.GgufUnsupported, match=f"{key} = .* but llama.cpp runs this architecture with"):
+        gguf_export.check_writable(model_dir)
 
 
 def test_a_family_llama_cpp_names_but_homelab_ft_has_not_read_is_refused(tiny):
