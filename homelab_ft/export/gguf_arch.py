@@ -96,10 +96,11 @@ LAYOUTS = {
         Fixed("layer_types", _every(6, **_SLIDING), "llama-model.cpp: set_swa_pattern(6)"),
         Fixed("query_pre_attn_scalar", _gemma_scale(62), "llama-model.cpp: f_attention_scale"))),
     "olmo2": Layout(),
+    "granite": Layout(permute_qk=True),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets are derived, not
+Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets are derived, not
 listed. Every released checkpoint of these families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B,
 Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
 

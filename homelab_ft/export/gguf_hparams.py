@@ -3,7 +3,7 @@
 The keys are those convert_hf_to_gguf.py's TextModel.set_gguf_parameters writes for every text
 model (context, widths, heads, norm epsilon, rope, expert counts), plus what its per-family
 classes add: Gemma 2's soft-capping, the sliding windows of Gemma 2/3, Phi-3 and Olmo 3 (the
-per-layer pattern from `layer_types`), Gemma 3's local rope base. Which keys apply is decided
+per-layer pattern from `layer_types`), Gemma 3's local rope base, Granite's multipliers. Which keys apply is decided
 by what the config has, not by its name, except the few a family's converter writes by hand.
 """
 
@@ -42,6 +42,7 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     _write_rope(writer, config, dim=dim)
     _write_attention_extras(writer, config, target=target)
     _write_experts(writer, config)
+    _write_multipliers(writer, config)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -95,6 +96,22 @@ def _write_experts(writer, config) -> None:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if getattr(config, "norm_topk_prob", None) is not None:
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+
+
+MULTIPLIERS = {
+    "attention_multiplier": "add_attention_scale",
+    "embedding_multiplier": "add_embedding_scale",
+    "residual_multiplier": "add_residual_scale",
+    "logits_scaling": "add_logit_scale",
+}
+"""Granite's scalar multipliers -> the GGUFWriter method of the key llama.cpp reads them from
+(convert_hf_to_gguf.py's GraniteModel renames *_multiplier to *_scale, and writes each only when set)."""
+
+
+def _write_multipliers(writer, config) -> None:
+    for key, method in MULTIPLIERS.items():
+        if getattr(config, key, None):
+            getattr(writer, method)(float(getattr(config, key)))
 
 
 def rope_freqs(config) -> np.ndarray | None:

@@ -20,6 +20,7 @@ WRITTEN = {
     "olmo3": "olmo2",
     "gemma": "gemma",
     "gemma3_text": "gemma3",
+    "granite": "granite",
     "mixtral": "llama",
     "qwen3_moe": "qwen3moe",
 }
@@ -118,6 +119,20 @@ def test_gemma_norms_are_found_by_running_them(tiny, tmp_path):
     with safe_open(str(tiny("gemma") / "model.safetensors"), framework="pt") as f:
         weight = f.get_tensor("model.layers.0.input_layernorm.weight").float().numpy()
     np.testing.assert_array_equal(np.asarray(stored.data), weight + np.float32(1.0))
+
+
+def test_granite_multipliers_become_llama_cpp_scales(tiny, tmp_path):
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny("granite"))
+    path = tmp_path / "granite.gguf"
+    gguf_export.write_gguf(tiny("granite"), path, gguf_type="f32", name="tiny")
+    fields = GGUFReader(path).fields
+    for key, attribute in [("granite.attention.scale", "attention_multiplier"), ("granite.embedding_scale",
+                           "embedding_multiplier"), ("granite.residual_scale", "residual_multiplier"),
+                           ("granite.logit_scale", "logits_scaling")]:
+        assert fields[key].contents() == pytest.approx(getattr(config, attribute)), key
 
 
 def test_olmo3_sliding_pattern_and_smollm3_rope_layers(tiny, tmp_path):
