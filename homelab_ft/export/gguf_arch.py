@@ -24,6 +24,7 @@ been read, and a GGUF with a silently wrong layout is worse than none.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -216,13 +217,20 @@ def arch_candidates(model_type: str) -> list[str]:
 def _offset_norms(model_dir: Path, arch_name: str) -> frozenset[str]:
     """GGUF names of the norm weights whose module computes x * (1 + w): each norm-like module (a
     1-D weight and no other matrix) of the model, built on the meta device, is copied to the CPU
-    with zero parameters and run on random input; a non-zero output means the offset."""
+    with zero parameters and run on random input; a non-zero output means the offset. Memoized
+    per config (an export asks for the base's and the merged model's several times)."""
+    return _probe_norms(str(Path(model_dir).resolve()), (Path(model_dir) / "config.json").read_text(), arch_name)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_norms(model_dir: str, config_json: str, arch_name: str) -> frozenset[str]:
     import copy
 
     import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    del config_json  # the cache key: the folder's config as it is now
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -76,27 +76,32 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
         # export) transformers 5.24 builds the tokenizer from those files and not from the GGUF.
         folder, file = Path(alone), Path(gguf_path).name
         (folder / file).symlink_to(Path(gguf_path).resolve())
-        if transformers_reads(folder / file):
+        if transformers_reads(gguf_path):
             try:
                 return _verify(folder, file, Path(reference_dir), gguf_type=gguf_type)
             except NotImplementedError as err:  # it reads the architecture, not this model's names (Mixtral as llama)
                 log.info("transformers' GGUF loader cannot map %s onto the model (%s); reading it with gguf-py", file, err)
-        twin = gguf_readback.tokenizer_twin(gguf_path, folder / "tokenizer-only.gguf")
+        twin = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True)
         probes = _check_tokenizer(folder, twin.name, Path(reference_dir))
         model = gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
         return _compare_logits(model, Path(reference_dir), probes, gguf_type=gguf_type)
 
 
 def transformers_reads(gguf_path: Path) -> bool:
-    """Whether transformers' GGUF loader reads this file's architecture (it raises otherwise)."""
+    """Whether transformers' GGUF loader reads this file's architecture (it raises otherwise),
+    asked of a copy of the metadata without the token list, which it would parse in Python."""
+    import tempfile
+
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    try:
-        load_gguf_checkpoint(str(gguf_path), return_tensors=False)
-    except ValueError as err:
-        if "not supported" in str(err):
-            return False
-        raise
+    with tempfile.TemporaryDirectory(prefix="gguf-arch-") as folder:
+        twin = gguf_readback.metadata_twin(gguf_path, Path(folder) / "metadata.gguf", tokenizer=False)
+        try:
+            load_gguf_checkpoint(str(twin), return_tensors=False)
+        except ValueError as err:
+            if "not supported" in str(err):
+                return False
+            raise
     return True
 
 

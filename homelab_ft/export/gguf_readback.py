@@ -8,7 +8,7 @@ llama.cpp's layout rounded as its type rounds them. `load_model` turns the tenso
 Hugging Face's layout and loads them through transformers' own `from_pretrained` (so MoE experts,
 stacked in the GGUF, are split by transformers' checkpoint conversion, not by us), which is how
 gguf_check compares logits when transformers' GGUF loader does not read the architecture.
-`tokenizer_twin` copies the tokenizer metadata into a file transformers reads, for the same case.
+`metadata_twin` copies the tokenizer metadata into a file transformers reads, for the same case.
 """
 
 from __future__ import annotations
@@ -119,16 +119,19 @@ def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_typ
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def tokenizer_twin(gguf_path: Path, out_path: Path) -> Path:
-    """A GGUF holding only `gguf_path`'s tokenizer metadata, under an architecture transformers'
-    GGUF loader reads (llama): its tokenizer is built from those keys alone, whatever the model."""
+def metadata_twin(gguf_path: Path, out_path: Path, *, tokenizer: bool) -> Path:
+    """A GGUF of `gguf_path`'s metadata alone (no tensors): with `tokenizer`, its tokenizer keys
+    under an architecture transformers' GGUF loader reads (llama), whose tokenizer is built from
+    those keys whatever the model; without, every other key under the file's own architecture,
+    which that loader parses in milliseconds instead of a token list's seconds."""
     import gguf
 
     reader = gguf.GGUFReader(gguf_path)
-    writer = gguf.GGUFWriter(out_path, "llama")
+    arch = "llama" if tokenizer else str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(out_path, arch)
     try:
         for name, field in reader.fields.items():
-            if not name.startswith("tokenizer."):
+            if name.startswith("GGUF.") or name == "general.architecture" or name.startswith("tokenizer.") != tokenizer:
                 continue
             main = field.types[0]
             sub = field.types[-1] if main == gguf.GGUFValueType.ARRAY else None
