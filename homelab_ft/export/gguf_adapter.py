@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf_arch import LAYOUTS, check_architecture, permute_heads
+from homelab_ft.export.gguf_arch import LAYOUTS, check_architecture, model_arch, permute_heads
 
 _PREFIX = "base_model.model."
 
@@ -108,7 +108,7 @@ def check_adapter_gguf(path: Path, peft_model, base_config) -> float:
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     stored = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
     arch_name = str(reader.fields["general.architecture"].contents())
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    arch = model_arch(arch_name)
     permute_qk = LAYOUTS[arch_name].permute_qk
     name_map = gguf.get_tensor_name_map(arch, base_config.num_hidden_layers)
     worst, checked = 0.0, 0

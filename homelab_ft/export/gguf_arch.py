@@ -101,9 +101,9 @@ LAYOUTS = {
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets are derived, not
-listed. Every released checkpoint of these families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B,
-Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
+Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets
+are derived, not listed. Every released checkpoint of these families has the fixed values
+(SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """rope_type values llama.cpp reads from the keys gguf_hparams.py writes."""
@@ -122,9 +122,8 @@ class Target:
 
     @property
     def arch(self):
-        import gguf
-
-        return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == self.arch_name)
+        """gguf.MODEL_ARCH member."""
+        return model_arch(self.arch_name)
 
     def to_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
         """A tensor in Hugging Face's layout -> llama.cpp's."""
@@ -142,6 +141,13 @@ class Target:
             return array
         heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
         return permute_heads(array, heads) if forward else unpermute_heads(array, heads)
+
+
+def model_arch(arch_name: str):
+    """The gguf.MODEL_ARCH member whose name (`general.architecture`) is `arch_name`."""
+    import gguf
+
+    return next(arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
 
 
 def check_architecture(model_dir: Path) -> Target:
@@ -234,8 +240,7 @@ def _probe_norms(model_dir: str, config_json: str, arch_name: str) -> frozenset[
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    name_map = gguf.get_tensor_name_map(model_arch(arch_name), config.num_hidden_layers)
     probed: dict[type, bool] = {}
     out = set()
     for name, module in model.named_modules():
