@@ -162,6 +162,10 @@ def check_architecture(model_dir: Path) -> Target:
         known = f"llama.cpp runs it as {arch_name!r} but homelab-ft has not read that conversion" if names else \
             "llama.cpp's gguf-py declares no architecture for it"
         raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft ({known})")
+    if config.get("text_config") is not None:
+        raise GgufUnsupported(f"{where}: a multimodal checkpoint ({model_type!r} with a text_config) cannot be written "
+                              "as GGUF by homelab-ft, which writes text-only models (llama.cpp keeps the vision tower "
+                              "in a separate mmproj file)")
     rope = rope_parameters(config)
     if rope.get("rope_type", "default") not in ROPE_TYPES:
         raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft")

@@ -160,3 +160,13 @@ def test_a_setting_llama_cpp_fixes_otherwise_is_refused(tmp_path, model_type, ke
 def test_a_family_llama_cpp_names_but_homelab_ft_has_not_read_is_refused(tiny):
     with pytest.raises(gguf_arch.GgufUnsupported, match="'phimoe' cannot be written as GGUF.*runs it as 'phimoe'"):
         gguf_export.check_writable(tiny("phimoe"))
+
+
+def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (`gemma3`, a text_config and a
+    vision tower): refused from its config alone, before any weight is read."""
+    from transformers import Gemma3Config
+
+    Gemma3Config().save_pretrained(tmp_path)
+    with pytest.raises(gguf_arch.GgufUnsupported, match="multimodal checkpoint .'gemma3' with a text_config"):
+        gguf_arch.check_architecture(tmp_path)
