@@ -86,6 +86,7 @@ LAYOUTS = {
         Fixed("no_rope_layers", _every(4, other=1, last=0), "llama-model.cpp: n_no_rope_layer_step = 4"),)),
     "qwen2": Layout(),
     "qwen3": Layout(),
+    "qwen2moe": Layout(),
     "qwen3moe": Layout(fixed=(
         Fixed("norm_topk_prob", lambda config: True, "models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true)"),)),
     "phi3": Layout(),
@@ -100,7 +101,7 @@ LAYOUTS = {
     "granite": Layout(permute_qk=True),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
-Qwen2Model, Qwen3Model, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
+Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
 Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets
 are derived, not listed. Every released checkpoint of these families has the fixed values
 (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""

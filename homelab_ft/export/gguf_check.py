@@ -188,7 +188,8 @@ def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str
         if len(item.sources) != 1 or item.sources[0][1] not in tensors:
             continue  # a tied head, rotary buffers or experts: the load_state_dict check covers them
         name = item.sources[0][1]
-        want = target.from_gguf(item.gguf_name, gguf_readback.round_trip(item.load(), item.qtype), config)
+        rounded = gguf_readback.round_trip(item.load(), item.qtype).reshape(item.hf_shape)
+        want = target.from_gguf(item.gguf_name, rounded, config)
         got = tensors[name].numpy()
         if got.shape != want.shape or not np.array_equal(got, want):
             raise RuntimeError(f"GGUF check failed: {name} reads back different from what was meant to be written")

@@ -117,6 +117,9 @@ class Planned:
     kind: object
     """gguf.MODEL_TENSOR."""
     shape: tuple[int, ...]
+    """In the GGUF: the checkpoint's (experts stacked), less its unit dimensions."""
+    hf_shape: tuple[int, ...]
+    """In Hugging Face's layout, experts stacked on axis 0."""
     qtype: object
     nbytes: int
     sources: tuple[tuple[Path, str], ...]
@@ -143,7 +146,7 @@ class Planned:
         """Float32 values converted to llama.cpp's layout."""
         if self.extra is not None:
             return self.extra
-        return self.target.to_gguf(self.gguf_name, self.hf_values(), self.config)
+        return self.target.to_gguf(self.gguf_name, self.hf_values(), self.config).reshape(self.shape)
 
 
 _EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<tail>.+)$")
@@ -179,9 +182,10 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
                 f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
                 f"model_type {target.model_type!r} cannot be written as GGUF by homelab-ft")
         parts.sort()
-        shape = (len(parts), *shapes[key]) if len(parts) > 1 else shapes[key]
+        hf_shape = (len(parts), *shapes[key]) if len(parts) > 1 else shapes[key]
+        shape = tuple(d for d in hf_shape if d != 1) or (1,)  # as the converter's squeeze: Qwen2-MoE's (1, H) gate is H
         qtype = tensor_qtype(mapped[0], shape, gguf_type)
-        plan.append(Planned(mapped[1], mapped[0], shape, qtype, _nbytes(shape, qtype),
+        plan.append(Planned(mapped[1], mapped[0], shape, hf_shape, qtype, _nbytes(shape, qtype),
                             tuple((file, name) for _, file, name in parts), config, target))
     names = {item.gguf_name for item in plan}
     if "token_embd.weight" not in names:
@@ -191,8 +195,8 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
     extra = gguf_hparams.rope_freqs(config)
     if extra is not None:
         F32 = gguf.GGMLQuantizationType.F32
-        plan.append(Planned("rope_freqs.weight", gguf.MODEL_TENSOR.ROPE_FREQS, extra.shape, F32, extra.nbytes, (),
-                            config, target, extra=extra))
+        plan.append(Planned("rope_freqs.weight", gguf.MODEL_TENSOR.ROPE_FREQS, extra.shape, extra.shape, F32,
+                            extra.nbytes, (), config, target, extra=extra))
     return plan
 
 

@@ -109,7 +109,7 @@ def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_typ
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
         if item.extra is not None:
             continue  # rope_freqs: computed from the config, not a weight
-        array = target.from_gguf(item.gguf_name, stored(tensors[item.gguf_name]), config)
+        array = target.from_gguf(item.gguf_name, stored(tensors[item.gguf_name]).reshape(item.hf_shape), config)
         parts = [array] if len(item.sources) == 1 else list(array)
         for (_, hf_name), part in zip(item.sources, parts, strict=True):
             state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32))  # a copy: the reader maps the file read-only

@@ -22,10 +22,16 @@ WRITTEN = {
     "gemma3_text": "gemma3",
     "granite": "granite",
     "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2 and Mixtral as llama): none of these was written before, except gemma3_text."""
+
+NOT_BIT_EXACT = {"qwen2_moe": 1e-7}
+"""f32 logits of Qwen2-MoE read back by transformers' GGUF loader differ by 3e-8 from the merged
+model's though every tensor it returns is bit-exact (gguf_check._check_tensors and gguf_readback
+prove it): not our file. Every other family's f32 logits are identical."""
 
 
 AS_RELEASED = {
@@ -79,7 +85,7 @@ def test_family_reads_back_and_runs_as_the_merged_model(tiny, tmp_path, model_ty
                for suffix in (".weight", ".bias")}
     names = {t.name for t in reader.tensors}
     assert names and names <= allowed, sorted(names - allowed)  # every tensor has its place in llama.cpp's layout
-    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff <= NOT_BIT_EXACT.get(model_type, 0.0)
     q8 = tmp_path / "q8_0.gguf"
     gguf_export.write_gguf(model_dir, q8, gguf_type="q8_0", name="tiny")
     check = gguf_check.verify_gguf(q8, model_dir, gguf_type="q8_0")
