@@ -6,7 +6,7 @@ transformers and gguf-py:
 
 - the names: the model_type (or its transformers module, `gemma3_text` -> `gemma3`) spelt as one
   of gguf-py's `MODEL_ARCH_NAMES` (`qwen3_moe` -> `qwen3moe`, `qwen3_5` -> `qwen35`); for the
-  three causal-LM classes llama.cpp's converter registers under another name (REGISTERED_AS:
+  few causal-LM classes llama.cpp's converter registers under another name (REGISTERED_AS:
   Mistral and Mixtral as `llama`, Olmo 3 as `olmo2`), that name;
 - the tensors: every checkpoint tensor must have a place in gguf-py's TensorNameMap for that
   architecture (gguf_export.py), or the family is refused before anything is written;
@@ -194,10 +194,14 @@ REGISTERED_AS = {
     "MistralForCausalLM": "llama",
     "MixtralForCausalLM": "llama",
     "Olmo3ForCausalLM": "olmo2",
+    "DeepseekV3ForCausalLM": "deepseek2",
+    "GraniteMoeHybridForCausalLM": "granitehybrid",
 }
 """Hugging Face architectures llama.cpp's convert_hf_to_gguf.py registers under an architecture of
-another name (`@ModelBase.register(...)` on LlamaModel and Olmo2Model): llama.cpp's own choice,
-which neither transformers nor gguf-py records. Every other model type is found by its name."""
+another name (`@ModelBase.register(...)` on LlamaModel, Olmo2Model, DeepseekV2Model and
+GraniteHybridModel): llama.cpp's own choice, which neither transformers nor gguf-py records. Every
+other model type is found by its name. (The last two are not in LAYOUTS: listed so that their
+refusal names what llama.cpp runs them as.)"""
 
 
 def arch_candidates(model_type: str) -> list[str]:

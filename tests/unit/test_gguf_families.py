@@ -66,6 +66,7 @@ def test_the_architecture_comes_from_transformers_and_gguf_py():
     assert gguf_arch.arch_candidates("qwen3_moe")[0] == "qwen3moe"
     assert gguf_arch.arch_candidates("qwen3_5_text")[0] == "qwen35"
     assert gguf_arch.arch_candidates("gpt_oss")[0] == "gpt-oss"
+    assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]  # llama.cpp's registration; not written
     assert gguf_arch.arch_candidates("no_such_model") == []
 
 
