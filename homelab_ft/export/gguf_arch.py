@@ -76,12 +76,15 @@ class Layout:
     """llama.cpp's `llama`-style graphs rope interleaved pairs (GPT-J style), HF rotates halves:
     convert_hf_to_gguf.py's LlamaModel.permute reorders q/k rows (LlamaModel and its subclasses)."""
     fixed: tuple[Fixed, ...] = ()
+    sliding_window: bool = True
+    """Whether llama.cpp's graph applies a config's sliding window (its `llama` graph has none,
+    which llama.cpp's converter accepts for Mistral 7B v0.1's 4096-token window: a warning here)."""
 
 
 _SLIDING = {"other": "sliding_attention", "last": "full_attention"}
 
 LAYOUTS = {
-    "llama": Layout(permute_qk=True),
+    "llama": Layout(permute_qk=True, sliding_window=False),
     "smollm3": Layout(permute_qk=True, fixed=(
         Fixed("no_rope_layers", _every(4, other=1, last=0), "llama-model.cpp: n_no_rope_layer_step = 4"),)),
     "qwen2": Layout(),

@@ -9,11 +9,14 @@ by what the config has, not by its name, except the few a family's converter wri
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 
 from homelab_ft.export.gguf_arch import Target, rope_parameters
+
+log = logging.getLogger(__name__)
 
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
               "q4_0": "MOSTLY_Q4_0", "q5_1": "MOSTLY_Q5_1"}
@@ -77,6 +80,10 @@ def _write_attention_extras(writer, config, *, target: Target) -> None:
         writer.add_final_logit_softcapping(getattr(config, "final_logit_softcapping", None) or 0.0)
     window = getattr(config, "sliding_window", None)
     if not window:
+        return
+    if not target.layout.sliding_window:
+        log.warning("llama.cpp runs %s as %r, with no sliding window: past %d tokens it attends to the whole "
+                    "context where the model attended to the last %d", target.model_type, target.arch_name, window, window)
         return
     writer.add_sliding_window(window)
     layer_types = getattr(config, "layer_types", None)
