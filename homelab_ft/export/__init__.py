@@ -6,8 +6,9 @@
     gguf_quality    what a lossy GGUF costs: greedy agreement and eval loss against the merged model
     consolidate     a sharded (DCP) full fine-tune -> Hugging Face safetensors
     gguf_export     a Hugging Face folder -> one GGUF (`write_gguf`), streamed per tensor
-    gguf_arch, gguf_vocab   what llama.cpp expects per architecture; the tokenizer in GGUF
-    gguf_check      the GGUF read back through transformers' loader and compared
+    gguf_arch       which llama.cpp architecture a model is (from transformers and gguf-py) and its layouts
+    gguf_hparams, gguf_vocab   the hyperparameter keys and the tokenizer in GGUF
+    gguf_check      the GGUF read back (gguf_readback: gguf-py; and transformers' loader) and compared
     gguf_adapter    a PEFT adapter -> llama.cpp's LoRA-adapter GGUF
     local_runtimes  the Ollama Modelfile and RUNNING.md beside a GGUF
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf_arch import FAMILIES, check_architecture, permute_heads
+from homelab_ft.export.gguf_arch import LAYOUTS, check_architecture, model_arch, permute_heads
 
 _PREFIX = "base_model.model."
 
@@ -32,11 +32,10 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
     from transformers import AutoConfig
 
     adapter_dir, base_dir = Path(adapter_dir), Path(base_dir)
-    model_type = check_architecture(base_dir)
-    family = FAMILIES[model_type]
+    target = check_architecture(base_dir)
     config = AutoConfig.from_pretrained(base_dir)
     alpha = adapter_alpha(adapter_dir)
-    arch = gguf.MODEL_ARCH[family.arch]
+    arch = target.arch
     name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     pairs: dict[str, dict[str, np.ndarray]] = {}
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
@@ -44,15 +43,15 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
             module, part = _split(key, adapter_dir)
             mapped = name_map.get_type_and_name(module + ".weight", try_suffixes=(".weight",))
             if mapped is None or mapped[0] not in gguf.MODEL_TENSORS[arch]:
-                raise UserError(f"{adapter_dir}: LoRA on {module} has no place in llama.cpp's {arch.name.lower()} layout")
+                raise UserError(f"{adapter_dir}: LoRA on {module} has no place in llama.cpp's {target.arch_name} layout")
             array = f.get_tensor(key).to(torch.float32).numpy()
             gguf_name = mapped[1]
-            if part == "lora_b" and family.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            if part == "lora_b" and target.layout.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
                 array = permute_heads(array, heads)
             pairs.setdefault(gguf_name, {})[part] = array
 
-    writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_name(name)
@@ -108,8 +107,9 @@ def check_adapter_gguf(path: Path, peft_model, base_config) -> float:
     reader = gguf.GGUFReader(path)
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     stored = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
-    family = FAMILIES[base_config.model_type]
-    arch = gguf.MODEL_ARCH[family.arch]
+    arch_name = str(reader.fields["general.architecture"].contents())
+    arch = model_arch(arch_name)
+    permute_qk = LAYOUTS[arch_name].permute_qk
     name_map = gguf.get_tensor_name_map(arch, base_config.num_hidden_layers)
     worst, checked = 0.0, 0
     for module_name, module in peft_model.named_modules():
@@ -119,7 +119,7 @@ def check_adapter_gguf(path: Path, peft_model, base_config) -> float:
         gguf_name = name_map.get_type_and_name(hf_name, try_suffixes=(".weight",))[1]
         with torch.no_grad():
             want = module.get_delta_weight("default").float().numpy()
-        if family.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = base_config.num_attention_heads if gguf_name.endswith("attn_q.weight") else base_config.num_key_value_heads
             want = permute_heads(want, heads)
         a, b = stored.pop(f"{gguf_name}.lora_a"), stored.pop(f"{gguf_name}.lora_b")

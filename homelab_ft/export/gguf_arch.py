@@ -1,21 +1,34 @@
-"""What llama.cpp expects of each architecture homelab-ft writes as GGUF: the family table, the
-hyperparameter keys, rope, and the weight layouts that differ from Hugging Face's.
+"""Which llama.cpp architecture a Hugging Face model is written as, and the weight layouts that
+differ from Hugging Face's.
 
-After llama.cpp's `convert_hf_to_gguf.py`, reduced to the families homelab-ft trains and
-transformers' GGUF loader reads back (so every file we write is checked by reloading it):
+Nothing here lists the model types transformers knows. A model's GGUF architecture is found from
+transformers and gguf-py:
 
-- names: `model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight` through gguf's
-  TensorNameMap for the architecture (gguf_export.py); a tensor the map does not know stops the export.
-- Llama (and Mistral, which llama.cpp runs as `llama`): q_proj/k_proj rows are permuted from
-  Hugging Face's rotate-half layout to llama.cpp's interleaved-pair rope layout (`permute_heads`).
-- Gemma 2/3: HF multiplies by (1 + w) in its RMSNorm, llama.cpp by w, so norms are written as 1 + w.
-- Llama 3.1+ rope scaling becomes llama.cpp's `rope_freqs` tensor (`rope_freqs`).
+- the names: the model_type (or its transformers module, `gemma3_text` -> `gemma3`) spelt as one
+  of gguf-py's `MODEL_ARCH_NAMES` (`qwen3_moe` -> `qwen3moe`, `qwen3_5` -> `qwen35`); for the
+  few causal-LM classes llama.cpp's converter registers under another name (REGISTERED_AS:
+  Mistral and Mixtral as `llama`, Olmo 3 as `olmo2`), that name;
+- the tensors: every checkpoint tensor must have a place in gguf-py's TensorNameMap for that
+  architecture (gguf_export.py), or the family is refused before anything is written;
+- Gemma's norm offset: a norm module that computes x * (1 + w) (llama.cpp computes x * w) is found
+  by running each norm module of the model with zero weights (`_offset_norms`), so Gemma 1-4 and
+  Qwen3-Next are handled with no table.
+
+What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per architecture
+homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
+permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
+no GGUF key (`smollm3`'s no-rope layers, Gemma's sliding pattern, Qwen3-MoE's weight
+normalisation). An architecture outside LAYOUTS is refused in one line: its conversion has not
+been read, and a GGUF with a silently wrong layout is worse than none.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import math
+import logging
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,42 +36,256 @@ import numpy as np
 
 from homelab_ft.errors import UserError
 
+log = logging.getLogger(__name__)
+
+
+class GgufUnsupported(UserError):
+    """A model homelab-ft cannot write as GGUF (the safetensors export is unaffected)."""
+
 
 @dataclass(frozen=True)
-class Family:
-    arch: str
-    """The gguf MODEL_ARCH member name."""
+class Fixed:
+    """A setting llama.cpp's C++ fixes for an architecture, with no GGUF key to carry another
+    value: a config that differs is a model llama.cpp would run differently, so it is refused."""
+
+    key: str
+    """The config.json key (not checked when the config lacks it)."""
+    llama_cpp: Callable[[dict], object]
+    """The value llama.cpp assumes, from the rest of config.json."""
+    source: str
+    """Where llama.cpp fixes it."""
+
+
+def _every(step: int, *, other: object, last: object) -> Callable[[dict], list]:
+    """A per-layer pattern with `last` on every `step`-th layer, `other` elsewhere."""
+    return lambda config: [last if (i + 1) % step == 0 else other for i in range(config["num_hidden_layers"])]
+
+
+def _gemma_scale(layers_27b: int) -> Callable[[dict], int]:
+    """Gemma 2/3's query scale as llama.cpp sets f_attention_scale: 1/sqrt(head_dim), except the
+    27B models (told apart by their layer count), 1/sqrt(hidden / heads)."""
+    return lambda c: (c["hidden_size"] // c["num_attention_heads"] if c["num_hidden_layers"] == layers_27b
+                      else c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What llama.cpp's graph for one architecture expects beyond gguf-py's tensor names."""
+
     permute_qk: bool = False
-    """llama.cpp's `llama` graph applies rope to interleaved pairs (GPT-J style); HF to halves."""
-    norm_plus_one: bool = False
-    """Gemma's RMSNorm computes x * (1 + w); llama.cpp's computes x * w."""
+    """llama.cpp's `llama`-style graphs rope interleaved pairs (GPT-J style), HF rotates halves:
+    convert_hf_to_gguf.py's LlamaModel.permute reorders q/k rows (LlamaModel and its subclasses)."""
+    fixed: tuple[Fixed, ...] = ()
+    sliding_window: bool = True
+    """Whether llama.cpp's graph applies a config's sliding window (its `llama` graph has none,
+    which llama.cpp's converter accepts for Mistral 7B v0.1's 4096-token window: a warning here)."""
 
 
-FAMILIES = {
-    "llama": Family("LLAMA", permute_qk=True),
-    "mistral": Family("LLAMA", permute_qk=True),
-    "qwen2": Family("QWEN2"),
-    "qwen3": Family("QWEN3"),
-    "phi3": Family("PHI3"),
-    "gemma2": Family("GEMMA2", norm_plus_one=True),
-    "gemma3_text": Family("GEMMA3", norm_plus_one=True),
+_SLIDING = {"other": "sliding_attention", "last": "full_attention"}
+
+LAYOUTS = {
+    "llama": Layout(permute_qk=True, sliding_window=False),
+    "smollm3": Layout(permute_qk=True, fixed=(
+        Fixed("no_rope_layers", _every(4, other=1, last=0), "llama-model.cpp: n_no_rope_layer_step = 4"),)),
+    "qwen2": Layout(),
+    "qwen3": Layout(),
+    "qwen2moe": Layout(),
+    "qwen3moe": Layout(fixed=(
+        Fixed("norm_topk_prob", lambda config: True, "models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true)"),)),
+    "phi3": Layout(),
+    "gemma": Layout(),
+    "gemma2": Layout(fixed=(
+        Fixed("layer_types", _every(2, **_SLIDING), "llama-model.cpp: set_swa_pattern(2)"),
+        Fixed("query_pre_attn_scalar", _gemma_scale(46), "llama-model.cpp: f_attention_scale"))),
+    "gemma3": Layout(fixed=(
+        Fixed("layer_types", _every(6, **_SLIDING), "llama-model.cpp: set_swa_pattern(6)"),
+        Fixed("query_pre_attn_scalar", _gemma_scale(62), "llama-model.cpp: f_attention_scale"))),
+    "olmo2": Layout(),
+    "granite": Layout(permute_qk=True),
 }
-"""model_type -> how llama.cpp lays it out. Only families that transformers' GGUF loader reads
-back, so each export is verified; Gemma 1 (`gemma`) is not among them."""
+"""gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
+Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
+Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets
+are derived, not listed. Every released checkpoint of these families has the fixed values
+(SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""rope_type values llama.cpp reads from the keys gguf_hparams.py writes."""
 
 
-def check_architecture(model_dir: Path) -> str:
-    """The model_type of `model_dir/config.json`, refused when we cannot write it as GGUF."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+@dataclass(frozen=True)
+class Target:
+    """How one model is written as GGUF."""
+
+    model_type: str
+    arch_name: str
+    """gguf-py's MODEL_ARCH_NAMES value, `general.architecture` in the file."""
+    layout: Layout
+    offset_norms: frozenset[str]
+    """GGUF names of the norm weights written as 1 + w."""
+
+    @property
+    def arch(self):
+        """gguf.MODEL_ARCH member."""
+        return model_arch(self.arch_name)
+
+    def to_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
+        """A tensor in Hugging Face's layout -> llama.cpp's."""
+        array = self._permuted(gguf_name, array, config, forward=True)
+        return array + np.float32(1.0) if gguf_name in self.offset_norms else array
+
+    def from_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
+        """The inverse of to_gguf (GGUF read back into Hugging Face's layout)."""
+        if gguf_name in self.offset_norms:
+            array = array - np.float32(1.0)
+        return self._permuted(gguf_name, array, config, forward=False)
+
+    def _permuted(self, gguf_name: str, array: np.ndarray, config, *, forward: bool) -> np.ndarray:
+        if not self.layout.permute_qk or not gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            return array
+        heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
+        return permute_heads(array, heads) if forward else unpermute_heads(array, heads)
+
+
+def model_arch(arch_name: str):
+    """The gguf.MODEL_ARCH member whose name (`general.architecture`) is `arch_name`."""
+    import gguf
+
+    return next(arch for arch, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name)
+
+
+def check_architecture(model_dir: Path) -> Target:
+    """How `model_dir` is written as GGUF, refused in one line (GgufUnsupported) when it cannot be."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
-        raise UserError(f"{model_dir}/config.json: model_type {model_type!r} cannot be exported as GGUF by homelab-ft "
-                        f"(supported: {', '.join(FAMILIES)}); export --format safetensors and convert it with llama.cpp")
+    where = f"{model_dir}/config.json"
+    names = arch_candidates(model_type) if model_type else []
+    arch_name = names[0] if names else None
+    if arch_name not in LAYOUTS:
+        known = f"llama.cpp runs it as {arch_name!r} but homelab-ft has not read that conversion" if names else \
+            "llama.cpp's gguf-py declares no architecture for it"
+        raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft ({known})")
+    if config.get("text_config") is not None:
+        raise GgufUnsupported(f"{where}: a multimodal checkpoint ({model_type!r} with a text_config) cannot be written "
+                              "as GGUF by homelab-ft, which writes text-only models (llama.cpp keeps the vision tower "
+                              "in a separate mmproj file)")
     rope = rope_parameters(config)
-    if rope.get("rope_type", "default") not in ("default", "linear", "llama3", "yarn"):
-        raise UserError(f"{model_dir}/config.json: rope type {rope.get('rope_type')!r} cannot be exported as GGUF by "
-                        "homelab-ft; export --format safetensors and convert it with llama.cpp")
-    return model_type
+    if rope.get("rope_type", "default") not in ROPE_TYPES:
+        raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft")
+    layout = LAYOUTS[arch_name]
+    _check_fixed(config, layout, where=where)
+    return Target(model_type=model_type, arch_name=arch_name, layout=layout,
+                  offset_norms=_offset_norms(model_dir, arch_name))
+
+
+def _check_fixed(config: dict, layout: Layout, *, where: str) -> None:
+    for fixed in layout.fixed:
+        value = config.get(fixed.key)
+        if value is None:
+            continue
+        want = fixed.llama_cpp(config)
+        if (list(value) if isinstance(value, list | tuple) else value) != want:
+            raise GgufUnsupported(f"{where}: {fixed.key} = {value} but llama.cpp runs this architecture with {want} "
+                                  f"({fixed.source}, no GGUF key), so it would run another model")
+
+
+# ------------------------------------------------------------------------------- derivation
+
+
+REGISTERED_AS = {
+    "MistralForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    "Olmo3ForCausalLM": "olmo2",
+    "DeepseekV3ForCausalLM": "deepseek2",
+    "GraniteMoeHybridForCausalLM": "granitehybrid",
+}
+"""Hugging Face architectures llama.cpp's convert_hf_to_gguf.py registers under an architecture of
+another name (`@ModelBase.register(...)` on LlamaModel, Olmo2Model, DeepseekV2Model and
+GraniteHybridModel): llama.cpp's own choice, which neither transformers nor gguf-py records. Every
+other model type is found by its name. (The last two are not in LAYOUTS: listed so that their
+refusal names what llama.cpp runs them as.)"""
+
+
+def arch_candidates(model_type: str) -> list[str]:
+    """gguf architecture names for `model_type`: its own name or its transformers module's
+    (`gemma3_text` -> gemma3) as gguf-py spells architectures (`qwen3_moe` -> qwen3moe, `qwen3_5`
+    -> qwen35, `gpt_oss` -> gpt-oss), else the one llama.cpp registers its causal-LM class under.
+    The first is the one llama.cpp runs it as.
+
+    Not the class transformers' modular source derives it from: that is code reuse, not the same
+    model (Cohere, Phi and GLM derive from Llama there, and llama.cpp runs each as its own)."""
+    import gguf
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    known = set(gguf.MODEL_ARCH_NAMES.values())
+    names = [model_type]
+    if model_type in CONFIG_MAPPING:
+        names.append(CONFIG_MAPPING[model_type].__module__.split(".")[-2])
+    out = []
+    for name in names:
+        for spelt in (name, name.replace("_", ""), name.replace("_", "-"), re.sub(r"_v(\d)", r"\1", name)):
+            if spelt in known and spelt not in out:
+                out.append(spelt)
+    registered = REGISTERED_AS.get(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""))
+    return out + [registered] if registered and registered not in out else out
+
+
+def _offset_norms(model_dir: Path, arch_name: str) -> frozenset[str]:
+    """GGUF names of the norm weights whose module computes x * (1 + w): each norm-like module (a
+    1-D weight and no other matrix) of the model, built on the meta device, is copied to the CPU
+    with zero parameters and run on random input; a non-zero output means the offset. Memoized
+    per config (an export asks for the base's and the merged model's several times)."""
+    return _probe_norms(str(Path(model_dir).resolve()), (Path(model_dir) / "config.json").read_text(), arch_name)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_norms(model_dir: str, config_json: str, arch_name: str) -> frozenset[str]:
+    import copy
+
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    del config_json  # the cache key: the folder's config as it is now
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    name_map = gguf.get_tensor_name_map(model_arch(arch_name), config.num_hidden_layers)
+    probed: dict[type, bool] = {}
+    out = set()
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if set(params) != {"weight"} or params["weight"].dim() != 1 or isinstance(module, torch.nn.Embedding):
+            continue
+        key = (type(module), params["weight"].shape[0])
+        if key not in probed:
+            probed[key] = _adds_one(copy.deepcopy(module), width=params["weight"].shape[0])
+        mapped = name_map.get_name(f"{name}.weight", try_suffixes=(".weight",))
+        if probed[key] and mapped:
+            out.add(mapped)
+    return frozenset(out)
+
+
+def _adds_one(module, *, width: int) -> bool:
+    import torch
+
+    module = module.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.is_floating_point():
+                tensor.zero_()
+    try:
+        with torch.no_grad():
+            out = module(torch.randn(2, width, generator=torch.Generator().manual_seed(0)))
+    except (TypeError, RuntimeError) as err:  # a gated norm wants a second input: llama.cpp's is x * w too
+        log.debug("norm probe of %s: %s", type(module).__name__, err)
+        return False
+    return bool(torch.as_tensor(out).abs().max() > 0)
+
+
+# ------------------------------------------------------------------------------------- layouts
 
 
 def permute_heads(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -66,6 +293,13 @@ def permute_heads(weights: np.ndarray, num_heads: int) -> np.ndarray:
     convert_hf_to_gguf.py's LlamaModel.permute; transformers' GGUF loader undoes it on read."""
     rows = weights.shape[0]
     return (weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+def unpermute_heads(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    """The inverse of permute_heads."""
+    rows = weights.shape[0]
+    return (weights.reshape(num_heads, rows // num_heads // 2, 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
 
 
@@ -83,71 +317,6 @@ def rope_parameters(config) -> dict:
         rope["rope_type"] = rope["type"]
     if theta is not None:
         rope.setdefault("rope_theta", theta)
-    if "full_attention" in rope:  # Gemma 3: one set per layer type
+    if "full_attention" in rope:  # Gemma 3, Olmo 3: one set per layer type
         return dict(rope["full_attention"], swa=rope.get("sliding_attention", {}))
     return rope
-
-
-def rope_freqs(config) -> np.ndarray | None:
-    """Llama 3.1+ frequency scaling as llama.cpp's `rope_freqs` tensor (per-pair divisors), the
-    same formula as transformers' `_compute_llama3_parameters`."""
-    rope = rope_parameters(config)
-    if rope.get("rope_type") != "llama3":
-        return None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old = rope.get("original_max_position_embeddings", 8192)
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
-
-
-def write_hparams(writer, config, *, model_type: str, gguf_type: str) -> None:
-    import gguf
-
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
-    rope = rope_parameters(config)
-    writer.add_rope_freq_base(float(rope["rope_theta"]))
-    rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    writer.add_rope_dimension_count(rotary_dim)
-    if head_dim != config.hidden_size // config.num_attention_heads or model_type.startswith("gemma"):
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    if rope.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope["factor"])
-    elif rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    if model_type == "gemma2":
-        writer.add_attn_logit_softcapping(config.attn_logit_softcapping or 0.0)
-        writer.add_final_logit_softcapping(config.final_logit_softcapping or 0.0)
-        writer.add_sliding_window(config.sliding_window)
-    if model_type == "gemma3_text":
-        writer.add_sliding_window(config.sliding_window)
-        if rope.get("swa"):
-            writer.add_rope_freq_base_swa(float(rope["swa"]["rope_theta"]))
-    if model_type == "phi3" and getattr(config, "sliding_window", None):
-        writer.add_sliding_window(config.sliding_window)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                          "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                          "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1}[gguf_type])
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

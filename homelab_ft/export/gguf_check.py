@@ -1,4 +1,5 @@
-"""Read a written GGUF back through transformers' GGUF loader and compare it with its source.
+"""Read a written GGUF back and compare it with its source: with gguf-py's reader for every
+architecture (gguf_readback.py), and through transformers' GGUF loader where it reads it.
 
 transformers' reader (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`, behind
 `from_pretrained(..., gguf_file=...)`) is an implementation independent of our writer: it undoes
@@ -10,14 +11,17 @@ the source rounded as meant), and the logits.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from homelab_ft.export.gguf_arch import FAMILIES
-from homelab_ft.export.gguf_export import tensor_qtype
+from homelab_ft.export import gguf_arch, gguf_readback
+from homelab_ft.export.gguf_export import plan_tensors
+
+log = logging.getLogger(__name__)
 
 GGUF_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.05, "q8_0": 0.1}
 """Max |logit difference| between the GGUF reloaded by transformers and the model it was written
@@ -49,29 +53,63 @@ class GgufCheck:
 
 
 def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
-    """Reload the GGUF through transformers' GGUF loader and compare it with `reference_dir`.
+    """Read the GGUF back and compare it with `reference_dir` (the merged model it was written from).
 
-    Checked: the hyperparameters transformers reads from the metadata, the tokenizer (same ids on
-    chat-formatted prompts with special tokens added as the model adds them, same chat template),
-    and the logits on those prompts within GGUF_BOUNDS[gguf_type] where it has one. The weights are loaded into the
-    reference's config: transformers' GGUF reader does not read rope scaling or Qwen3's head size,
-    which llama.cpp does read from the keys written above. Raises RuntimeError on a mismatch.
+    Always, with gguf-py's reader (gguf_readback.read_back): the architecture and hyperparameter
+    keys, every tensor present and bit for bit what was meant. Then, where transformers' GGUF
+    loader reads the architecture, through that independent reader (it undoes llama.cpp's q/k
+    permutation and Gemma's norm offset with its own code, and builds the tokenizer from the
+    metadata): the hyperparameters it reads, the tokenizer (same ids on chat-formatted prompts,
+    same chat template) and the logits on those prompts within GGUF_BOUNDS[gguf_type]. Where it
+    does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is checked the same way from a copy of
+    the tokenizer keys, and the logits of the tensors read back (gguf_readback.load_model). The
+    weights are loaded into the reference's config: transformers' GGUF reader does not read rope
+    scaling or Qwen3's head size, which llama.cpp does read from the keys written. Raises
+    RuntimeError on a mismatch.
     """
     import tempfile
 
+    target = gguf_arch.check_architecture(reference_dir)
+    gguf_readback.read_back(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
     with tempfile.TemporaryDirectory(prefix="gguf-check-") as alone:
         # Alone in its folder: beside tokenizer.json / tokenizer_config.json (a safetensors,gguf
         # export) transformers 5.24 builds the tokenizer from those files and not from the GGUF.
-        (Path(alone) / Path(gguf_path).name).symlink_to(Path(gguf_path).resolve())
-        return _verify(Path(alone), Path(gguf_path).name, Path(reference_dir), gguf_type=gguf_type)
+        folder, file = Path(alone), Path(gguf_path).name
+        (folder / file).symlink_to(Path(gguf_path).resolve())
+        if transformers_reads(gguf_path):
+            try:
+                return _verify(folder, file, Path(reference_dir), gguf_type=gguf_type)
+            except NotImplementedError as err:  # it reads the architecture, not this model's names (Mixtral as llama)
+                log.info("transformers' GGUF loader cannot map %s onto the model (%s); reading it with gguf-py", file, err)
+        twin = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True)
+        probes = _check_tokenizer(folder, twin.name, Path(reference_dir))
+        model = gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
+        return _compare_logits(model, Path(reference_dir), probes, gguf_type=gguf_type)
 
 
-def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def transformers_reads(gguf_path: Path) -> bool:
+    """Whether transformers' GGUF loader reads this file's architecture (it raises otherwise),
+    asked of a copy of the metadata without the token list, which it would parse in Python."""
+    import tempfile
+
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    reference_config = AutoConfig.from_pretrained(reference_dir)
+    with tempfile.TemporaryDirectory(prefix="gguf-arch-") as folder:
+        twin = gguf_readback.metadata_twin(gguf_path, Path(folder) / "metadata.gguf", tokenizer=False)
+        try:
+            load_gguf_checkpoint(str(twin), return_tensors=False)
+        except ValueError as err:
+            if "not supported" in str(err):
+                return False
+            raise
+    return True
+
+
+def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
+    """The prompts' ids as tensors, once the GGUF's tokenizer gives the reference's ids and template."""
+    import torch
+    from transformers import AutoTokenizer
+
     reference_tok = AutoTokenizer.from_pretrained(reference_dir)
     gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     if reference_tok.chat_template != gguf_tok.chat_template:
@@ -85,8 +123,16 @@ def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> 
             raise RuntimeError(f"GGUF check failed: the GGUF tokenizer gives other ids for a chat prompt "
                                f"(first difference at token {at}: {want[at:at + 3]} vs {got[at:at + 3]})")
         probes.append(torch.tensor([want]))
-    expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
+    return probes
 
+
+def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    reference_config = AutoConfig.from_pretrained(reference_dir)
+    probes = _check_tokenizer(folder, file, reference_dir)
     # transformers' own reader (and its inverse permutation / norm offset), called once for config
     # and tensors: from_pretrained(gguf_file=...) would parse the metadata again for each.
     model = AutoModelForCausalLM.from_config(_as_gguf_arch(reference_config), dtype=torch.float32)
@@ -101,7 +147,17 @@ def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> 
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"GGUF check failed: transformers reads back missing {sorted(missing)[:3]}, "
                            f"unexpected {sorted(unexpected)[:3]}")
+    if reference_config.tie_word_embeddings:
+        model.tie_weights()
+    return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
+
+
+def _compare_logits(model, reference_dir: Path, probes: list, *, gguf_type: str) -> GgufCheck:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     got = _logits(model, probes)
+    expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
     diff = max(float((g - e).abs().max()) for g, e in zip(got, expected, strict=True))
     scale = max(1.0, max(float(e.abs().max()) for e in expected))
     bound = GGUF_BOUNDS[gguf_type] * scale if gguf_type in GGUF_BOUNDS else None
@@ -123,42 +179,20 @@ def _check_config(parsed: dict, reference) -> None:
 
 def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str) -> None:
     """Every tensor transformers reads back must equal, bit for bit, the reference tensor rounded
-    the way we meant to store it (quantize then dequantize with gguf-py, in HF layout: rounding is
-    per row block, so it commutes with llama.cpp's row permutation). This proves the layout, the
-    names and the types for every GGUF type, where the logits bound alone is loose for 4-bit."""
-    import gguf
-    import torch
-    from safetensors import safe_open
-
-    family = FAMILIES[config.model_type]
-    arch = gguf.MODEL_ARCH[family.arch]
-    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    for file in sorted(Path(reference_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name not in tensors:
-                    continue  # a tied head, or rotary buffers: the load_state_dict check covers them
-                reference = f.get_tensor(name).to(torch.float32).numpy()
-                kind, _ = name_map.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
-                qtype = tensor_qtype(kind, reference.shape, gguf_type)
-                stored = reference + np.float32(1.0) if family.norm_plus_one and name.endswith("norm.weight") else reference
-                want = _round_trip(stored, qtype)
-                if stored is not reference:
-                    want = want - np.float32(1.0)
-                got = tensors[name].numpy()
-                if got.shape != want.shape or not np.array_equal(got, want):
-                    raise RuntimeError(f"GGUF check failed: {name} reads back different from what was meant to be written")
-
-
-def _round_trip(array: np.ndarray, qtype) -> np.ndarray:
-    import gguf
-
-    Q = gguf.GGMLQuantizationType
-    if qtype == Q.F32:
-        return array
-    if qtype == Q.F16:
-        return array.astype(np.float16).astype(np.float32)
-    return gguf.quants.dequantize(gguf.quants.quantize(array, qtype), qtype)
+    the way we meant to store it, taken back to Hugging Face's layout with our inverse (rounding is
+    per row block, so it commutes with llama.cpp's row permutation). transformers' reader undoes
+    the layout with its own code, so a layout it does not expect shows here; experts, which it
+    returns fused under other names, are left to the logits and to gguf_readback's bit check."""
+    target = gguf_arch.check_architecture(reference_dir)
+    for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
+        if len(item.sources) != 1 or item.sources[0][1] not in tensors:
+            continue  # a tied head, rotary buffers or experts: the load_state_dict check covers them
+        name = item.sources[0][1]
+        rounded = gguf_readback.round_trip(item.load(), item.qtype).reshape(item.hf_shape)
+        want = target.from_gguf(item.gguf_name, rounded, config)
+        got = tensors[name].numpy()
+        if got.shape != want.shape or not np.array_equal(got, want):
+            raise RuntimeError(f"GGUF check failed: {name} reads back different from what was meant to be written")
 
 
 class _memoized_name_maps:
@@ -215,3 +249,13 @@ def load_gguf(path: Path):
         with _memoized_name_maps():
             model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32)
     return model, tokenizer
+
+
+def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
+    """The GGUF's model in fp32: through transformers' GGUF loader where it reads the
+    architecture, else from gguf-py's reading of the tensors (gguf_readback) into the reference's
+    config."""
+    if transformers_reads(path):
+        return load_gguf(path)[0]
+    target = gguf_arch.check_architecture(reference_dir)
+    return gguf_readback.load_model(path, reference_dir, target=target, gguf_type=gguf_type)

@@ -2,8 +2,8 @@
 
 Written with llama.cpp's own Python library (`gguf`: GGUFWriter, the tensor name map, SpecialVocab,
 the q8_0/q4_0/q5_1 quantizers), never by running a C++ build. This module holds the export's
-options and the writer; what differs per architecture (families, hyperparameters, rope, weight
-layouts) is gguf_arch.py, the tokenizer gguf_vocab.py. Every file written is checked by
+options and the writer; which llama.cpp architecture a model is and its weight layouts are
+gguf_arch.py, the hyperparameter keys gguf_hparams.py, the tokenizer gguf_vocab.py. Every file written is checked by
 reloading it (gguf_check.verify_gguf). Tied embeddings are written once, as `token_embd.weight`;
 llama.cpp reuses it when `output.weight` is absent.
 
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_arch, gguf_vocab
-from homelab_ft.export.gguf_arch import Family
+from homelab_ft.export import gguf_arch, gguf_hparams, gguf_vocab
+from homelab_ft.export.gguf_arch import Target
 
 logger = logging.getLogger(__name__)
 
@@ -71,82 +71,140 @@ def quantize_command(f16_path: Path, k_quant: str) -> str:
 # ------------------------------------------------------------------------------------------ writing
 
 
+def check_writable(model_dir: Path) -> Target:
+    """How `model_dir` is written as GGUF, from its config and tensor names alone (no weights read);
+    GgufUnsupported when it cannot be."""
+    from transformers import AutoConfig
+
+    target = gguf_arch.check_architecture(model_dir)
+    plan_tensors(model_dir, AutoConfig.from_pretrained(model_dir), target=target, gguf_type="f32")
+    return target
+
+
 def write_gguf(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) -> None:
     """Write `model_dir` (config.json, safetensors, tokenizer) as one GGUF file at `out_path`."""
     import gguf
     from transformers import AutoConfig
 
     model_dir = Path(model_dir)
-    model_type = gguf_arch.check_architecture(model_dir)
-    family = gguf_arch.FAMILIES[model_type]
+    target = gguf_arch.check_architecture(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
-    arch = gguf.MODEL_ARCH[family.arch]
-    writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(name)
-        gguf_arch.write_hparams(writer, config, model_type=model_type, gguf_type=gguf_type)
+        gguf_hparams.write_hparams(writer, config, target=target, gguf_type=gguf_type)
         gguf_vocab.write_vocab(writer, model_dir, vocab_size=config.vocab_size)
-        plan = list(_plan_tensors(model_dir, config, family=family, arch=arch, gguf_type=gguf_type))
+        plan = plan_tensors(model_dir, config, target=target, gguf_type=gguf_type)
         for item in plan:
             writer.add_tensor_info(item.gguf_name, item.shape, np.float32, item.nbytes, raw_dtype=item.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for item in plan:
-            writer.write_tensor_data(_encode(item.load(), item.qtype))
+            writer.write_tensor_data(encode(item.load(), item.qtype))
     finally:
         writer.close()
-    logger.info("wrote %s: %d tensors, %s, %.0f MiB", out_path, len(plan), gguf_type, out_path.stat().st_size / 2**20)
+    logger.info("wrote %s (%s): %d tensors, %s, %.0f MiB", out_path, target.arch_name, len(plan), gguf_type,
+                out_path.stat().st_size / 2**20)
 
 
 @dataclass(frozen=True)
-class _Planned:
+class Planned:
+    """One GGUF tensor: its name and type, and where its values come from."""
+
     gguf_name: str
+    kind: object
+    """gguf.MODEL_TENSOR."""
     shape: tuple[int, ...]
+    """In the GGUF: the checkpoint's (experts stacked), less its unit dimensions."""
+    hf_shape: tuple[int, ...]
+    """In Hugging Face's layout, experts stacked on axis 0."""
     qtype: object
     nbytes: int
-    load: object
-    """() -> float32 numpy array, converted to llama.cpp's layout."""
+    sources: tuple[tuple[Path, str], ...]
+    """(safetensors file, tensor name) read for it: one, or each expert's, stacked on a new axis 0."""
+    config: object
+    target: Target
+    extra: np.ndarray | None = None
+    """Values not in the checkpoint (llama.cpp's rope_freqs)."""
+
+    def hf_values(self) -> np.ndarray:
+        """Float32 values in Hugging Face's layout (experts stacked as llama.cpp's `*_exps`)."""
+        if self.extra is not None:
+            return self.extra
+        import torch
+        from safetensors import safe_open
+
+        parts = []
+        for file, hf_name in self.sources:
+            with safe_open(str(file), framework="pt") as f:
+                parts.append(f.get_tensor(hf_name).to(torch.float32).numpy())
+        return parts[0] if len(parts) == 1 else np.stack(parts)
+
+    def load(self) -> np.ndarray:
+        """Float32 values converted to llama.cpp's layout."""
+        if self.extra is not None:
+            return self.extra
+        return self.target.to_gguf(self.gguf_name, self.hf_values(), self.config).reshape(self.shape)
 
 
-def _plan_tensors(model_dir: Path, config, *, family: Family, arch, gguf_type: str) -> Iterator[_Planned]:
+_EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<tail>.+)$")
+"""A per-expert tensor as transformers saves MoE checkpoints (`mlp.experts.3.down_proj.weight`);
+llama.cpp holds all of a block's experts in one 3-D tensor, the name gguf-py maps without the index."""
+
+
+def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> list[Planned]:
+    """Every GGUF tensor of `model_dir`, in file order; refuses a tensor llama.cpp has no place for."""
     import gguf
-    from safetensors import safe_open
 
-    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    allowed = set(gguf.MODEL_TENSORS[arch])
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise UserError(f"{model_dir} holds no safetensors weights to write as GGUF")
-    seen: set[str] = set()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    groups: dict[str, list[tuple[int, Path, str]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            names = list(f.keys())
-            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
-        for hf_name in names:
-            if tied and hf_name == "lm_head.weight":
-                continue  # the same values as the embedding; llama.cpp reuses token_embd
-            if hf_name.endswith("rotary_emb.inv_freq"):
-                continue
-            mapped = name_map.get_type_and_name(hf_name, try_suffixes=(".weight", ".bias"))
-            if mapped is None or mapped[0] not in allowed:
-                raise UserError(f"{file}: tensor {hf_name} has no place in llama.cpp's {arch.name.lower()} layout; "
-                                "export --format safetensors and convert it with llama.cpp")
-            kind, gguf_name = mapped
-            shape = shapes[hf_name]
-            qtype = tensor_qtype(kind, shape, gguf_type)
-            seen.add(gguf_name)
-            yield _Planned(gguf_name, shape, qtype, _nbytes(shape, qtype),
-                           _loader(file, hf_name, gguf_name=gguf_name, config=config, family=family))
-    if "token_embd.weight" not in seen:
+        for hf_name, shape in _headers(file).items():
+            if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # a tied head holds the embedding's values: llama.cpp reuses token_embd
+            match = _EXPERT.match(hf_name)
+            key = f"{match['head']}.{match['tail']}" if match else hf_name
+            groups.setdefault(key, []).append((int(match["index"]) if match else 0, file, hf_name))
+            shapes[key] = shape
+    name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)
+    allowed = set(gguf.MODEL_TENSORS[target.arch])
+    plan = []
+    for key, parts in groups.items():
+        mapped = name_map.get_type_and_name(key, try_suffixes=(".weight", ".bias"))
+        if mapped is None or mapped[0] not in allowed:
+            raise gguf_arch.GgufUnsupported(
+                f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
+                f"model_type {target.model_type!r} cannot be written as GGUF by homelab-ft")
+        parts.sort()
+        hf_shape = (len(parts), *shapes[key]) if len(parts) > 1 else shapes[key]
+        shape = tuple(d for d in hf_shape if d != 1) or (1,)  # as the converter's squeeze: Qwen2-MoE's (1, H) gate is H
+        qtype = tensor_qtype(mapped[0], shape, gguf_type)
+        plan.append(Planned(mapped[1], mapped[0], shape, hf_shape, qtype, _nbytes(shape, qtype),
+                            tuple((file, name) for _, file, name in parts), config, target))
+    names = {item.gguf_name for item in plan}
+    if "token_embd.weight" not in names:
         raise UserError(f"{model_dir} holds no token embedding; is it a complete model?")
-    if not tied and "output.weight" not in seen:
+    if not tied and "output.weight" not in names:
         raise UserError(f"{model_dir}: config.json says the head is untied but there is no lm_head.weight")
-    extra = gguf_arch.rope_freqs(config)
+    extra = gguf_hparams.rope_freqs(config)
     if extra is not None:
-        yield _Planned("rope_freqs.weight", extra.shape, gguf.GGMLQuantizationType.F32, extra.nbytes, lambda: extra)
+        F32 = gguf.GGMLQuantizationType.F32
+        plan.append(Planned("rope_freqs.weight", gguf.MODEL_TENSOR.ROPE_FREQS, extra.shape, extra.shape, F32,
+                            extra.nbytes, (), config, target, extra=extra))
+    return plan
+
+
+def _headers(file: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
 def tensor_qtype(kind, shape: tuple[int, ...], gguf_type: str):
@@ -174,7 +232,7 @@ def _nbytes(shape: tuple[int, ...], qtype) -> int:
     return int(math.prod(quant_shape_to_byte_shape(shape, qtype)))
 
 
-def _encode(array: np.ndarray, qtype) -> np.ndarray:
+def encode(array: np.ndarray, qtype) -> np.ndarray:
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -184,22 +242,3 @@ def _encode(array: np.ndarray, qtype) -> np.ndarray:
     if qtype == Q.F16:
         return array.astype(np.float16)
     return gguf.quants.quantize(array, qtype)
-
-
-def _loader(file: Path, hf_name: str, *, gguf_name: str, config, family: Family):
-    def load() -> np.ndarray:
-        import torch
-        from safetensors import safe_open
-
-        with safe_open(str(file), framework="pt") as f:
-            tensor = f.get_tensor(hf_name).to(torch.float32)
-        array = tensor.numpy()
-        if family.permute_qk and gguf_name.endswith("attn_q.weight"):
-            array = gguf_arch.permute_heads(array, config.num_attention_heads)
-        elif family.permute_qk and gguf_name.endswith("attn_k.weight"):
-            array = gguf_arch.permute_heads(array, config.num_key_value_heads)
-        if family.norm_plus_one and gguf_name.endswith("norm.weight"):
-            array = array + 1.0
-        return array
-
-    return load

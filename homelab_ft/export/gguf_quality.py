@@ -2,8 +2,8 @@
 
 A logit bound cannot judge 4-bit weights (SmolLM2's logits move by up to 0.6 per unit, see
 gguf_check.GGUF_BOUNDS), and "max |logit difference|" does not tell a user what they lose. So after
-a quantized GGUF is written, the GGUF (read back through transformers' GGUF loader, as
-gguf_check does) and the merged safetensors model it came from are run on the same rows: how often
+a quantized GGUF is written, the GGUF (read back as gguf_check does: through transformers' GGUF
+loader where it reads the architecture, else with gguf-py) and the merged safetensors model it came from are run on the same rows: how often
 their greedy next tokens agree on the trained tokens, and the eval loss of each. Issue 26 measured
 what this predicts: the demo's q4_0 answers 32/48 where the merged model answers 41/48, in
 llama.cpp and in transformers alike.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from homelab_ft.export.gguf_check import load_gguf
+from homelab_ft.export.gguf_check import load_gguf_model
 from homelab_ft.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def measure(gguf_path: Path, reference_dir: Path, *, gguf_type: str,
     want = [next_tokens(merged, ids, labels) for ids, labels in sequences]
     del merged
     gc.collect()
-    gguf_model, _ = load_gguf(gguf_path)
+    gguf_model = load_gguf_model(gguf_path, reference_dir, gguf_type=gguf_type)
     got = [next_tokens(gguf_model, ids, labels) for ids, labels in sequences]
     del gguf_model
     quality = compare(want, got, gguf_type=gguf_type, rows_from=rows_from)

@@ -14,7 +14,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from homelab_ft.config import Recipe
@@ -102,17 +102,18 @@ def export_run(
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     request = _check_request(formats, adapter_only=adapter_only, dtype=dtype, gguf_type=gguf_type)
     source = _open_run(run_dir, request, trust_remote_code=trust_remote_code)
+    model_dir = loading.resolve_model_dir(source.recipe.model.path) if request.gguf_name else None
+    request, no_gguf = _without_unwritable_gguf(request, model_dir)
     identity = _identity(source.ckpt, request)
     hint = gguf_export.quantize_command(out_dir / request.gguf_name, request.k_quant) if request.k_quant else None
     if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
         log.info("%s already holds this export; nothing to do", out_dir)
+        _refuse_gguf(no_gguf, out_dir)
         return ExportResult(out_dir, None, skipped=True, quantize_hint=hint)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
 
-    model_dir = loading.resolve_model_dir(source.recipe.model.path)
-    if request.gguf_name:
-        gguf_arch.check_architecture(model_dir)
+    model_dir = model_dir or loading.resolve_model_dir(source.recipe.model.path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -125,6 +126,7 @@ def export_run(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _refuse_gguf(no_gguf, out_dir)
     gguf_path = out_dir / request.gguf_name if "gguf" in record else None
     return ExportResult(out_dir, record["max_abs_diff"], skipped=False, gguf_path=gguf_path, quantize_hint=hint,
                         quality=quality)
@@ -140,6 +142,25 @@ def _check_request(formats: str, *, adapter_only: bool, dtype: str, gguf_type: s
     written, k_quant = (gguf_export.check_gguf_type(gguf_type) if "gguf" in wanted and not adapter_only
                         else (None, None))
     return _Request(formats=wanted, adapter_only=adapter_only, dtype=dtype, gguf_type=written, k_quant=k_quant)
+
+
+def _without_unwritable_gguf(request: _Request, model_dir: Path | None) -> tuple[_Request, UserError | None]:
+    """The request less its GGUF when homelab-ft cannot write this model as one (decided from the
+    base's config and tensor names, before anything is written), and the refusal to give once the
+    safetensors export is written: what was asked beside the GGUF is still delivered."""
+    if model_dir is None:
+        return request, None
+    try:
+        gguf_export.check_writable(model_dir)
+    except gguf_arch.GgufUnsupported as err:
+        return replace(request, formats=("safetensors",), gguf_type=None, k_quant=None), err
+    return request, None
+
+
+def _refuse_gguf(refusal: UserError | None, out_dir: Path) -> None:
+    if refusal is not None:
+        raise gguf_arch.GgufUnsupported(f"{refusal}; the safetensors export is in {out_dir}: convert it with "
+                                        "llama.cpp's convert_hf_to_gguf.py")
 
 
 def _open_run(run_dir: Path, request: _Request, *, trust_remote_code: bool) -> _Source:
