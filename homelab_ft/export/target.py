@@ -29,7 +29,7 @@ from homelab_ft.store import staging
 from homelab_ft.store.layout import RunDir, checkpoint_marker
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-READ_ONLY = {
+NOT_WRITABLE = {
     errno.EROFS: "is on a read-only file system; choose an --out on a writable one (or remount it read-write)",
     errno.EACCES: "is not accessible (permission denied); choose an --out you can write, or fix its permissions",
     errno.EPERM: "is not accessible (operation not permitted); choose an --out you can write, or fix its permissions",
@@ -47,12 +47,12 @@ def check_out(out: Path) -> None:
     resolved = out.resolve()
     for part in (resolved, *resolved.parents):
         if found := _what(part):
-            _refuse(out, "is" if part == resolved else "is inside", part, *found)
-    if resolved.is_dir():
+            _refuse(out, relation="is" if part == resolved else "is inside", path=part, found=found)
+    if resolved.is_dir():  # what an --overwrite would delete (symlinks are not followed by that either)
         for root, dirs, _ in os.walk(resolved):
-            for name in dirs:
-                if found := _what(Path(root) / name):
-                    _refuse(out, "holds", Path(root) / name, *found)
+            for path in (Path(root) / name for name in dirs):
+                if not path.is_symlink() and (found := _what(path)):
+                    _refuse(out, relation="holds", path=path, found=found)
 
 
 def _what(path: Path) -> tuple[str, str] | None:
@@ -64,7 +64,8 @@ def _what(path: Path) -> tuple[str, str] | None:
     return None
 
 
-def _refuse(out: Path, relation: str, path: Path, kind: str, marker: str) -> None:
+def _refuse(out: Path, *, relation: str, path: Path, found: tuple[str, str]) -> None:
+    kind, marker = found
     run = path.parents[1] if kind == "checkpoint" and path.parent.name == "checkpoints" else path
     raise UserError(f"--out {out} {relation} the homelab-ft {kind} {path} (it holds {marker}); export never writes "
                     f"over a run's files, with or without --overwrite: choose an --out outside it, e.g. "
@@ -130,9 +131,9 @@ def _disk_error(err: BaseException, out: Path) -> str | None:
         free = _free_bytes(out.parent)
         return (f"export to {out} not written: no space left on the disk of {out.parent} ({free:,} bytes free); "
                 f"free some space, or choose an --out on another disk; {kept}")
-    if isinstance(err, OSError) and err.errno in READ_ONLY:
+    if isinstance(err, OSError) and err.errno in NOT_WRITABLE:
         path = Path(err.filename) if err.filename and err.errno != errno.EROFS else out.parent
-        return f"export to {out} not written: {path} {READ_ONLY[err.errno]}; {kept}"
+        return f"export to {out} not written: {path} {NOT_WRITABLE[err.errno]}; {kept}"
     return None
 
 
