@@ -235,6 +235,33 @@ def test_full_disk_is_one_line_and_keeps_the_previous_export(trained, tmp_path, 
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """A 60 MiB tmpfs: room for one export of the 39 MB model, not two. Always unmounted."""
+    path = tmp_path / "small"
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(path)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_really_full_disk_is_one_line_too(trained, small_disk, capsys):
+    """safetensors reports ENOSPC as its own SafetensorError ("No space left on device (os error 28)")."""
+    _, run = trained
+    out = small_disk / "out"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    (out / "homelab_ft_export.json").write_text(json.dumps({"source": "another export"}))
+    before = _snapshot(out)
+    capsys.readouterr()
+    err = _one_line(capsys, main(["export", str(run), "--out", str(out), "--overwrite"]))
+    assert f"export to {out} not written: no space left" in err, err
+    assert _snapshot(out) == before and not _leftovers(out)
+
+
+@pytest.fixture
 def read_only(tmp_path):
     """A directory bind-mounted read-only onto itself (root ignores chmod). Always unmounted."""
     path = tmp_path / "ro"
