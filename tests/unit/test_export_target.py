@@ -119,3 +119,33 @@ def test_pruning_skips_a_checkpoint_an_export_reads(tmp_path, caplog):
     assert "kept step_000001 past train.keep_last: an export is reading it" in caplog.text
     checkpoint._prune(root, keep_last=1)  # the next save, once the export is done
     assert [p.name for p in root.iterdir()] == ["step_000003"]
+
+
+def test_sigint_mid_export_removes_the_staging_folder(tmp_path):
+    import signal
+
+    from homelab_ft.errors import Stopped
+
+    out = tmp_path / "out"
+    with pytest.raises(Stopped) as err, target.writing(out) as writing:
+        (writing.begin() / "model.safetensors").write_bytes(b"\0" * 100)
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs between bytecodes of the main thread
+            pass
+        raise AssertionError("the signal did not stop the export")
+    assert err.value.exit_code == 130 and str(err.value) == f"SIGINT during export: removed the unfinished export; {out} was not written"
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_signal_after_commit_waits_for_the_export(tmp_path):
+    import signal
+
+    out = tmp_path / "out"
+    with target.writing(out) as writing:
+        (writing.begin() / "config.json").write_text("{}")
+        writing.commit()
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            pass
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "config.json").is_file()
