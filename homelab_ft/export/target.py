@@ -88,6 +88,8 @@ class Target:
     def commit(self) -> None:
         """Put the complete export in place; a signal from here on waits (the work is done)."""
         check_out(self.out)  # a train may have made a run directory there since the export began
+        if _stop.signum:  # a library swallowed the signal's exception: the export stops all the same
+            raise _Signalled(_stop.signum)
         _stop.deferred = True
         self._staging.swap()
         self._staging = None
@@ -113,12 +115,16 @@ def writing(out: Path) -> Iterator[Target]:
                     yield target
                 finally:
                     target.abandon()
-    except _Signalled as sig:
-        raise Stopped(f"{signal.Signals(sig.signum).name} during export: removed the unfinished export; {out} "
-                      f"{'is unchanged' if out.exists() else 'was not written'}", signum=sig.signum) from None
-    except UserError:
-        raise
-    except Exception as err:  # safetensors and torch.save report a full disk as their own errors
+    except BaseException as err:
+        if _stop.signum and not _stop.deferred:
+            # Whatever came out: a C extension that called back into Python while the handler
+            # raised turns `_Signalled` into its own error (safetensors' load_file: a ValueError).
+            name = signal.Signals(_stop.signum).name
+            raise Stopped(f"{name} during export: removed the unfinished export; {out} "
+                          f"{'is unchanged' if out.exists() else 'was not written'}", signum=_stop.signum) from None
+        if isinstance(err, UserError) or not isinstance(err, Exception):
+            raise
+        # safetensors and torch.save report a full disk as their own errors, not OSError
         if (line := _disk_error(err, out)) is None:
             raise
         raise UserError(line) from None
@@ -146,7 +152,8 @@ def _free_bytes(path: Path) -> int:
 
 class _Signalled(BaseException):
     """Raised in the main thread by the signal handler: a BaseException, so that no library's
-    `except Exception` swallows it before the staging folder is removed."""
+    `except Exception` swallows it. A C extension may still turn it into its own error or drop it;
+    `writing` and `commit` go by `_stop.signum`, which the handler sets first."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -166,10 +173,10 @@ _stop = _StopState()
 def _stop_on_signal() -> Iterator[None]:
     """SIGTERM / SIGINT raise `_Signalled` once; a second one while the staging folder is removed
     is ignored, and one after `commit` waits for the export to finish (it is complete by then)."""
+    _stop.signum, _stop.deferred = 0, False
     if threading.current_thread() is not threading.main_thread():  # handlers only install there
         yield
         return
-    _stop.signum, _stop.deferred = 0, False
 
     def handle(signum: int, _frame) -> None:
         if _stop.signum:

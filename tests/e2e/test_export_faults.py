@@ -155,6 +155,7 @@ def test_sigterm_removes_the_staging_folder_and_keeps_the_previous_export(traine
     proc = _export_process(run, out, "--format", fmt, "--overwrite")
     try:
         _wait_for_staging(proc, out)
+        time.sleep(0 if fmt == "safetensors" else 1.0)  # at once (reading the adapter), and later on
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

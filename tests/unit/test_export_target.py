@@ -149,3 +149,30 @@ def test_a_signal_after_commit_waits_for_the_export(tmp_path):
         for _ in range(1000):
             pass
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and (out / "config.json").is_file()
+
+
+def _library_call(*, then):
+    """A C extension calling back into Python while the signal arrives: it turns the handler's
+    exception into its own (safetensors' load_file raised ValueError) or drops it."""
+    import signal
+
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):
+            pass
+    except BaseException:
+        if then == "raise":
+            raise ValueError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+
+
+@pytest.mark.parametrize("then", ["raise", "drop"])
+def test_a_signal_a_library_mangles_or_drops_still_stops_the_export(tmp_path, then):
+    from homelab_ft.errors import Stopped
+
+    out = tmp_path / "out"
+    with pytest.raises(Stopped) as err, target.writing(out) as writing:
+        (writing.begin() / "model.safetensors").write_bytes(b"\0" * 100)
+        _library_call(then=then)
+        writing.commit()
+    assert err.value.exit_code == 143 and str(err.value).startswith("SIGTERM during export")
+    assert list(tmp_path.iterdir()) == []
