@@ -74,7 +74,7 @@ def run_demo(
 
     trainer.train(recipe)
     watch.lap("train")
-    export_dir = run_dir / "export"
+    export_dir = run_dir.parent / f"{run_dir.name}-export"  # beside the run: export refuses an --out inside one
     from homelab_ft.cli.export import eval_rows
 
     export = export_run(run_dir, export_dir, overwrite=True, formats="safetensors,gguf",

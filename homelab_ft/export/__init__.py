@@ -1,6 +1,7 @@
 """After training: a run becomes a model that `transformers`, llama.cpp, Ollama and LM Studio load.
 
     run             `export_run(run_dir, out_dir, ...)`: the front door; branches on the run's `Rung`
+    target          where it is written: --out refusals, lock, staging, signals, full or read-only disks
     merged          an adapter run's merged model: written, reloaded, its logits compared; the adapter alone
     merge           LoRA merged into the base one safetensors file at a time, and read back
     gguf_quality    what a lossy GGUF costs: greedy agreement and eval loss against the merged model

@@ -2,8 +2,9 @@
 
 Adapters are merged into a full-precision copy of the base, never into 4-bit weights (merging
 into NF4 re-quantizes the sum and throws away most of what the adapter learned). The export is
-written under a temporary name, checked by reloading it with `from_pretrained` and comparing its
-logits with the unmerged model, and only then renamed into place. Running it again for the same
+written into a staging folder beside `--out` (target.py: locked, removed on a signal, a full disk
+or a read-only target), checked by reloading it with `from_pretrained` and comparing its logits
+with the unmerged model, and only then swapped into place. Running it again for the same
 checkpoint does nothing.
 """
 
@@ -12,17 +13,16 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_arch, gguf_check, gguf_export, gguf_quality, local_runtimes, merged
+from homelab_ft.export import gguf_arch, gguf_check, gguf_export, gguf_quality, local_runtimes, merged, target
 from homelab_ft.model import loading
 from homelab_ft.rung import Rung
-from homelab_ft.store import checkpoint
+from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class _Request:
 
 @dataclass(frozen=True)
 class _Source:
-    """The run being exported: its rung (from run.json), recipe and newest intact checkpoint."""
+    """The run being exported: its rung (from run.json), recipe and newest intact checkpoint (held
+    against pruning while the export reads it: checkpoint.reading)."""
 
     info: RunInfo
     recipe: Recipe
@@ -98,38 +99,58 @@ def export_run(
     from elsewhere, so its recipe alone never makes export run code shipped with a model.
     `eval_rows` gives the run's tokenized eval rows that a quantized GGUF is measured on; it is
     called only once one is written (export may not import the data stage, and a refused or
-    skipped export never reads the data)."""
+    skipped export never reads the data).
+
+    The checkpoint is held against the trainer's pruning while it is read (a run may still be
+    training), and `out_dir` is written as target.py says: locked, staged, swapped in when complete."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     request = _check_request(formats, adapter_only=adapter_only, dtype=dtype, gguf_type=gguf_type)
-    source = _open_run(run_dir, request, trust_remote_code=trust_remote_code)
-    model_dir = loading.resolve_model_dir(source.recipe.model.path) if request.gguf_name else None
+    target.check_out(out_dir)
+    info, recipe = _open_run(run_dir, request, trust_remote_code=trust_remote_code)
+    model_dir = loading.resolve_model_dir(recipe.model.path) if request.gguf_name else None
     request, no_gguf = _without_unwritable_gguf(request, model_dir)
+    with checkpoint.reading(run_dir) as ckpt:
+        if ckpt is None:
+            training = runlock.in_use(run_dir)
+            raise UserError(f"{run_dir} is training ({training}) and has no complete checkpoint yet; export it after "
+                            "its first save (train.save_every)" if training else
+                            f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
+        with target.writing(out_dir) as out:
+            result = _export(_Source(info=info, recipe=recipe, ckpt=ckpt), request, out, overwrite=overwrite,
+                             eval_rows=eval_rows, model_dir=model_dir)
+    _refuse_gguf(no_gguf, out_dir)  # after the safetensors asked beside it are in place
+    return result
+
+
+def _export(source: _Source, request: _Request, out: target.Target, *, overwrite: bool,
+            eval_rows: Callable[[], list[dict] | None] | None, model_dir: Path | None) -> ExportResult:
+    """The export itself, with `out` locked: nothing to do when it already holds this export."""
+    out_dir = out.out
     identity = _identity(source.ckpt, request)
     hint = gguf_export.quantize_command(out_dir / request.gguf_name, request.k_quant) if request.k_quant else None
-    if (out_dir / META).is_file() and json.loads((out_dir / META).read_text()).get("source") == identity:
+    if _recorded_source(out_dir) == identity:
         log.info("%s already holds this export; nothing to do", out_dir)
-        _refuse_gguf(no_gguf, out_dir)
         return ExportResult(out_dir, None, skipped=True, quantize_hint=hint)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
 
     model_dir = model_dir or loading.resolve_model_dir(source.recipe.model.path)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        record, quality = _write_export(tmp, source=source, request=request, model_dir=model_dir, name=out_dir.name,
-                                        hint=hint, eval_rows=eval_rows)
-        (tmp / META).write_text(json.dumps({"source": identity, **record}, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _refuse_gguf(no_gguf, out_dir)
+    tmp = out.begin()
+    record, quality = _write_export(tmp, source=source, request=request, model_dir=model_dir, name=out_dir.name,
+                                    hint=hint, eval_rows=eval_rows)
+    (tmp / META).write_text(json.dumps({"source": identity, **record}, indent=1))
+    out.commit()
     gguf_path = out_dir / request.gguf_name if "gguf" in record else None
     return ExportResult(out_dir, record["max_abs_diff"], skipped=False, gguf_path=gguf_path, quantize_hint=hint,
                         quality=quality)
+
+
+def _recorded_source(out_dir: Path) -> dict | None:
+    """What the export in `out_dir` was made from (META), or None: none there, or not readable as ours."""
+    try:
+        return json.loads((out_dir / META).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _check_request(formats: str, *, adapter_only: bool, dtype: str, gguf_type: str | None) -> _Request:
@@ -163,11 +184,11 @@ def _refuse_gguf(refusal: UserError | None, out_dir: Path) -> None:
                                         "llama.cpp's convert_hf_to_gguf.py")
 
 
-def _open_run(run_dir: Path, request: _Request, *, trust_remote_code: bool) -> _Source:
-    """The run's rung, recipe and checkpoint, refusing what this export cannot do with them."""
+def _open_run(run_dir: Path, request: _Request, *, trust_remote_code: bool) -> tuple[RunInfo, Recipe]:
+    """The run's rung and recipe, refusing what this export cannot do with them."""
     layout = RunDir(run_dir)
     info = layout.read_info()
-    if request.adapter_gguf and not info.rung.adapters_enabled:
+    if request.adapter_only and not info.rung.adapters_enabled:
         raise UserError(f"{run_dir} is a {info.rung.method} run: it has no adapter; export it without --adapter-only")
     recipe = layout.read_recipe()
     if recipe.model.trust_remote_code and not trust_remote_code:
@@ -175,10 +196,7 @@ def _open_run(run_dir: Path, request: _Request, *, trust_remote_code: bool) -> _
             f"{layout.recipe_file} sets model.trust_remote_code=true; export runs the model's own Python code "
             "only when you pass --trust-remote-code (check the model folder first)"
         )
-    ckpt = checkpoint.newest_intact(run_dir)
-    if ckpt is None:
-        raise UserError(f"{run_dir} has no complete checkpoint to export; train it first (or resume it)")
-    return _Source(info=info, recipe=recipe, ckpt=ckpt)
+    return info, recipe
 
 
 def _identity(ckpt: Path, request: _Request) -> dict:

@@ -5,7 +5,8 @@
     checkpoint    DCP checkpoints (trainable tensors, optimizer) + trainer state: atomic, verified, keep-last-K
     manifest      size and SHA-256 of every checkpoint file, written last
     dcp_metadata  DCP's pickled index read with an unpickler that admits only DCP's types
-    runlock       one writer per run directory
+    runlock       one writer per run directory (and the flocks staging and checkpoint readers use)
+    staging       an export written beside --out and swapped in when complete; killed exports' leftovers swept
 
 The store knows no process group: the trainer calls it on the ranks that should write.
 """

@@ -19,13 +19,13 @@ A save that fails (a full disk) removes its temporary folder and keeps the previ
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,16 +36,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from homelab_ft.errors import UserError
-from homelab_ft.store import dcp_metadata, manifest
-from homelab_ft.store.layout import RunDir
+from homelab_ft.store import dcp_metadata, manifest, runlock, staging
+from homelab_ft.store.layout import STATE_FILE, RunDir
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 ADAPTER = "adapter"
 """A LoRA run's adapter inside each checkpoint, as PEFT safetensors (what export and serving read)."""
-STATE_FILE = "trainer_state.json"
-"""Step, run length, scheduler, data position and model identity; rewritten by every save."""
 _TMP_PREFIX = ".tmp-"
 """A save in progress: `.tmp-step_000123` until it is complete and renamed."""
 
@@ -100,23 +98,60 @@ def newest_intact(run_dir: Path, *, verbose: bool = True) -> Path | None:
     when every checkpoint is damaged this refuses with exit 2 rather than start again from step 0.
     Collective when a process group exists: every rank must call it.
     """
+    return _newest_intact(run_dir, verbose=verbose, hold=False)[0]
+
+
+@contextlib.contextmanager
+def reading(run_dir: Path) -> Iterator[Path | None]:
+    """`newest_intact`, held for the with block against the trainer's pruning (a shared flock on
+    its manifest; `_prune` skips it): export reads a checkpoint for minutes, and a run with
+    keep_last=1 pruned it under the export (FileNotFoundError, or "adapter does not fit the base").
+    A listing that changed under us (a save and a prune in between) is read again."""
+    for _ in range(3):
+        listed = candidates(run_dir)
+        found, fd = _newest_intact(run_dir, verbose=True, hold=True)
+        if found is not None or candidates(run_dir) == listed:
+            break
+    try:
+        yield found
+    finally:
+        if fd is not None:
+            runlock.unlock(fd)
+
+
+def _newest_intact(run_dir: Path, *, verbose: bool, hold: bool) -> tuple[Path | None, int | None]:
     damaged = []
     for path in candidates(run_dir):
+        fd = _hold(path) if hold else None
+        if hold and fd is None and ((path / manifest.NAME).is_file() or not path.is_dir()):
+            continue  # pruned since it was listed, or being pruned now
         try:
             verify(path)
         except manifest.DamagedCheckpoint as err:
+            if fd is not None:
+                runlock.unlock(fd)
             damaged.append(f"{path.name} ({err})")
             continue
         if damaged and verbose and _rank() == 0:
             log.warning("checkpoint %s is damaged; going back to %s (step %d)", "; ".join(damaged), path.name,
                         step_of(path))
-        return path
+        return path, fd
     if damaged:
         raise UserError(
             f"no intact checkpoint in {checkpoints_dir(run_dir)}: {'; '.join(damaged)}; "
             "restore it from a backup, or start again with --overwrite"
         )
-    return None
+    return None, None
+
+
+def _hold(path: Path) -> int | None:
+    """A shared flock on `path`'s manifest (None: no manifest, or a pruner holds it); a manifest
+    unlinked between our open and our lock does not count."""
+    fd = runlock.try_lock(path / manifest.NAME, shared=True, create=False)
+    if fd is not None and not runlock.same_file(fd, path / manifest.NAME):
+        runlock.unlock(fd)
+        return None
+    return fd
 
 
 def verify(path: Path) -> TrainerState:
@@ -211,7 +246,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
         previous = latest(run_dir)
         needed = max(expected_bytes, _tree_bytes(previous) if previous else 0)
         free = shutil.disk_usage(root).free
-        if _is_disk_full(err) or free < needed:
+        if staging.is_disk_full(err) or free < needed:
             raise UserError(
                 f"checkpoint of step {state.step} not saved: {root} has {free:,} bytes free and a checkpoint "
                 f"needs about {needed:,}; free some space (or lower train.keep_last), then resume with --resume "
@@ -269,17 +304,6 @@ def _tree_bytes(path: Path) -> int:
 
 def _sum_over_ranks(value: int) -> int:
     return sum(_all_gather(value))
-
-
-def _is_disk_full(err: BaseException) -> bool:
-    text = str(err)
-    seen = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    # DCP gathers per-rank failures into one CheckpointException whose text holds theirs.
-    return any(s in text for s in ("No space left", "Disk quota exceeded", "unexpected pos"))
 
 
 def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerState:
@@ -352,9 +376,18 @@ def _single_process_ok():
 
 
 def _prune(root: Path, *, keep_last: int) -> None:
+    """Keep the newest `keep_last` checkpoints; one an export is reading (`reading`) stays until a
+    later save finds it free."""
     steps = sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / manifest.NAME).is_file())
     for old in steps[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        fd = runlock.try_lock(old / manifest.NAME, create=False)
+        if fd is None:
+            log.info("kept %s past train.keep_last: an export is reading it; a later save removes it", old.name)
+            continue
+        try:
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            runlock.unlock(fd)
 
 
 def _rng_state() -> dict:

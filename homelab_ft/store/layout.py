@@ -8,6 +8,9 @@ A run directory holds
 - `checkpoints/step_*/`: resumable checkpoints (checkpoint.py);
 - `.lock`: held by the one writer while it trains (runlock.py).
 
+`RunDir.marker` and `checkpoint_marker` say what makes a folder a run or a checkpoint, so that
+export can refuse an `--out` over one (export/target.py).
+
 Export reads the rung from run.json rather than the recipe: a recipe may say `method: auto`, the
 run.json says what the planner chose. Torch-free, so the CLI can name these paths without loading torch.
 """
@@ -22,6 +25,21 @@ from homelab_ft.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.errors import UserError
 from homelab_ft.locate import json_object
 from homelab_ft.rung import Rung, RungError
+from homelab_ft.store import manifest
+
+STATE_FILE = "trainer_state.json"
+"""A checkpoint's step, run length, scheduler, data position and model identity; rewritten by every save."""
+
+
+def checkpoint_marker(path: Path) -> str | None:
+    """The file that makes `path` a checkpoint (checkpoint.py's layout, also one copied out of its
+    run), or None: its trainer state, or a manifest beside DCP's `state/`."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return STATE_FILE
+    if (path / manifest.NAME).is_file() and (path / "state").is_dir():
+        return manifest.NAME
+    return None
 
 
 @dataclass(frozen=True)
@@ -91,6 +109,16 @@ class RunDir:
     @property
     def lock_file(self) -> Path:
         return self.root / ".lock"
+
+    def marker(self) -> str | None:
+        """The file that makes this a run directory, or None: `run.json` (written when training
+        starts), or `recipe.yaml` beside `.lock` (what a run that died before its first step leaves).
+        A `recipe.yaml` alone is not enough: it is also what a user keeps in a project folder."""
+        if self.info_file.is_file():
+            return self.info_file.name
+        if self.recipe_file.is_file() and self.lock_file.is_file():
+            return self.recipe_file.name
+        return None
 
     def read_recipe(self) -> Recipe:
         if not self.recipe_file.is_file():

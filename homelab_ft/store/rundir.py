@@ -8,7 +8,7 @@ from pathlib import Path
 
 from homelab_ft.config import Recipe, load_recipe
 from homelab_ft.errors import UserError
-from homelab_ft.store import checkpoint, runlock
+from homelab_ft.store import checkpoint, runlock, staging
 from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:
     # killed save left behind, and only takes space.
     for leftover in checkpoint.unfinished(run_dir):
         shutil.rmtree(leftover, ignore_errors=True)
+    staging.sweep_if_free(run_dir)  # an export into this path that a SIGKILL ended
     layout.write_recipe(recipe)
     if recipe.train.resume and resume_from is None:
         log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)

@@ -19,7 +19,7 @@ def test_run_demo_scores_base_trains_exports_and_scores_the_reloaded_export(tiny
         num_examples=2,
     )
     assert result.before.num_rows == result.after.num_rows == 4
-    assert (result.export_dir / "config.json").is_file() and result.export_dir.parent == run_dir
+    assert (result.export_dir / "config.json").is_file() and result.export_dir.parent == run_dir.parent
     assert (run_dir / "metrics.jsonl").is_file()
     assert list(result.seconds) == ["convert", "score base", "train", "export", "score export", "score gguf"]
     assert (result.export_dir / "model-q8_0.gguf").is_file() and result.gguf.num_rows == 4

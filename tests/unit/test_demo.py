@@ -169,7 +169,7 @@ def test_the_before_after_table_shows_scores_spread_examples_and_time():
     before = _scored(0, ["prose " * 40] * 6)
     after = _scored(4, [GOOD] * 6)
     assert after.summary() == "4/6 correct (67%), 5/6 with the right shape"
-    text = run.summary(before, after, export_dir=Path("runs/demo/export"), seconds={"train": 90.0, "export": 30.0},
+    text = run.summary(before, after, export_dir=Path("runs/demo-export"), seconds={"train": 90.0, "export": 30.0},
                        num_examples=2, gguf=after, gguf_name="model-q8_0.gguf")
     assert "  base SmolLM2-135M-Instruct   0/6 correct (0%), 1/6 with the right shape" in text
     assert "  the same, as model-q8_0.gguf 4/6 correct (67%)" in text
@@ -177,4 +177,4 @@ def test_the_before_after_table_shows_scores_spread_examples_and_time():
     assert [line for line in text.splitlines() if line.startswith("  user:")] == ["  user:       user 0",
                                                                                   "  user:       user 3"]
     assert max(len(line) for line in text.splitlines() if line.startswith("  base:")) <= len("  base:       ") + 110
-    assert text.endswith("time: train 90s, export 30s; total 2.0 min\nexported model: runs/demo/export")
+    assert text.endswith("time: train 90s, export 30s; total 2.0 min\nexported model: runs/demo-export")

@@ -438,4 +438,4 @@ def test_a_failed_check_leaves_nothing(models, tmp_path, monkeypatch):
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="GGUF check failed"):
         main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"])
-    assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))

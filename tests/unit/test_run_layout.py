@@ -76,12 +76,14 @@ def test_broken_info_is_one_user_error_line(tmp_path, text, said):
 
 
 def test_broken_info_through_export_is_one_line_exit_2(tmp_path):
-    (tmp_path / "run.json").write_text("{not json")
-    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "export", str(tmp_path), "--out", str(tmp_path / "x")],
+    run = tmp_path / "run"  # --out beside the run: one inside it is refused first (export/target.py)
+    run.mkdir()
+    (run / "run.json").write_text("{not json")
+    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "export", str(run), "--out", str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-    assert f"{tmp_path / 'run.json'} is not valid JSON" in proc.stderr
+    assert f"{run / 'run.json'} is not valid JSON" in proc.stderr
 
 
 def test_recipe_round_trip_and_missing_recipe(tmp_path):
