@@ -59,11 +59,10 @@ class TrainerState:
     world_size: int
     max_steps: int | None = None
     """The run's length when it saved (train.max_steps, or what train.num_epochs meant), for a
-    reader; the schedule of a resume follows its own length (train.optim.build_scheduler).
-    None in checkpoints written before it was recorded."""
+    reader; the schedule of a resume follows its own length (train.optim.build_scheduler)."""
     data_fingerprint: dict | None = None
-    """The data the run read (data/fingerprint.py), so a resume after it changed is refused; None in
-    checkpoints written before it was recorded."""
+    """The data the run read (data/fingerprint.py): a resume after it changed is refused.
+    These two are None in checkpoints written before they were recorded."""
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -173,10 +172,8 @@ def verify(path: Path) -> TrainerState:
         raise manifest.DamagedCheckpoint(problems[0])
     state = read_state(path)
     if (state.step, state.sampler, state.world_size) != (m.step, m.data_position, m.world_size):
-        raise manifest.DamagedCheckpoint(
-            f"trainer_state.json (step {state.step}, {state.sampler}) disagrees with its manifest "
-            f"(step {m.step}, {m.data_position})"
-        )
+        raise manifest.DamagedCheckpoint(f"trainer_state.json (step {state.step}, {state.sampler}) disagrees with "
+                                         f"its manifest (step {m.step}, {m.data_position})")
     try:
         dcp_metadata.read_metadata(path / "state")
     except (OSError, dcp_metadata.UnsafeMetadata) as err:
