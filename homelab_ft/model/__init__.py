@@ -4,6 +4,8 @@
     quant      bitsandbytes: the 4/8-bit config, the CPU guard, k-bit preparation, 8-bit optimizers
     blocks     the transformer blocks (from `_no_split_modules`) and activation checkpointing on them
     compiling  `train.compile`: torch.compile per block in place, and its preflight check
+    family     what a family can do (attention, checkpointing, FSDP blocks), from its transformers class
+    targets    what `all-linear` LoRA wraps: PEFT's set less routers and kernel-read Mamba projections
 
 No per-family tables: what differs between architectures is read from transformers.
 """

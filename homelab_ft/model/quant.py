@@ -28,13 +28,9 @@ from typing import Any
 
 import torch
 
-from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION, QuantConfig, TrainConfig
+from homelab_ft.config import QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
-
-# MAX_UNQUANTIZABLE_FRACTION: attention/MLP `nn.Linear` layers are ~100% of a dense model's block
-# weights and routers ~0.01%; fused MoE experts (3-D parameters, which bitsandbytes leaves alone)
-# are ~97% of Mixtral-8x7B's, where "QLoRA" would silently load ~90 GB in bf16.
-
+from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 
 # --------------------------------------------------------------------------------------------
 # availability and the load config
@@ -164,14 +160,16 @@ def meta_skeleton(config):
 
 
 def raise_if_unquantizable(model: torch.nn.Module) -> None:
-    """UserError when most block weights are not in layers bitsandbytes quantizes.
+    """UserError when more block weights than config.unquantizable_fraction allows are not in layers
+    bitsandbytes quantizes (that function says what counts on which side).
 
     Works on a meta skeleton (before quantization: `nn.Linear` counts as quantizable, as it does
     for transformers' `replace_with_bnb_linear`) and on a loaded model (bnb layers count).
-    Embeddings and the LM head are left out of both sides: transformers never quantizes them.
+    Every embedding table (an `nn.Embedding`, whatever its name: Gemma 4's per-layer embeddings
+    too) and the LM head are left out of both sides: transformers never quantizes them.
     """
-    left_out = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-                for p in m.parameters()}
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    left_out = {id(p) for m in (*tables, model.get_output_embeddings()) if m is not None for p in m.parameters()}
     quantizable_types = _quantizable_types()
     quantized = 0
     kept: dict[str, int] = {}
@@ -191,11 +189,12 @@ def raise_if_unquantizable(model: torch.nn.Module) -> None:
     if total == 0 or quantized == 0:
         raise UserError(f"method: qlora: bitsandbytes finds no linear layer to quantize in {type(model).__name__}; "
                         "use method: lora or full")
-    if sum(kept.values()) / total > MAX_UNQUANTIZABLE_FRACTION:
+    share = unquantizable_fraction(quantized_params=quantized, kept_params=sum(kept.values()))
+    if share > MAX_UNQUANTIZABLE_FRACTION:
         worst = [kv for kv in sorted(kept.items(), key=lambda kv: -kv[1])[:3] if kv[1] >= 0.01 * total]
         names = ", ".join(f"{name} ({count / 1e6:.1f}M params)" for name, count in worst)
         raise UserError(
-            f"method: qlora: bitsandbytes cannot quantize {sum(kept.values()) / total:.0%} of "
+            f"method: qlora: bitsandbytes cannot quantize {share:.0%} of "
             f"{type(model).__name__}'s block weights ({names}; not nn.Linear layers, e.g. fused MoE experts), "
             "so they would stay in full precision; use method: lora or full"
         )

@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
 from homelab_ft.plan.network import OFFLOAD_BYTES_PER_S
 from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION
 from homelab_ft.rung import (
     FULL_SHARD,
     HYBRID_SHARD,
