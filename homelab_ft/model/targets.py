@@ -36,6 +36,16 @@ def lora_targets(model: nn.Module) -> list[str]:
     return _suffixes(model, chosen)
 
 
+def for_config(config) -> list[str]:
+    """`lora_targets` of `config`'s architecture, built on the meta device (no weights, ~1 s for an
+    8B config): what `plan` or `data inspect` can show before anything is loaded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return lora_targets(AutoModelForCausalLM.from_config(config))
+
+
 def resolve(model: nn.Module, target_modules) -> list[str] | str:
     """`lora.target_modules` as PEFT should get it: `all-linear` resolved (and logged), a list as given."""
     if target_modules != ALL_LINEAR:
@@ -63,11 +73,12 @@ def _wrappable(model: nn.Module, name: str, module: nn.Module) -> bool:
 
 
 def _linear_forward(cls: type) -> bool:
-    """Whether calling the layer is a linear map returning one tensor: nn.Linear's or Conv1D's own
-    forward, or a 4/8-bit layer bitsandbytes put in an nn.Linear's place (PEFT dispatches those)."""
-    from transformers.pytorch_utils import Conv1D
-
-    return cls.forward in (nn.Linear.forward, Conv1D.forward) or cls.__module__.startswith("bitsandbytes.")
+    """Whether calling the layer is a linear map returning one tensor: its forward is not one a model
+    defines (transformers.models.*: Llama 4's router is an nn.Linear whose forward returns a tuple),
+    but nn.Linear's, Conv1D's, or a quantized linear layer's (bitsandbytes', or sharded_qlora's
+    subclass of it), which PEFT dispatches."""
+    owner = next(c for c in cls.__mro__ if "forward" in vars(c))
+    return not owner.__module__.startswith("transformers.models.")
 
 
 def _weight_read_by_owner(model: nn.Module, name: str) -> bool:

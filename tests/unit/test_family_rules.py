@@ -79,6 +79,19 @@ def test_all_linear_is_every_plain_linear_the_owner_calls(model_type):
     assert left_out == expected.get(model_type, set())
 
 
+def test_quantized_linear_layers_stay_targets():
+    """bitsandbytes' 4-bit layers and sharded_qlora's subclass (each with its own forward) are linear
+    layers PEFT wraps, unlike a model's router; and a config's list needs no weights."""
+    import bitsandbytes as bnb
+
+    from homelab_ft.distributed import sharded_qlora
+
+    assert targets._linear_forward(bnb.nn.Linear4bit) and targets._linear_forward(sharded_qlora._linear4bit_class())
+    assert targets._linear_forward(torch.nn.Linear)
+    assert targets.for_config(tiny_config("llama4_text")) == targets.lora_targets(_meta("llama4_text"))
+    assert "router" not in targets.for_config(tiny_config("llama4_text"))
+
+
 @pytest.mark.parametrize("model_type", ["llama4_text", "phimoe", "falcon_h1", "nemotron_h", "granitemoehybrid"])
 def test_all_linear_lora_trains_where_peft_crashed_or_refused(model_type, caplog):
     """issue 20: a router's tuple inside PEFT (llama4, phimoe); `out_proj` refused (falcon_h1, nemotron_h)."""
