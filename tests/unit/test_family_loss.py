@@ -75,3 +75,15 @@ def test_a_transform_the_config_does_not_describe_is_refused():
             loss.batch_loss_sum(model, _batch(320), device=torch.device("cpu"), chunk_tokens=5)
     finally:
         type(model).forward = restore
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "granitemoehybrid", "falcon_h1", "gemma4"])
+def test_the_check_passes_in_bf16(model_type):
+    """GPU runs train in bf16: the model's transform and ours are the same operations on the same
+    head output, so the first micro-batch's check must not refuse them at bf16 rounding."""
+    model, keys = _model(model_type)
+    model = model.to(torch.bfloat16)
+    assert keys
+    with torch.no_grad():
+        loss.batch_loss_sum(model, _batch(model.config.get_text_config().vocab_size), device=torch.device("cpu"),
+                            chunk_tokens=5)
