@@ -26,7 +26,7 @@ def unquantizable_fraction(*, quantized_params: int, kept_params: int) -> float:
     the token embeddings and embedding-like ones such as Gemma 3n/4's per-layer embeddings (45% of
     the counted weights of transformers' default Gemma 4 text config): lookups, not matmuls, which transformers'
     `replace_with_bnb_linear` never quantizes.
-    quant.py (`raise_if_unquantizable`) calls it; the planner should too (its shape counts blocks).
+    quant.py (`raise_if_unquantizable`) and the planner (`ladder._unquantizable_fraction`) call it.
     """
     total = quantized_params + kept_params
     return kept_params / total if total else 0.0
