@@ -29,7 +29,7 @@ def causal_lm_class(config) -> type | None:
     return AutoModelForCausalLM._model_mapping.get(type(config), None)
 
 
-def attention(requested: str, *, config) -> str | None:
+def attention(requested: str, *, config, say: bool = True) -> str | None:
     """The `attn_implementation` to load `config`'s model with for `model.attn_implementation`.
 
     `auto`: sdpa where the class supports it, else eager: the order transformers' own
@@ -37,6 +37,7 @@ def attention(requested: str, *, config) -> str | None:
     sdpa in transformers 5.24: their soft-capped / sink attention is eager or flash only); flash
     attention is never picked unasked, it needs the flash-attn package and a CUDA GPU. An explicit
     choice the class does not support is refused. None (remote code): transformers decides.
+    `say` logs what `auto` chose (the load does; the preflight check only refuses).
     """
     cls = causal_lm_class(config)
     if cls is None:
@@ -48,7 +49,7 @@ def attention(requested: str, *, config) -> str | None:
             f"model.attn_implementation: {config.model_type} ({cls.__name__}) does not support {chosen}; "
             f"set model.attn_implementation: auto (here {'sdpa' if cls._supports_sdpa else 'eager'})"
         )
-    if requested == AUTO:
+    if requested == AUTO and say:
         log.info("attention: %s (model.attn_implementation auto; %s %s sdpa)", chosen, cls.__name__,
                  "supports" if cls._supports_sdpa else "has no")
     return chosen
@@ -67,7 +68,7 @@ def config_of(model_dir, *, trust_remote_code: bool):
 
 def check(config, *, attn_implementation: str, activation_checkpointing: bool, sharded: bool) -> None:
     """Refuse, from the class alone, what this family cannot do on the rung (see the module docstring)."""
-    attention(attn_implementation, config=config)
+    attention(attn_implementation, config=config, say=False)
     cls = causal_lm_class(config)
     if cls is None:
         return  # remote code: checked on the loaded model (blocks.py)
