@@ -135,7 +135,11 @@ def as_pretrained_config(model_config):
 
     if isinstance(model_config, PretrainedConfig):
         return model_config
-    fields = dict(model_config)
+    # transformers writes an infinite float as {"__float__": "Infinity"} (the Mamba mixers'
+    # `time_step_limit: [0.0, inf]`: Falcon-H1, Granite 4, Nemotron-H) and decodes it only when it
+    # reads the file itself; the raw dict failed the config's field validation before anything was
+    # quantized (issue 20).
+    fields = PretrainedConfig._decode_special_floats(dict(model_config))
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise UserError("model.path: config.json has no model_type; it is not a transformers model")
