@@ -40,7 +40,9 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of the trainable base weights. `auto`: bfloat16 on GPUs that support it, else float32
     (CPU matmuls in bf16 are slow and lossy, so CPU runs train in fp32)."""
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """`auto`: sdpa where the model class supports it, else eager (Gemma 2, gpt-oss), as transformers
+    falls back; an explicit choice the family does not support is refused (model/family.py)."""
     trust_remote_code: bool = False
     """Run Python code shipped with a model. Off by default: it executes files from the model dir."""
 
@@ -74,13 +76,6 @@ class QuantConfig:
     """Quantize the per-block absmax constants too: saves ~0.37 bits/param (QLoRA paper, sec. 3)."""
     compute_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """Dtype the 4-bit weights are dequantized to for matmuls. `auto`: bf16 where supported, else fp32."""
-
-
-MAX_UNQUANTIZABLE_FRACTION = 0.10
-"""What `quant:` can do for a model: QLoRA is refused when more than this share of the
-transformer-block weights would stay in full precision (MoE experts are 3-D parameters
-bitsandbytes does not touch): quant.py refuses such a model before loading it, and the planner
-marks the same case."""
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -102,8 +102,11 @@ def _tiny_kwargs(config) -> dict:
     present = config.to_dict()
     kwargs = {key: value for key, value in _TINY_SIZES.items() if present.get(key) is not None}
     kwargs.update({key: value for key, value in _INIT_ONLY.items() if key in _init_keys(config)})
-    if "qk_rope_head_dim" in kwargs:  # multi-head latent attention: rotary width is the head_dim
+    if "qk_rope_head_dim" in kwargs:  # multi-head latent attention: rotary width is the head_dim,
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]
+        # and kv_b_proj makes one key per query head (DeepSeek-V3 ships 128 and 128; 2 of 4 repeated
+        # the keys twice in transformers' attention and broke any padded batch)
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     kwargs["num_hidden_layers"] = LAYERS
     pattern = present.get("layer_types")
     if pattern and not isinstance(getattr(type(config), "layer_types", None), property):

@@ -5,6 +5,8 @@
     blocks     the transformer blocks (from `_no_split_modules`) and activation checkpointing on them
     compiling  `train.compile`: torch.compile per block in place, and its preflight check
     checkpoint_keys  a model's tensors in a safetensors folder through transformers' key conversion
+    family     what a family can do (attention, checkpointing, FSDP blocks), from its transformers class
+    targets    what `all-linear` LoRA wraps: PEFT's set less routers and kernel-read Mamba projections
 
 No per-family tables: what differs between architectures is read from transformers.
 """

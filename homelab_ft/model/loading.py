@@ -170,12 +170,16 @@ def resolve_dtype(name: str, device):
 
 
 def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quantization_config=None):
-    """`from_pretrained` onto `device` (the same path users take to load our exports)."""
+    """`from_pretrained` onto `device` (the same path users take to load our exports), with the
+    attention implementation `model.attn_implementation` resolves to for this family (family.py)."""
     from transformers import AutoModelForCausalLM
 
+    from homelab_ft.model import family
+
+    config = family.config_of(model_dir, trust_remote_code=model_cfg.trust_remote_code)
     kwargs = dict(
         dtype=dtype,
-        attn_implementation=model_cfg.attn_implementation,
+        attn_implementation=family.attention(model_cfg.attn_implementation, config=config),
         trust_remote_code=model_cfg.trust_remote_code,
     )
     if quantization_config is not None:
@@ -192,14 +196,17 @@ def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quanti
 
 
 def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
+    """PEFT LoRA on `model`; `all-linear` resolved to the layers PEFT can wrap (targets.py says which not)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
+
+    from homelab_ft.model import targets
 
     peft_cfg = PeftLoraConfig(
         r=lora_cfg.r,
         lora_alpha=lora_cfg.alpha,
         lora_dropout=lora_cfg.dropout,
-        target_modules=lora_cfg.target_modules,
+        target_modules=targets.resolve(model, lora_cfg.target_modules),
         use_dora=lora_cfg.use_dora,
         use_rslora=lora_cfg.use_rslora,
         task_type="CAUSAL_LM",

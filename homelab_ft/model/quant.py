@@ -28,13 +28,9 @@ from typing import Any
 
 import torch
 
-from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION, QuantConfig, TrainConfig
+from homelab_ft.config import QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
-
-# MAX_UNQUANTIZABLE_FRACTION: attention/MLP `nn.Linear` layers are ~100% of a dense model's block
-# weights and routers ~0.01%; fused MoE experts (3-D parameters, which bitsandbytes leaves alone)
-# are ~97% of Mixtral-8x7B's, where "QLoRA" would silently load ~90 GB in bf16.
-
+from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 
 # --------------------------------------------------------------------------------------------
 # availability and the load config
@@ -139,7 +135,11 @@ def as_pretrained_config(model_config):
 
     if isinstance(model_config, PretrainedConfig):
         return model_config
-    fields = dict(model_config)
+    # transformers writes an infinite float as {"__float__": "Infinity"} (the Mamba mixers'
+    # `time_step_limit: [0.0, inf]`: Falcon-H1, Granite 4, Nemotron-H) and decodes it only when it
+    # reads the file itself; the raw dict failed the config's field validation before anything was
+    # quantized (issue 20).
+    fields = PretrainedConfig._decode_special_floats(dict(model_config))
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise UserError("model.path: config.json has no model_type; it is not a transformers model")
@@ -164,14 +164,16 @@ def meta_skeleton(config):
 
 
 def raise_if_unquantizable(model: torch.nn.Module) -> None:
-    """UserError when most block weights are not in layers bitsandbytes quantizes.
+    """UserError when more block weights than config.unquantizable_fraction allows are not in layers
+    bitsandbytes quantizes (that function says what counts on which side).
 
     Works on a meta skeleton (before quantization: `nn.Linear` counts as quantizable, as it does
     for transformers' `replace_with_bnb_linear`) and on a loaded model (bnb layers count).
-    Embeddings and the LM head are left out of both sides: transformers never quantizes them.
+    Every embedding table (an `nn.Embedding`, whatever its name: Gemma 4's per-layer embeddings
+    too) and the LM head are left out of both sides: transformers never quantizes them.
     """
-    left_out = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
-                for p in m.parameters()}
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    left_out = {id(p) for m in (*tables, model.get_output_embeddings()) if m is not None for p in m.parameters()}
     quantizable_types = _quantizable_types()
     quantized = 0
     kept: dict[str, int] = {}
@@ -191,11 +193,12 @@ def raise_if_unquantizable(model: torch.nn.Module) -> None:
     if total == 0 or quantized == 0:
         raise UserError(f"method: qlora: bitsandbytes finds no linear layer to quantize in {type(model).__name__}; "
                         "use method: lora or full")
-    if sum(kept.values()) / total > MAX_UNQUANTIZABLE_FRACTION:
+    share = unquantizable_fraction(quantized_params=quantized, kept_params=sum(kept.values()))
+    if share > MAX_UNQUANTIZABLE_FRACTION:
         worst = [kv for kv in sorted(kept.items(), key=lambda kv: -kv[1])[:3] if kv[1] >= 0.01 * total]
         names = ", ".join(f"{name} ({count / 1e6:.1f}M params)" for name, count in worst)
         raise UserError(
-            f"method: qlora: bitsandbytes cannot quantize {sum(kept.values()) / total:.0%} of "
+            f"method: qlora: bitsandbytes cannot quantize {share:.0%} of "
             f"{type(model).__name__}'s block weights ({names}; not nn.Linear layers, e.g. fused MoE experts), "
             "so they would stay in full precision; use method: lora or full"
         )

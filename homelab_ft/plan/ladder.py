@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from homelab_ft.config import MAX_UNQUANTIZABLE_FRACTION
 from homelab_ft.plan import pipeline
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
 from homelab_ft.plan.network import OFFLOAD_BYTES_PER_S
 from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 from homelab_ft.rung import (
     FULL_SHARD,
     HYBRID_SHARD,
@@ -275,8 +275,8 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
 
 
 def _unquantizable_fraction(shape: ModelShape) -> float:
-    blocks = shape.block_params
-    return sum(b.num_blocks * (b.params - b.linear_weight_params) for b in shape.blocks) / blocks
+    kept = sum(b.num_blocks * (b.params - b.linear_weight_params) for b in shape.blocks)
+    return unquantizable_fraction(quantized_params=shape.block_params - kept, kept_params=kept)
 
 
 def _method_label(method: str, request: PlanRequest, cluster: Cluster) -> str:

@@ -102,9 +102,12 @@ def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: to
     """The architecture from config.json (4-bit layers for QLoRA) with its adapters, no weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from homelab_ft.model import family
+
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
     config.use_cache = False
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=recipe.model.attn_implementation,
+    attn = family.attention(recipe.model.attn_implementation, config=config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                              trust_remote_code=recipe.model.trust_remote_code)
     if rung.quantized_enabled:
         from homelab_ft.distributed import sharded_qlora

@@ -16,7 +16,7 @@ step).
 
 The head is called from inside the model's own forward, through a forward pre-hook on the output
 embedding module: the hook computes the chunked loss from the hidden states it receives and hands
-the head an empty slice, so the model's logits are [batch, 0, vocab]. Going through the top-level
+the head one position per row, so the model's logits are [batch, 1, vocab] (`check_transform`). Going through the top-level
 forward keeps every wrapper in charge of what it does there: DDP prepares its gradient reduction;
 PEFT applies a LoRA adapter on the head when `lm_head` is targeted; FSDP2's hooks on the head's own
 unit (distributed.shard_ends; a tied head sits in the root unit) run before ours, so the head is
@@ -32,17 +32,23 @@ all-gather and one reduce-scatter per micro-batch, and the head is sharded again
 runs through the blocks. The loss is the same summed cross-entropy as `steps.next_token_loss_sum`, so
 the normalisation over trained tokens across micro-batches and ranks (steps.loss_scale) is unchanged.
 
-What some architectures do to the logits after the head is applied per chunk too: Gemma 2/3's tanh
-soft-capping (`final_logit_softcapping`), Cohere's `logit_scale` and Granite's `logits_scaling`.
+What some architectures do to the logits after the head is applied per chunk too (`LogitTransform`,
+read from the config of the decoder the model runs, `text_config` included), and checked once per
+model against what its own forward returns for the head's output on one position per row
+(`check_transform`), so a transform the config keys do not describe refuses the run instead of
+training another loss.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
 from homelab_ft.loss_chunks import chunk_rows
 from homelab_ft.train import steps
@@ -81,18 +87,52 @@ def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk
                                              transform=transform, compiled=compiled)
         finally:
             state["busy"] = False
-        empty = hidden[..., :0, :]
-        return ((empty, *args[1:]), kwargs) if args else (args, {**kwargs, "input": empty})
+        probe = hidden[..., :1, :]  # the model's own head and transform run on one position per row
+        return ((probe, *args[1:]), kwargs) if args else (args, {**kwargs, "input": probe})
 
-    handle = head.register_forward_pre_hook(hook, with_kwargs=True)
+    def seen(module, args, output):
+        if not state["busy"]:
+            state["head_output"] = output.detach()
+
+    handles = [head.register_forward_pre_hook(hook, with_kwargs=True), head.register_forward_hook(seen)]
     try:
-        model(**inputs, use_cache=False)
+        logits = model(**inputs, use_cache=False).logits
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if "loss" not in state:
         raise RuntimeError(f"{type(lm).__name__}'s forward never called its output embeddings; "
                            "set train.loss_chunk_tokens=0 for this model")
+    if lm not in _CHECKED:
+        check_transform(transform, head_output=state["head_output"], logits=logits.detach(), model_name=type(lm).__name__)
+        _CHECKED.add(lm)
     return state["loss"]
+
+
+_CHECKED: weakref.WeakSet = weakref.WeakSet()
+"""Models whose logit transform was checked against their own forward (once: it costs a sync)."""
+
+
+def check_transform(transform: LogitTransform, *, head_output: torch.Tensor, logits: torch.Tensor,
+                    model_name: str) -> None:
+    """Refuse a model whose forward does to the head's output something `transform` does not.
+
+    The model's own forward ran its head on one position per row (`batch_loss_sum`'s hook) and
+    returned what it made of it: the chunked loss applies `transform` to the same head output, so
+    the two must agree to the rounding of the activation dtype (the operations are the same, in the
+    same order). A transform read from a config key another family spells differently, a vocabulary
+    sliced after the head, a multiplier kept on a submodule: each shows here, on the first
+    micro-batch, instead of a run that optimises another loss without a word.
+    """
+    ours = transform(head_output)
+    eps = torch.finfo(logits.dtype).eps if logits.dtype.is_floating_point else 0.0
+    scale = float(logits.abs().max()) if logits.numel() else 0.0
+    if ours.shape != logits.shape or not torch.allclose(ours.float(), logits.float(), rtol=16 * eps,
+                                                        atol=16 * eps * max(scale, 1.0)):
+        raise UserError(
+            f"{model_name}'s forward transforms its head's output in a way the chunked loss does not know "
+            f"({transform}); set train.loss_chunk_tokens=0, which trains on the model's own logits"
+        )
 
 
 def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, *, head: nn.Module, chunk_tokens: int,
@@ -155,28 +195,47 @@ def _compiled_logits_loss_sum():
 
 
 class LogitTransform:
-    """What a model's forward does to the head's output before returning it as logits."""
+    """What a model's forward does to the head's output before returning it as logits: Gemma 2/3/4's
+    tanh soft-capping, then a multiplier (Cohere's `logit_scale`, Falcon-H1's `lm_head_multiplier`)
+    or a divisor (Granite's `logits_scaling`), read from the config of the decoder the model runs."""
 
     def __init__(self, *, softcap: float | None = None, scale: float | None = None, divide: float | None = None):
         self.softcap, self.scale, self.divide = softcap, scale, divide
 
     @classmethod
     def from_config(cls, config) -> LogitTransform:
-        scale = getattr(config, "logit_scale", None)  # Cohere multiplies by it
+        """The transform of `config`'s text decoder: a multimodal checkpoint (Gemma 4, Qwen 3.5) keeps
+        these keys in its `text_config`, where the top-level config has none or only defaults."""
+        text = config.get_text_config(decoder=True)
+
+        def number(key: str) -> float | None:
+            value = getattr(text, key, None)
+            if value is None:
+                value = getattr(config, key, None)
+            return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+        multipliers = [v for v in (number("logit_scale"), number("lm_head_multiplier")) if v is not None and v != 1.0]
+        divide = number("logits_scaling")
         return cls(
-            softcap=getattr(config, "final_logit_softcapping", None) or None,  # Gemma 2, Gemma 3
-            scale=float(scale) if isinstance(scale, (int, float)) else None,
-            divide=getattr(config, "logits_scaling", None) or None,  # Granite divides by it
+            softcap=number("final_logit_softcapping") or None,
+            scale=multipliers[0] if multipliers else None,
+            divide=divide if divide not in (None, 0.0, 1.0) else None,
         )
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+            logits = logits / self.softcap
+            logits = torch.tanh(logits)
+            logits = logits * self.softcap
         if self.scale is not None:
             logits = logits * self.scale
         if self.divide:
             logits = logits / self.divide
         return logits
+
+    def __repr__(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("softcap", self.softcap), ("scale", self.scale), ("divide", self.divide)) if v]
+        return f"logit transform: {', '.join(parts) or 'none'}"
 
 
 def causal_lm(model: nn.Module) -> nn.Module:

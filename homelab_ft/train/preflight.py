@@ -20,7 +20,7 @@ from pathlib import Path
 from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
 from homelab_ft.locate import locate
-from homelab_ft.model import loading
+from homelab_ft.model import family, loading
 from homelab_ft.rung import Rung
 from homelab_ft.store import rundir
 
@@ -57,6 +57,9 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
     check_model_files(model_dir, converted=where.is_gguf)
     check_tokenizer(recipe.model.tokenizer, model_dir)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    family.check(family.config_of(model_dir, trust_remote_code=recipe.model.trust_remote_code),
+                 attn_implementation=recipe.model.attn_implementation,
+                 activation_checkpointing=rung.activation_checkpointing, sharded=rung.fsdp_enabled)
     if rung.quantized_enabled:
         from homelab_ft.model import quant
 
