@@ -255,3 +255,23 @@ def test_bad_inputs_are_user_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UserError, match="not valid JSON"):
         read_model_config(str(tmp_path / "bad.json"))
+
+
+def test_remote_code_model_is_derived_only_when_the_recipe_trusts_it(tmp_path):
+    """A model_type transformers does not know, shipped with its own code (auto_map): refused by
+    default, derived through the same path with model.trust_remote_code=true."""
+    model_dir = tmp_path / "acme"
+    model_dir.mkdir()
+    (model_dir / "configuration_acme.py").write_text(
+        "from transformers import LlamaConfig\n\nclass AcmeConfig(LlamaConfig):\n    model_type = 'acme_lm'\n")
+    (model_dir / "modeling_acme.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_acme import AcmeConfig\n\n"
+        "class AcmeForCausalLM(LlamaForCausalLM):\n    config_class = AcmeConfig\n")
+    config = {**tiny_config("llama").to_dict(), "model_type": "acme_lm", "architectures": ["AcmeForCausalLM"],
+              "auto_map": {"AutoConfig": "configuration_acme.AcmeConfig",
+                           "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM"}}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match="trust_remote_code"):
+        model_shape(config, model_path=str(model_dir))
+    shape = model_shape(config, model_path=str(model_dir), trust_remote_code=True)
+    assert shape.total_params == model_shape(tiny_config("llama").to_dict()).total_params
