@@ -7,7 +7,7 @@ model.blocks finds them for FSDP), grouped into kinds of equal parameters (full 
 linear attention, dense and MoE layers); each block's `nn.Linear` layers (what bitsandbytes
 quantizes) and which of them PEFT's own `all-linear` resolution wraps; its 3-D expert tensors; the
 embeddings (with per-layer tables), the head and whether it is tied. The activation bytes a block
-keeps for backward are measured, not modelled: activations.measure_saved runs a forward and counts
+keeps for backward are measured, not modelled: saved.measure_saved runs a forward and counts
 what autograd saves.
 
 Torch and transformers are imported inside the functions: a shape derived once is cached

@@ -1,16 +1,23 @@
 """What a decoder block keeps for backward, measured: one forward of the model transformers built
-on the meta device, with `torch.autograd.graph.saved_tensors_hooks` counting every tensor autograd
-saves while each block runs (parameters and tensors the block was handed, such as the rotary
-tables every block shares, excluded; a view counted once, through its base).
+on the meta device, run under FakeTensorMode (shapes, dtypes and views as on the CPU, no storage,
+and transformers' data-dependent checks skip themselves for fake tensors), with
+`torch.autograd.graph.saved_tensors_hooks` counting every tensor autograd saves while each block
+runs (parameters and tensors the block was handed, such as the rotary tables every block shares,
+excluded; a view counted once, through its base). All parameters require grad, so this is the
+full fine-tune's saved set; LoRA's is priced from it (activations.py), an upper bound: a frozen
+base linear keeps no input and a frozen norm weight no normalised copy (bench/memory.py --family:
+full rows within 2%, LoRA rows 7-15% over).
 
-Two sequence lengths give bytes per token = a + b * seq (b is attention that materialises seq x
-seq scores: eager attention; 0 for SDPA's fused kernels). Both activation dtypes are measured: an
-fp32 HF RMSNorm saves its input itself, a 16-bit one an fp32 copy of it.
+Three sequence lengths give bytes = c + a*seq + b*seq^2 (b: attention that materialises seq x seq
+scores or a sliding-window mask). Both activation dtypes are measured: an fp32 HF RMSNorm saves
+its input itself, a 16-bit one an fp32 copy of it.
 
-SDPA on meta tensors dispatches to the math kernel (which saves the seq x seq probabilities, in
-fp32); on the GPU a training step runs the flash or memory-efficient kernel, which saves q, k, v,
-the output and a per-head log-sum-exp. So under measurement SDPA is replaced by a function that
-saves exactly those (`_FusedAttention`).
+SDPA dispatches to the math kernel on fake/meta tensors (which saves the seq x seq probabilities,
+in fp32); a training step runs the flash or memory-efficient kernel, which saves q, k, v, the
+output and a per-head log-sum-exp, so under measurement SDPA is replaced by a stand-in saving
+exactly those (`_Stand_ins`); tests/unit/test_shapes.py checks the result against the same
+hooks on a real CPU forward of every family in tests/families.py. HOMELAB_FT_DEBUG_SAVED=1 logs
+each saved tensor.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ DTYPES = {2: "bfloat16", 4: "float32"}
 
 
 def measure_saved(build, firsts: list[int]) -> dict[int, tuple]:
-    """{block index: ((act_bytes, a, b), ...)} for the blocks `firsts`. `build(dtype)` returns a
-    fresh meta-device model in that dtype and its decoder blocks."""
+    """{block index: ((act_bytes, a, b), ...)} for the blocks `firsts`: bytes per token a + b * seq.
+    `build(dtype)` returns a fresh meta-device model in that dtype and its decoder blocks."""
     import torch
 
     per_dtype = {}
