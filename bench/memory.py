@@ -14,6 +14,11 @@ cross-entropy alone on given hidden states (the head frozen), against the planne
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/memory.py                 # ~2 minutes on one core
     OMP_NUM_THREADS=1 .venv/bin/python bench/memory.py --optim-in-bwd-shape
+    OMP_NUM_THREADS=1 .venv/bin/python bench/memory.py --family qwen3_5_text --seq-len 512 --rows "lora chunked,full chunked"
+
+`--family MODEL_TYPE` measures tests/families.py's tiny random model of that transformers family
+instead (its default config with tiny sizes; --hidden/--intermediate/--layers/--vocab do not apply),
+so the planner's derived shape (plan/derive.py) is checked on families it has no formula for.
     .venv/bin/python bench/memory.py --device cuda --hidden 1024 --layers 4
 """
 
@@ -180,6 +185,27 @@ def _num_params(args) -> int:
     return 2 * args.vocab * args.hidden + args.layers * block + args.hidden
 
 
+def _save_model(model_dir: Path, args) -> str:
+    """The measured model, saved: the Llama of the command line, or a family's tiny model (then
+    args.vocab becomes its vocabulary, which the rows' token ids are drawn from)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.family:
+        from families import save_tiny, tiny_config
+
+        save_tiny(model_dir, args.family, with_tokenizer=False, max_position_embeddings=max(512, args.seq_len))
+        args.vocab = tiny_config(args.family).get_text_config().vocab_size
+        return f"{args.family} (tests/families.py tiny model, vocab {args.vocab})"
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=max(args.hidden // 64, 1),
+                         num_key_value_heads=max(args.hidden // 128, 1), max_position_embeddings=args.seq_len,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    return f"Llama: vocab {args.vocab}, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -193,6 +219,7 @@ def main() -> int:
     parser.add_argument("--optim-in-bwd-shape", action="store_true",
                         help="the deep narrow model with short rows where the optimizer phase is the peak: "
                              + " ".join(OPTIM_IN_BWD_SHAPE))
+    parser.add_argument("--family", help="a transformers model_type: its tiny model from tests/families.py")
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -202,23 +229,13 @@ def main() -> int:
         print(json.dumps({"peak": measure_row(args.row, Path(args.model_dir), args)}))
         return 0
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     names = [n.strip() for n in args.rows.split(",") if n.strip()]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
-        config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                             num_hidden_layers=args.layers, num_attention_heads=max(args.hidden // 64, 1),
-                             num_key_value_heads=max(args.hidden // 128, 1), max_position_embeddings=args.seq_len,
-                             tie_word_embeddings=False)
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).save_pretrained(model_dir)
-        del config
+        described = _save_model(model_dir, args)
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        print(f"Llama: vocab {args.vocab}, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers; "
-              f"{args.batch} x {args.seq_len} tokens, {args.device}, one step after a warm-up step")
+        print(f"{described}; {args.batch} x {args.seq_len} tokens, {args.device}, one step after a warm-up step")
         print(f"{'row':22s} {'planned MB':>11s} {'measured MB':>12s} {'measured/planned':>17s}")
         for name in names:
             argv = [sys.executable, __file__, "--row", name, "--model-dir", str(model_dir), "--device", args.device, "--vocab", str(args.vocab),

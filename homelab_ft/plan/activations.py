@@ -19,16 +19,15 @@ def activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_b
                      offloaded: bool = False) -> int:
     """Tensors autograd keeps for backward on one device, for one micro-batch.
 
-    Per block and token, in elements (HF Llama-style block with SDPA attention, which keeps no
-    seq x seq score matrix; after Korthikanti et al. 2022, "Reducing Activation Recomputation"):
-      6h     two RMSNorms: input (kept in fp32 by the HF norm = 2h in 16-bit units) + normed output
-      3q     attention output, its reshaped copy fed to o_proj, and q after RoPE
-      2kv    k and v after RoPE (kept by SDPA)
-      4i     MLP: gate output (for SiLU), SiLU output and up output (for the product), down input
-    LoRA adds, per targeted linear, its dropout's copy of the input plus a 1-byte mask (dropout > 0)
-    and lora_A's r outputs. With activation checkpointing only each block's input (h) is kept, plus
-    one block recomputed in full during its backward; with activation offload (`offloaded`) those
-    block inputs wait in host RAM and only the running block's input is back on the device.
+    Per block and token: what one forward of that block kind saved, measured when the shape was
+    derived (saved.py: the full fine-tune's saved tensors in this dtype, at this sequence length;
+    for a Llama-style block with SDPA that is 8h + 3q + 2kv + 4i elements: each HF RMSNorm keeps an
+    fp32 copy of its input, its normalised input and its output; SDPA keeps q, k, v and its output,
+    o_proj its input; the MLP its gate, SiLU, up and product). LoRA adds, per targeted linear, its
+    dropout's copy of the input plus a 1-byte mask (dropout > 0) and lora_A's r outputs. With
+    activation checkpointing only each block's input (h) is kept, plus one block recomputed in full
+    during its backward; with activation offload (`offloaded`) those block inputs wait in host RAM
+    and only the running block's input is back on the device.
     """
     tokens = request.seq_len * request.rows_per_micro_batch
     per_block = _block_activation_bytes(shape, method, request, act_bytes)
@@ -53,15 +52,13 @@ def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest
     """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
-        q = shape.num_attention_heads * shape.head_dim
-        kv = shape.num_kv_heads * shape.head_dim
-        nbytes = (6 * shape.hidden_size + 3 * q + 2 * kv + 4 * block.mlp_width) * act_bytes
+        nbytes = block.saved_bytes_per_token(act_bytes, request.seq_len)
         if method != "full":
             targets = targeted_linears(block, request)
             if request.lora_dropout > 0:
                 nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
             nbytes += len(targets) * request.lora_r * act_bytes
-        per_block.append(nbytes)
+        per_block.append(round(nbytes))
     return per_block
 
 

@@ -98,9 +98,10 @@ def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: 
 
 
 def targeted_linears(block: BlockShape, request: PlanRequest) -> tuple[Linear, ...]:
-    """The block's linears that LoRA wraps: `lora.target_modules` matched by name suffix, as PEFT does."""
+    """The block's linears that LoRA wraps: `all-linear` as PEFT resolves it on this model (derive.py
+    asks PEFT), else `lora.target_modules` matched by name suffix, as PEFT does."""
     if "all-linear" in request.lora_targets:
-        return block.linears
+        return tuple(lin for lin in block.linears if lin.all_linear)
     return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in request.lora_targets))
 
 
@@ -143,12 +144,9 @@ def gathered_end_params(shape: ModelShape) -> int:
 
 
 def largest_param(shape: ModelShape) -> int:
-    """Elements of the largest single parameter: the embedding for any vocabulary of 32k and up,
-    else a block's widest linear or half of its stacked MoE experts (gate_up and down tensors)."""
-    biggest = shape.embedding_params
-    for block in shape.blocks:
-        biggest = max(biggest, *(lin.weight_params for lin in block.linears), block.expert_params // 2)
-    return biggest
+    """Elements of the largest single parameter, read from the built model: the embedding for any
+    vocabulary of 32k and up, else a block's widest linear or its largest stacked-experts tensor."""
+    return shape.largest_param
 
 
 def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int, largest: int,

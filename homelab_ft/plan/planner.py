@@ -326,7 +326,8 @@ def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str
     from homelab_ft.plan.shapes import model_shape
 
     config, source = locate_config(recipe.model.path)
-    shape = model_shape(config)
+    shape = model_shape(config, attn_implementation=recipe.model.attn_implementation, model_path=recipe.model.path,
+                        trust_remote_code=recipe.model.trust_remote_code)
     if cluster is None:
         cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(), cluster_file=cluster_file)
     return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,

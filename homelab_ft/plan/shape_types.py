@@ -1,0 +1,146 @@
+"""The model's shape as data: what the planner needs to know about a model before anything is loaded.
+
+How many parameters each part has (per decoder-block kind, the embeddings, the head), which of a
+block's parameters are `nn.Linear` layers (what QLoRA quantizes, what LoRA's `all-linear` wraps),
+which are stacked MoE experts, and the activation bytes each block kind keeps for backward.
+
+Nothing here is written per family: derive.py reads it all from the model transformers builds from
+the config (on the meta device), and shape_cache.py keeps it as JSON per (config, transformers
+version), so planning a model seen before imports no torch. The config itself comes from
+wherever the model lives: locate.locate_config. shapes.model_shape is the front door.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One `nn.Linear` of a block: what bitsandbytes quantizes and what LoRA can target."""
+
+    name: str
+    """Module name inside the block (self_attn.q_proj ...); `target_modules` match it by suffix."""
+    in_features: int
+    out_features: int
+    bias: bool = False
+    all_linear: bool = True
+    """PEFT's `all-linear` resolution wraps it (derive._all_linear_names)."""
+
+    @property
+    def weight_params(self) -> int:
+        return self.in_features * self.out_features
+
+    @property
+    def params(self) -> int:
+        return self.weight_params + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One kind of decoder block (equal parameters and layer type) and how many the model stacks."""
+
+    num_blocks: int
+    linears: tuple[Linear, ...]
+    other_params: int
+    """Parameters neither in an nn.Linear nor in stacked experts: norms, routers, convolutions."""
+    expert_params: int = 0
+    """Stacked (3-D) expert tensors and their biases: plain nn.Parameters in transformers 5, so
+    bitsandbytes leaves them unquantized and LoRA's all-linear does not reach them."""
+    active_expert_params: int = 0
+    """Expert parameters one token passes through: top-k of the experts."""
+    kind: str = ""
+    """The block's class name."""
+    first_layer: int = 0
+    """Index of the first block of this kind: the one whose forward was measured."""
+    saved: tuple[tuple[int, float, float], ...] = ()
+    """(activation bytes per element, a, b): bytes per token that autograd keeps for this block's
+    backward = a + b * seq, measured for full fine-tuning (saved.py)."""
+
+    @property
+    def params(self) -> int:
+        return sum(lin.params for lin in self.linears) + self.other_params + self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        return self.params - self.expert_params + self.active_expert_params
+
+    @property
+    def linear_weight_params(self) -> int:
+        return sum(lin.weight_params for lin in self.linears)
+
+    def saved_bytes_per_token(self, act_bytes: int, seq_len: int) -> float:
+        """Measured bytes per token at `seq_len` in the dtype of `act_bytes` (16-bit: 2, fp32: 4)."""
+        a, b = next((a, b) for n, a, b in self.saved if n == act_bytes)
+        return a + b * seq_len
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    blocks: tuple[BlockShape, ...]
+    embedding_params: int
+    """Every embedding table outside the blocks: tokens, and per-layer input embeddings (Gemma 3n/4)."""
+    lm_head_params: int
+    """0 when tied: the head reuses the embedding matrix (counted once, as torch does)."""
+    other_root_params: int
+    """The rest outside the blocks: final norm, per-layer projections, rotary or other small tables."""
+    largest_param: int
+    """Elements of the model's largest single parameter (the CPU optimizer step's temporaries)."""
+    logit_softcapping: bool = False
+    """The decoder caps logits with tanh (Gemma 2): one more vocab-sized tensor per token in the loss."""
+    notes: tuple[str, ...] = ()
+    """Caveats the planner repeats as warnings (e.g. a vision tower that is not counted)."""
+    attn_implementation: str = "sdpa"
+    """The attention implementation the activations were measured for."""
+
+    @property
+    def final_norm_params(self) -> int:
+        return self.other_root_params
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside the decoder blocks: embeddings, final norm, LM head."""
+        return self.embedding_params + self.other_root_params + self.lm_head_params
+
+    @property
+    def block_params(self) -> int:
+        return sum(b.num_blocks * b.params for b in self.blocks)
+
+    @property
+    def total_params(self) -> int:
+        return self.root_params + self.block_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token passes through (== total_params for dense models)."""
+        return self.root_params + sum(b.num_blocks * b.active_params for b in self.blocks)
+
+    @property
+    def max_block_params(self) -> int:
+        """The largest block: what FSDP gathers at once."""
+        return max(b.params for b in self.blocks)
+
+    @property
+    def linear_weight_params(self) -> int:
+        """Weights of the blocks' nn.Linear layers: what 4-bit/8-bit quantization replaces."""
+        return sum(b.num_blocks * b.linear_weight_params for b in self.blocks)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(b.expert_params for b in self.blocks)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelShape:
+        blocks = tuple(BlockShape(**{**b, "linears": tuple(Linear(**lin) for lin in b["linears"]),
+                                     "saved": tuple(tuple(row) for row in b["saved"])}) for b in data["blocks"])
+        return cls(**{**data, "blocks": blocks, "notes": tuple(data["notes"])})
