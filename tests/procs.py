@@ -54,3 +54,16 @@ def write_pair_data(path: Path, num_rows: int, *, seed: int = 0, max_q_words: in
             fh.write(json.dumps({"prompt": q, "chosen": f"answer: yes {tail}".strip(),
                                  "rejected": f"answer: no {' '.join(rng.choice(words) for _ in range(rng.randint(0, 3)))}".strip()}) + "\n")
     return path
+
+
+def plan_without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`homelab-ft plan ARGS` in a fresh process that must not import torch. The first plan of a
+    config derives its shape with torch (plan/derive.py) and caches it (plan/shape_cache.py), so it
+    runs once first; planning again is what a user repeats, and what is checked."""
+    import sys
+
+    subprocess.run([sys.executable, "-m", "homelab_ft", "plan", *args], capture_output=True, cwd=REPO, timeout=600)
+    code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=60)

@@ -36,11 +36,14 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
     from homelab_ft.plan.saved import measure_saved
 
     hf_config, notes = text_decoder_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    # `auto` (the default): sdpa where the class supports it, else eager, as model/family.py loads it.
+    auto = attn_implementation == "auto"
+    attn_implementation = "sdpa" if auto else attn_implementation
     model, used = _build_supported(hf_config, attn_implementation, trust_remote_code=trust_remote_code)
-    if used != attn_implementation:
+    if used != attn_implementation and not auto:
         notes += (f"{hf_config.model_type} does not support attn_implementation={attn_implementation} in transformers; "
                   f"its activations are priced for {used}",)
-        attn_implementation = used
+    attn_implementation = used
     blocks = decoder_blocks(model)
     kinds = _group(blocks, hf_config)
 

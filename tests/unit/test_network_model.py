@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import procs
 import pytest
 
 from homelab_ft.cli.main import main
@@ -141,27 +140,22 @@ def _recipe(tmp_path: Path) -> Path:
     return recipe
 
 
-def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
 
 
 def test_plan_takes_a_cluster_file_over_the_recipe_and_flags_over_the_file(tmp_path):
     path, recipe = _cluster_file(tmp_path), _recipe(tmp_path)
-    out = _plan_cli(str(recipe), "--cluster", str(path))
+    out = procs.plan_without_torch(str(recipe), "--cluster", str(path))
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("cluster"))
     assert "2 node(s)" in line and "[cluster file cluster.yaml]" in line
     assert "0.94 Gbit/s (118 MB/s, 0.30 ms all-reduce latency, measured) between nodes" in line
     assert "comm s" in out.stdout
 
-    out = _plan_cli(str(recipe), "--cluster", str(path), "--link", "10Gbit", "--json")
+    out = procs.plan_without_torch(str(recipe), "--cluster", str(path), "--link", "10Gbit", "--json")
     data = json.loads(out.stdout)["cluster"]
     assert data["inter_link_gbit"] == 10 and not data["inter_link_measured"] and data["inter_latency_s"] == 0.3e-3
 
-    without = _plan_cli(str(recipe), "--nodes", "2")
+    without = procs.plan_without_torch(str(recipe), "--nodes", "2")
     line = next(ln for ln in without.stdout.splitlines() if ln.startswith("cluster"))
     assert "10 Gbit/s Ethernet (1125 MB/s, 0.20 ms all-reduce latency, assumed) between nodes" in line
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+import procs
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -290,21 +289,13 @@ def test_flag_parsing():
 # the command
 
 
-def _plan_cli(*args: str) -> subprocess.CompletedProcess:
-    # The first plan of a config derives its shape with torch (plan/derive.py) and caches it
-    # (plan/shape_cache.py); planning it again imports no torch, which is what is checked.
-    subprocess.run([sys.executable, "-m", "homelab_ft", "plan", *args], capture_output=True, cwd=ROOT, timeout=600)
-    code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=60)
 
 
 def test_plan_command_fits_every_shipped_recipe_without_torch():
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert recipes
     for recipe in recipes:
-        out = _plan_cli(str(recipe))
+        out = procs.plan_without_torch(str(recipe))
         assert out.returncode == 0, (recipe, out.stdout[-2000:], out.stderr)
         assert "option" in out.stdout and ("chosen" in out.stdout or "nothing fits" in out.stdout), recipe
 
@@ -313,17 +304,17 @@ def test_plan_command_json_flags_and_exit_codes(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"method: auto\nmodel:\n  path: {CONFIGS / 'llama-3-8b.json'}\n"
                       "data:\n  max_length: 2048\ntrain:\n  micro_batch_size: 1\n  activation_checkpointing: true\n")
-    out = _plan_cli(str(recipe), "--gpus", "1x24GB", "--host-ram", "64GB", "--json")
+    out = procs.plan_without_torch(str(recipe), "--gpus", "1x24GB", "--host-ram", "64GB", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["chosen"]["method"] == "qlora" and data["cluster"]["device_bytes"] == 24 * GiB
 
-    out = _plan_cli(str(recipe), "method=full", "sharding.strategy=no_shard", "--gpus", "1x24GB", "--host-ram", "64GB")
+    out = procs.plan_without_torch(str(recipe), "method=full", "sharding.strategy=no_shard", "--gpus", "1x24GB", "--host-ram", "64GB")
     assert out.returncode == 2 and "nothing fits" in out.stdout and "would fit" in out.stdout
 
-    out = _plan_cli(str(recipe), "--gpus", "0x24GB")
+    out = procs.plan_without_torch(str(recipe), "--gpus", "0x24GB")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--gpus" in out.stderr
-    out = _plan_cli(str(recipe), "data.max_length=100000", "--gpus", "1x24GB")
+    out = procs.plan_without_torch(str(recipe), "data.max_length=100000", "--gpus", "1x24GB")
     assert out.returncode == 2 and "max_position_embeddings" in out.stderr
 
 
