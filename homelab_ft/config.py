@@ -20,14 +20,14 @@ from pydantic.dataclasses import dataclass
 from homelab_ft.bounds import Fraction, LearningRate, NonNegative, NonNegInt, Positive, PositiveInt, Seed
 from homelab_ft.errors import UserError
 from homelab_ft.recipe_io import apply_overrides, attach_field_docs, explain, read_yaml_mapping, write_yaml
-from homelab_ft.rung import METHODS, OPTIMIZERS, STRATEGIES
+from homelab_ft.rung import METHODS, OPTIMIZERS
+from homelab_ft.sharding_config import ShardingConfig
 
 # allow_inf_nan=False: every float is finite (bounds.py names each kind's range).
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
 # The names live once, in rung.py; `auto` lets the planner choose.
 Method = Literal[("auto", *METHODS)]
-Strategy = Literal[("auto", *STRATEGIES)]
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -270,20 +270,6 @@ class ClusterConfig:
     inter_link_measured: bool = False
     """`inter_link_gbit` is a measured collective bandwidth (set by a cluster file, `--cluster`),
     used as it is; otherwise it is the nominal Ethernet speed, of which collectives reach ~90%."""
-
-
-@dataclass(frozen=True, config=_STRICT)
-class ShardingConfig:
-    strategy: Strategy = "auto"
-    """FSDP2 strategy for multi-process runs; `auto` lets the planner pick."""
-    cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in host RAM (FSDP2 CPUOffloadPolicy)."""
-    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Dtype of gathered weights during compute; `auto`: the model dtype."""
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype gradients are reduced in; fp32 keeps small per-rank contributions from rounding away.
-    DDP (no_shard) reduces gradients that are already bf16 in bf16 whatever this says, and on
-    gloo (CPU) fp32 gradients in fp32 (torch's bf16 hook for DDP needs NCCL)."""
 
 
 @dataclass(frozen=True, config=_STRICT)

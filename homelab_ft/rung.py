@@ -10,7 +10,7 @@ comparing strategy strings. Validation is pure (no torch, no process group), aft
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from homelab_ft.errors import UserError
 
@@ -27,6 +27,9 @@ STRATEGIES = (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD)
 ADAMW = "adamw"
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 OPTIMIZERS = (ADAMW, *BNB_OPTIMIZERS)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+"""torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe; 1F1B keeps at most `stages`
+micro-batches' activations in flight on the first stage, GPipe all of them."""
 
 DEFER_SYNC_TRAINABLE_FRACTION = 0.05
 """Below this fraction of trainable parameters (adapters: typically < 2%), FSDP2's gradient
@@ -57,9 +60,18 @@ class Rung:
     """Each block's activations are recomputed in backward (the recipe's value, or the planner's when `auto`)."""
     activation_offload: bool = False
     """The checkpointed block inputs wait in host RAM (offload.py); only with checkpointing."""
+    pipeline_stages: int = 1
+    """Contiguous groups of decoder blocks, one per pipeline rank (torch.distributed.pipelining);
+    1 = no pipeline. The other ranks of the world replicate the pipeline (data parallelism)."""
+    stage_blocks: tuple[int, ...] = ()
+    """Decoder blocks per stage, first to last; () = as even as possible (the planner sizes it to each GPU)."""
+    pipeline_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        # run.json and the torchrun handoff carry stage_blocks as a JSON list; frozen, so set once here.
+        object.__setattr__(self, "stage_blocks", tuple(self.stage_blocks))
         _validate(self)
+        _validate_pipeline(self)
 
     # ---- the job's shape
 
@@ -73,6 +85,15 @@ class Rung:
         if not self.fsdp_enabled:
             return 1
         return self.procs_per_node if self.hybrid_enabled else self.world_size
+
+    @property
+    def pipeline_enabled(self) -> bool:
+        return self.pipeline_stages > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the whole model (of the whole pipeline when pipelined)."""
+        return self.world_size // self.pipeline_stages
 
     # ---- what runs
 
@@ -169,6 +190,34 @@ def _validate(r: Rung) -> None:
                         "sharding.strategy=no_shard")
 
 
+def _validate_pipeline(r: Rung) -> None:
+    """The pipeline's own refusals; those that need the model (its blocks) or the micro-batch count
+    come from `distributed.pipeline.check_recipe`, also before anything is created."""
+    if r.pipeline_stages < 1:
+        raise RungError(f"sharding.pipeline_stages={r.pipeline_stages}: a pipeline has at least 1 stage (1 = none)")
+    if r.world_size % r.pipeline_stages:
+        raise RungError(f"sharding.pipeline_stages={r.pipeline_stages} does not divide the {r.world_size} processes of "
+                        f"cluster (nodes x gpus_per_node); every data-parallel replica needs all the stages")
+    if r.pipeline_schedule not in PIPELINE_SCHEDULES:
+        raise RungError(f"sharding.pipeline_schedule={r.pipeline_schedule!r} does not exist; use one of "
+                        f"{', '.join(PIPELINE_SCHEDULES)}")
+    if r.stage_blocks and len(r.stage_blocks) != r.pipeline_stages:
+        raise RungError(f"sharding.stage_blocks lists {len(r.stage_blocks)} stage(s) but sharding.pipeline_stages="
+                        f"{r.pipeline_stages}; give one block count per stage, or drop stage_blocks")
+    if any(n < 1 for n in r.stage_blocks):
+        raise RungError(f"sharding.stage_blocks={list(r.stage_blocks)}: every stage needs at least one decoder block")
+    if not r.pipeline_enabled:
+        return
+    if r.fsdp_enabled:
+        raise RungError(f"sharding.pipeline_stages={r.pipeline_stages} runs its data-parallel replicas with DDP; "
+                        f"sharding.strategy={r.strategy} inside a stage is not supported yet: set "
+                        "sharding.strategy=no_shard, or sharding.pipeline_stages=1")
+    if r.optimizer_in_backward:
+        raise RungError("train.optimizer_in_backward steps parameters inside backward, but a pipeline's clipping "
+                        "needs every stage's gradient norm first; set train.optimizer_in_backward=false "
+                        "or sharding.pipeline_stages=1")
+
+
 def default_strategy(method: str, *, world_size: int) -> str:
     """What a recipe that leaves `sharding.strategy: auto` gets when the planner chose nothing:
     adapters are small, so replicate them (only adapter gradients cross the network); a full
@@ -217,8 +266,21 @@ def rung_for(recipe) -> Rung:
     `requested_rung`'s defaults for what it leaves `auto`. Used where the planner chose nothing for
     a named method, and by tests and benchmarks that build a model for a recipe directly."""
     train = recipe.train
-    return requested_rung(recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
+    return pipelined(requested_rung(recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
                           nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
                           optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward,
                           quant_bits=recipe.quant.bits, activation_checkpointing=train.activation_checkpointing,
-                          activation_offload=train.activation_offload)
+                          activation_offload=train.activation_offload), recipe.sharding)
+
+
+def pipelined(rung: Rung, sharding) -> Rung:
+    """`rung` with the pipeline the recipe's `sharding:` section names (config.ShardingConfig):
+    `pipeline_stages: auto` leaves the rung's own. A pipeline's replicas are DDP replicas, so a
+    `strategy: auto` that became a sharded strategy is `no_shard` there (an explicit one is
+    refused by `_validate_pipeline` with its fix)."""
+    if sharding.pipeline_stages == "auto" or sharding.pipeline_stages == rung.pipeline_stages == 1:
+        return rung
+    strategy = NO_SHARD if sharding.pipeline_stages > 1 and sharding.strategy == "auto" else rung.strategy
+    return replace(rung, strategy=strategy, cpu_offload=rung.cpu_offload and strategy != NO_SHARD,
+                   pipeline_stages=sharding.pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()),
+                   pipeline_schedule=sharding.pipeline_schedule)

@@ -67,6 +67,10 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
             sharded_qlora.check_model(config, recipe, rung=rung, device_type=device_type)
     if rung.adapters_enabled:
         check_lora_targets(model_dir, recipe)
+    if rung.pipeline_enabled:
+        from homelab_ft.distributed import stages
+
+        stages.check_recipe(recipe, rung=rung, config=config)
     return Inputs(model_dir=model_dir, resume_from=resume_from)
 
 

@@ -94,6 +94,8 @@ class Session:
     samples: samples.Samples
     max_steps: int | None = None
     """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
+    pipeline: object | None = None
+    """This rank's pipeline stage and schedule (distributed.pipeline.Pipeline) when the rung is pipelined."""
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
@@ -193,6 +195,8 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     Returns the step's mean loss per trained token (all ranks), the gradient norm before
     clipping, and the trained and read token counts of all ranks.
     """
+    if s.pipeline is not None:
+        return pipeline_step(s, micro_batches)
     env, model = s.env, s.model
     local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
     global_tokens = int(comm.all_reduce_sum(local_tokens, env))
@@ -219,6 +223,24 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
     read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
     return loss, float(grad_norm), global_tokens, read
+
+
+def pipeline_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
+    """train_step through the pipeline's schedule (distributed/pipeline.py): the same loss scale
+    per micro-batch, the gradient norm over every stage; returns what train_step returns."""
+    env, stages = s.env, s.rung.pipeline_stages
+    # Every stage of a replica holds the same micro-batches: the world's sum counts each one once per stage.
+    global_tokens = int(comm.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env)) // stages
+    scale = steps.loss_scale(world_size=s.rung.data_parallel_size, global_tokens=global_tokens)
+    s.model.train()
+    loss_sum = s.pipeline.step(micro_batches, scale=scale, device=env.device)  # 0 but on the last stage
+    grad_norm = s.pipeline.clip_grad_norm_(s.recipe.train.max_grad_norm)
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
+    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env)) // stages
+    return loss, grad_norm, global_tokens, read
 
 
 def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int, dict]:
@@ -269,8 +291,9 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
-    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
-                                world_size=env.world_size, shuffle=recipe.data.shuffle)
+    replicas = rung.data_parallel_size  # rows are dealt to replicas; the stages of one pipeline read the same
+    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
+                                rank=env.rank % replicas, world_size=replicas, shuffle=recipe.data.shuffle)
     max_steps = steps.total_steps(cfg, batches_per_epoch=sampler.batches_per_epoch)
     if inputs.resume_from is not None:  # the run's length is known now, before the run directory is touched
         steps.check_resume_point(cfg, start_step=checkpoint.step_of(inputs.resume_from), max_steps=max_steps)
@@ -280,7 +303,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     comm.barrier(env)  # and no rank reads a half-made run directory
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-    model = build.build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    model, pipe = build.build_for(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=tokenizer.pad_token_id)
     if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
         compiling.compile_blocks(model)
     if recipe.objective == "dpo" and not rung.adapters_enabled:
@@ -312,7 +335,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
     return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps)
+                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps, pipeline=pipe)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):

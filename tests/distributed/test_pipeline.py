@@ -1,0 +1,121 @@
+"""Pipeline parallelism (distributed/pipeline.py) on 2 gloo processes against one process.
+
+One launch of 2 processes runs every pipelined job (each torchrun costs seconds on 2 cores), one
+plain process the references. The two stages of a pipeline read the same micro-batches and one
+process with the same micro_batch_size and grad_accum_steps sees exactly those rows, so losses and
+the gradients of every step must agree to float rounding (micro-batches are padded to
+data.max_length for the pipeline and to their longest row for one process: the masked positions
+change nothing but the order of a few float sums). 4 micro-batches over 2 stages, 4 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from procs import run_checked, write_chat_data
+
+WORKER = Path(__file__).with_name("worker.py")
+TOL = 1e-5
+STEPS = 4
+
+
+def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full",
+            sharding: dict | None = None, train: dict | None = None) -> dict:
+    return {
+        "name": name,
+        "method": method,
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
+        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 4,
+                  "lr": 5e-3 if method == "lora" else 1e-3, "device": "cpu", "loss_chunk_tokens": 16,
+                  "save_every": 0, **(train or {})},
+        "output": {"dir": str(tmp / "runs" / f"{name}-{procs}"), "tensorboard": False},
+        "cluster": {"nodes": 1, "gpus_per_node": procs},
+        "sharding": {"strategy": "no_shard", "pipeline_stages": procs, **(sharding or {})} if procs > 1 else {},
+    }
+
+
+CASES = {
+    # name: (model, method, sharding of the pipelined run)
+    "full": ("plain", "full", {}),
+    "lora": ("plain", "lora", {}),
+    "tied_full": ("tied", "full", {}),
+    "uneven": ("deep", "full", {"stage_blocks": [3, 1]}),
+    "gpipe_lora": ("deep", "lora", {"pipeline_schedule": "gpipe"}),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    from tiny import make_llama
+
+    tmp = tmp_path_factory.mktemp("pipeline")
+    write_chat_data(tmp / "train.jsonl", 48)
+    models = {"plain": make_llama(tmp / "plain"), "tied": make_llama(tmp / "tied", tie_word_embeddings=True),
+              "deep": make_llama(tmp / "deep", num_hidden_layers=4)}
+    two, one = [], []
+    for name, (model, method, sharding) in CASES.items():
+        grads = str(tmp / f"{name}")
+        two.append({"kind": "train", "name": name, "capture_grads": grads + "-pp",
+                    "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding)})
+        one.append({"kind": "train", "name": name, "capture_grads": grads + "-one", "reset_adapters": method == "lora",
+                    "recipe": _recipe(tmp, models[model], name, procs=1, method=method)})
+    (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
+    (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
+    run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    out = {"two": json.loads((tmp / "two.out.json").read_text()), "one": json.loads((tmp / "one.out.json").read_text())}
+    out["grads"] = {}
+    for name in CASES:
+        stages = [torch.load(tmp / f"{name}-pp.rank{r}.pt") for r in range(2)]
+        out["grads"][name] = {"one": torch.load(tmp / f"{name}-one.rank0.pt"), "stages": stages}
+    return out
+
+
+def _max_grad_diff(grads: dict) -> tuple[float, int]:
+    """Max abs difference over every step and every parameter of one process, and the count compared."""
+    worst, compared = 0.0, 0
+    for step, reference in enumerate(grads["one"]):
+        merged = {**grads["stages"][0][step], **grads["stages"][1][step]}
+        for name, grad in reference.items():
+            worst = max(worst, float((merged[name] - grad).abs().max()))
+            compared += 1
+    return worst, compared
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_one_process(results, name):
+    losses, ref = results["two"][name]["losses"], results["one"][name]["losses"]
+    assert len(losses) == STEPS
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
+    grad_diff, compared = _max_grad_diff(results["grads"][name])
+    print(f"{name}: loss max abs diff {loss_diff:.2e}, grad max abs diff {grad_diff:.2e} ({compared} tensors)")
+    assert loss_diff < TOL, (losses, ref)
+    assert grad_diff < TOL
+    assert compared >= STEPS * 3
+
+
+def test_stages_hold_only_their_blocks(results):
+    """The uneven split: stage 0 holds blocks 0-2 and the embeddings, stage 1 block 3, the norm and the head."""
+    first, last = (set(results["grads"]["uneven"]["stages"][r][0]) for r in range(2))
+    assert {n.split(".")[2] for n in first if n.startswith("model.layers.")} == {"0", "1", "2"}
+    assert {n.split(".")[2] for n in last if n.startswith("model.layers.")} == {"3"}
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+    assert "model.norm.weight" in last and "model.norm.weight" not in first
+
+
+def test_tied_embedding_gradients_summed(results):
+    """Both ends hold the tied weight; the head's gradient is the embedding's (summed over both), and
+    it equals the one-process gradient of the one shared Parameter."""
+    grads = results["grads"]["tied_full"]
+    for step, reference in enumerate(grads["one"]):
+        embed = grads["stages"][0][step]["model.embed_tokens.weight"]
+        head = grads["stages"][1][step]["lm_head.weight"]
+        assert torch.equal(embed, head)
+        assert float((embed - reference["model.embed_tokens.weight"]).abs().max()) < TOL
