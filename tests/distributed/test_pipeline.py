@@ -25,18 +25,21 @@ STEPS = 4
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full",
             sharding: dict | None = None, train: dict | None = None) -> dict:
+    """`procs` processes as 2 stages x procs/2 replicas (1: the one-process reference), each replica
+    with micro-batches of 2 / replicas rows: every run trains the same rows per step."""
+    replicas = max(procs // 2, 1)
     return {
         "name": name,
         "method": method,
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 4,
+        "train": {"max_steps": STEPS, "micro_batch_size": 2 // replicas, "grad_accum_steps": 4,
                   "lr": 5e-3 if method == "lora" else 1e-3, "device": "cpu", "loss_chunk_tokens": 16,
                   "save_every": 0, **(train or {})},
         "output": {"dir": str(tmp / "runs" / f"{name}-{procs}"), "tensorboard": False},
         "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": "no_shard", "pipeline_stages": procs, **(sharding or {})} if procs > 1 else {},
+        "sharding": {"strategy": "no_shard", "pipeline_stages": 2, **(sharding or {})} if procs > 1 else {},
     }
 
 
@@ -48,6 +51,7 @@ CASES = {
     "uneven": ("deep", "full", {"stage_blocks": [3, 1]}),
     "gpipe_lora": ("deep", "lora", {"pipeline_schedule": "gpipe"}),
 }
+TWO_BY_TWO = ("full", "lora")
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +69,26 @@ def results(tmp_path_factory) -> dict:
                     "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding)})
         one.append({"kind": "train", "name": name, "capture_grads": grads + "-one", "reset_adapters": method == "lora",
                     "recipe": _recipe(tmp, models[model], name, procs=1, method=method)})
+    # 2 stages x 2 data-parallel replicas (DDP over each stage's replicas) against the same references
+    four = [{"kind": "train", "name": name, "capture_grads": str(tmp / f"{name}-pp4"),
+             "recipe": _recipe(tmp, models[CASES[name][0]], name, procs=4, method=CASES[name][1])} for name in TWO_BY_TWO]
+    (tmp / "four.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": four}))
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
     run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
+    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                 str(WORKER), str(tmp / "four.json"), str(tmp / "four.out.json")])
     run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
     out = {"two": json.loads((tmp / "two.out.json").read_text()), "one": json.loads((tmp / "one.out.json").read_text())}
-    out["grads"] = {}
+    out["four"] = json.loads((tmp / "four.out.json").read_text())
+    out["grads"], out["grads4"] = {}, {}
     for name in CASES:
-        stages = [torch.load(tmp / f"{name}-pp.rank{r}.pt") for r in range(2)]
-        out["grads"][name] = {"one": torch.load(tmp / f"{name}-one.rank0.pt"), "stages": stages}
+        reference = torch.load(tmp / f"{name}-one.rank0.pt")
+        out["grads"][name] = {"one": reference, "stages": [torch.load(tmp / f"{name}-pp.rank{r}.pt") for r in range(2)]}
+        if name in TWO_BY_TWO:  # ranks are stage-major: 0, 1 hold stage 0; 2, 3 stage 1
+            replicas = [[torch.load(tmp / f"{name}-pp4.rank{stage * 2 + r}.pt") for stage in range(2)] for r in range(2)]
+            out["grads4"][name] = [{"one": reference, "stages": stages} for stages in replicas]
     return out
 
 
@@ -119,3 +133,15 @@ def test_tied_embedding_gradients_summed(results):
         head = grads["stages"][1][step]["lm_head.weight"]
         assert torch.equal(embed, head)
         assert float((embed - reference["model.embed_tokens.weight"]).abs().max()) < TOL
+
+
+@pytest.mark.parametrize("name", TWO_BY_TWO)
+def test_two_stages_by_two_replicas_match_one_process(results, name):
+    """4 processes: 2 stages x 2 DDP replicas, each replica half the rows; both replicas of a stage
+    hold the gradients of the whole step (DDP averaged them, the loss scaled by the 2 replicas)."""
+    losses, ref = results["four"][name]["losses"], results["one"][name]["losses"]
+    loss_diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
+    diffs = [_max_grad_diff(replica) for replica in results["grads4"][name]]
+    print(f"{name} 2x2: loss max abs diff {loss_diff:.2e}, grad max abs diff {max(d for d, _ in diffs):.2e}")
+    assert loss_diff < TOL, (losses, ref)
+    assert all(diff < TOL and compared >= STEPS * 3 for diff, compared in diffs)
