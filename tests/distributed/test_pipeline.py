@@ -145,3 +145,38 @@ def test_two_stages_by_two_replicas_match_one_process(results, name):
     print(f"{name} 2x2: loss max abs diff {loss_diff:.2e}, grad max abs diff {max(d for d, _ in diffs):.2e}")
     assert loss_diff < TOL, (losses, ref)
     assert all(diff < TOL and compared >= STEPS * 3 for diff, compared in diffs)
+
+
+def test_homelab_ft_train_runs_the_pipeline(tmp_path, tiny_model_dir):
+    """`homelab-ft train` with sharding.pipeline_stages: 2, as a user runs it: the parent plans and
+    checks, its torchrun workers train the 2 stages; a refused split stops the parent in one line."""
+    import subprocess
+
+    import yaml
+    from procs import REPO, child_env
+
+    def train(recipe: Path, run: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run)],
+                              env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+
+    write_chat_data(tmp_path / "train.jsonl", 16)
+    body = {"method": "lora", "model": {"path": str(tiny_model_dir)}, "lora": {"r": 4, "dropout": 0.0},
+            "data": {"sources": [{"path": "train.jsonl"}], "max_length": 96},
+            "train": {"max_steps": 2, "micro_batch_size": 2, "grad_accum_steps": 2, "device": "cpu", "num_threads": 1},
+            "cluster": {"gpus_per_node": 2, "device": "cpu"}, "sharding": {"pipeline_stages": 2},
+            "output": {"tensorboard": False}}
+    recipe = tmp_path / "pp.yaml"
+    recipe.write_text(yaml.safe_dump(body))
+    proc = train(recipe, tmp_path / "run")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert (info["pipeline_stages"], info["strategy"]) == (2, "no_shard")
+    assert "pipeline stage 0 of 2: blocks 0-0 + embeddings" in proc.stdout + proc.stderr  # rank 0 logs
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines if "loss" in row] == [1, 2]
+
+    body["sharding"]["stage_blocks"] = [2, 1]
+    recipe.write_text(yaml.safe_dump(body))
+    proc = train(recipe, tmp_path / "refused")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "make them sum to 2" in proc.stderr and not (tmp_path / "refused").exists()
