@@ -216,7 +216,10 @@ def build_pipeline(env: DistEnv, *, rung: Rung, build: Callable[[], nn.Module], 
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     model.to_empty(device=env.device)
     restore_buffers(model, buffers)
-    fill_stage(model, model_dir=model_dir, adapters=adapters, tied=tied)
+    if rung.quantized_enabled:
+        _fill_4bit(model, model_dir=model_dir, adapters=adapters, device=env.device)
+    else:
+        fill_stage(model, model_dir=model_dir, adapters=adapters, tied=tied)
     if activation_checkpointing:
         enable_activation_checkpointing(model)
     module = StageModule(model, first=first, last=last, loss_fn=loss_fn)
@@ -230,6 +233,20 @@ def build_pipeline(env: DistEnv, *, rung: Rung, build: Callable[[], nn.Module], 
     return model, Pipeline(stage_module=module, schedule=schedule, stage_index=stage, num_stages=rung.pipeline_stages,
                            pp_group=pp_group, tied_group=tied_group if last or first else None,
                            pad_token_id=pad_token_id, width=width)
+
+
+def _fill_4bit(model: nn.Module, *, model_dir: Path, adapters: dict, device: torch.device) -> None:
+    """QLoRA: this stage's base read block by block and quantised as the sharded 4-bit base is
+    (sharded_qlora.fill_from_safetensors: bnb's quantize_4bit, bit for bit the one-GPU load), on
+    plain tensors instead of FSDP2 shards; then the stage's adapters."""
+    from homelab_ft.distributed import sharded_qlora
+
+    sharded_qlora.fill_from_safetensors(model, sharded_qlora.load_groups(model), Path(model_dir), compute_device=device)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in adapters.items():
+            if name in params:
+                params[name].copy_(full.to(params[name].dtype))
 
 
 def _replicate(module: nn.Module, env: DistEnv, *, group) -> nn.Module:

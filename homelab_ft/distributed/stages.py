@@ -72,7 +72,7 @@ def check_recipe(recipe, *, rung: Rung, config: dict) -> None:
                         f"torch.distributed.pipelining.{name}; use another schedule or a newer torch")
     unsupported = [
         (recipe.objective == "dpo", "objective=dpo", "objective: sft"),
-        (rung.quantized_enabled, "method=qlora", "method: lora"),
+        (rung.quantized_enabled and rung.quant_bits != 4, "an 8-bit base", "quant.bits=4"),
         (recipe.lora.use_dora and rung.adapters_enabled, "lora.use_dora", "lora.use_dora=false"),
         (bool(recipe.data.eval_sources or recipe.data.eval_fraction), "a held-out split",
          "data.eval_fraction=0 and no data.eval_sources"),

@@ -81,6 +81,8 @@ def build_pipelined(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_tok
     """This rank's pipeline stage (distributed/pipeline.py): (its model, the Pipeline that runs it).
     The last stage ends in the chunked loss of every rung (loss.py), so the loss is the same sum."""
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
+    if rung.quantized_enabled:  # each stage's base in 4 bits, quantised as the sharded 4-bit base is
+        quant.require_bitsandbytes(device=env.device)
     return pipeline.build_pipeline(
         env, rung=rung, model_dir=model_dir,
         build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),

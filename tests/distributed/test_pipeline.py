@@ -50,6 +50,9 @@ CASES = {
     "tied_full": ("tied", "full", {}),
     "uneven": ("deep", "full", {"stage_blocks": [3, 1]}),
     "gpipe_lora": ("deep", "lora", {"pipeline_schedule": "gpipe"}),
+    # a 4-bit base per stage, quantised from the stage's own tensors, against the one-process 4-bit
+    # load (an unquantised stage would differ from it by the quantisation error, far above TOL)
+    "qlora": ("deep", "qlora", {"stage_blocks": [3, 1]}),
 }
 TWO_BY_TWO = ("full", "lora")
 

@@ -76,6 +76,7 @@ def _recipe(**train) -> object:
     ({}, {"stage_blocks": (2, 1)}, {"num_hidden_layers": 4}, "make them sum to 4"),
     ({}, {}, {"model_type": "x"}, "no num_hidden_layers"),
     ({"sample_every": 2, "sample_prompts": ["hi"]}, {}, {"num_hidden_layers": 4}, "train.sample_every=0"),
+    ({}, {"method": "qlora", "quant_bits": 8}, {"num_hidden_layers": 4}, "set quant.bits=4"),
 ])
 def test_refusals_that_need_the_model(train, rung, config, message):
     with pytest.raises(UserError, match=message):
