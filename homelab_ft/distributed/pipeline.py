@@ -126,6 +126,20 @@ class Pipeline:
         if weight is not None and weight.grad is not None:
             dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=self.tied_group)
 
+    def count_params(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the whole model, over the stages (the tied weight once):
+        what one process counts, so the checkpoint's model fingerprint resumes on any layout."""
+        from homelab_ft.model import loading
+
+        trainable, total = loading.count_params(self.stage_module.model)
+        twin = self._tied_weight() if not self.first else None
+        if twin is not None:
+            trainable, total = trainable - (twin.numel() if twin.requires_grad else 0), total - twin.numel()
+        device = next(self.stage_module.model.parameters()).device  # NCCL reduces only device tensors
+        counts = torch.tensor([trainable, total], dtype=torch.int64, device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return int(counts[0]), int(counts[1])
+
     def clip_grad_norm_(self, max_norm: float) -> float:
         """The gradient norm over every stage (the tied weight counted once, on the first stage),
         clipped to `max_norm` (<= 0: only measured). Replicas hold equal gradients after DDP."""

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from homelab_ft.errors import UserError
 from homelab_ft.store import dcp_metadata, manifest
@@ -191,7 +191,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     final = root / f"step_{state.step:06d}"
     tmp = root / f"{_TMP_PREFIX}{final.name}"
     rank = _rank()
-    payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
+    payload = {"model": trainable_state(model), "optim": _optimizer_state(model, optimizer)}
     expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))
     try:
         if rank == 0:
@@ -290,14 +290,25 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
         )
     # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
     # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
-    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
+    target = {"model": trainable_state(model), "optim": _optimizer_state(model, optimizer)}
     with _single_process_ok(), torch.no_grad():
         dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"))
-    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"])
+    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"], options=_FLAT)
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state and param-group settings keyed by parameter name (`param_groups.<fqn>.lr`), not
+by group index: pipeline stages hold different parameters in their group 0, and DCP kept one
+rank's `param_groups.0` for all (measured: a resume lost `lr` on stage 0). By name, every stage's
+entries are its own and a 2-stage checkpoint loads on one process, as torchtitan saves them."""
+
+
+def _optimizer_state(model, optimizer) -> dict:
+    return get_optimizer_state_dict(model, _optimizers(optimizer), options=_FLAT)
 
 
 def _optimizers(optimizer):
@@ -332,9 +343,12 @@ def save_adapter(model, out_dir: Path) -> None:
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
         for name, p in trainable_state(model).items()
     }
+    adapter = get_peft_model_state_dict(inner, state_dict=full)
+    names = _all_gather(sorted(adapter))  # names only: small
+    if any(part != names[0] for part in names):  # pipeline stages: each rank holds its own blocks' adapters
+        adapter = {name: t for part in _all_gather(adapter) for name, t in part.items()}
     if _rank() != 0:
         return
-    adapter = get_peft_model_state_dict(inner, state_dict=full)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
     inner.peft_config["default"].save_pretrained(out_dir)

@@ -313,7 +313,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
 
         data = attach_reference(data, model, env=env, recipe=recipe, model_dir=model_dir, pad_token_id=tokenizer.pad_token_id,
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
-    trainable, total = loading.count_params(model)
+    trainable, total = pipe.count_params() if pipe else loading.count_params(model)  # the whole model's
     optimizer = optim.build_optimizer(model, cfg)
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:

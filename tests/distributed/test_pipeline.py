@@ -55,6 +55,7 @@ CASES = {
     "qlora": ("deep", "qlora", {"stage_blocks": [3, 1]}),
 }
 TWO_BY_TWO = ("full", "lora")
+RESUMED = ("full", "tied_full", "lora")
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +69,21 @@ def results(tmp_path_factory) -> dict:
     two, one = [], []
     for name, (model, method, sharding) in CASES.items():
         grads = str(tmp / f"{name}")
+        saves = {"save_every": 2} if name in RESUMED else {}
         two.append({"kind": "train", "name": name, "capture_grads": grads + "-pp",
-                    "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding)})
+                    "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding, train=saves)})
         one.append({"kind": "train", "name": name, "capture_grads": grads + "-one", "reset_adapters": method == "lora",
                     "recipe": _recipe(tmp, models[model], name, procs=1, method=method)})
+    # Resumed from the pipelined run's checkpoint of step 2: on 2 stages again, and on one process.
+    for name in RESUMED:
+        model, method, sharding = CASES[name]
+        source = {"src": two[list(CASES).index(name)]["recipe"]["output"]["dir"], "keep_step": 2}
+        two.append({"kind": "train", "name": f"{name}_resume2", "copy_run": source,
+                    "recipe": _recipe(tmp, models[model], f"{name}_resume2", procs=2, method=method, sharding=sharding,
+                                      train={"resume": True})})
+        one.append({"kind": "train", "name": f"{name}_resume1", "copy_run": source,
+                    "recipe": _recipe(tmp, models[model], f"{name}_resume1", procs=1, method=method,
+                                      train={"resume": True})})
     # 2 stages x 2 data-parallel replicas (DDP over each stage's replicas) against the same references
     four = [{"kind": "train", "name": name, "capture_grads": str(tmp / f"{name}-pp4"),
              "recipe": _recipe(tmp, models[CASES[name][0]], name, procs=4, method=CASES[name][1])} for name in TWO_BY_TWO]
@@ -85,6 +97,8 @@ def results(tmp_path_factory) -> dict:
     run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
     out = {"two": json.loads((tmp / "two.out.json").read_text()), "one": json.loads((tmp / "one.out.json").read_text())}
     out["four"] = json.loads((tmp / "four.out.json").read_text())
+    out["adapter_keys"] = _safetensors_keys(Path(two[list(CASES).index("lora")]["recipe"]["output"]["dir"])
+                                            / "checkpoints" / f"step_{STEPS:06d}" / "adapter")
     out["grads"], out["grads4"] = {}, {}
     for name in CASES:
         reference = torch.load(tmp / f"{name}-one.rank0.pt")
@@ -183,3 +197,26 @@ def test_homelab_ft_train_runs_the_pipeline(tmp_path, tiny_model_dir):
     proc = train(recipe, tmp_path / "refused")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "make them sum to 2" in proc.stderr and not (tmp_path / "refused").exists()
+
+
+def _safetensors_keys(folder: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as fh:
+        return set(fh.keys())
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_pipelined_checkpoint_resumes_on_two_stages_and_on_one_process(results, name):
+    """DCP checkpoints of the stages hold every tensor once, by the model's own names: a resume
+    from step 2 gives the steps 3-4 of the uninterrupted run on 2 stages, and on one process."""
+    full = results["two"][name]["losses"]
+    for resumed in (results["two"][f"{name}_resume2"]["losses"], results["one"][f"{name}_resume1"]["losses"]):
+        assert len(resumed) == STEPS - 2
+        assert max(abs(a - b) for a, b in zip(resumed, full[2:], strict=True)) < TOL, (resumed, full)
+
+
+def test_pipelined_lora_checkpoint_holds_every_stages_adapter(results):
+    """The checkpoint's PEFT adapter (what export and serving read) has both stages' layers."""
+    layers = {key.split(".layers.")[1].split(".")[0] for key in results["adapter_keys"] if ".layers." in key}
+    assert layers == {"0", "1"}
