@@ -245,7 +245,7 @@ def build_pipeline(env: DistEnv, *, rung: Rung, build: Callable[[], nn.Module], 
     log.info("pipeline stage %d of %d: blocks %d-%d%s%s", stage, rung.pipeline_stages, blocks.start, blocks.stop - 1,
              " + embeddings" if first else "", " + norm, head, loss" if last else "")
     return model, Pipeline(stage_module=module, schedule=schedule, stage_index=stage, num_stages=rung.pipeline_stages,
-                           pp_group=pp_group, tied_group=tied_group if last or first else None,
+                           pp_group=pp_group, tied_group=tied_group,
                            pad_token_id=pad_token_id, width=width)
 
 

@@ -56,6 +56,7 @@ CASES = {
 }
 TWO_BY_TWO = ("full", "lora")
 RESUMED = ("full", "tied_full", "lora")
+EXPORTED = ("full", "tied_full", "lora")
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,12 @@ def results(tmp_path_factory) -> dict:
     four = [{"kind": "train", "name": name, "capture_grads": str(tmp / f"{name}-pp4"),
              "recipe": _recipe(tmp, models[CASES[name][0]], name, procs=4, method=CASES[name][1])} for name in TWO_BY_TWO]
     (tmp / "four.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": four}))
+    # `homelab-ft export` of the pipelined run and of the one-process run: one merged HF folder each
+    for name in EXPORTED:
+        for procs, jobs in ((2, two), (1, one)):
+            run_dir = next(j for j in jobs if j["name"] == name)["recipe"]["output"]["dir"]
+            one.append({"kind": "export_run", "name": f"{name}_export{procs}", "run_dir": run_dir,
+                        "out": str(tmp / f"export-{name}-{procs}"), "model_dir": str(models[CASES[name][0]])})
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
     run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -97,6 +104,7 @@ def results(tmp_path_factory) -> dict:
     run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
     out = {"two": json.loads((tmp / "two.out.json").read_text()), "one": json.loads((tmp / "one.out.json").read_text())}
     out["four"] = json.loads((tmp / "four.out.json").read_text())
+    out["export_logit_diff"] = {name: _logit_diff(tmp / f"export-{name}-2", tmp / f"export-{name}-1") for name in EXPORTED}
     out["adapter_keys"] = _safetensors_keys(Path(two[list(CASES).index("lora")]["recipe"]["output"]["dir"])
                                             / "checkpoints" / f"step_{STEPS:06d}" / "adapter")
     out["grads"], out["grads4"] = {}, {}
@@ -220,3 +228,22 @@ def test_pipelined_lora_checkpoint_holds_every_stages_adapter(results):
     """The checkpoint's PEFT adapter (what export and serving read) has both stages' layers."""
     layers = {key.split(".layers.")[1].split(".")[0] for key in results["adapter_keys"] if ".layers." in key}
     assert layers == {"0", "1"}
+
+
+def _logit_diff(a: Path, b: Path) -> float:
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()(input_ids=ids).logits for p in (a, b)]
+    return float((logits[0] - logits[1]).abs().max())
+
+
+@pytest.mark.parametrize("name", EXPORTED)
+def test_export_of_a_pipelined_run_equals_the_one_process_export(results, name):
+    """`export` of the pipelined run writes the one merged folder (from_pretrained loads it) whose
+    logits equal the one-process run's export; the export itself checked its read-back."""
+    exported = results["one"][f"{name}_export2"]
+    assert exported["diff_from_base"] > 1e-3  # the trained weights, every stage's
+    print(f"{name}: export logits max abs diff {results['export_logit_diff'][name]:.2e}")
+    assert results["export_logit_diff"][name] < TOL
