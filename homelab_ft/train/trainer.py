@@ -195,7 +195,7 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     Returns the step's mean loss per trained token (all ranks), the gradient norm before
     clipping, and the trained and read token counts of all ranks.
     """
-    if s.pipeline is not None:
+    if s.rung.pipeline_enabled:
         return pipeline_step(s, micro_batches)
     env, model = s.env, s.model
     local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
