@@ -24,7 +24,7 @@ STEPS = 4
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full",
-            sharding: dict | None = None, train: dict | None = None) -> dict:
+            sharding: dict | None = None, train: dict | None = None, data: dict | None = None) -> dict:
     """`procs` processes as 2 stages x procs/2 replicas (1: the one-process reference), each replica
     with micro-batches of 2 / replicas rows: every run trains the same rows per step."""
     replicas = max(procs // 2, 1)
@@ -33,7 +33,7 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = 
         "method": method,
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
+        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96, **(data or {})},
         "train": {"max_steps": STEPS, "micro_batch_size": 2 // replicas, "grad_accum_steps": 4,
                   "lr": 5e-3 if method == "lora" else 1e-3, "device": "cpu", "loss_chunk_tokens": 16,
                   "save_every": 0, **(train or {})},
@@ -53,6 +53,12 @@ CASES = {
     # a 4-bit base per stage, quantised from the stage's own tensors, against the one-process 4-bit
     # load (an unquantised stage would differ from it by the quantisation error, far above TOL)
     "qlora": ("deep", "qlora", {"stage_blocks": [3, 1]}),
+    "checkpointing": ("plain", "full", {}),
+    "packed_lora": ("plain", "lora", {}),
+}
+EXTRA = {
+    "checkpointing": {"train": {"activation_checkpointing": True}},  # each stage's blocks recomputed in backward
+    "packed_lora": {"data": {"packing": True}},  # position_ids and no attention mask cross the stages
 }
 TWO_BY_TWO = ("full", "lora")
 RESUMED = ("full", "tied_full", "lora")
@@ -71,10 +77,12 @@ def results(tmp_path_factory) -> dict:
     for name, (model, method, sharding) in CASES.items():
         grads = str(tmp / f"{name}")
         saves = {"save_every": 2} if name in RESUMED else {}
+        train, data = EXTRA.get(name, {}).get("train", {}), EXTRA.get(name, {}).get("data")
         two.append({"kind": "train", "name": name, "capture_grads": grads + "-pp",
-                    "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding, train=saves)})
+                    "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding,
+                                      train={**saves, **train}, data=data)})
         one.append({"kind": "train", "name": name, "capture_grads": grads + "-one", "reset_adapters": method == "lora",
-                    "recipe": _recipe(tmp, models[model], name, procs=1, method=method)})
+                    "recipe": _recipe(tmp, models[model], name, procs=1, method=method, train=train, data=data)})
     # Resumed from the pipelined run's checkpoint of step 2: on 2 stages again, and on one process.
     for name in RESUMED:
         model, method, sharding = CASES[name]
