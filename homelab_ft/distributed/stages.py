@@ -92,8 +92,8 @@ class _Elsewhere(nn.Module):
     """A decoder block another stage runs: passes the hidden states through unchanged.
 
     It keeps the block's plain attributes (`attention_type`, `layer_idx` ...) which some decoders
-    read in their loop. A family whose blocks return a tuple (`layer_outputs[0]`) gets the first
-    row of the batch and fails on the next shape, loudly, never silently."""
+    read in their loop. It returns the hidden states as they came: decoders that take a tuple from
+    each block (`layer_outputs[0]`) are refused by `keep_stage` instead of fed the wrong tensor."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -122,7 +122,17 @@ def keep_stage(model: nn.Module, *, blocks: range, first: bool, last: bool) -> N
     """Drop, in place, what another stage holds: blocks outside `blocks` become `_Elsewhere`; the
     input embeddings leave every stage but the first; the final norm (the decoder's other
     parameterised children) and the head every stage but the last."""
+    import inspect
+
     lm = causal_lm(model)
+    decoder = lm.get_decoder()
+    try:  # `hidden_states = layer_outputs[0]`: 59 modeling files of transformers 5.24
+        unpacks = "layer_outputs[0]" in inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):  # no source to read (compiled, or built at runtime)
+        unpacks = False
+    if unpacks:
+        raise UserError(f"sharding.pipeline_stages: {type(decoder).__name__}'s blocks return tuples, which the "
+                        "pipeline's placeholders for other stages' blocks do not yet mimic; set sharding.pipeline_stages=1")
     all_blocks = transformer_blocks(model)
     holder = next(m for m in model.modules() if isinstance(m, nn.ModuleList) and any(b is all_blocks[0] for b in m))
     for index, block in enumerate(list(holder)):
@@ -130,7 +140,6 @@ def keep_stage(model: nn.Module, *, blocks: range, first: bool, last: bool) -> N
             holder[index] = _Elsewhere(block)
     embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     if not last:
-        decoder = lm.get_decoder()
         for name, child in list(decoder.named_children()):
             if child is not embed and child is not holder and any(True for _ in child.parameters()):
                 setattr(decoder, name, nn.Identity())
