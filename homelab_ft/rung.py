@@ -142,7 +142,8 @@ class Rung:
         return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}"
 
     def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Plain JSON data (run.json, plan.json, the torchrun handoff): stage_blocks as a list."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict) -> Rung:

@@ -41,11 +41,11 @@ def planned(recipe, *, cluster_file: str | None):
     (`rung_for`, which validates it). A refused combination stops here, with its fix; with `auto`
     and nothing fitting, the plan goes to stderr to say what would."""
     from homelab_ft.plan import planner, report
-    from homelab_ft.rung import rung_for
+    from homelab_ft.rung import pipelined, rung_for
 
     plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file)
-    if plan.chosen is not None:
-        return plan, plan.chosen.rung
+    if plan.chosen is not None:  # a pipeline the recipe names explicitly is run as named
+        return plan, pipelined(plan.chosen.rung, recipe.sharding)
     if recipe.method == "auto":
         print(report.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")

@@ -33,7 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from homelab_ft.errors import UserError
 from homelab_ft.store import dcp_metadata, manifest, runlock, staging
@@ -226,7 +230,8 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     final = root / f"step_{state.step:06d}"
     tmp = root / f"{_TMP_PREFIX}{final.name}"
     rank = _rank()
-    payload = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
+    flat = _differs_across_ranks(sorted(trainable_state(model)))  # pipeline stages: see _FLAT
+    payload = {"model": trainable_state(model), "optim": _optimizer_state(model, optimizer, flat=flat)}
     expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))
     try:
         if rank == 0:
@@ -314,14 +319,40 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
         )
     # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
     # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
-    target = {"model": trainable_state(model), "optim": get_optimizer_state_dict(model, _optimizers(optimizer))}
+    reader = dcp_metadata.SafeFileSystemReader(path / "state")
+    flat = _NESTED_KEY not in reader.read_metadata().state_dict_metadata
+    target = {"model": trainable_state(model), "optim": _optimizer_state(model, optimizer, flat=flat)}
     with _single_process_ok(), torch.no_grad():
         dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"))
-    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"])
+    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"],
+                             options=StateDictOptions(flatten_optimizer_state_dict=flat))
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+_NESTED_KEY = "optim.param_groups.0.lr"
+"""In a checkpoint whose optimizer state is nested (param groups by index); a flattened one keys
+them `optim.param_groups.<parameter name>.lr`."""
+
+
+def _optimizer_state(model, optimizer, *, flat: bool) -> dict:
+    """The optimizer's state for DCP; `flat` keys the param-group settings by parameter name.
+
+    Pipeline stages hold different parameters in their group 0, and DCP kept one rank's
+    `param_groups.0` for all (measured: a resume lost `lr` on stage 0); by name every stage's
+    entries are its own and a 2-stage checkpoint loads on one process (torchtitan saves so). Only
+    then: each setting of each parameter is an entry of its own, ~1.4 KB apiece (measured: a
+    40-parameter AdamW state grew from 0.24 to 0.85 MB), which the other layouts do not need."""
+    return get_optimizer_state_dict(model, _optimizers(optimizer),
+                                    options=StateDictOptions(flatten_optimizer_state_dict=flat))
+
+
+def _differs_across_ranks(names: list[str]) -> bool:
+    """Whether ranks hold different trainable tensors (pipeline stages), from their names only."""
+    parts = _all_gather(names)
+    return any(part != parts[0] for part in parts)
 
 
 def _optimizers(optimizer):
@@ -356,9 +387,11 @@ def save_adapter(model, out_dir: Path) -> None:
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
         for name, p in trainable_state(model).items()
     }
+    adapter = get_peft_model_state_dict(inner, state_dict=full)
+    if _differs_across_ranks(sorted(adapter)):  # pipeline stages: each rank holds its own blocks' adapters
+        adapter = {name: t for part in _all_gather(adapter) for name, t in part.items()}
     if _rank() != 0:
         return
-    adapter = get_peft_model_state_dict(inner, state_dict=full)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
     inner.peft_config["default"].save_pretrained(out_dir)

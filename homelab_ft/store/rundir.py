@@ -128,4 +128,7 @@ def check_resume_overrides(old: Recipe, new: Recipe, *, saved: Path) -> None:
 
 
 def _rows_per_step(recipe: Recipe) -> int:
-    return recipe.train.micro_batch_size * recipe.train.grad_accum_steps * recipe.world_size
+    """The stages of a pipeline read the same rows: only its data-parallel replicas add rows."""
+    stages = recipe.sharding.pipeline_stages
+    replicas = recipe.world_size // (stages if isinstance(stages, int) else 1)
+    return recipe.train.micro_batch_size * recipe.train.grad_accum_steps * replicas

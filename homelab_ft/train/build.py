@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from homelab_ft.config import Recipe
-from homelab_ft.distributed import parallelize, sharded_loading
+from homelab_ft.distributed import parallelize, pipeline, sharded_loading
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
 from homelab_ft.rung import Rung
@@ -68,6 +68,46 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)
     return model
+
+
+def build_for(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_token_id: int) -> tuple[nn.Module, object]:
+    """The model to train and, when the rung is pipelined, the Pipeline that runs this rank's stage (else None)."""
+    if rung.pipeline_enabled:
+        return build_pipelined(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=pad_token_id)
+    return build_model(recipe, model_dir=model_dir, rung=rung, env=env), None
+
+
+def build_pipelined(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_token_id: int):
+    """This rank's pipeline stage (distributed/pipeline.py): (its model, the Pipeline that runs it).
+    The last stage ends in the chunked loss of every rung (loss.py), so the loss is the same sum."""
+    dtypes = dtypes_for(recipe, rung=rung, device=env.device)
+    if rung.quantized_enabled:  # each stage's base in 4 bits, quantised as the sharded 4-bit base is
+        quant.require_bitsandbytes(device=env.device)
+    return pipeline.build_pipeline(
+        env, rung=rung, model_dir=model_dir,
+        build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),
+        loss_fn=_stage_loss(recipe, model_dir=model_dir), num_micro_batches=recipe.train.grad_accum_steps,
+        pad_token_id=pad_token_id, width=recipe.data.max_length, adapter_seed=recipe.train.seed,
+        activation_checkpointing=rung.activation_checkpointing)
+
+
+def _stage_loss(recipe: Recipe, *, model_dir: Path):
+    """The last stage's loss: loss.chunked_loss_sum of the final hidden states through the head,
+    chunked as train.loss_chunk_tokens says (0, the full logits: one chunk of every position)."""
+    from transformers import AutoConfig
+
+    from homelab_ft.loss_chunks import chunk_rows
+    from homelab_ft.train.loss import LogitTransform, chunked_loss_sum
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    transform = LogitTransform.from_config(config)
+    rows = chunk_rows(recipe.train.loss_chunk_tokens, vocab_size=config.get_text_config().vocab_size)
+
+    def loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
+        return chunked_loss_sum(hidden, labels, head=head, chunk_tokens=rows or hidden.shape[0] * hidden.shape[1],
+                                transform=transform, compiled=recipe.train.compile)
+
+    return loss
 
 
 def _load_base(recipe: Recipe, *, model_dir: Path, rung: Rung, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -76,6 +76,10 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
         # vector (the norm of the whole base weight) cannot be: refused here, before the run exists.
         raise UserError(f"lora.use_dora: DoRA is not supported with {rung.label} (its magnitude needs the whole base "
                         "weight at init); set lora.use_dora=false, or use method=lora with sharding.strategy=no_shard")
+    if rung.pipeline_enabled:
+        from homelab_ft.distributed import stages
+
+        stages.check_recipe(recipe, rung=rung, config=config)
     return Inputs(model_dir=model_dir, resume_from=resume_from)
 
 

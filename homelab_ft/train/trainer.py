@@ -96,6 +96,8 @@ class Session:
     """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
     data_fingerprint: dict | None = None
     """What the data was (data/fingerprint.py), recorded in every checkpoint."""
+    pipeline: object | None = None
+    """This rank's pipeline stage and schedule (distributed.pipeline.Pipeline) when the rung is pipelined."""
 
 
 def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
@@ -196,6 +198,8 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     Returns the step's mean loss per trained token (all ranks), the gradient norm before
     clipping, and the trained and read token counts of all ranks.
     """
+    if s.rung.pipeline_enabled:
+        return pipeline_step(s, micro_batches)
     env, model = s.env, s.model
     local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
     global_tokens = int(comm.all_reduce_sum(local_tokens, env))
@@ -222,6 +226,24 @@ def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int
     loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
     read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
     return loss, float(grad_norm), global_tokens, read
+
+
+def pipeline_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
+    """train_step through the pipeline's schedule (distributed/pipeline.py): the same loss scale
+    per micro-batch, the gradient norm over every stage; returns what train_step returns."""
+    env, stages = s.env, s.rung.pipeline_stages
+    # Every stage of a replica holds the same micro-batches: the world's sum counts each one once per stage.
+    global_tokens = int(comm.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env)) // stages
+    scale = steps.loss_scale(world_size=s.rung.data_parallel_size, global_tokens=global_tokens)
+    s.model.train()
+    loss_sum = s.pipeline.step(micro_batches, scale=scale, device=env.device)  # 0 but on the last stage
+    grad_norm = s.pipeline.clip_grad_norm_(s.recipe.train.max_grad_norm)
+    s.optimizer.step()
+    s.scheduler.step()
+    s.optimizer.zero_grad(set_to_none=True)
+    loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
+    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env)) // stages
+    return loss, grad_norm, global_tokens, read
 
 
 def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int, dict]:
@@ -273,8 +295,9 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     data_print = preflight.check_data_unchanged(recipe, inputs, base_dir=base_dir)  # before tokenising it
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
-    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed, rank=env.rank,
-                                world_size=env.world_size, shuffle=recipe.data.shuffle)
+    replicas = rung.data_parallel_size  # rows are dealt to replicas; the stages of one pipeline read the same
+    sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
+                                rank=env.rank % replicas, world_size=replicas, shuffle=recipe.data.shuffle)
     max_steps = steps.total_steps(cfg, batches_per_epoch=sampler.batches_per_epoch)
     if inputs.resume_from is not None:  # the run's length is known now, before the run directory is touched
         steps.check_resume_point(cfg, start_step=checkpoint.step_of(inputs.resume_from), max_steps=max_steps)
@@ -284,7 +307,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     comm.barrier(env)  # and no rank reads a half-made run directory
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-    model = build.build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    model, pipe = build.build_for(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=tokenizer.pad_token_id)
     if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
         compiling.compile_blocks(model)
     if recipe.objective == "dpo" and not rung.adapters_enabled:
@@ -294,7 +317,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
 
         data = attach_reference(data, model, env=env, recipe=recipe, model_dir=model_dir, pad_token_id=tokenizer.pad_token_id,
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
-    trainable, total = loading.count_params(model)
+    trainable, total = pipe.count_params() if pipe else loading.count_params(model)  # the whole model's
     optimizer = optim.build_optimizer(model, cfg)
     fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
     if env.is_main:
@@ -316,7 +339,8 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
     return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps, data_fingerprint=data_print)
+                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps, data_fingerprint=data_print,
+                   pipeline=pipe)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):

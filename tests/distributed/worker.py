@@ -57,8 +57,54 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
         from homelab_ft.model import compiling
 
         compiling.BACKEND = job["compile_backend"]
-    result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
+    if job.get("reset_adapters"):  # a one-process LoRA reference with the adapters a pipeline draws
+        _reset_lora_adapters(recipe.train.seed)
+    grads: list[dict] = []
+    if "capture_grads" in job:
+        _capture_grads(grads)
+    try:
+        result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
+    finally:
+        trainer.train_step = _TRAIN_STEP
+    if "capture_grads" in job:
+        torch.save(grads, f"{job['capture_grads']}.rank{env.rank}.pt")
     return {"losses": result.losses, "eval_loss": None if result.eval_loss is None else float(result.eval_loss)}
+
+
+_TRAIN_STEP = trainer.train_step
+
+
+def _capture_grads(grads: list[dict]) -> None:
+    """Record every trainable gradient of each step (after clipping, before the optimizer step)."""
+
+    def step(s, micro_batches):
+        optimizer_step = s.optimizer.step
+
+        def recording(*args, **kwargs):
+            grads.append({n: p.grad.detach().clone() for n, p in s.model.named_parameters()
+                          if p.grad is not None})
+            return optimizer_step(*args, **kwargs)
+
+        s.optimizer.step = recording
+        try:
+            return _TRAIN_STEP(s, micro_batches)
+        finally:
+            s.optimizer.step = optimizer_step
+
+    trainer.train_step = step
+
+
+def _reset_lora_adapters(seed: int) -> None:
+    from homelab_ft.model import loading
+
+    attach = loading.attach_lora
+
+    def attach_and_reset(model, lora_cfg, **kwargs):
+        model = attach(model, lora_cfg, **kwargs)
+        loading.reset_adapters(model, seed=seed)
+        return model
+
+    loading.attach_lora = attach_and_reset
 
 
 def run_memory(job: dict, env) -> dict:
