@@ -279,8 +279,8 @@ def pipelined(rung: Rung, sharding) -> Rung:
     `pipeline_stages: auto` leaves the rung's own. A pipeline's replicas are DDP replicas, so a
     `strategy: auto` that became a sharded strategy is `no_shard` there (an explicit one is
     refused by `_validate_pipeline` with its fix)."""
-    if sharding.pipeline_stages == "auto" or sharding.pipeline_stages == rung.pipeline_stages == 1:
-        return rung
+    if sharding.pipeline_stages == "auto" or sharding.pipeline_stages == rung.pipeline_stages:
+        return rung  # the planner's pipeline (its stage split sized to each GPU), or none asked for
     strategy = NO_SHARD if sharding.pipeline_stages > 1 and sharding.strategy == "auto" else rung.strategy
     return replace(rung, strategy=strategy, cpu_offload=rung.cpu_offload and strategy != NO_SHARD,
                    pipeline_stages=sharding.pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()),

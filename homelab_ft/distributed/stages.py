@@ -12,14 +12,13 @@ no family table.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from homelab_ft.distributed.sharded_loading import hf_name
 from homelab_ft.errors import UserError
+from homelab_ft.model import checkpoint_keys
 from homelab_ft.model.blocks import transformer_blocks
 from homelab_ft.rung import Rung
 
@@ -148,43 +147,24 @@ def keep_stage(model: nn.Module, *, blocks: range, first: bool, last: bool) -> N
         _set_module(model, embed, nn.Identity())
 
 
-def _safetensors_reader(model_dir: Path):
-    """name -> tensor, reading only the tensors asked for (one file or a sharded index)."""
-    from safetensors import safe_open
-
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-    else:
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as fh:
-            files = dict.fromkeys(fh.keys(), "model.safetensors")
-
-    def read(names: list[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for file in sorted({files[n] for n in names}):
-            with safe_open(str(model_dir / file), framework="pt") as fh:
-                out.update({n: fh.get_tensor(n) for n in names if files[n] == file})
-        return out
-
-    return set(files), read
-
-
 def fill_stage(model: nn.Module, *, model_dir: Path, adapters: dict[str, torch.Tensor], tied: dict[str, str]) -> None:
     """Read this stage's tensors (and only them) from the safetensors into `model` (allocated by
     `to_empty`); adapters come from `adapters` (full-model names). `tied` maps a tied head's name
-    to the name the file stores it under (the embedding's)."""
-    on_disk, read = _safetensors_reader(Path(model_dir))
+    to the name the file stores it under (the embedding's). Tensors are found through transformers'
+    own key conversion (model/checkpoint_keys.py: renamed prefixes, per-expert files)."""
+    keys = checkpoint_keys.CheckpointKeys(model, Path(model_dir))
+    on_disk = keys.names()
     state = model.state_dict()
     wanted: dict[str, str] = {}
     for key in state:
         if key in adapters:
             continue
-        name = hf_name(key)
+        name = checkpoint_keys.base_name(key)
         name = name if name in on_disk else tied.get(name, name)
         if name not in on_disk:
             raise UserError(f"{model_dir} has no weight {name}; is it the checkpoint of this architecture?")
         wanted[key] = name
-    tensors = read(sorted(set(wanted.values())))
+    tensors = dict(keys.tensors(sorted(set(wanted.values()))))
     with torch.no_grad():
         for key, value in state.items():
             source = adapters[key] if key in adapters else tensors[wanted[key]]
@@ -198,4 +178,4 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     if head is None or embed is None or head.weight is not embed.weight:
         return {}
     names = {id(m): n for n, m in model.named_modules()}
-    return {hf_name(f"{names[id(head)]}.weight"): hf_name(f"{names[id(embed)]}.weight")}
+    return {checkpoint_keys.base_name(f"{names[id(head)]}.weight"): checkpoint_keys.base_name(f"{names[id(embed)]}.weight")}

@@ -30,17 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from homelab_ft.errors import UserError
-from homelab_ft.store import dcp_metadata, manifest, runlock, staging
+from homelab_ft.store import dcp_metadata, manifest, model_state, ranks, runlock, staging
 from homelab_ft.store.layout import STATE_FILE, RunDir
 
 log = logging.getLogger(__name__)
@@ -135,7 +130,7 @@ def _newest_intact(run_dir: Path, *, verbose: bool, hold: bool) -> tuple[Path | 
                 runlock.unlock(fd)
             damaged.append(f"{path.name} ({err})")
             continue
-        if damaged and verbose and _rank() == 0:
+        if damaged and verbose and ranks.rank() == 0:
             log.warning("checkpoint %s is damaged; going back to %s (step %d)", "; ".join(damaged), path.name,
                         step_of(path))
         return path, fd
@@ -168,10 +163,10 @@ def verify(path: Path) -> TrainerState:
     names = sorted(m.files)
     problem = ""
     try:
-        manifest.check_hashes(path, m, names[_rank()::_world_size()])
+        manifest.check_hashes(path, m, names[ranks.rank()::ranks.world_size()])
     except manifest.DamagedCheckpoint as err:
         problem = str(err)
-    problems = [p for p in _all_gather(problem) if p]
+    problems = [p for p in ranks.all_gather(problem) if p]
     if problems:
         raise manifest.DamagedCheckpoint(problems[0])
     state = read_state(path)
@@ -197,27 +192,6 @@ def step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_gather(obj) -> list:
-    if _world_size() == 1:
-        return [obj]
-    out = [None] * _world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int) -> Path:
     """Write a checkpoint for `state.step` on every rank; returns its final path.
 
@@ -229,15 +203,15 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     root = checkpoints_dir(run_dir)
     final = root / f"step_{state.step:06d}"
     tmp = root / f"{_TMP_PREFIX}{final.name}"
-    rank = _rank()
-    flat = _differs_across_ranks(sorted(trainable_state(model)))  # pipeline stages: see _FLAT
-    payload = {"model": trainable_state(model), "optim": _optimizer_state(model, optimizer, flat=flat)}
+    rank = ranks.rank()
+    flat = model_state.differs_across_ranks(sorted(model_state.trainable_state(model)))  # pipeline stages (model_state.optimizer_state)
+    payload = {"model": model_state.trainable_state(model), "optim": model_state.optimizer_state(model, optimizer, flat=flat)}
     expected_bytes = int(_sum_over_ranks(_tensor_bytes(payload)))
     try:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this very step
             tmp.mkdir(parents=True)
-        _barrier()
+        ranks.barrier()
         _write(tmp, payload=payload, model=model, state=state)
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if rank == 0:
@@ -261,25 +235,25 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
         os.replace(tmp, final)
         manifest.fsync_dir(root)
         _prune(root, keep_last=keep_last)
-    _barrier()
+    ranks.barrier()
     return final
 
 
 def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
     """Every rank writes its part, then hashes (and fsyncs) its share of the files; rank 0 writes
     the manifest last."""
-    rank = _rank()
+    rank = ranks.rank()
     with _single_process_ok():
         dcp.save(payload, checkpoint_id=tmp / "state")
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
-    save_adapter(model, tmp / ADAPTER)
+    model_state.save_adapter(model, tmp / ADAPTER)
     if rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
-    _barrier()
+    ranks.barrier()
     names = manifest.list_files(tmp)
-    mine = {name: manifest.hash_file(tmp / name, fsync=True) for name in names[rank::_world_size()]}
-    files = {k: v for part in _all_gather(mine) for k, v in part.items()}
+    mine = {name: manifest.hash_file(tmp / name, fsync=True) for name in names[rank::ranks.world_size()]}
+    files = {k: v for part in ranks.all_gather(mine) for k, v in part.items()}
     if rank == 0:
         manifest.fsync_dirs(tmp)
         manifest.write(tmp, manifest.Manifest(step=state.step, data_position=state.sampler,
@@ -305,7 +279,7 @@ def _tree_bytes(path: Path) -> int:
 
 
 def _sum_over_ranks(value: int) -> int:
-    return sum(_all_gather(value))
+    return sum(ranks.all_gather(value))
 
 
 def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerState:
@@ -320,81 +294,16 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerStat
     # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
     # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
     reader = dcp_metadata.SafeFileSystemReader(path / "state")
-    flat = _NESTED_KEY not in reader.read_metadata().state_dict_metadata
-    target = {"model": trainable_state(model), "optim": _optimizer_state(model, optimizer, flat=flat)}
+    flat = model_state.NESTED_KEY not in reader.read_metadata().state_dict_metadata
+    target = {"model": model_state.trainable_state(model), "optim": model_state.optimizer_state(model, optimizer, flat=flat)}
     with _single_process_ok(), torch.no_grad():
         dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"))
-    set_optimizer_state_dict(model, _optimizers(optimizer), target["optim"],
+    set_optimizer_state_dict(model, model_state.optimizers(optimizer), target["optim"],
                              options=StateDictOptions(flatten_optimizer_state_dict=flat))
-    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    rng_file = path / "rng" / f"rank_{ranks.rank()}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
-
-
-_NESTED_KEY = "optim.param_groups.0.lr"
-"""In a checkpoint whose optimizer state is nested (param groups by index); a flattened one keys
-them `optim.param_groups.<parameter name>.lr`."""
-
-
-def _optimizer_state(model, optimizer, *, flat: bool) -> dict:
-    """The optimizer's state for DCP; `flat` keys the param-group settings by parameter name.
-
-    Pipeline stages hold different parameters in their group 0, and DCP kept one rank's
-    `param_groups.0` for all (measured: a resume lost `lr` on stage 0); by name every stage's
-    entries are its own and a 2-stage checkpoint loads on one process (torchtitan saves so). Only
-    then: each setting of each parameter is an entry of its own, ~1.4 KB apiece (measured: a
-    40-parameter AdamW state grew from 0.24 to 0.85 MB), which the other layouts do not need."""
-    return get_optimizer_state_dict(model, _optimizers(optimizer),
-                                    options=StateDictOptions(flatten_optimizer_state_dict=flat))
-
-
-def _differs_across_ranks(names: list[str]) -> bool:
-    """Whether ranks hold different trainable tensors (pipeline stages), from their names only."""
-    parts = _all_gather(names)
-    return any(part != parts[0] for part in parts)
-
-
-def _optimizers(optimizer):
-    """DCP takes a list of optimizers and keys their state by parameter name: optim_backward.py's
-    per-parameter optimizers save and load in the same layout as one optimizer."""
-    return getattr(optimizer, "optimizers", optimizer)
-
-
-def trainable_state(model) -> dict[str, torch.Tensor]:
-    """The trainable parameters by their un-wrapped names (sharded DTensors under FSDP2).
-
-    Only what training changes is checkpointed: the frozen base is reloaded from the model. This
-    reads parameters directly instead of calling `state_dict()`, whose hooks in quantized layers
-    add packed quantization state (and, for bitsandbytes' 8-bit layers, fail on a missing `SCB`).
-    """
-    inner = getattr(model, "module", model)  # DDP wraps; FSDP2 does not
-    return {name: p for name, p in inner.named_parameters() if p.requires_grad}
-
-
-def save_adapter(model, out_dir: Path) -> None:
-    """For PEFT models, gather the adapter to rank 0 and write it in PEFT's own format."""
-    from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-    from torch.distributed.tensor import DTensor
-
-    inner = getattr(model, "module", model)
-    if not isinstance(inner, PeftModel):
-        return
-    # full_tensor() is a collective: every rank gathers, rank 0 writes.
-    full = {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
-        for name, p in trainable_state(model).items()
-    }
-    adapter = get_peft_model_state_dict(inner, state_dict=full)
-    if _differs_across_ranks(sorted(adapter)):  # pipeline stages: each rank holds its own blocks' adapters
-        adapter = {name: t for part in _all_gather(adapter) for name, t in part.items()}
-    if _rank() != 0:
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
-    inner.peft_config["default"].save_pretrained(out_dir)
 
 
 @contextlib.contextmanager

@@ -282,10 +282,7 @@ def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, 
 def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> Session:
     """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
-    if env.distributed:
-        comm.check_job(env, rung)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    _prepare_process(env, rung=rung, num_threads=cfg.num_threads)
     # Every input is checked before the run directory is touched: a typo never costs a run. (The
     # CLI has normally run these checks already, before launching; direct callers get them here.)
     if inputs is None:
@@ -341,6 +338,14 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
                    data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
                    start_step=start, rung=rung, samples=sampled, max_steps=max_steps, data_fingerprint=data_print,
                    pipeline=pipe)
+
+
+def _prepare_process(env, *, rung: Rung, num_threads: int | None) -> None:
+    """This process matches the job the rung describes, and uses the threads the recipe gives it."""
+    if env.distributed:
+        comm.check_job(env, rung)
+    if num_threads:
+        torch.set_num_threads(num_threads)
 
 
 def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):

@@ -209,7 +209,7 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
 
     from homelab_ft.export.consolidate import consolidate_to_hf
     from homelab_ft.model import loading
-    from homelab_ft.store.checkpoint import trainable_state
+    from homelab_ft.store.model_state import trainable_state
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = loading.resolve_model_dir(recipe.model.path)

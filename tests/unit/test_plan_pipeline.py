@@ -30,8 +30,9 @@ TINY = model_shape({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,
                     "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
                     "max_position_embeddings": 512})
 BLOCK_PARAMS = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
-# kept per token and block (activations.activation_bytes): 6h + 3q + 2kv + 4i elements, bf16
-BLOCK_ACT_BYTES = (6 * 64 + 3 * 64 + 2 * 64 + 4 * 128) * 2
+# kept per token and block in bf16: what autograd saves, measured on the model transformers builds
+# (plan/saved.py; about 8h + 2q + 2kv + 4i elements for a Llama block), the same on every block here
+BLOCK_ACT_BYTES = TINY.blocks[0].saved_bytes_per_token(2, 32)
 
 
 def shape(name: str):
