@@ -31,8 +31,6 @@ from homelab_ft.cli.main import main
 from homelab_ft.train.metrics import read_metrics
 
 KEYS = {
-    ("nemotron_h", "lora"): "needs keys: the export merge finds the base weights by module name "
-                            "(Nemotron-H's checkpoint says backbone.*, its modules model.*)",
     ("gemma4_text", "full"): "needs keys: the full export's consolidation wants every persistent buffer "
                              "(Gemma 4's layer_scalar), which the checkpoint (trainable parameters) lacks",
 }
