@@ -52,3 +52,14 @@ def save_original(out_dir: Path, model_type: str, *, seed: int = 0, **overrides)
     if model_type in MULTIMODAL + LEGACY_IMAGE_TEXT:
         return save_multimodal(out_dir, model_type, seed=seed)
     return save_tiny(out_dir, model_type, seed=seed, **overrides)
+
+
+def saved_keys(model_dir: Path) -> set[str]:
+    """Every tensor name the safetensors files of `model_dir` hold."""
+    from safetensors import safe_open
+
+    keys = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as fh:
+            keys |= set(fh.keys())
+    return keys

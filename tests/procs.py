@@ -67,3 +67,19 @@ def plan_without_torch(*args: str) -> subprocess.CompletedProcess:
             "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
     return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=REPO,
                           timeout=60)
+
+
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of `size` (mount's `size=`, e.g. 700k, 60m) mounted at `path`, as a generator for a
+    pytest fixture: a real full disk for the tests of what ENOSPC leaves. Needs root (skips
+    otherwise); always unmounted."""
+    import pytest
+
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)

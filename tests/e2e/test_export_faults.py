@@ -237,16 +237,8 @@ def test_full_disk_is_one_line_and_keeps_the_previous_export(trained, tmp_path, 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 60 MiB tmpfs: room for one export of the 39 MB model, not two. Always unmounted."""
-    path = tmp_path / "small"
-    path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=60m", "tmpfs", str(path)],
-                                           capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
+    """A 60 MiB tmpfs: room for one export of the 39 MB model, not two."""
+    yield from procs.small_tmpfs(tmp_path / "small", "60m")
 
 
 def test_a_really_full_disk_is_one_line_too(trained, small_disk, capsys):

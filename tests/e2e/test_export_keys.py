@@ -8,22 +8,13 @@ from __future__ import annotations
 import procs
 import pytest
 import torch
-from keys_models import save_original
-from safetensors import safe_open
+from keys_models import save_original, saved_keys
 
 from homelab_ft.cli.main import main
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.rung import rung_for
 from homelab_ft.train import trainer
-
-
-def _keys(model_dir) -> set[str]:
-    keys = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as fh:
-            keys |= set(fh.keys())
-    return keys
 
 
 def _linear_names(model_dir) -> list[str]:
@@ -59,7 +50,7 @@ def test_lora_run_exports_in_the_base_layout(tmp_path, family):
     finally:
         comm.teardown(env)
     assert main(["export", str(run), "--out", str(out)]) == 0  # checks merged vs base + adapter logits itself
-    assert _keys(out) == _keys(base_dir)
+    assert saved_keys(out) == saved_keys(base_dir)
     ids = torch.randint(3, 300, (1, 10), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits

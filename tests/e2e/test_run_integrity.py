@@ -259,16 +259,8 @@ def test_sigterm_stops_with_a_checkpoint_and_one_writer_per_run(trained, tmp_pat
 @pytest.fixture
 def small_disk(tmp_path):
     """A 700 KiB tmpfs: room for the run's files and one checkpoint of the tiny run (~400 KiB)
-    but not two. Needs root; always unmounted."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    but not two."""
+    yield from procs.small_tmpfs(tmp_path / "small", "700k")
 
 
 def test_full_disk_keeps_the_previous_checkpoint(trained, small_disk, capsys):

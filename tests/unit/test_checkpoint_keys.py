@@ -14,21 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from keys_models import LEGACY_IMAGE_TEXT, MULTIMODAL, ORIGINAL_LAYOUT, save_original
-from safetensors import safe_open
+from keys_models import LEGACY_IMAGE_TEXT, MULTIMODAL, ORIGINAL_LAYOUT, save_original, saved_keys
 
 from homelab_ft.errors import UserError
 from homelab_ft.model import checkpoint_keys
 
 FAMILIES = MULTIMODAL + LEGACY_IMAGE_TEXT + ORIGINAL_LAYOUT
-
-
-def _saved_keys(model_dir) -> set[str]:
-    keys = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as fh:
-            keys |= set(fh.keys())
-    return keys
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +58,7 @@ def test_sources_are_what_save_pretrained_writes(checkpoints, family, tmp_path):
     model.save_pretrained(tmp_path)
     keys = checkpoint_keys.CheckpointKeys(model, model_dir)
     from_plan = {key for name in keys.names() for key in keys.sources(name)}
-    assert _saved_keys(tmp_path) == from_plan
+    assert saved_keys(tmp_path) == from_plan
 
 
 def test_experts_split_over_files_read_one_tensor_at_a_time(tmp_path, monkeypatch):

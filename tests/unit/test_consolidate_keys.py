@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from keys_models import save_original
-from safetensors import safe_open
+from keys_models import save_original, saved_keys
 
 from homelab_ft.export import consolidate
-
-
-def _keys(model_dir) -> set[str]:
-    keys = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as fh:
-            keys |= set(fh.keys())
-    return keys
 
 
 @pytest.mark.parametrize(("family", "shard_bytes"), [("mixtral", 5 * 2**30), ("nemotron_h", 5 * 2**30),
@@ -43,7 +34,7 @@ def test_consolidated_export_keeps_the_base_layout(tmp_path, family, shard_bytes
     diff = consolidate.consolidate_to_hf(tmp_path / "step", base_dir, tmp_path / "out", max_shard_bytes=shard_bytes)
     assert diff == 0.0
     assert (len(list((tmp_path / "out").glob("*.safetensors"))) > 1) == (shard_bytes < 2**20)
-    expected = _keys(base_dir) if family != "qwen3_5_moe" else {k for k in _keys(base_dir) if ".visual." not in k}
-    assert _keys(tmp_path / "out") == expected  # the base's layout (a text fine-tune carries no vision tower)
+    expected = saved_keys(base_dir) if family != "qwen3_5_moe" else {k for k in saved_keys(base_dir) if ".visual." not in k}
+    assert saved_keys(tmp_path / "out") == expected  # the base's layout (a text fine-tune carries no vision tower)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
     assert all(torch.equal(reloaded[n], state[n]) for n in state)

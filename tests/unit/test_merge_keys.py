@@ -11,20 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from keys_models import save_original
-from safetensors import safe_open
+from keys_models import save_original, saved_keys
 
 from homelab_ft.export import merge
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "nemotron_h")
 
 
-def _keys(model_dir) -> set[str]:
-    keys = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as fh:
-            keys |= set(fh.keys())
-    return keys
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -48,7 +41,7 @@ def test_merge_reloads_with_base_plus_adapter_logits(tmp_path, family):
     assert merge.unsupported_reason(tmp_path / "adapter", base_dir) is None
     stats = merge.merge_files(tmp_path / "adapter", base_dir, tmp_path / "out", dtype=torch.float32)
     assert stats["merged"] == len(adapted)
-    assert _keys(tmp_path / "out") == _keys(base_dir)  # the base's own layout, vision tower included
+    assert saved_keys(tmp_path / "out") == saved_keys(base_dir)  # the base's own layout, vision tower included
     assert merge.check_written(tmp_path / "adapter", base_dir, tmp_path / "out", dtype=torch.float32) == 0.0
 
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(1))
