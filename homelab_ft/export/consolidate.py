@@ -104,12 +104,16 @@ def consolidate_to_hf(
         raise UserError(f"{checkpoint_dir} holds no model weights")
     if any(".lora_" in name for name in tensors):
         raise UserError(f"{checkpoint_dir} is a LoRA checkpoint (adapters only); export it with the adapter merge")
-    expected, tied = _architecture(Path(base_model_dir))
+    expected, tied, buffers = _architecture(Path(base_model_dir))
     _check_tied_equal(state_dir, tensors, tied)
     for target in tied:
         tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
-    _check_architecture(Path(base_model_dir), expected, {n: tensors[n][0] for n in tensors})
     keys = checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(Path(base_model_dir)), Path(base_model_dir))
+    # Persistent buffers (Gemma 4's layer_scalar) are not trained, so the checkpoint (trainable
+    # tensors) lacks them: they are the base's, read from its files and written with the first file.
+    from_base = sorted(n for n in buffers if n not in tensors and n in keys.names())
+    _check_architecture(Path(base_model_dir), expected,
+                        {**{n: tensors[n][0] for n in tensors}, **{n: expected[n] for n in from_base}})
     groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes, unit=keys.unit)
 
     out_dir = Path(out_dir)
@@ -122,7 +126,8 @@ def consolidate_to_hf(
         file_name = "model.safetensors" if len(groups) == 1 else f"model-{number:05d}-of-{len(groups):05d}.safetensors"
         buffers = {MODEL_PREFIX + n: torch.empty(tensors[n][0], dtype=tensors[n][1]) for n in names}
         dcp.load(buffers, storage_reader=SafeFileSystemReader(str(state_dir)), no_dist=True)
-        saved = keys.as_saved({n: buffers[MODEL_PREFIX + n] for n in names})
+        base = dict(keys.tensors(from_base)) if number == 1 else {}
+        saved = keys.as_saved({**{n: buffers[MODEL_PREFIX + n] for n in names}, **base})
         out = {n: _cast(t, dtype).contiguous() for n, t in saved.items()}
         save_file(out, str(out_dir / file_name), metadata={"format": "pt"})
         max_diff = max(max_diff, _read_back_diff(out_dir / file_name, saved))
@@ -148,8 +153,9 @@ def _read_back_diff(path: Path, originals: dict[str, torch.Tensor]) -> float:
     return diff
 
 
-def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str]]:
-    """What the base config's model loads: tensor shapes by name, and its tied names (target -> source).
+def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str], set[str]]:
+    """What the base config's model loads: tensor shapes by name, its tied names (target -> source),
+    and which of the names are persistent buffers rather than parameters.
 
     Built on the meta device (no memory). Tied targets (`lm_head.weight` when
     `tie_word_embeddings`, which Gemma and Qwen2.5-0.5B set, some through the config class's
@@ -163,7 +169,8 @@ def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str]
         model = AutoModelForCausalLM.from_config(config)
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
-    return expected, tied
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return expected, tied, set(expected) - parameters
 
 
 def _check_tied_equal(state_dir: Path, tensors: dict, tied: dict[str, str]) -> None:

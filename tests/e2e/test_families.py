@@ -6,61 +6,22 @@ logits equal base + adapter merged by PEFT in fp32; for each dense family QLoRA 
 train 2 steps and their export reloads. Rows of at most 64 tokens (the template's system turn alone
 is ~30 of the tiny tokenizer's), micro-batches of 2, no eval: ~3 s a case, ~3 min in all on 2 cores.
 
-What fails today for a reason another branch of issue 20 mends is marked `xfail(strict=True)`
-naming that branch, so a fix merged there turns the mark into a failure to remove:
-- `shape`: `plan` (which `train` runs first) refuses the family's config.json; asked of the
-  planner itself at collection time, so the mark goes by itself once the planner derives shapes;
-- `keys`: checkpoint tensors found by module name (the export merge, the full export's
-  consolidation): listed in KEYS, by family and rung.
+Every case must pass: the planner derives each family's shape from transformers (plan/derive.py),
+checkpoint tensors are found through transformers' key conversion (model/checkpoint_keys.py), and
+a full export writes the base's persistent buffers the checkpoint does not hold (Gemma 4's
+layer_scalar).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 import yaml
-from families import DENSE, FAMILIES, save_tiny, tiny_config
+from families import DENSE, FAMILIES, save_tiny
 from procs import write_chat_data
 
 from homelab_ft.cli.main import main
 from homelab_ft.train.metrics import read_metrics
-
-KEYS = {
-    ("gemma4_text", "full"): "needs keys: the full export's consolidation wants every persistent buffer "
-                             "(Gemma 4's layer_scalar), which the checkpoint (trainable parameters) lacks",
-}
-"""(family, rung) -> the keys branch's part that the export of that rung waits for."""
-
-
-@functools.cache
-def _planner_refusal(model_type: str) -> str | None:
-    """What `plan` says of this family's config.json when it refuses it (the planner's own answer)."""
-    from homelab_ft.errors import UserError
-    from homelab_ft.plan.shapes import model_shape
-
-    with tempfile.TemporaryDirectory() as folder:
-        tiny_config(model_type).save_pretrained(folder)
-        config = json.loads((Path(folder) / "config.json").read_text())
-    try:
-        model_shape(config)
-    except UserError as err:
-        return f"needs shape: plan refuses it ({str(err)[:90]})"
-    return None
-
-
-def _needs(model_type: str, method: str) -> str | None:
-    reasons = [_planner_refusal(model_type), KEYS.get((model_type, method))]
-    return "; ".join(r for r in reasons if r) or None
-
-
-def _cases(families, method: str) -> list:
-    return [pytest.param(model_type, id=model_type, marks=[pytest.mark.xfail(strict=True, reason=reason)]
-                         if (reason := _needs(model_type, method)) else []) for model_type in families]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +59,7 @@ def _logits(model, ids):
 IDS = torch.tensor([[1, 5, 17, 40, 99, 23, 7, 64]])
 
 
-@pytest.mark.parametrize("model_type", _cases(FAMILIES, "lora"))
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_lora(tmp_path, data_dir, model_type):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -117,11 +78,9 @@ def test_lora(tmp_path, data_dir, model_type):
 
 @pytest.mark.parametrize("method", ["qlora", "full"])
 @pytest.mark.parametrize("model_type", DENSE)
-def test_dense_rungs(tmp_path, data_dir, model_type, method, request):
+def test_dense_rungs(tmp_path, data_dir, model_type, method):
     from transformers import AutoModelForCausalLM
 
-    if reason := _needs(model_type, method):
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     model_dir, _, out = _train(tmp_path, data_dir, model_type, method)
     merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
