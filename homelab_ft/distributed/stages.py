@@ -152,7 +152,9 @@ def fill_stage(model: nn.Module, *, model_dir: Path, adapters: dict[str, torch.T
     `to_empty`); adapters come from `adapters` (full-model names). `tied` maps a tied head's name
     to the name the file stores it under (the embedding's). Tensors are found through transformers'
     own key conversion (model/checkpoint_keys.py: renamed prefixes, per-expert files)."""
-    keys = checkpoint_keys.CheckpointKeys(model, Path(model_dir))
+    # Planned on the whole architecture (meta): a stage's own module tree lacks the other stages'
+    # parts, and a tied head is read under the embedding's name, which only the first stage holds.
+    keys = checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(Path(model_dir)), Path(model_dir))
     on_disk = keys.names()
     state = model.state_dict()
     wanted: dict[str, str] = {}
