@@ -146,7 +146,7 @@ def check(env, recipe, nodes: list, *, local_world: int) -> list[StageLink]:
                             names=[n.name for n in nodes], device=env.device)
 
 
-def report_lines(links: list[StageLink], nodes: list) -> list[Line]:
+def report_lines(links: list[StageLink] | tuple, nodes: list) -> list[Line]:
     """`stage_lines` against the slowest NIC, when every node reports its line rate."""
     nic = [n.nic_speed_mbit for n in nodes if n.nic_speed_mbit]
     return stage_lines(links, expected_gbit=min(nic) / 1000 if nic and len(nic) == len(nodes) else None)

@@ -336,7 +336,7 @@ def _time_links(env, nodes: list[NodeFacts], *, local_rank: int, local_world: in
 
 
 def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_path: str | None,
-            out: str | None, stage_links: list) -> Outcome:
+            out: str | None, stage_links: tuple = ()) -> Outcome:
     from homelab_ft.cluster import clusterfile, doctor_report
 
     values = doctor_report.cluster_values(nodes, links)
