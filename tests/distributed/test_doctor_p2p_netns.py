@@ -31,6 +31,8 @@ def test_doctor_times_the_pipeline_boundary_between_the_stages_nodes(capsys, tmp
     assert (head.returncode, other.returncode) == (0, 0), head.stdout + head.stderr[-3000:] + other.stderr[-3000:]
     line = next((ln for ln in head.stdout.splitlines() if ln.startswith("p2p stage 0 -> 1")), None)
     assert line is not None, head.stdout
-    assert f"{a} -> {b}" in line and line.endswith("ok"), line
+    # the veth reports a 10 Gbit/s NIC with the shaper behind it: under half of it warns, as the
+    # collectives' lines do on this link (docs/multi-node.md's doctor table)
+    assert f"{a} -> {b}" in line and line.endswith("warn"), line
     mbit = float(re.search(r"([\d.]+) Mbit/s", line).group(1))
     assert mbit == pytest.approx(RATE_MBIT, rel=0.2), line
