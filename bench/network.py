@@ -51,13 +51,19 @@ from homelab_ft.plan.memory import GiB, estimate  # noqa: E402
 
 WARMUP, STEPS = 1, 3
 SEQ = 256
-CELLS = (  # (label, method, strategy, processes per node)
-    ("full_shard", "full", "full_shard", 1),
-    ("lora ddp", "lora", "no_shard", 1),
-    ("full_shard", "full", "full_shard", 2),
-    ("hybrid_shard", "full", "hybrid_shard", 2),
-    ("lora ddp", "lora", "no_shard", 2),
+CELLS = (  # (label, method, strategy, processes per node, pipeline stages)
+    ("full_shard", "full", "full_shard", 1, 1),
+    ("lora ddp", "lora", "no_shard", 1, 1),
+    ("full pp2", "full", "no_shard", 1, 2),
+    ("lora pp2", "lora", "no_shard", 1, 2),
+    ("full_shard", "full", "full_shard", 2, 1),
+    ("hybrid_shard", "full", "hybrid_shard", 2, 1),
+    ("lora ddp", "lora", "no_shard", 2, 1),
 )
+"""A pipeline cell is one pipeline of 2 stages, a stage per node, over PP_MICRO micro-batches of
+one row: the 2 rows per step that the 2 x 1 sharded and DDP cells train (one row per rank), so the
+cells of a link rank by the same work."""
+PP_MICRO = 2
 
 
 def make_model(out_dir: Path) -> Path:
@@ -67,17 +73,21 @@ def make_model(out_dir: Path) -> Path:
                       num_key_value_heads=2)
 
 
-def recipe_for(tmp: Path, model_dir: Path, name: str, *, method: str, strategy: str, nodes: int, per_node: int) -> dict:
-    """Packed rows of SEQ tokens, one per rank and step: what the planner prices (it assumes full rows)."""
+def recipe_for(tmp: Path, model_dir: Path, name: str, *, method: str, strategy: str, nodes: int, per_node: int,
+               stages: int = 1) -> dict:
+    """Packed rows of SEQ tokens, one per rank and step (a pipeline: PP_MICRO per step): what the
+    planner prices (it assumes full rows)."""
+    sharding = {"strategy": strategy, **({"pipeline_stages": stages} if stages > 1 else {})}
     return {
         "name": name, "method": method, "model": {"path": str(model_dir)},
         "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
         "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": SEQ, "packing": True},
-        "train": {"max_steps": WARMUP + STEPS, "micro_batch_size": 1, "grad_accum_steps": 1, "lr": 1e-4,
+        "train": {"max_steps": WARMUP + STEPS, "micro_batch_size": 1, "grad_accum_steps": PP_MICRO if stages > 1 else 1,
+                  "lr": 1e-4,
                   "save_every": 0, "device": "cpu", "num_threads": 1, "loss_chunk_tokens": 0},
         "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
         "cluster": {"nodes": nodes, "gpus_per_node": per_node, "device": "cpu"},
-        "sharding": {"strategy": strategy} if nodes * per_node > 1 else {},
+        "sharding": sharding if nodes * per_node > 1 else {},
     }
 
 
@@ -107,11 +117,12 @@ def cluster_file_for(link: netns.Link, path: Path, *, per_node: int) -> Path:
 
 
 def predict(recipe: dict, cluster_path: Path, *, tflops_per_core: float):
-    """memory.estimate for the recipe on the file's cluster; each node has one of this machine's
+    """memory.estimate for the recipe on the file's cluster (a pipelined recipe: the ladder's
+    price of its pipeline, stages sized as `plan` sizes them); each node has one of this machine's
     two cores (the namespaces share them), shared by its processes."""
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.locate import locate_config
-    from homelab_ft.plan.ladder import option_rung
+    from homelab_ft.plan.ladder import option_rung, sized_price
     from homelab_ft.plan.planner import request_from_recipe
     from homelab_ft.plan.shapes import model_shape
 
@@ -121,8 +132,11 @@ def predict(recipe: dict, cluster_path: Path, *, tflops_per_core: float):
     cluster = dataclasses.replace(cluster, tflops=tflops_per_core * hardware.cpu_cores_per_process(1, r.cluster.gpus_per_node))
     request = request_from_recipe(r)
     shape = model_shape(locate_config(r.model.path)[0])
+    stages = r.sharding.pipeline_stages if isinstance(r.sharding.pipeline_stages, int) else 1
     rung = option_rung(r.method, r.sharding.strategy if cluster.world_size > 1 else "no_shard", False,
-                       request=request, cluster=cluster)
+                       request=request, cluster=cluster, stages=stages)
+    if rung.pipeline_enabled:
+        return sized_price(shape, rung=rung, request=request, cluster=cluster)[0]
     return estimate(shape, rung=rung, request=request, cluster=cluster)
 
 
@@ -231,12 +245,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=float, nargs="+", default=[20, 100, 1000], help="shaped link rates in Mbit/s")
     parser.add_argument("--no-hybrid", action="store_true", help="skip the 2 x 2 process cells")
+    parser.add_argument("--no-pipeline", action="store_true", help="skip the 2-stage pipeline cells")
     args = parser.parse_args()
     reason = netns.unavailable()
     if reason:
         print(f"bench/network.py: {reason}", file=sys.stderr)
         return 2
-    cells = [c for c in CELLS if not (args.no_hybrid and c[3] == 2)]
+    cells = [c for c in CELLS if not (args.no_hybrid and c[3] == 2) and not (args.no_pipeline and c[4] > 1)]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir = make_model(tmp / "model")
@@ -259,9 +274,10 @@ def main() -> int:
                           f"{c['inter_latency_ms']:.2f} ms tiny all-reduce between nodes"
                           + (f"; inside a node {c['intra_link_gbit'] * 1000:.0f} Mbit/s, {c['intra_latency_ms']:.2f} ms"
                              if per_node > 1 else ""), flush=True)
-                for label, method, strategy, per_node in cells:
-                    name = f"{method}-{strategy}-{per_node}-{rate:g}"
-                    recipe = recipe_for(tmp, model_dir, name, method=method, strategy=strategy, nodes=2, per_node=per_node)
+                for label, method, strategy, per_node, stages in cells:
+                    name = f"{method}-{strategy}-{per_node}-pp{stages}-{rate:g}"
+                    recipe = recipe_for(tmp, model_dir, name, method=method, strategy=strategy, nodes=2, per_node=per_node,
+                                        stages=stages)
                     est = predict(recipe, files[per_node], tflops_per_core=tflops[method])
                     got = run_cell(link, recipe, tmp / f"{name}.yaml")
                     results.append({"rate": rate, "label": label, "per_node": per_node, "pred": est.step_s,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_ft import host
+from homelab_ft.cluster import doctor_p2p
 from homelab_ft.cluster.doctor_facts import LinkResult, Needs, NodeFacts, Timing
 from homelab_ft.cluster.launch import DEFAULT_PORT
 from homelab_ft.errors import UserError
@@ -284,9 +285,10 @@ def run_rank(*, recipe_path: str | None, overrides: list[str], iface: str | None
     log.info("%d ranks on %d node(s) joined over %s; timing collectives (a few seconds per link)",
              env.world_size, env.num_nodes, env.backend)
     links = _time_links(env, nodes, local_rank=local_rank, local_world=local_world)
+    stage_links = doctor_p2p.check(env, recipe, nodes, local_world=local_world)  # a pipelined recipe's boundaries
     outcome = Outcome(code=0)
     if env.is_main:
-        outcome = _report(nodes, links, recipe=recipe, recipe_path=recipe_path, out=out)
+        outcome = _report(nodes, links, recipe=recipe, recipe_path=recipe_path, out=out, stage_links=stage_links)
         if outcome.error:
             outcome = dataclasses.replace(outcome, code=2)
     code = [outcome.code]
@@ -334,7 +336,7 @@ def _time_links(env, nodes: list[NodeFacts], *, local_rank: int, local_world: in
 
 
 def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_path: str | None,
-            out: str | None) -> Outcome:
+            out: str | None, stage_links: tuple = ()) -> Outcome:
     from homelab_ft.cluster import clusterfile, doctor_report
 
     values = doctor_report.cluster_values(nodes, links)
@@ -344,6 +346,7 @@ def _report(nodes: list[NodeFacts], links: list[LinkResult], *, recipe, recipe_p
     needs = plan_needs(recipe, values, label=recipe_path) if recipe is not None and not on_cpu else None
     lines = doctor_report.all_lines(nodes, links, needs=needs, wants_cuda=wants_cuda,
                                     assumed_gbit=recipe.cluster.inter_link_gbit if recipe is not None else None)
+    lines += doctor_p2p.report_lines(stage_links, nodes)
     device = "NCCL (CUDA)" if nodes[0].device == "cuda" else "gloo (CPU)"
     title = (f"homelab-ft doctor: {len(nodes)} node(s) x {values['gpus_per_node']} process(es), {device}"
              + (f", recipe {recipe_path}" if recipe_path else ""))
