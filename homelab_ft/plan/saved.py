@@ -255,16 +255,19 @@ def _Stand_ins():
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
 
     class GroupedMm(torch.autograd.Function):
-        """torch._grouped_mm's backward keeps both operands and the offsets (derivatives.yaml)."""
+        """torch._grouped_mm's backward keeps each operand where the other's gradient needs it, and
+        the offsets (derivatives.yaml): frozen experts keep no routed tokens."""
 
         @staticmethod
         def forward(ctx, a, b, offs):
-            ctx.save_for_backward(a, b, offs)
+            need_a, need_b = ctx.needs_input_grad[:2]
+            ctx.save_for_backward(a if need_b else None, b if need_a else None, offs)
+            ctx.shapes = (a, b)
             return a.new_empty(a.shape[:-1] + (b.shape[-1],))
 
         @staticmethod
         def backward(ctx, grad):
-            a, b, _ = ctx.saved_tensors
+            a, b = ctx.shapes
             return torch.zeros_like(a), torch.zeros_like(b), None
 
     grouped = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None}
