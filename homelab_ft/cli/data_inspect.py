@@ -20,7 +20,17 @@ def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str
     """Load the recipe's tokenizer, prepare its data exactly as training would, describe it."""
     tokenizer = checked_tokenizer(recipe)
     prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
-    return describe(prepared, tokenizer, recipe.data, color=color) + "\n\n" + length_line(recipe, len(prepared.train))
+    text = describe(prepared, tokenizer, recipe.data, color=color) + "\n\n" + length_line(recipe, len(prepared.train))
+    return text if recipe.method == "full" else text + "\n" + lora_line(recipe)
+
+
+def lora_line(recipe: Recipe) -> str:
+    """What LoRA trains, in `plan`'s words (plan/report.lora_text over the planner's shape)."""
+    from homelab_ft.plan.planner import recipe_shape, request_from_recipe
+    from homelab_ft.plan.report import lora_text
+
+    shape, _ = recipe_shape(recipe)
+    return f"lora: {lora_text(shape, targets=request_from_recipe(recipe).lora_targets)}"
 
 
 def length_line(recipe: Recipe, num_rows: int) -> str:

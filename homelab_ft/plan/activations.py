@@ -11,7 +11,7 @@ from __future__ import annotations
 from homelab_ft.loss_chunks import chunk_rows
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.params import qlora_compute_bytes, targeted_linears, weight_bytes
-from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.plan.shapes import BlockShape, ModelShape
 from homelab_ft.rung import Rung
 
 
@@ -52,14 +52,30 @@ def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest
     """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
-        nbytes = block.saved_bytes_per_token(act_bytes, request.seq_len)
+        nbytes = block.saved_bytes_per_token(act_bytes, request.seq_len, frozen=method != "full")
         if method != "full":
-            targets = targeted_linears(block, request)
-            if request.lora_dropout > 0:
-                nbytes += sum(lin.in_features for lin in targets) * (act_bytes + 1)
-            nbytes += len(targets) * request.lora_r * act_bytes
+            nbytes += _adapter_bytes(block, request, act_bytes)
         per_block.append(round(nbytes))
     return per_block
+
+
+def _adapter_bytes(block: BlockShape, request: PlanRequest, act_bytes: int) -> float:
+    """Bytes per token the LoRA adapters of one block keep, on top of its frozen base (measured
+    without them, saved.py). Each lora_B keeps lora_A's r outputs. Each lora_A keeps its input: with
+    dropout, its own dropped-out copy and the 1-byte mask; without, the layer's input itself, which
+    layers fed the same tensor share (q/k/v_proj: one copy) and which costs nothing where the frozen
+    block keeps it anyway (o_proj's input is SDPA's saved output). QLoRA's 4-bit base saves no input
+    either: bitsandbytes' MatMul4Bit keeps only the packed weight (ctx.tensors = (None, B)), so it
+    is priced as a frozen 16-bit linear."""
+    targets = targeted_linears(block, request)
+    nbytes = len(targets) * request.lora_r * act_bytes
+    if request.lora_dropout > 0:
+        return nbytes + sum(lin.in_features for lin in targets) * (act_bytes + 1)
+    names = {lin.name: lin for lin in targets}
+    if not block.saved_frozen:  # a hand-built shape: its full figure already holds every linear's input
+        return nbytes
+    return nbytes + sum(names[next(n for n in group if n in names)].in_features * act_bytes
+                        for group in block.lora_inputs if any(n in names for n in group))
 
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:

@@ -161,7 +161,7 @@ def _group(blocks: list, hf_config) -> list[tuple[int, list[int]]]:
     return [(members[0], members) for members in groups.values()]
 
 
-def _block_shape(model, block, first: int, count: int, hf_config, saved: tuple) -> BlockShape:
+def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -> BlockShape:
     import torch
 
     wrapped = _all_linear_names(model)
@@ -188,7 +188,7 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: tuple) 
         in_experts.update(id(p) for p in own)
     other = sum(p.numel() for p in block.parameters() if id(p) not in in_linear and id(p) not in in_experts)
     return BlockShape(num_blocks=count, linears=tuple(linears), other_params=other, expert_params=expert_params,
-                      active_expert_params=active, kind=type(block).__name__, first_layer=first, saved=saved)
+                      active_expert_params=active, kind=type(block).__name__, first_layer=first, **saved)
 
 
 def _top_k(module, hf_config, experts: int) -> int:
@@ -202,13 +202,12 @@ def _top_k(module, hf_config, experts: int) -> int:
 
 
 def _all_linear_names(model) -> set[str]:
-    """The module names PEFT's `all-linear` resolves to on this model (peft.tuners.tuners_utils.
-    _maybe_include_all_linear_layers: every nn.Linear/Conv1D but the output embedding), read from
-    PEFT itself so the planner prices exactly what PEFT wraps."""
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+    """The module names `all-linear` LoRA wraps on this model: PEFT's own resolution less routers and
+    kernel-read Mamba projections, decided by lora_targets.wrapped_names, the rule the loader hands
+    to PEFT, so the planner prices (and `plan` names) exactly what training wraps."""
+    from homelab_ft.lora_targets import wrapped_names
 
-    return set(_maybe_include_all_linear_layers(LoraConfig(target_modules="all-linear"), model).target_modules)
+    return set(wrapped_names(model))
 
 
 def _max_positions(text) -> int:

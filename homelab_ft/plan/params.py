@@ -100,9 +100,14 @@ def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: 
 def targeted_linears(block: BlockShape, request: PlanRequest) -> tuple[Linear, ...]:
     """The block's linears that LoRA wraps: `all-linear` as PEFT resolves it on this model (derive.py
     asks PEFT), else `lora.target_modules` matched by name suffix, as PEFT does."""
-    if "all-linear" in request.lora_targets:
+    return linears_for(block, request.lora_targets)
+
+
+def linears_for(block: BlockShape, targets: tuple[str, ...]) -> tuple[Linear, ...]:
+    """`targeted_linears` for a `lora.target_modules` list (`all-linear` in it: the resolved set)."""
+    if "all-linear" in targets:
         return tuple(lin for lin in block.linears if lin.all_linear)
-    return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in request.lora_targets))
+    return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in targets))
 
 
 def adapter_params(shape: ModelShape, request: PlanRequest) -> int:

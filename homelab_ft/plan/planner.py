@@ -321,14 +321,20 @@ def default_request(**changes) -> PlanRequest:
 def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None) -> Plan:
     """Read the model's config, describe the cluster (recipe, else detected), and plan.
     `cluster_file`: the `--cluster` file whose values the recipe's cluster section holds (named in the plan)."""
-    from homelab_ft.locate import locate_config
     from homelab_ft.plan import hardware
-    from homelab_ft.plan.shapes import model_shape
 
-    config, source = locate_config(recipe.model.path)
-    shape = model_shape(config, attn_implementation=recipe.model.attn_implementation, model_path=recipe.model.path,
-                        trust_remote_code=recipe.model.trust_remote_code)
+    shape, source = recipe_shape(recipe)
     if cluster is None:
         cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(), cluster_file=cluster_file)
     return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,
                 config_source=source)
+
+
+def recipe_shape(recipe) -> tuple[ModelShape, str]:
+    """The shape of the recipe's model (cached, else derived) and where its config was read from."""
+    from homelab_ft.locate import locate_config
+    from homelab_ft.plan.shapes import model_shape
+
+    config, source = locate_config(recipe.model.path)
+    return model_shape(config, attn_implementation=recipe.model.attn_implementation, model_path=recipe.model.path,
+                       trust_remote_code=recipe.model.trust_remote_code), source

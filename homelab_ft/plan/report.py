@@ -9,8 +9,10 @@ from homelab_ft.loss_chunks import AUTO, chunk_rows
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.ladder import Option
 from homelab_ft.plan.memory import gib_text
+from homelab_ft.plan.params import linears_for
 from homelab_ft.plan.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.planner import Plan
+from homelab_ft.plan.shapes import ModelShape
 
 
 def link_text(c: Cluster, *, inter: bool) -> str:
@@ -36,6 +38,28 @@ def _chunk_text(chunk_tokens: int | str, vocab_size: int) -> str:
     if chunk_tokens != AUTO:
         return str(chunk_tokens)
     return f"auto ({chunk_rows(chunk_tokens, vocab_size=vocab_size)} tokens)"
+
+
+def lora_text(shape: ModelShape, *, targets: tuple[str, ...]) -> str:
+    """What LoRA wraps, as the loader will (the shape's linears marked by lora_targets.wrapped_names,
+    the rule model/targets.resolve hands PEFT): `all-linear: q_proj, ... (7 per block; ...)`."""
+    names: dict[str, None] = {}
+    left_out: dict[str, None] = {}
+    counts = set()
+    for block in shape.blocks:
+        chosen = linears_for(block, targets)
+        counts.add(len(chosen))
+        names.update((lin.name.rsplit(".", 1)[-1], None) for lin in chosen)
+        left_out.update((lin.name, None) for lin in block.linears if "all-linear" in targets and not lin.all_linear)
+    per_block = f"{min(counts)}" if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
+    what = "all-linear" if "all-linear" in targets else "target_modules " + ",".join(targets)
+    if "all-linear" not in targets:
+        skipped = ""
+    elif left_out:
+        skipped = f"; left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}"
+    else:
+        skipped = "; no routers or Mamba projections to leave out"
+    return f"{what}: {', '.join(names) or 'nothing'} ({per_block} per block{skipped})"
 
 
 def pipeline_lines(p: Plan) -> list[str]:
@@ -110,6 +134,8 @@ def format_plan(p: Plan) -> str:
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
+        if p.chosen.method != "full":
+            lines.append(f"lora     {lora_text(s, targets=r.lora_targets)}")
         lines += pipeline_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
         lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]

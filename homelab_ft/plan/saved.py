@@ -3,10 +3,12 @@ on the meta device, run under FakeTensorMode (shapes, dtypes and views as on the
 and transformers' data-dependent checks skip themselves for fake tensors), with
 `torch.autograd.graph.saved_tensors_hooks` counting every tensor autograd saves while each block
 runs (parameters and tensors the block was handed, such as the rotary tables every block shares,
-excluded; a view counted once, through its base). All parameters require grad, so this is the
-full fine-tune's saved set; LoRA's is priced from it (activations.py), an upper bound: a frozen
-base linear keeps no input and a frozen norm weight no normalised copy (bench/memory.py --family:
-full rows within 2%, LoRA rows 7-15% over).
+excluded; a view counted once, through its base). It runs twice: with every parameter requiring
+grad (the full fine-tune's saved set) and with the base frozen (LoRA's and QLoRA's: a frozen
+linear keeps no input for a weight gradient and a frozen norm weight no normalised copy; pricing
+LoRA from the full set over-planned by 7-15%, bench/memory.py --family). The frozen pass also
+records which linear layers share one input that it does not already keep (q/k/v, gate/up): the
+tensor a LoRA adapter's lora_A saves, priced per targeted group by activations.py.
 
 Three sequence lengths give bytes = c + a*seq + b*seq^2 (b: attention that materialises seq x seq
 scores or a sliding-window mask). Both activation dtypes are measured: an fp32 HF RMSNorm saves
@@ -36,36 +38,50 @@ DTYPES = {2: "bfloat16", 4: "float32"}
 """Activation bytes per element -> the dtype the forward runs in to measure it."""
 
 
-def measure_saved(build, firsts: list[int]) -> dict[int, tuple]:
-    """{block index: ((act_bytes, a, b), ...)} for the blocks `firsts`: bytes per token a + b * seq.
-    `build(dtype)` returns a fresh meta-device model in that dtype and its decoder blocks."""
+def measure_saved(build, firsts: list[int]) -> dict[int, dict]:
+    """{block index: {"saved": rows, "saved_frozen": rows, "lora_inputs": groups}} for the blocks
+    `firsts`, rows ((act_bytes, a, b), ...): bytes per token a + b * seq, with every parameter
+    trainable and with the base frozen; groups: the names of the linear layers sharing one input
+    that the frozen block does not keep. `build(dtype)` returns a fresh meta-device model in that
+    dtype and its decoder blocks."""
     import torch
 
-    per_dtype = {}
-    for act_bytes, dtype in DTYPES.items():
-        try:
-            per_dtype[act_bytes] = _measure(build, getattr(torch, dtype), firsts, cut=True)
-        except Exception as err:  # noqa: BLE001 - any failure of the cut-down forward: measure whole
-            log.debug("one block per kind did not run alone (%s): measuring every block", err)
-            per_dtype[act_bytes] = _measure(build, getattr(torch, dtype), firsts, cut=False)
-    out = {}
-    for n, index in enumerate(firsts):
-        rows = []
-        for act_bytes, (points, positions) in per_dtype.items():
-            a, b = _per_token_fit([p.get(positions[n], 0) for p in points])
-            rows.append((act_bytes, a, b))
-        out[index] = tuple(rows)
-    return out
+    out: dict[int, dict] = {index: {"saved": [], "saved_frozen": []} for index in firsts}
+    for frozen, key in ((False, "saved"), (True, "saved_frozen")):
+        for act_bytes, dtype in DTYPES.items():
+            try:
+                points, positions, groups = _measure(build, getattr(torch, dtype), firsts, cut=True, frozen=frozen)
+            except Exception as err:  # noqa: BLE001 - any failure of the cut-down forward: measure whole
+                log.debug("one block per kind did not run alone (%s): measuring every block", err)
+                points, positions, groups = _measure(build, getattr(torch, dtype), firsts, cut=False, frozen=frozen)
+            for n, index in enumerate(firsts):
+                a, b = _per_token_fit([p.get(positions[n], 0) for p in points])
+                out[index][key].append((act_bytes, a, b))
+                if frozen and act_bytes == 2:
+                    out[index]["lora_inputs"] = groups.get(positions[n], ())
+    return {index: {k: tuple(v) for k, v in rows.items()} for index, rows in out.items()}
 
 
-def _measure(build, dtype, firsts: list[int], *, cut: bool):
+def _measure(build, dtype, firsts: list[int], *, cut: bool, frozen: bool):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model, blocks = build(dtype)
     kept, positions = _keep_only(model, blocks, firsts) if cut else (blocks, list(firsts))
+    if frozen:
+        _freeze_base(model)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode, training_masks(), _Stand_ins():
         model._apply(mode.from_tensor)
-        return [_saved_by_block(model, kept, seq) for seq in SEQ_LENS], positions
+        groups: dict[int, tuple] = {}
+        points = [_saved_by_block(model, kept, seq, lora_inputs=groups if frozen else None) for seq in SEQ_LENS]
+        return points, positions, groups
+
+
+def _freeze_base(model) -> None:
+    """The base as LoRA trains it: no parameter requires grad, while the hidden states do (the
+    adapters of earlier blocks make them), so every block's ops run as between two adapters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
 
 
 def _per_token_fit(totals: list[int]) -> tuple[float, float]:
@@ -126,8 +142,9 @@ def training_masks():
         masking_utils.find_packed_sequence_indices = packed_original
 
 
-def _saved_by_block(model, blocks: list, seq: int) -> dict[int, int]:
-    """Bytes autograd saves during each block's forward, for one row of `seq` tokens."""
+def _saved_by_block(model, blocks: list, seq: int, *, lora_inputs: dict | None = None) -> dict[int, int]:
+    """Bytes autograd saves during each block's forward, for one row of `seq` tokens. With
+    `lora_inputs` (a dict), also fills {block: groups of linear names sharing an input not saved}."""
     import torch
 
     params = {id(p) for p in model.parameters()}
@@ -163,6 +180,12 @@ def _saved_by_block(model, blocks: list, seq: int) -> dict[int, int]:
     blocks_index = {id(b): i for i, b in enumerate(blocks)}
     handles = [h for b in blocks for h in (b.register_forward_pre_hook(before, with_kwargs=True),
                                             b.register_forward_hook(after, with_kwargs=True))]
+    inputs: dict[int, dict[int, list[str]]] = {}
+    if lora_inputs is not None:
+        for index, block in enumerate(blocks):
+            for name, module in block.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    handles.append(module.register_forward_pre_hook(_input_recorder(inputs.setdefault(index, {}), name, keep)))
     ids = torch.zeros((1, seq), dtype=torch.long, device=model.get_input_embeddings().weight.device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -170,7 +193,25 @@ def _saved_by_block(model, blocks: list, seq: int) -> dict[int, int]:
     finally:
         for h in handles:
             h.remove()
+    if lora_inputs is not None:
+        lora_inputs.update({index: tuple(tuple(names) for root, names in by_root.items() if root not in seen.get(index, ()))
+                            for index, by_root in inputs.items()})
     return totals
+
+
+def _input_recorder(by_root: dict[int, list[str]], name: str, keep: list):
+    """A forward pre-hook filing linear `name` under the base tensor of its input."""
+
+    def record(module, args):
+        root = args[0]
+        while root._base is not None:
+            root = root._base
+        keep.append(root)
+        names = by_root.setdefault(id(root), [])
+        if name not in names:
+            names.append(name)
+
+    return record
 
 
 def _tensors(tree):
@@ -214,16 +255,19 @@ def _Stand_ins():
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
 
     class GroupedMm(torch.autograd.Function):
-        """torch._grouped_mm's backward keeps both operands and the offsets (derivatives.yaml)."""
+        """torch._grouped_mm's backward keeps each operand where the other's gradient needs it, and
+        the offsets (derivatives.yaml): frozen experts keep no routed tokens."""
 
         @staticmethod
         def forward(ctx, a, b, offs):
-            ctx.save_for_backward(a, b, offs)
+            need_a, need_b = ctx.needs_input_grad[:2]
+            ctx.save_for_backward(a if need_b else None, b if need_a else None, offs)
+            ctx.shapes = (a, b)
             return a.new_empty(a.shape[:-1] + (b.shape[-1],))
 
         @staticmethod
         def backward(ctx, grad):
-            a, b, _ = ctx.saved_tensors
+            a, b = ctx.shapes
             return torch.zeros_like(a), torch.zeros_like(b), None
 
     grouped = {f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None}

@@ -26,7 +26,8 @@ class Linear:
     out_features: int
     bias: bool = False
     all_linear: bool = True
-    """PEFT's `all-linear` resolution wraps it (derive._all_linear_names)."""
+    """`all-linear` LoRA wraps it (lora_targets.wrapped_names: PEFT's set less routers and Mamba
+    projections a fused kernel reads)."""
 
     @property
     def weight_params(self) -> int:
@@ -57,6 +58,12 @@ class BlockShape:
     saved: tuple[tuple[int, float, float], ...] = ()
     """(activation bytes per element, a, b): bytes per token that autograd keeps for this block's
     backward = a + b * seq, measured for full fine-tuning (saved.py)."""
+    saved_frozen: tuple[tuple[int, float, float], ...] = ()
+    """The same with the base frozen, adapters aside (LoRA, QLoRA: saved.py); empty in a shape built
+    by hand, which then prices LoRA from `saved`, an upper bound."""
+    lora_inputs: tuple[tuple[str, ...], ...] = ()
+    """Names of the linear layers that share one input the frozen block does not keep (q/k/v_proj,
+    gate/up_proj): what a LoRA adapter's lora_A saves once per group it targets."""
 
     @property
     def params(self) -> int:
@@ -70,9 +77,11 @@ class BlockShape:
     def linear_weight_params(self) -> int:
         return sum(lin.weight_params for lin in self.linears)
 
-    def saved_bytes_per_token(self, act_bytes: int, seq_len: int) -> float:
-        """Measured bytes per token at `seq_len` in the dtype of `act_bytes` (16-bit: 2, fp32: 4)."""
-        a, b = next((a, b) for n, a, b in self.saved if n == act_bytes)
+    def saved_bytes_per_token(self, act_bytes: int, seq_len: int, *, frozen: bool = False) -> float:
+        """Measured bytes per token at `seq_len` in the dtype of `act_bytes` (16-bit: 2, fp32: 4),
+        with every parameter trained or (`frozen`) the base frozen."""
+        rows = self.saved_frozen if frozen and self.saved_frozen else self.saved
+        a, b = next((a, b) for n, a, b in rows if n == act_bytes)
         return a + b * seq_len
 
 
@@ -142,5 +151,8 @@ class ModelShape:
     @classmethod
     def from_dict(cls, data: dict) -> ModelShape:
         blocks = tuple(BlockShape(**{**b, "linears": tuple(Linear(**lin) for lin in b["linears"]),
-                                     "saved": tuple(tuple(row) for row in b["saved"])}) for b in data["blocks"])
+                                     "saved": tuple(tuple(row) for row in b["saved"]),
+                                     "saved_frozen": tuple(tuple(row) for row in b["saved_frozen"]),
+                                     "lora_inputs": tuple(tuple(g) for g in b["lora_inputs"])})
+                       for b in data["blocks"])
         return cls(**{**data, "blocks": blocks, "notes": tuple(data["notes"])})

@@ -10,6 +10,7 @@ import pytest
 import torch
 from families import FAMILIES, save_tiny, tiny_config
 
+from homelab_ft import lora_targets
 from homelab_ft.config import LoraConfig, ModelConfig, QuantConfig
 from homelab_ft.errors import UserError
 from homelab_ft.model import family, loading, quant, targets
@@ -65,14 +66,14 @@ def test_all_linear_is_every_plain_linear_the_owner_calls(model_type):
 
     model = _meta(model_type)
     resolved = targets.lora_targets(model)
-    peft_set = {name for name, _ in targets._candidates(model)}
+    peft_set = {name for name, _ in lora_targets._candidates(model)}
     matched = {name for name, _ in model.named_modules() if name and check_target_module_exists(
         type("C", (), {"target_modules": resolved, "exclude_modules": None, "layers_to_transform": None,
                        "layers_pattern": None})(), name)}
     assert matched <= peft_set and matched
     for name in peft_set - matched:  # what was left out is a router or a weight a kernel reads
         module = model.get_submodule(name)
-        assert not targets._linear_forward(type(module)) or targets._weight_read_by_owner(model, name), name
+        assert not targets.linear_forward(type(module)) or lora_targets._weight_read_by_owner(model, name), name
     left_out = {name.rsplit(".", 1)[-1] for name in peft_set - matched}
     expected = {"llama4_text": {"router"}, "phimoe": {"router"}, "falcon_h1": {"out_proj"},
                 "nemotron_h": {"out_proj"}, "granitemoehybrid": {"out_proj"}}
@@ -86,8 +87,8 @@ def test_quantized_linear_layers_stay_targets():
 
     from homelab_ft.distributed import sharded_qlora
 
-    assert targets._linear_forward(bnb.nn.Linear4bit) and targets._linear_forward(sharded_qlora._linear4bit_class())
-    assert targets._linear_forward(torch.nn.Linear)
+    assert targets.linear_forward(bnb.nn.Linear4bit) and targets.linear_forward(sharded_qlora._linear4bit_class())
+    assert targets.linear_forward(torch.nn.Linear)
     assert targets.for_config(tiny_config("llama4_text")) == targets.lora_targets(_meta("llama4_text"))
     assert "router" not in targets.for_config(tiny_config("llama4_text"))
 
@@ -129,3 +130,47 @@ def test_quantizable_check_refuses_in_one_line_or_passes(model_type, tmp_path):
         quant.check_quantizable(json.loads((tmp_path / "config.json").read_text()), QuantConfig(), device="cpu")
     except UserError as err:
         assert "\n" not in str(err) and "use method: lora or full" in str(err)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_planner_prices_what_all_linear_wraps(model_type):
+    """The shape's all-linear layers (plan/derive.py, torch-free once cached) are exactly those
+    model/targets hands PEFT (one rule: homelab_ft/lora_targets.py), and `plan` names them."""
+    from homelab_ft.plan.report import lora_text
+    from homelab_ft.plan.shapes import model_shape
+
+    config = tiny_config(model_type)
+    shape = model_shape(config.to_dict())
+    model = _meta(model_type)
+    wrapped = set(lora_targets.wrapped_names(model))
+    chosen = targets.for_config(config)
+    for block in shape.blocks:
+        layer = next(n for n, m in model.named_modules() if m is _blocks(model)[block.first_layer])
+        for lin in block.linears:
+            full = f"{layer}.{lin.name}"
+            assert lin.all_linear == (full in wrapped), (block.kind, lin.name)
+            assert lin.all_linear == any(full == s or full.endswith("." + s) for s in chosen), (lin.name, chosen)
+    text = lora_text(shape, targets=("all-linear",))
+    leaves = {lin.name.rsplit(".", 1)[-1] for b in shape.blocks for lin in b.linears if lin.all_linear}
+    assert text.startswith("all-linear: ") and all(leaf in text for leaf in leaves), text
+    skipped = [lin.name for b in shape.blocks for lin in b.linears if not lin.all_linear]
+    assert ("left out" in text) == bool(skipped), text
+
+
+def _blocks(model):
+    from homelab_ft.plan.derive import decoder_blocks
+
+    return decoder_blocks(model)
+
+
+def test_plan_text_names_what_lora_trains():
+    from homelab_ft.plan.report import lora_text
+    from homelab_ft.plan.shapes import model_shape
+
+    llama = model_shape(tiny_config("llama").to_dict())
+    assert lora_text(llama, targets=("all-linear",)) == (
+        "all-linear: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
+        "(7 per block; no routers or Mamba projections to leave out)")
+    assert lora_text(llama, targets=("q_proj", "v_proj")) == "target_modules q_proj,v_proj: q_proj, v_proj (2 per block)"
+    assert "left out, as routers and Mamba projections PEFT cannot wrap: feed_forward.router" in lora_text(
+        model_shape(tiny_config("llama4_text").to_dict()), targets=("all-linear",))

@@ -523,7 +523,7 @@ def test_plan_says_the_largest_micro_batch_and_sequence_that_fit():
     from homelab_ft.plan.ladder import choose, evaluate
 
     llama = shape("llama-3-8b")
-    request = dataclasses.replace(LONG, micro_batch_size=8)
+    request = dataclasses.replace(LONG, micro_batch_size=16)
     p = plan(llama, request=request, cluster=gpus(1))
     mine, heavier = p.affordable
     assert mine.label == "qlora no_shard" and heavier.label == "lora"
@@ -543,7 +543,7 @@ def test_plan_says_the_largest_micro_batch_and_sequence_that_fit():
         assert fits(seq_len=limits.seq_len) and not fits(seq_len=limits.seq_len + 64)
     text = mine.text(request=request)
     assert text == (f"qlora no_shard: micro_batch <= {mine.micro_batch_size} at max_length 2048; "
-                    f"max_length <= {mine.seq_len} at micro_batch 8")
+                    f"max_length <= {mine.seq_len} at micro_batch 16")
     assert p.to_dict()["afford"][0]["micro_batch_size"] == mine.micro_batch_size
     full = plan(llama, request=dataclasses.replace(LONG, method="full"), cluster=gpus(8, 80))
     assert len(full.affordable) == 1  # no rung after full
