@@ -116,6 +116,12 @@ def dequantized_stack(module: nn.Module, name: str) -> torch.Tensor:
     return torch.stack([dequantized(module, name, e) for e in range(_io(module, name)[0])])
 
 
+def expert_params(module: nn.Module, name: str) -> int:
+    """Weights one projection of all experts represents (its logical [E, out, in]), packed or not."""
+    experts, in_features, out_features = _io(module, name)
+    return experts * in_features * out_features
+
+
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of the packed experts and their quantisation constants (for the planner's tests)."""
     total = 0
