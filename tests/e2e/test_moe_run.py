@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import yaml
@@ -34,7 +37,7 @@ def _recipe(tmp_path, data_dir, model_dir, method: str, *, steps: int = 2, **ext
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "data": {"sources": [{"path": str(data_dir / "train.jsonl")}], "max_length": 64},
         "train": {"max_steps": steps, "micro_batch_size": 2, "grad_accum_steps": 1, "lr": 1e-2, "warmup_steps": 0,
-                  "eval_every": 0, "save_every": 0, "device": "cpu"},
+                  "eval_every": 0, "save_every": 2, "device": "cpu"},
         **extra,
     }
     path = tmp_path / f"{method}.yaml"
@@ -54,3 +57,27 @@ def test_moe_qlora_trains_with_4bit_experts(tmp_path, data_dir, moe_dir, capfd):
     assert "4-bit experts: 4 fused-experts modules packed (nf4)" in out + err
     losses = _losses(run)
     assert sorted(losses) == [1, 2] and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+
+
+def test_moe_lora_trains_every_expert_and_resumes_exactly(tmp_path, data_dir, moe_dir):
+    """Before: all-linear on qwen3_moe trained attention only (the experts are 3-D parameters).
+    Now every expert has an adapter; 2 + 2 steps from a checkpoint equal 4 steps."""
+    from safetensors.torch import load_file
+
+    from homelab_ft.store.model_state import EXPERT_ADAPTERS
+
+    recipe = _recipe(tmp_path, data_dir, moe_dir, "lora", steps=4)
+    whole = tmp_path / "whole"
+    assert main(["train", str(recipe), "--run-dir", str(whole)]) == 0
+    experts = load_file(str(whole / "checkpoints" / "step_000004" / "adapter" / EXPERT_ADAPTERS))
+    assert len(experts) == 4 * 2 * 2  # 4 layers x (gate_up_proj, down_proj) x (A, B)
+    assert all(t.abs().max() > 0 for k, t in experts.items() if k.endswith("lora_B"))  # trained from zero
+    # a crash after step 2: the step-4 checkpoint and the metrics after step 2 gone, then --resume
+    split = tmp_path / "split"
+    shutil.copytree(whole, split)
+    shutil.rmtree(split / "checkpoints" / "step_000004")
+    rows = (split / "metrics.jsonl").read_text().splitlines()
+    (split / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= 2))
+    assert sorted(_losses(split)) == [1, 2]
+    assert main(["train", str(recipe), "--run-dir", str(split), "--resume"]) == 0
+    assert _losses(split) == pytest.approx(_losses(whole), rel=1e-6, abs=1e-6)
