@@ -203,6 +203,9 @@ def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanReques
     big = sum(block.num_blocks * sum(n for lin in targeted_linears(block, request)
                                      for n in (r * lin.in_features, r * lin.out_features) if n >= PAGED_MIN_NUMEL)
               for block in shape.blocks)
+    if "all-linear" in request.lora_targets:  # moe_experts' A [E, r, in] and B [E, out, r]: one tensor each
+        big += sum(block.num_blocks * sum(n for e, i, o in block.expert_stacks for n in (e * r * i, e * r * o)
+                                          if n >= PAGED_MIN_NUMEL) for block in shape.blocks)
     return int(big * per_param)
 
 
