@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from homelab_ft.errors import UserError
+from homelab_ft.export import expert_adapters
 from homelab_ft.model import checkpoint_keys
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ def scale(cfg: dict) -> float:
 
 def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype,
                 trust_remote_code: bool = False) -> dict:
-    """Write the merged model's safetensors (same file layout as the base) and config into `out`.
+    """Write the merged model's safetensors (same file layout as the base) and config into `out`;
+    the adapters on MoE experts merge too (expert_adapters.py).
 
     Returns {"files": n, "merged": n_weights, "max_delta": largest |scale x B @ A| entry}; the
     caller checks the result against base + adapter."""
@@ -129,7 +131,9 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         part = "A" if ".lora_A." in key else "B" if ".lora_B." in key else None
         if part:
             lora.setdefault(_module(key), {})[part] = tensor
-    owner = adapted_keys(adapter_dir, base_keys(model_dir, trust_remote_code=trust_remote_code))
+    keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
+    owner = adapted_keys(adapter_dir, keys)
+    experts = expert_adapters.MergedUnits(adapter_dir, keys, factor=factor)
     out.mkdir(parents=True, exist_ok=True)
     files = base_files(model_dir)
     merged, max_delta, weight_map, total = 0, 0.0, {}, 0
@@ -137,9 +141,11 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         tensors = {}
         with safe_open(str(model_dir / name), "pt") as fh:
             for key in fh.keys():
-                tensor = fh.get_tensor(key)
+                tensor = experts.pop(key) if key in experts else fh.get_tensor(key)
                 module = owner.get(key)
-                if module is not None:
+                if key in experts:
+                    merged += 1
+                elif module is not None:
                     delta = factor * (lora[module]["B"].float() @ lora[module]["A"].float())
                     tensor = tensor.float() + delta
                     merged += 1
@@ -152,7 +158,7 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         del tensors  # one base file in memory at a time
         log.debug("merged %s", name)
-    if merged != len(owner):
+    if merged != len(owner) + len(experts.owner):
         raise RuntimeError(f"export: merged {merged} of the {len(owner)} adapted weights; the base's files and index disagree")
     if len(files) > 1 or (model_dir / INDEX).is_file():
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

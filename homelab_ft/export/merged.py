@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from homelab_ft.errors import UserError
-from homelab_ft.export import merge
+from homelab_ft.export import expert_adapters, merge
 from homelab_ft.model import loading
 from homelab_ft.store import checkpoint
 
@@ -31,7 +31,9 @@ def load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
 
     base = loading.load_model(recipe.model, model_dir, dtype=dtype or torch.float32, device=torch.device("cpu"))
     try:
-        return PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
+        model = PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
+        expert_adapters.attach(model, ckpt / checkpoint.ADAPTER, cfg=merge.adapter_config(ckpt / checkpoint.ADAPTER))
+        return model
     except (RuntimeError, ValueError, KeyError) as err:
         raise UserError(
             f"the adapter in {ckpt} does not fit the base {recipe.model.path} "
@@ -119,6 +121,7 @@ def write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dt
     probe = probe_ids(tokenizer)
     with torch.no_grad():
         expected = peft_model(input_ids=probe).logits.float()
+    expert_adapters.merge_in_memory(peft_model)
     merged = peft_model.merge_and_unload()
     merged.config.use_cache = True
     # 5 GB shards: the size the Hub and llama.cpp's converter handle comfortably.
@@ -135,6 +138,9 @@ def write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dt
 
 def write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
     """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
+    if expert_adapters.present(ckpt / checkpoint.ADAPTER):
+        raise UserError("export --adapter-only: this adapter trains MoE experts, which PEFT's format cannot hold; "
+                        "export the merged model (drop --adapter-only)")
     load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     shutil.copytree(ckpt / checkpoint.ADAPTER, out, dirs_exist_ok=True)
     config_path = out / "adapter_config.json"

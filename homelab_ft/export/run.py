@@ -277,8 +277,12 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
 
 def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name: str) -> float:
     """llama.cpp's LoRA GGUF, checked against PEFT's own delta for every adapted weight."""
+    from homelab_ft.export import expert_adapters
     from homelab_ft.export.gguf_adapter import check_adapter_gguf, write_adapter_gguf
 
+    if expert_adapters.present(ckpt / checkpoint.ADAPTER):
+        raise UserError("export: an adapter GGUF cannot hold the adapters on MoE experts yet; "
+                        "export the merged model (gguf of the merged weights) instead")
     peft_model = merged.load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     write_adapter_gguf(ckpt / checkpoint.ADAPTER, model_dir, path, name=name)
     diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)

@@ -215,6 +215,8 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
         model = get_peft_model(model, peft_cfg)
     except ValueError as err:
         raise UserError(f"lora.target_modules: {str(err).splitlines()[0]}") from None
+    if lora_cfg.target_modules == targets.ALL_LINEAR:
+        _attach_expert_lora(model, lora_cfg)
     import torch
 
     # PEFT makes adapters fp32 (autocast_adapter_dtype); `lora.dtype: compute` keeps them in bf16.
@@ -223,6 +225,23 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
             if param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
     return model
+
+
+def _attach_expert_lora(model, lora_cfg: LoraConfig) -> None:
+    """`all-linear` on an MoE model: adapters on every expert too (moe_experts.attach_lora), which
+    PEFT's all-linear never reaches (its experts are 3-D parameters, not nn.Linear layers)."""
+    from homelab_ft.model import moe_experts
+
+    found = moe_experts.fused_experts(model)
+    if found and lora_cfg.use_dora:
+        raise UserError("lora.use_dora: adapters on MoE experts are plain LoRA; set lora.use_dora=false "
+                        "or list lora.target_modules without the experts")
+    for module in found.values():
+        moe_experts.attach_lora(module, r=lora_cfg.r, alpha=lora_cfg.alpha, dropout=lora_cfg.dropout,
+                                rslora=lora_cfg.use_rslora)
+    if found:
+        log.info("lora.target_modules all-linear: and every expert of %d fused-experts modules (%s)",
+                 len(found), ", ".join(moe_experts.projections(next(iter(found.values())))))
 
 
 def initial_adapters(model, *, seed: int) -> dict:
@@ -267,8 +286,22 @@ def initial_adapters(model, *, seed: int) -> dict:
             finally:
                 for part, layer in originals.items():
                     getattr(module, part)[adapter] = layer
+    _initial_expert_adapters(model, out)
     torch.set_rng_state(generator_state)
     return out
+
+
+def _initial_expert_adapters(model, out: dict) -> None:
+    """moe_experts' adapters drawn like PEFT's (A Kaiming-uniform, B zero) on full-size CPU twins,
+    continuing the seeded generator of `initial_adapters`."""
+    from homelab_ft.model import moe_experts
+
+    for name, module in model.named_modules():
+        if isinstance(module, moe_experts.ExpertLora):
+            experts, r, in_features = module.lora_A.shape
+            twin = moe_experts.ExpertLora(experts, in_features, module.lora_B.shape[1], r=r, alpha=1.0, dropout=0.0,
+                                          dtype=module.lora_A.dtype)
+            out[f"{name}.lora_A"], out[f"{name}.lora_B"] = twin.lora_A.detach(), twin.lora_B.detach()
 
 
 def reset_adapters(model, *, seed: int) -> None:

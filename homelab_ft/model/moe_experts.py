@@ -116,6 +116,12 @@ def dequantized_stack(module: nn.Module, name: str) -> torch.Tensor:
     return torch.stack([dequantized(module, name, e) for e in range(_io(module, name)[0])])
 
 
+def expert_params(module: nn.Module, name: str) -> int:
+    """Weights one projection of all experts represents (its logical [E, out, in]), packed or not."""
+    experts, in_features, out_features = _io(module, name)
+    return experts * in_features * out_features
+
+
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of the packed experts and their quantisation constants (for the planner's tests)."""
     total = 0
@@ -173,6 +179,25 @@ def attach_lora(module: nn.Module, *, r: int, alpha: float, dropout: float, rslo
     for name, param in module.named_parameters():
         param.requires_grad_(name.startswith("expert_lora."))
     _install_forward(module)
+
+
+def merged_delta(module: nn.Module, name: str, expert: int) -> torch.Tensor:
+    """scaling * B_e @ A_e in the layout the model's own 3-D parameter holds it ([in, out] transposed)."""
+    delta = module.expert_lora[name].merged_delta(expert)
+    return delta.t() if module.is_transposed else delta
+
+
+def merge_lora(module: nn.Module) -> None:
+    """Fold the experts' adapters into the plain (not 4-bit) weights, W_e += scaling * B_e A_e, and
+    drop them: the module is transformers' own again (its class forward)."""
+    with torch.no_grad():
+        for name in projections(module):
+            weight = getattr(module, name)
+            for e in range(weight.shape[0]):
+                weight[e] += merged_delta(module, name, e).to(weight.dtype)
+    del module.expert_lora
+    if "forward" in vars(module):
+        del module.forward
 
 
 # --------------------------------------------------------------------------------------------

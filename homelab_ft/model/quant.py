@@ -23,6 +23,7 @@ layer shape works, and saves are lossless. tests/unit/test_qlora.py checks all o
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -31,6 +32,8 @@ import torch
 from homelab_ft.config import QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
 from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # availability and the load config
@@ -125,6 +128,7 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
             )
     skeleton = meta_skeleton(config)
     if skeleton is not None:
+        refuse_8bit_experts(skeleton, quant_cfg)
         raise_if_unquantizable(skeleton)
 
 
@@ -172,11 +176,17 @@ def raise_if_unquantizable(model: torch.nn.Module) -> None:
     Every embedding table (an `nn.Embedding`, whatever its name: Gemma 4's per-layer embeddings
     too) and the LM head are left out of both sides: transformers never quantizes them.
     """
+    from homelab_ft.model import moe_experts
+
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     left_out = {id(p) for m in (*tables, model.get_output_embeddings()) if m is not None for p in m.parameters()}
     quantizable_types = _quantizable_types()
     quantized = 0
     kept: dict[str, int] = {}
+    experts = moe_experts.fused_experts(model)
+    for module in experts.values():  # 4-bit through moe_experts.quantize (quantize_experts), plain or packed
+        quantized += sum(moe_experts.expert_params(module, name) for name in moe_experts.projections(module))
+        left_out |= {id(p) for p in module.parameters(recurse=False)}
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             if id(param) in left_out or param_name == "bias":
@@ -202,6 +212,29 @@ def raise_if_unquantizable(model: torch.nn.Module) -> None:
             f"{type(model).__name__}'s block weights ({names}; not nn.Linear layers, e.g. fused MoE experts), "
             "so they would stay in full precision; use method: lora or full"
         )
+
+
+def quantize_experts(model: torch.nn.Module, quant_cfg: QuantConfig) -> int:
+    """Every fused-experts module of a loaded model to packed 4-bit experts (moe_experts.quantize):
+    bitsandbytes' `from_pretrained` quantizes `nn.Linear` layers only and leaves the 3-D expert
+    stacks in the compute dtype (97% of Qwen3-30B-A3B's block weights). Returns how many modules.
+    The router stays in the compute dtype and frozen, as every other non-linear weight of QLoRA."""
+    from homelab_ft.model import moe_experts
+
+    found = moe_experts.fused_experts(model)
+    for module in found.values():
+        moe_experts.quantize(module, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant)
+    if found:
+        log.info("4-bit experts: %d fused-experts modules packed (%s)", len(found), quant_cfg.quant_type)
+    return len(found)
+
+
+def refuse_8bit_experts(model: torch.nn.Module, quant_cfg: QuantConfig) -> None:
+    """moe_experts packs experts in 4 bits only (bitsandbytes' int8 matmul has no per-expert form here)."""
+    from homelab_ft.model import moe_experts
+
+    if quant_cfg.bits != 4 and moe_experts.fused_experts(model):
+        raise UserError("quant.bits=8: MoE experts are quantized in 4 bits only; set quant.bits=4 or method: lora")
 
 
 def _quantizable_types() -> tuple[type, ...]:

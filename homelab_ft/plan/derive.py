@@ -174,6 +174,7 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -
             in_linear.update(id(p) for p in module.parameters())
     expert_params = active = 0
     in_experts: set[int] = set()
+    stacks = []
     for module in block.modules():
         if isinstance(module, torch.nn.modules.conv._ConvNd):
             continue  # a Mamba / linear-attention conv1d weight is 3-D too, and no expert
@@ -186,9 +187,23 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -
         expert_params += numel
         active += numel * min(experts, _top_k(module, hf_config, experts)) // experts
         in_experts.update(id(p) for p in own)
+        stacks += _stacks(module)
     other = sum(p.numel() for p in block.parameters() if id(p) not in in_linear and id(p) not in in_experts)
     return BlockShape(num_blocks=count, linears=tuple(linears), other_params=other, expert_params=expert_params,
-                      active_expert_params=active, kind=type(block).__name__, first_layer=first, **saved)
+                      active_expert_params=active, expert_stacks=tuple(stacks), kind=type(block).__name__,
+                      first_layer=first, **saved)
+
+
+def _stacks(module) -> list[tuple[int, int, int]]:
+    """(experts, in, out) of each projection of a fused-experts module, as model/moe_experts.py reads
+    them (transformers' marks `has_gate`, `is_transposed`); [] for any other 3-D parameter."""
+    if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+        return []
+    out = []
+    for name in ("gate_up_proj" if module.has_gate else "up_proj", "down_proj"):
+        experts, rows, cols = getattr(module, name).shape
+        out.append((experts, rows, cols) if module.is_transposed else (experts, cols, rows))
+    return out
 
 
 def _top_k(module, hf_config, experts: int) -> int:

@@ -255,8 +255,8 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
     device = "GPU" if cluster.device == "cuda" else "process"
     layout = f"pipeline {len(est.stages)} stages" if est.stages else est.strategy
     name = f"{_method_label(est.method, request, cluster)} {layout}{' +offload' if est.cpu_offload else ''}"
-    if est.method == "qlora" and _unquantizable_fraction(shape) > MAX_UNQUANTIZABLE_FRACTION:
-        share = _unquantizable_fraction(shape)
+    if est.method == "qlora" and _unquantizable_fraction(shape, bits=request.quant_bits) > MAX_UNQUANTIZABLE_FRACTION:
+        share = _unquantizable_fraction(shape, bits=request.quant_bits)
         return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
                        "cannot quantize (quant.py refuses); use lora or full")
     limit = f"{gib_text(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
@@ -274,8 +274,11 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
     return True, f"{name}: {gib_text(total)} GiB per {device} <= {limit}{spill}"
 
 
-def _unquantizable_fraction(shape: ModelShape) -> float:
-    kept = sum(b.num_blocks * (b.params - b.linear_weight_params) for b in shape.blocks)
+def _unquantizable_fraction(shape: ModelShape, *, bits: int) -> float:
+    """Fused experts count as quantized in 4 bits: model/quant.py packs them (moe_experts.py); in 8 they
+    stay kept (quant.py refuses quant.bits=8 on an MoE model)."""
+    experts = bits == 4
+    kept = sum(b.num_blocks * (b.params - b.linear_weight_params - experts * b.expert_params) for b in shape.blocks)
     return unquantizable_fraction(quantized_params=shape.block_params - kept, kept_params=kept)
 
 

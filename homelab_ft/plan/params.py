@@ -90,11 +90,14 @@ def sharded_qlora_loading_bytes(shape: ModelShape, request: PlanRequest, cluster
 def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:
     """Adapter parameters of one block: r x (in + out) per targeted linear (A: r x in, B: out x r).
 
-    `all-linear` is PEFT's every nn.Linear except the LM head; MoE experts are nn.Parameters in
-    transformers 5 and are not reached by it.
+    `all-linear` is PEFT's every nn.Linear except the LM head, and every expert of the fused MoE
+    stacks (model/moe_experts.py: A [E, r, in], B [E, out, r] per projection).
     """
     block = shape.blocks[block_index]
-    return sum(request.lora_r * (lin.in_features + lin.out_features) for lin in targeted_linears(block, request))
+    r = request.lora_r
+    linears = sum(r * (lin.in_features + lin.out_features) for lin in targeted_linears(block, request))
+    experts = sum(e * r * (i + o) for e, i, o in block.expert_stacks) if "all-linear" in request.lora_targets else 0
+    return linears + experts
 
 
 def targeted_linears(block: BlockShape, request: PlanRequest) -> tuple[Linear, ...]:
@@ -117,9 +120,12 @@ def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
 def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
     """(total bytes, largest block's bytes) of the unsharded base weights.
 
-    QLoRA: the blocks' linear weights quantized; every
-    other parameter (embeddings, norms, biases, LM head, MoE experts) in the compute dtype
-    (quant.prepare_for_training keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast).
+    QLoRA: the blocks' linear weights quantized, and in 4 bits each expert of the fused MoE stacks
+    as its own matrix (moe_experts.quantize: packed bytes and constants as `quantized_linear_bytes`,
+    = moe_experts.packed_bytes), plus the one expert's weight its matmul dequantizes at a time
+    (bnb.matmul_4bit, in the compute dtype; not kept for backward); every other parameter
+    (embeddings, norms, biases, router, LM head) in the compute dtype (quant.prepare_for_training
+    keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast).
     """
     if method != "qlora":
         per_param = weight_bytes(request, cluster)
@@ -131,9 +137,13 @@ def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, clus
             quantized_linear_bytes(lin.in_features, lin.out_features, bits=request.quant_bits, double_quant=request.double_quant)
             for lin in block.linears
         )
-        block_bytes.append(quantized + other * (block.params - block.linear_weight_params))
+        stacks = block.expert_stacks if request.quant_bits == 4 else ()
+        quantized += sum(e * quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) for e, i, o in stacks)
+        kept = block.params - block.linear_weight_params - sum(e * i * o for e, i, o in stacks)
+        block_bytes.append(quantized + other * kept)
     total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
-    return total, max(block_bytes)
+    scratch = max((i * o for b in shape.blocks for _, i, o in b.expert_stacks), default=0) if request.quant_bits == 4 else 0
+    return total + other * scratch, max(block_bytes)
 
 
 def gathered_end_params(shape: ModelShape) -> int:
@@ -198,6 +208,9 @@ def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanReques
     big = sum(block.num_blocks * sum(n for lin in targeted_linears(block, request)
                                      for n in (r * lin.in_features, r * lin.out_features) if n >= PAGED_MIN_NUMEL)
               for block in shape.blocks)
+    if "all-linear" in request.lora_targets:  # moe_experts' A [E, r, in] and B [E, out, r]: one tensor each
+        big += sum(block.num_blocks * sum(n for e, i, o in block.expert_stacks for n in (e * r * i, e * r * o)
+                                          if n >= PAGED_MIN_NUMEL) for block in shape.blocks)
     return int(big * per_param)
 
 

@@ -281,8 +281,9 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
     if chosen.cpu_offload:
         out.append(f"CPU offload adds ~{chosen.offload_s:.1f} s/step (PCIe copies of the shards, AdamW on the CPU)")
     if shape.is_moe and chosen.method != "full":
-        out.append("MoE: expert weights are 3-D parameters in transformers 5; all-linear LoRA trains attention "
-                   "(and shared-expert) layers only")
+        trained = ("attention, shared-expert and every routed expert's projections (moe_experts.py); the router stays "
+                   "frozen" if "all-linear" in request.lora_targets else "the listed linear layers only, no routed expert")
+        out.append(f"MoE: LoRA trains {trained}")
     if request.optimizer == "paged_adamw_8bit" and cluster.device == "cpu":
         out.append("train.optimizer=paged_adamw_8bit pages to host RAM only on CUDA; on the CPU it runs as adamw_8bit")
     return tuple(out)

@@ -47,10 +47,14 @@ class BlockShape:
     other_params: int
     """Parameters neither in an nn.Linear nor in stacked experts: norms, routers, convolutions."""
     expert_params: int = 0
-    """Stacked (3-D) expert tensors and their biases: plain nn.Parameters in transformers 5, so
-    bitsandbytes leaves them unquantized and LoRA's all-linear does not reach them."""
+    """Stacked (3-D) expert tensors and their biases: plain nn.Parameters in transformers 5, which
+    bitsandbytes' load leaves unquantized; model/moe_experts.py packs and adapts them."""
     active_expert_params: int = 0
     """Expert parameters one token passes through: top-k of the experts."""
+    expert_stacks: tuple[tuple[int, int, int], ...] = ()
+    """(experts, in_features, out_features) of each fused expert projection transformers marks
+    (`use_experts_implementation`): what model/quant.py packs in 4 bits one expert matrix at a
+    time, and `all-linear` adapts per expert (model/moe_experts.py)."""
     kind: str = ""
     """The block's class name."""
     first_layer: int = 0
@@ -72,6 +76,11 @@ class BlockShape:
     @property
     def active_params(self) -> int:
         return self.params - self.expert_params + self.active_expert_params
+
+    @property
+    def expert_weight_params(self) -> int:
+        """The weights of `expert_stacks` (biases and unmarked stacks not included)."""
+        return sum(e * i * o for e, i, o in self.expert_stacks)
 
     @property
     def linear_weight_params(self) -> int:
@@ -137,6 +146,11 @@ class ModelShape:
         return max(b.params for b in self.blocks)
 
     @property
+    def expert_weight_params(self) -> int:
+        """The weights of every block's `expert_stacks` (biases and unmarked stacks not included)."""
+        return sum(b.num_blocks * b.expert_weight_params for b in self.blocks)
+
+    @property
     def linear_weight_params(self) -> int:
         """Weights of the blocks' nn.Linear layers: what 4-bit/8-bit quantization replaces."""
         return sum(b.num_blocks * b.linear_weight_params for b in self.blocks)
@@ -153,6 +167,7 @@ class ModelShape:
         blocks = tuple(BlockShape(**{**b, "linears": tuple(Linear(**lin) for lin in b["linears"]),
                                      "saved": tuple(tuple(row) for row in b["saved"]),
                                      "saved_frozen": tuple(tuple(row) for row in b["saved_frozen"]),
-                                     "lora_inputs": tuple(tuple(g) for g in b["lora_inputs"])})
+                                     "lora_inputs": tuple(tuple(g) for g in b["lora_inputs"]),
+                                     "expert_stacks": tuple(tuple(x) for x in b["expert_stacks"])})
                        for b in data["blocks"])
         return cls(**{**data, "blocks": blocks, "notes": tuple(data["notes"])})

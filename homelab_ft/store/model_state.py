@@ -15,6 +15,17 @@ NESTED_KEY = "optim.param_groups.0.lr"
 them `optim.param_groups.<parameter name>.lr`."""
 
 
+EXPERT_ADAPTERS = "expert_adapters.safetensors"
+"""Beside PEFT's adapter file: the adapters on MoE experts (model/moe_experts.py), which PEFT does
+not know; keyed `<experts module>.expert_lora.<projection>.lora_A|lora_B` ([E, r, in], [E, out, r]),
+scaled as the adapter_config's alpha / r. PEFT's own loader never reads this file."""
+
+EXPERT_LORA = ".expert_lora."
+"""In the parameter names of moe_experts' adapters."""
+
+PEFT_PREFIX = "base_model.model."
+
+
 def optimizer_state(model, optimizer, *, flat: bool) -> dict:
     """The optimizer's state for DCP; `flat` keys the param-group settings by parameter name.
 
@@ -65,6 +76,7 @@ def save_adapter(model, out_dir: Path) -> None:
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu()
         for name, p in trainable_state(model).items()
     }
+    experts = {name.removeprefix(PEFT_PREFIX): full.pop(name) for name in list(full) if EXPERT_LORA in name}
     adapter = get_peft_model_state_dict(inner, state_dict=full)
     if differs_across_ranks(sorted(adapter)):  # pipeline stages: each rank holds its own blocks' adapters
         adapter = {name: t for part in ranks.all_gather(adapter) for name, t in part.items()}
@@ -72,4 +84,6 @@ def save_adapter(model, out_dir: Path) -> None:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
+    if experts:
+        save_file({k: v.contiguous() for k, v in experts.items()}, out_dir / EXPERT_ADAPTERS)
     inner.peft_config["default"].save_pretrained(out_dir)

@@ -83,6 +83,7 @@ def build_pipelined(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_tok
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
     if rung.quantized_enabled:  # each stage's base in 4 bits, quantised as the sharded 4-bit base is
         quant.require_bitsandbytes(device=env.device)
+        _refuse_split_moe_qlora(recipe, model_dir=model_dir)
     return pipeline.build_pipeline(
         env, rung=rung, model_dir=model_dir,
         build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),
@@ -116,6 +117,8 @@ def _load_base(recipe: Recipe, *, model_dir: Path, rung: Rung, device: torch.dev
         return loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
     model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device,
                                quantization_config=quant.bnb_config(recipe.quant, device=device))
+    quant.refuse_8bit_experts(model, recipe.quant)
+    quant.quantize_experts(model, recipe.quant)  # bitsandbytes' load left the fused experts in `dtype`
     quant.after_load(model)
     return quant.prepare_for_training(model)
 
@@ -126,6 +129,7 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtypes: 
         from homelab_ft.distributed import sharded_qlora
 
         quant.require_bitsandbytes(device=env.device)
+        _refuse_split_moe_qlora(recipe, model_dir=model_dir)
         sharded_qlora.check_recipe(recipe, compute_dtype=dtypes.compute)
     return sharded_loading.build_sharded(
         env,
@@ -136,6 +140,21 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtypes: 
         reduce_dtype=dtypes.reduce,
         activation_checkpointing=rung.activation_checkpointing,
     )
+
+
+def _refuse_split_moe_qlora(recipe: Recipe, *, model_dir: Path) -> None:
+    """4-bit experts (moe_experts.py) are quantized after a whole-model load; the sharded and
+    pipelined 4-bit builds quantize per block from the safetensors and do not reach them yet."""
+    from transformers import AutoConfig
+
+    from homelab_ft.errors import UserError
+    from homelab_ft.model import moe_experts
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    skeleton = quant.meta_skeleton(config)
+    if skeleton is not None and moe_experts.fused_experts(skeleton):
+        raise UserError("method: qlora on an MoE model shards or pipelines not yet: use sharding.strategy=no_shard "
+                        "on one process or DDP")
 
 
 def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: torch.dtype) -> nn.Module:

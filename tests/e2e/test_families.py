@@ -61,17 +61,20 @@ IDS = torch.tensor([[1, 5, 17, 40, 99, 23, 7, 64]])
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_lora(tmp_path, data_dir, model_type):
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from homelab_ft.config import load_recipe
+    from homelab_ft.export import merged
+
     model_dir, run, out = _train(tmp_path, data_dir, model_type, "lora")
-    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = _logits(base, IDS)
-    adapter = run / "checkpoints" / "step_000002" / "adapter"
-    reference = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    ckpt = run / "checkpoints" / "step_000002"
+    # base + PEFT's adapter, and on MoE models the adapters on every expert (export/expert_adapters.py)
+    reference = merged.load_base_with_adapter(ckpt, model_dir, load_recipe(tmp_path / "recipe.yaml"))
     want = _logits(reference, IDS)
-    got = _logits(merged, IDS)
+    got = _logits(exported, IDS)
     assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
     assert (got - before).abs().max() > 1e-4  # the adapter changed the model
 

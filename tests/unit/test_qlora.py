@@ -280,14 +280,16 @@ def test_dense_model_is_quantizable(llama_dir):
     quant.check_quantizable(AutoConfig.from_pretrained(llama_dir), QuantConfig(), device=CPU)
 
 
-def test_fused_moe_experts_refused():
-    """transformers 5 stores MoE experts as 3-D parameters, which bitsandbytes leaves in full precision."""
+def test_fused_moe_experts_quantize_in_4_bits_only():
+    """transformers 5 stores MoE experts as 3-D parameters, which bitsandbytes leaves in full precision;
+    quant.quantize_experts packs them in 4 bits (moe_experts.py), so 4-bit QLoRA passes and 8-bit is refused."""
     from transformers import MixtralConfig
 
     config = MixtralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    with pytest.raises(UserError, match=r"cannot quantize \d+% of MixtralForCausalLM.*mlp\.experts"):
-        quant.check_quantizable(config.to_dict(), QuantConfig(), device=CPU)
+    quant.check_quantizable(config.to_dict(), QuantConfig(), device=CPU)
+    with pytest.raises(UserError, match=r"quant.bits=8: MoE experts are quantized in 4 bits only"):
+        quant.check_quantizable(config.to_dict(), QuantConfig(bits=8), device=CPU)
 
 
 def test_data_parallel_qlora_reduces_only_the_adapter(llama_dir):

@@ -1,0 +1,74 @@
+"""The planner's MoE pieces against the model itself (issue 21): the fused expert stacks derive.py
+reads, their 4-bit bytes (= moe_experts.packed_bytes after moe_experts.quantize), and the adapters
+`all-linear` puts on every expert (= what loading.attach_lora makes trainable)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from families import tiny_config
+
+from homelab_ft.config import LoraConfig, QuantConfig
+from homelab_ft.model import loading, moe_experts, quant
+from homelab_ft.plan import params
+from homelab_ft.plan.planner import default_request
+from homelab_ft.plan.shapes import model_shape
+
+pytest.importorskip("bitsandbytes")
+
+FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+CPU = params.Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=16 << 30, host_ram_bytes=16 << 30,
+                     inter_link_gbit=1.0, tflops=1.0)
+
+
+def _shape_and_model(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        shape = model_shape(json.loads((Path(folder) / "config.json").read_text()))
+    torch.manual_seed(0)
+    return shape, AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_planner_prices_4bit_experts_and_expert_adapters_as_built(model_type):
+    shape, model = _shape_and_model(model_type)
+    found = moe_experts.fused_experts(model)
+    blocks = sum(b.num_blocks for b in shape.blocks if b.expert_stacks)
+    assert blocks == len(found)
+    # the adapters all-linear makes trainable: attention's through PEFT, every expert's through moe_experts
+    request = default_request(method="qlora", lora_r=4, quant_bits=4, double_quant=True, lora_targets=("all-linear",))
+    lora = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
+    trainable, _ = loading.count_params(lora)
+    assert params.adapter_params(shape, request) == trainable
+    expert_adapters = sum(p.numel() for n, p in lora.named_parameters() if ".expert_lora." in n)
+    assert expert_adapters == sum(b.num_blocks * e * 4 * (i + o) for b in shape.blocks for e, i, o in b.expert_stacks)
+    # the packed experts: moe_experts.packed_bytes of every module, after quantize
+    packed = 0
+    for module in found.values():
+        moe_experts.quantize(module)
+        packed += moe_experts.packed_bytes(module)
+    without = dataclasses.replace(shape, blocks=tuple(dataclasses.replace(b, expert_stacks=()) for b in shape.blocks))
+    with_experts, _ = params.base_weight_bytes(shape, "qlora", request, CPU)
+    plain, _ = params.base_weight_bytes(without, "qlora", request, CPU)
+    other = params.qlora_compute_bytes(request, CPU)
+    scratch = max(i * o for b in shape.blocks for _, i, o in b.expert_stacks) * other
+    expert_weights = sum(b.num_blocks * b.expert_weight_params for b in shape.blocks)
+    assert with_experts - scratch == plain - other * expert_weights + packed
+
+
+def test_qlora_refuses_8bit_experts_and_quantizes_4bit():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.float32)
+    with pytest.raises(quant.UserError, match="quant.bits=8"):
+        quant.refuse_8bit_experts(model, QuantConfig(bits=8))
+    assert quant.quantize_experts(model, QuantConfig()) == len(moe_experts.fused_experts(model)) > 0
+    quant.raise_if_unquantizable(model)  # packed experts count as quantized
