@@ -104,16 +104,7 @@ def consolidate_to_hf(
         raise UserError(f"{checkpoint_dir} holds no model weights")
     if any(".lora_" in name for name in tensors):
         raise UserError(f"{checkpoint_dir} is a LoRA checkpoint (adapters only); export it with the adapter merge")
-    expected, tied, buffers = _architecture(Path(base_model_dir))
-    _check_tied_equal(state_dir, tensors, tied)
-    for target in tied:
-        tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
-    keys = checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(Path(base_model_dir)), Path(base_model_dir))
-    # Persistent buffers (Gemma 4's layer_scalar) are not trained, so the checkpoint (trainable
-    # tensors) lacks them: they are the base's, read from its files and written with the first file.
-    from_base = sorted(n for n in buffers if n not in tensors and n in keys.names())
-    _check_architecture(Path(base_model_dir), expected,
-                        {**{n: tensors[n][0] for n in tensors}, **{n: expected[n] for n in from_base}})
+    keys, from_base = _check_against_base(Path(base_model_dir), state_dir, tensors)
     groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes, unit=keys.unit)
 
     out_dir = Path(out_dir)
@@ -140,6 +131,21 @@ def consolidate_to_hf(
         (out_dir / _INDEX).write_text(json.dumps(index, indent=2))
     _copy_model_files(Path(base_model_dir), out_dir, dtype=dtype or next(iter(tensors.values()))[1])
     return max_diff
+
+
+def _check_against_base(base_dir: Path, state_dir: Path, tensors: dict):
+    """The base's key plan and the tensors to take from the base, once the checkpoint's tensors (tied
+    targets dropped from `tensors` in place) are what the base's architecture wants."""
+    expected, tied, buffers = _architecture(base_dir)
+    _check_tied_equal(state_dir, tensors, tied)
+    for target in tied:
+        tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
+    keys = checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(base_dir), base_dir)
+    # Persistent buffers (Gemma 4's layer_scalar) are not trained, so the checkpoint (trainable
+    # tensors) lacks them: they are the base's, read from its files and written with the first file.
+    from_base = sorted(n for n in buffers if n not in tensors and n in keys.names())
+    _check_architecture(base_dir, expected, {**{n: tensors[n][0] for n in tensors}, **{n: expected[n] for n in from_base}})
+    return keys, from_base
 
 
 def _read_back_diff(path: Path, originals: dict[str, torch.Tensor]) -> float:
