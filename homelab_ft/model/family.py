@@ -50,8 +50,11 @@ def attention(requested: str, *, config, say: bool = True) -> str | None:
             f"set model.attn_implementation: auto (here {'sdpa' if cls._supports_sdpa else 'eager'})"
         )
     if requested == AUTO and say:
-        log.info("attention: %s (model.attn_implementation auto; %s %s sdpa)", chosen, cls.__name__,
-                 "supports" if cls._supports_sdpa else "has no")
+        # The expected choice (sdpa) is a debug detail; a fallback to eager, slower and heavier at
+        # long sequences, is worth a line. (`chat` prints its replies on stdout beside the log.)
+        (log.debug if chosen == "sdpa" else log.info)(
+            "attention: %s (model.attn_implementation auto; %s %s sdpa)", chosen, cls.__name__,
+            "supports" if cls._supports_sdpa else "has no")
     return chosen
 
 
