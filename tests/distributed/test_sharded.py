@@ -20,12 +20,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from families import save_tiny
 from procs import REPO, child_env, run_checked, write_chat_data
 
 from homelab_ft.cluster import launch
 from homelab_ft.distributed import comm
 
 WORKER = Path(__file__).with_name("worker.py")
+PARITY_FAMILIES = ("nemotron_h", "qwen3_moe")
+"""A hybrid and an MoE family of tests/families.py, full fine-tuned under FSDP2 like the Llamas."""
 TOL = 1e-5
 STEPS = 6
 UNEVEN_EVAL = {"eval_fraction": 0.2}
@@ -58,6 +61,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("sharded")
     write_chat_data(tmp / "train.jsonl", 64)
     tied_dir = make_llama(tmp / "tied-llama", tie_word_embeddings=True)
+    family_dirs = {family: save_tiny(tmp / family, family) for family in PARITY_FAMILIES}
     two = {
         "full_shard": _recipe(tmp, tiny_model_dir, "full_shard", procs=2),
         "shard_grad_op": _recipe(tmp, tiny_model_dir, "shard_grad_op", procs=2, sharding={"strategy": "shard_grad_op"}),
@@ -78,6 +82,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                                            sharding={"strategy": "no_shard"}, train={"loss_chunk_tokens": 0},
                                            lora={"target_modules": ["q_proj", "lm_head"]}),
     }
+    for family, model_dir in family_dirs.items():  # FSDP2 full fine-tunes of a hybrid and an MoE family
+        two[f"fam_{family}"] = _recipe(tmp, model_dir, f"fam_{family}", procs=2)
     # optimizer in backward: no accumulation and no clipping (config.py refuses both with it)
     in_bwd = {"grad_accum_steps": 1, "max_grad_norm": 0.0, "optimizer_in_backward": True}
     two["optim_bwd"] = _recipe(tmp, tied_dir, "optim_bwd", procs=2, train=in_bwd)
@@ -140,6 +146,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                                                                          train={**in_bwd, "resume": True}),
          "copy_run": {"src": two["optim_bwd"]["output"]["dir"], "keep_step": 3}},
     ]
+    one += [{"kind": "train", "name": f"ref_fam_{family}", "recipe": _recipe(tmp, model_dir, f"ref_fam_{family}", procs=1)}
+            for family, model_dir in family_dirs.items()]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
     run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
@@ -159,6 +167,15 @@ def test_full_finetune_matches_one_process(results, name):
     ref = results["ref_full"]["losses"]
     assert len(ref) == STEPS and ref[-1] < ref[0]  # it trains, so parity is not trivially of a frozen model
     assert _max_diff(results[name]["losses"], ref) <= TOL
+
+
+@pytest.mark.parametrize("family", PARITY_FAMILIES)
+def test_full_finetune_of_other_families_matches_one_process(results, family):
+    """FSDP2 over the blocks transformers declares (`_no_split_modules`) of a hybrid (Mamba and
+    attention layers, MoE, `backbone.*` checkpoint keys) and of an MoE family, against one process."""
+    ref = results[f"ref_fam_{family}"]["losses"]
+    assert len(ref) == STEPS and ref[-1] < ref[0]
+    assert _max_diff(results[f"fam_{family}"]["losses"], ref) <= TOL
 
 
 @pytest.mark.parametrize("name", ["lora_fsdp", "lora_ddp"])
