@@ -106,6 +106,13 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+def cache_root() -> Path:
+    """homelab-ft's own cache (converted GGUF models, derived model shapes): $HOMELAB_FT_CACHE, else
+    ~/.cache/homelab-ft."""
+    env = os.environ.get("HOMELAB_FT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "homelab-ft"
+
+
 def hub_cache_root() -> Path:
     """The hub cache as huggingface_hub resolves it: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache."""
     if os.environ.get("HF_HUB_CACHE"):

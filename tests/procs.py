@@ -69,17 +69,21 @@ def plan_without_torch(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-def small_tmpfs(path: Path, size: str):
-    """A tmpfs of `size` (mount's `size=`, e.g. 700k, 60m) mounted at `path`, as a generator for a
-    pytest fixture: a real full disk for the tests of what ENOSPC leaves. Needs root (skips
+def mounted(path: Path, *mount_args: str):
+    """`mount MOUNT_ARGS PATH` for a pytest fixture (a generator): a real full disk (tmpfs) or a
+    read-only target (bind mount) for the tests of what ENOSPC and EROFS leave. Needs root (skips
     otherwise); always unmounted."""
     import pytest
 
     path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                           capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
+    if os.geteuid() != 0 or subprocess.run(["mount", *mount_args, str(path)], capture_output=True).returncode:
+        pytest.skip("mounting needs root")
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def small_tmpfs(path: Path, size: str):
+    """A tmpfs of `size` (mount's `size=`, e.g. 700k, 60m) at `path`: see `mounted`."""
+    yield from mounted(path, "-t", "tmpfs", "-o", f"size={size}", "tmpfs")

@@ -8,21 +8,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from homelab_ft.decoder_blocks import decoder_blocks
 from homelab_ft.errors import UserError
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks, found by the class names in `_no_split_modules` (also under PEFT).
-
-    transformers lists the block class there for device-map splitting (`LlamaDecoderLayer`,
-    `Qwen2DecoderLayer`, `Gemma3DecoderLayer` ...), which is exactly the FSDP wrapping unit, so
-    no per-architecture table is needed.
-    """
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    # through the bases: fully_shard turns LlamaDecoderLayer into an FSDPLlamaDecoderLayer subclass
-    blocks = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+    """The repeated blocks (also under PEFT and FSDP2), by the rule the planner uses too
+    (homelab_ft/decoder_blocks.py)."""
+    blocks = decoder_blocks(model)
     if not blocks:
         raise UserError(
             f"{type(model).__name__} declares no `_no_split_modules`, so its transformer blocks are "

@@ -19,15 +19,9 @@ from pathlib import Path
 
 from homelab_ft.config import LoraConfig, ModelConfig
 from homelab_ft.errors import UserError
-from homelab_ft.locate import ModelLocation, locate
+from homelab_ft.locate import ModelLocation, cache_root, locate
 
 log = logging.getLogger(__name__)
-
-def cache_root() -> Path:
-    """Where converted models live: $HOMELAB_FT_CACHE, else ~/.cache/homelab-ft."""
-    env = os.environ.get("HOMELAB_FT_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "homelab-ft"
-
 
 def resolve_model_dir(spec: str | ModelLocation) -> Path:
     """A loadable Hugging Face model directory for `model.path`, converting GGUF files once."""

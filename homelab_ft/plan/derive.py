@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 
+from homelab_ft.decoder_blocks import decoder_blocks as shared_decoder_blocks
 from homelab_ft.errors import UserError
 from homelab_ft.plan.shape_types import BlockShape, Linear, ModelShape
 
@@ -81,7 +82,7 @@ def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_co
 
     model_type = config.get("model_type")
     if trust_remote_code and model_path:
-        hf_config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=True)
+        hf_config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     elif model_type in transformers.CONFIG_MAPPING:
         config_class = transformers.CONFIG_MAPPING[model_type]
         # config.json stores inf/nan as {"__float__": "Infinity"}; from_pretrained decodes them this way
@@ -132,18 +133,8 @@ def build_on_meta(hf_config, *, attn_implementation: str, trust_remote_code: boo
 
 
 def decoder_blocks(model) -> list:
-    """The outermost modules whose class (or a base) `_no_split_modules` names, in order: the same rule
-    as model.blocks.transformer_blocks, which plan/ may not import."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    found, inside = [], set()
-    for module in model.modules():
-        if id(module) in inside:
-            continue
-        if any(c.__name__ in names for c in type(module).__mro__):
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
+    """The blocks the planner sizes: homelab_ft/decoder_blocks.py's rule, which the trainer shares."""
+    found = shared_decoder_blocks(model)
     if not found:
         raise UserError(f"{type(model).__name__} declares no `_no_split_modules`: its decoder blocks are unknown, so "
                         f"the planner cannot size it")

@@ -4,7 +4,7 @@ Deriving a shape (derive.py) imports torch and transformers and builds the model
 device: a few seconds the first time a config is planned. The result depends only on the config,
 the attention implementation and the installed transformers (which writes the modeling code the
 shape is read from), so it is stored under a hash of the three, in `$HOMELAB_FT_CACHE/shapes`
-(else ~/.cache/homelab-ft/shapes: the folder model.loading.cache_root keeps converted models in).
+(else ~/.cache/homelab-ft/shapes: locate.cache_root, where converted models are kept too).
 A hit reads one small JSON file; the transformers version is read from the installed package's
 metadata, not by importing it.
 """
@@ -18,6 +18,7 @@ import os
 from importlib import metadata
 from pathlib import Path
 
+from homelab_ft.locate import cache_root
 from homelab_ft.plan.shape_types import ModelShape
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,7 @@ SCHEMA = 9
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("HOMELAB_FT_CACHE")
-    return (Path(env) if env else Path.home() / ".cache" / "homelab-ft") / "shapes"
+    return cache_root() / "shapes"
 
 
 def cache_key(config: dict, *, attn_implementation: str, model_path: str | None = None,

@@ -289,7 +289,8 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
         inputs = preflight.check_inputs(recipe, rung=rung, device_type=env.device.type)
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
-    data_print = preflight.check_data_unchanged(recipe, inputs, base_dir=base_dir)  # before tokenising it
+    # Rank 0 alone writes trainer_state.json, so only it hashes the data (a refusal there stops all).
+    data_print = preflight.check_data_unchanged(recipe, inputs, base_dir=base_dir) if env.is_main else None
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
     replicas = rung.data_parallel_size  # rows are dealt to replicas; the stages of one pipeline read the same

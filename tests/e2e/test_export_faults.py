@@ -258,13 +258,7 @@ def test_a_really_full_disk_is_one_line_too(trained, small_disk, capsys):
 def read_only(tmp_path):
     """A directory bind-mounted read-only onto itself (root ignores chmod). Always unmounted."""
     path = tmp_path / "ro"
-    path.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode:
-        pytest.skip("a read-only bind mount needs root")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
+    yield from procs.mounted(path, "--bind", str(path))
 
 
 def test_read_only_target_is_one_line_and_keeps_the_previous_export(trained, read_only, capsys):
