@@ -72,6 +72,7 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
         notes=notes, embedding_params=embedding, lm_head_params=lm_head, other_root_params=rest,
         largest_param=max(p.numel() for p in model.parameters()),
         attn_implementation=attn_implementation,
+        embedding_name=next(name for name, module in model.named_modules() if module is embed),
     )
 
 

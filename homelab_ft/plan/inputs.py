@@ -118,6 +118,8 @@ class PlanRequest:
     estimate prices is the rung's value."""
     activation_offload: bool | Literal["auto"]
     """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
+    embedding_offload: bool | Literal["auto"]
+    """The frozen input embedding table in host RAM (homelab_ft/embedding_offload.py decides per option)."""
     loss_chunk_tokens: int | Literal["auto"]
     """Tokens per LM-head/cross-entropy chunk (loss.py), `auto`: sized by logits (loss_chunks.chunk_rows);
     0: the full logits of the micro-batch."""

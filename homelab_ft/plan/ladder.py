@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from homelab_ft import embedding_offload
 from homelab_ft.plan import pipeline
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
@@ -79,12 +80,15 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
         raise RungError(f"a {stages}-stage pipeline needs train.grad_accum_steps >= {stages} "
                         "and train.activation_offload off")
     named = stages > 1 and stages == request.pipeline_stages
-    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
+    rung = Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
                 optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
                 activation_checkpointing=checkpointing, activation_offload=act_offload,
                 pipeline_stages=stages, stage_blocks=request.stage_blocks if named else (),
                 pipeline_schedule=request.pipeline_schedule)
+    if request.embedding_offload is True and (why := embedding_offload.rung_refusal(rung)):
+        raise embedding_offload.error(why)  # `true` keeps the ladder to the options where it applies
+    return rung
 
 
 def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:

@@ -34,6 +34,7 @@ from homelab_ft.plan.params import (
     adapter_params,
     base_weight_bytes,
     gathered_end_params,
+    host_embedding_bytes,
     largest_param,
     optimizer_bytes_per_param,
     optimizer_step_bytes,
@@ -247,11 +248,13 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
                                   activation_offload=rung.activation_offload)
     sizes = _sizes(shape, method, request, cluster)
     act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
+    table_host = host_embedding_bytes(shape, rung=rung, request=request, cluster=cluster)
     device, resident = _device_memory(shape, sizes, rung=rung, request=request, cluster=cluster, act_host=act_host)
+    device = dataclasses.replace(device, weights=device.weights - table_host)
     offloaded = resident if cpu_offload else 0
     loading = _loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
                              sharded=shards > 1 or cpu_offload)
-    host = _host_bytes(device, offloaded=int(offloaded) + act_host, loading=loading, cluster=cluster)
+    host = _host_bytes(device, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
     compute = compute_s(shape, method, request, cluster)
     comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
                          root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
@@ -262,10 +265,19 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         trainable_params=sizes.trainable, comm_bytes=comm.sent_bytes, comm_s=comm.seconds,
         comm_hidden_s=comm.hidden_s(compute), compute_s=compute,
         # each micro-batch's block inputs go to the host in forward and come back in backward
-        offload_s=offload + 2 * act_host * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
+        offload_s=offload + (2 * act_host + _looked_up_bytes(shape, request, sizes, on=table_host > 0))
+        * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
         prepass_s_per_pair=prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
         bubble_s=0.0, stages=(),
     )
+
+
+def _looked_up_bytes(shape: ModelShape, request: PlanRequest, sizes: _Sizes, *, on: bool) -> int:
+    """Bytes per micro-batch that a host embedding table sends to the GPU: the looked-up rows, tokens x
+    hidden, once per forward (DPO runs the reference's too). Their gradient is never sent back: the
+    frozen table needs none, and the copy is the leaf activation checkpointing marks."""
+    forwards = 2 if request.objective == "dpo" else 1
+    return on * forwards * request.seq_len * request.rows_per_micro_batch * shape.hidden_size * sizes.act_bytes
 
 
 def sync_deferred(shape: ModelShape, *, rung: Rung, trainable: int) -> bool:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 
+from homelab_ft import embedding_offload
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.shapes import BlockShape, Linear, ModelShape
+from homelab_ft.rung import Rung
 
 
 def weight_bytes(request: PlanRequest, cluster: Cluster) -> int:
@@ -144,6 +146,18 @@ def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, clus
     total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
     scratch = max((i * o for b in shape.blocks for _, i, o in b.expert_stacks), default=0) if request.quant_bits == 4 else 0
     return total + other * scratch, max(block_bytes)
+
+
+def host_embedding_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes of the input embedding table that train.embedding_offload keeps in host RAM instead of
+    on the GPU (0 where the one rule, homelab_ft/embedding_offload.py, leaves it there): vocab x
+    hidden in the dtype the base keeps its unquantized ends in (`base_weight_bytes`)."""
+    targeted = embedding_offload.targets_embedding(request.lora_targets, embedding_name=shape.embedding_name)
+    if not embedding_offload.decide(request.embedding_offload, rung=rung, tied=shape.tie_word_embeddings,
+                                    targeted=targeted, device_type=cluster.device):
+        return 0
+    per_param = qlora_compute_bytes(request, cluster) if rung.quantized_enabled else weight_bytes(request, cluster)
+    return shape.vocab_size * shape.hidden_size * per_param
 
 
 def gathered_end_params(shape: ModelShape) -> int:

@@ -17,6 +17,7 @@ import functools
 import json
 from dataclasses import dataclass
 
+from homelab_ft import embedding_offload
 from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
 from homelab_ft.plan.diskspace import checkpoint_bytes
@@ -131,6 +132,11 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
     elif request.strategy == HYBRID_SHARD and cluster.nodes < 2:
         raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
                         "it needs cluster.nodes >= 2; on one machine use full_shard")
+    if request.embedding_offload is True:
+        targeted = embedding_offload.targets_embedding(request.lora_targets, embedding_name=shape.embedding_name)
+        why = embedding_offload.model_refusal(tied=shape.tie_word_embeddings, targeted=targeted, device_type=cluster.device)
+        if why is not None:
+            raise embedding_offload.error(why)
 
 
 def _pressure(option: Option) -> float:
@@ -301,7 +307,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
         grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
         loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
-        activation_offload=recipe.train.activation_offload,
+        activation_offload=recipe.train.activation_offload, embedding_offload=recipe.train.embedding_offload,
         lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout, lora_dtype=recipe.lora.dtype,
         lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,

@@ -117,6 +117,9 @@ class ModelShape:
     """Caveats the planner repeats as warnings (e.g. a vision tower that is not counted)."""
     attn_implementation: str = "sdpa"
     """The attention implementation the activations were measured for."""
+    embedding_name: str = ""
+    """Module name of the input embeddings (`get_input_embeddings`, e.g. `model.embed_tokens`): what a
+    `lora.target_modules` entry must match to put an adapter on them (embedding_offload.targets_embedding)."""
 
     @property
     def final_norm_params(self) -> int:

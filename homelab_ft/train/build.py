@@ -24,6 +24,7 @@ from homelab_ft.distributed import parallelize, pipeline, sharded_loading
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
 from homelab_ft.rung import Rung
+from homelab_ft.train import host_embedding
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
         model = loading.attach_lora(model, recipe.lora, compute_dtype=dtypes.compute)
     if rung.quantized_enabled:
         loading.reset_adapters(model, seed=recipe.train.seed)  # the sharded 4-bit build's adapters
+    if rung.adapters_enabled:
+        host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
     if rung.activation_checkpointing:
         enable_activation_checkpointing(model)
     if env.distributed:
