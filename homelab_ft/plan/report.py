@@ -9,7 +9,7 @@ from homelab_ft.loss_chunks import AUTO, chunk_rows
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.ladder import Option
 from homelab_ft.plan.memory import gib_text
-from homelab_ft.plan.params import linears_for
+from homelab_ft.plan.params import host_embedding_bytes, linears_for
 from homelab_ft.plan.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.planner import Plan
 from homelab_ft.plan.shapes import ModelShape
@@ -113,7 +113,8 @@ def format_plan(p: Plan) -> str:
         f"compute  {c.tflops_source or f'{c.tflops:.3g} TFLOPS sustained per device (as given)'}",
         f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
         f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={_chunk_text(r.loss_chunk_tokens, s.vocab_size)}"
-        f" act_offload={str(r.activation_offload).lower()}" + (" optim_in_bwd" if r.optimizer_in_backward else "")
+        f" act_offload={str(r.activation_offload).lower()} emb_offload={str(r.embedding_offload).lower()}"
+        + (" optim_in_bwd" if r.optimizer_in_backward else "")
         + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
         "",
@@ -136,6 +137,10 @@ def format_plan(p: Plan) -> str:
         lines.append(f"chosen   {p.chosen.reason}")
         if p.chosen.method != "full":
             lines.append(f"lora     {lora_text(s, targets=r.lora_targets)}")
+        if table := host_embedding_bytes(s, rung=p.chosen.rung, request=r, cluster=c):
+            lines.append(f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM, their looked-up rows go "
+                         f"to the GPU ({s.hidden_size} x {r.seq_len * r.rows_per_micro_batch} per micro-batch; "
+                         "train.embedding_offload)")
         lines += pipeline_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
         lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]

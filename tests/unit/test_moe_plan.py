@@ -72,3 +72,21 @@ def test_qlora_refuses_8bit_experts_and_quantizes_4bit():
         quant.refuse_8bit_experts(model, QuantConfig(bits=8))
     assert quant.quantize_experts(model, QuantConfig()) == len(moe_experts.fused_experts(model)) > 0
     quant.raise_if_unquantizable(model)  # packed experts count as quantized
+
+
+def test_shipped_qwen3_30b_a3b_recipe_plans_within_17_5_gib():
+    """Issue 21's target: the shipped recipe (seq 2048, micro-batch 1, one 24 GB GPU) at <= 17.5 GiB
+    per GPU, with adapters on every expert, the two offloads it forces priced as forced."""
+    from homelab_ft.config import load_recipe
+    from homelab_ft.plan.planner import plan, recipe_shape, request_from_recipe
+
+    recipe = load_recipe(Path(__file__).parents[2] / "recipes" / "qwen3-30b-a3b-qlora-24gb.yaml")
+    assert (recipe.data.max_length, recipe.train.micro_batch_size, recipe.lora.target_modules) == (2048, 1, "all-linear")
+    shape, _ = recipe_shape(recipe)
+    cuda = params.Cluster(device="cuda", nodes=1, gpus_per_node=1, device_bytes=24 << 30, host_ram_bytes=64 << 30)
+    chosen = plan(shape, request=request_from_recipe(recipe), cluster=cuda).chosen
+    assert chosen.rung.method == "qlora" and chosen.rung.activation_offload
+    assert chosen.memory.total <= 17.5 * (1 << 30), chosen.memory.total / (1 << 30)
+    assert params.host_embedding_bytes(shape, rung=chosen.rung, request=request_from_recipe(recipe),
+                                       cluster=cuda) == 151936 * 2048 * 2
+    assert chosen.trainable_params > sum(b.num_blocks * e * 4 * (i + o) for b in shape.blocks for e, i, o in b.expert_stacks)
