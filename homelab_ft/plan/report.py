@@ -138,9 +138,9 @@ def format_plan(p: Plan) -> str:
         if p.chosen.method != "full":
             lines.append(f"lora     {lora_text(s, targets=r.lora_targets)}")
         if table := host_embedding_bytes(s, rung=p.chosen.rung, request=r, cluster=c):
-            lines.append(f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM, their looked-up rows go "
-                         f"to the GPU ({s.hidden_size} x {r.seq_len * r.rows_per_micro_batch} per micro-batch; "
-                         "train.embedding_offload)")
+            tokens = r.seq_len * r.rows_per_micro_batch
+            lines.append(f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM; the rows looked up go to "
+                         f"the GPU, {tokens} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)")
         lines += pipeline_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
         lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]
