@@ -62,6 +62,17 @@ def lora_text(shape: ModelShape, *, targets: tuple[str, ...]) -> str:
     return f"{what}: {', '.join(names) or 'nothing'} ({per_block} per block{skipped})"
 
 
+def embedding_lines(p: Plan) -> list[str]:
+    """For a chosen option that keeps the input embeddings on the host (params.host_embedding_bytes):
+    what stays there and what crosses PCIe instead."""
+    s, r = p.shape, p.request
+    table = host_embedding_bytes(s, rung=p.chosen.rung, request=r, cluster=p.cluster) if p.chosen else 0
+    if not table:
+        return []
+    return [f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM; the rows looked up go to the GPU, "
+            f"{r.seq_len * r.rows_per_micro_batch} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)"]
+
+
 def pipeline_lines(p: Plan) -> list[str]:
     """For a chosen pipeline: its split over the GPUs, and why it won, with the numbers: what crosses
     each boundary, the bubble, and the fastest unpipelined option per replica's batch (Option.batch_s)."""
@@ -137,10 +148,7 @@ def format_plan(p: Plan) -> str:
         lines.append(f"chosen   {p.chosen.reason}")
         if p.chosen.method != "full":
             lines.append(f"lora     {lora_text(s, targets=r.lora_targets)}")
-        if table := host_embedding_bytes(s, rung=p.chosen.rung, request=r, cluster=c):
-            tokens = r.seq_len * r.rows_per_micro_batch
-            lines.append(f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM; the rows looked up go to "
-                         f"the GPU, {tokens} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)")
+        lines += embedding_lines(p)
         lines += pipeline_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
         lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]

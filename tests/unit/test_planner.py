@@ -350,7 +350,8 @@ def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
 
 
 def test_activation_offload_moves_block_inputs_to_host():
-    request = default_request(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora")
+    request = default_request(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora",
+                              embedding_offload=False)  # the block inputs alone (test_embedding_offload.py: the table)
     llama = shape("llama-3-8b")
 
     def est(req, cluster):
