@@ -91,7 +91,9 @@ def _not_first(model: nn.Module, embed: nn.Module) -> None:
     """Put `embed` last among its parent's children. transformers' `PreTrainedModel.device` is the first
     parameter's device, usually the input embeddings', and generate moves its inputs there
     (generation/utils.py, `prepare_inputs_for_generation`, step 6); the table on the host would send
-    the sampling prompts there. The children's order is not otherwise read: forward calls them by name."""
+    the sampling prompts there. The children's order is not otherwise read: forward calls them by name.
+    (`PreTrainedModel.dtype`, the first floating parameter's, may then be an fp32 adapter's on a 4-bit
+    base; transformers reads it only to build a static cache, which the samples do not use.)"""
     for parent in list(model.modules()):
         for key in [k for k, child in parent._modules.items() if child is embed]:
             parent._modules[key] = parent._modules.pop(key)
