@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from homelab_ft.rung import Rung, RungError, effective_strategy
+from homelab_ft.rung import NO_SHARD, Rung, RungError, effective_strategy
 
 AUTO = "auto"
 Setting = bool | Literal["auto"]
@@ -50,7 +50,7 @@ def rung_refusal(rung: Rung) -> str | None:
 def _named_refusal(method: str, *, strategy: str, cpu_offload: bool, pipeline_stages: int | str) -> str | None:
     if method == "full":
         return "method=full trains the embeddings, which stay on the GPU"
-    if cpu_offload or strategy not in (AUTO, "no_shard"):
+    if cpu_offload or strategy not in (AUTO, NO_SHARD):
         return (f"sharding.strategy={strategy}{' with sharding.cpu_offload' if cpu_offload else ''} shards the "
                 "embeddings with FSDP2 (it applies to one process or DDP: sharding.strategy=no_shard)")
     if isinstance(pipeline_stages, int) and pipeline_stages > 1:
