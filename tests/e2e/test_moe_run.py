@@ -130,7 +130,8 @@ def test_moe_qlora_loads_experts_block_by_block(tmp_path):
     """One-process MoE QLoRA: the fused experts are quantized per expert as the safetensors are read
     (distributed/sharded_experts.py), so the load never holds them whole in the compute dtype. Before:
     `from_pretrained` loaded every expert in fp32 (bitsandbytes quantizes nn.Linear only) and only then
-    were they packed: the peak was all the experts in fp32, 200 MB here, ~57 GB in bf16 for Qwen3-30B-A3B."""
+    were they packed: the peak was all the experts in fp32 (150 MB here: 295-299 MB measured, against a budget of
+    111 MB; now 51-85 MB), ~57 GB in bf16 for Qwen3-30B-A3B."""
     import subprocess
     import sys
 
@@ -138,10 +139,10 @@ def test_moe_qlora_loads_experts_block_by_block(tmp_path):
     from procs import REPO, child_env
     from transformers import AutoModelForCausalLM
 
-    # 8 layers x 16 experts x 3 projections of 256 x 512: 25 MB of experts per layer in fp32, 200 MB
+    # 6 layers x 16 experts x 3 projections of 256 x 512: 25 MB of experts per layer in fp32, 150 MB
     # in all, far above the RSS noise of a Python process; stored in bf16 as released models are.
     config = tiny_config("qwen3_moe", hidden_size=256, moe_intermediate_size=512, num_experts=16,
-                         num_local_experts=16, num_hidden_layers=8)
+                         num_local_experts=16, num_hidden_layers=6)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "wide")
     recipe = {"method": "qlora", "model": {"path": str(tmp_path / "wide")}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
@@ -153,6 +154,8 @@ def test_moe_qlora_loads_experts_block_by_block(tmp_path):
     got = json.loads((tmp_path / "out.json").read_text())
     assert got["baseline_valid"], got
     assert got["packed_dtypes"] == ["torch.uint8"]  # bitsandbytes' own storage where nothing shards
-    # the packed model + one layer's experts in fp32 + slack (the converter's stacked bf16 sources, allocator)
-    budget = got["model_bytes"] + got["layer_experts_bytes"] + 32 * 2**20
+    # the packed model + one layer's experts in fp32 + slack: the read of one projection holds its bf16
+    # sources, their stacks and the concatenation (~30 MB at once, sampled), and the allocator's arenas
+    # varied the peak by up to 30 MB between runs (51-85 MB measured)
+    budget = got["model_bytes"] + got["layer_experts_bytes"] + 64 * 2**20
     assert got["load_peak_bytes"] <= budget, got
