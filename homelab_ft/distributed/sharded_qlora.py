@@ -18,7 +18,8 @@ the packed shape, LoRA is attached, FSDP2 shards it, `to_empty` allocates only t
 and then each transformer block is read from the safetensors files tensor by tensor, quantised
 (every rank the same, deterministic), this rank's slice copied into its shard, and the rest freed.
 Peak: this rank's shards + the quantisation states + one tensor in the compute dtype and its
-packed copy (measured by `load_peak` in the same test).
+packed copy (measured by `load_peak` in the same test). Fused MoE experts are packed stacks split
+along experts, filled one expert at a time (sharded_experts.py, which one process and DDP use too).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ each instance. Nothing here names a family.
 
 Each expert's 2-D weight is quantized on its own with bitsandbytes' functional API, so the bytes
 are exactly what bitsandbytes produces for that slice (a dense `Linear4bit` of the same matrix
-holds the same bytes), and stays packed. The forward visits only the experts that tokens were
+holds the same bytes), and stays packed. `quantize` packs a loaded module in place; the trainer
+instead packs a meta-built one (`pack_meta`) and fills it expert by expert as the checkpoint is
+read (`quantize_stack`, distributed/sharded_experts.py), so the experts never exist whole in the
+compute dtype. The forward visits only the experts that tokens were
 routed to, one at a time, through `bnb.matmul_4bit`: it dequantizes that expert's weight for the
 matmul and again in backward, so neither a full-precision copy of the experts nor one expert's
 dequantized weight is kept for backward. A transposed layout (gpt-oss: `x @ W[e]`) quantizes
@@ -80,13 +83,12 @@ def quantize(module: nn.Module, *, quant_type: str = "nf4", double_quant: bool =
     The packed stack is a frozen parameter `<name>_4bit` [E, bytes, 1] (FSDP2 can shard it along
     experts); each expert's quantisation constants are a `QuantState` kept on the module.
     """
-    packed = {name: getattr(module, name).detach() for name in projections(module)}
-    pack_meta(module, quant_type=quant_type, double_quant=double_quant, storage_dtype=quant_storage,
-              device=next(iter(packed.values())).device)
-    for name, weight in packed.items():
-        stack, states = quantize_stack(module, weight, name=name, device=weight.device)
-        getattr(module, f"{name}_4bit").data = stack
-        getattr(module, _STATES)[name] = states
+    weights = {name: getattr(module, name).detach() for name in projections(module)}
+    pack_meta(module, quant_type=quant_type, double_quant=double_quant, storage_dtype=quant_storage)
+    for name, weight in weights.items():
+        stack, per_expert = quantize_stack(module, weight, name=name, device=weight.device)
+        module._parameters[f"{name}_4bit"] = nn.Parameter(stack, requires_grad=False)
+        set_states(module, name, per_expert)
 
 
 def pack_meta(module: nn.Module, *, quant_type: str, double_quant: bool, storage_dtype: torch.dtype,
