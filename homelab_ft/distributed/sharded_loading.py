@@ -98,7 +98,8 @@ def build_sharded(
     reduce_dtype: torch.dtype | None = torch.float32,
     activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Build on meta, activation checkpointing, FSDP2, allocate this rank's shards, then fill.
+    """Build on meta, activation checkpointing, FSDP2 (a rung that does not shard: none, the whole
+    model is this rank's), allocate this rank's shards, then fill.
 
     `build` returns the architecture and its adapters without weights, e.g. `from_config` +
     `get_peft_model`, run under `meta_parameters`; the global generator is put back after it, so
@@ -114,7 +115,8 @@ def build_sharded(
         raise AssertionError("buffers must be real: build the model under meta_parameters(), not torch.device('meta')")
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    model = parallelize(model, env, rung=rung, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if rung.fsdp_enabled:  # else filled whole, and replicated (if at all) by the caller once filled
+        model = parallelize(model, env, rung=rung, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model.to_empty(device=torch.device("cpu") if rung.cpu_offload else env.device)
     restore_buffers(model, buffers)
     source.fill(model, env)

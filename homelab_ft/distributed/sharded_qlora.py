@@ -18,7 +18,8 @@ the packed shape, LoRA is attached, FSDP2 shards it, `to_empty` allocates only t
 and then each transformer block is read from the safetensors files tensor by tensor, quantised
 (every rank the same, deterministic), this rank's slice copied into its shard, and the rest freed.
 Peak: this rank's shards + the quantisation states + one tensor in the compute dtype and its
-packed copy (measured by `load_peak` in the same test).
+packed copy (measured by `load_peak` in the same test). Fused MoE experts are packed stacks split
+along experts, filled one expert at a time (sharded_experts.py, which one process and DDP use too).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import nn
 
 from homelab_ft.distributed.sharded_loading import copy_into_shard
 from homelab_ft.errors import UserError
-from homelab_ft.model.checkpoint_keys import CheckpointKeys, base_name
+from homelab_ft.model.checkpoint_keys import CheckpointKeys, base_name, is_adapter
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,12 @@ def check_model(model_config: dict, recipe, *, rung, device_type: str) -> None:
     if skeleton is None:
         raise UserError("method=qlora with sharding needs an architecture transformers knows (no remote code); "
                         "use sharding.strategy=no_shard")
+    from homelab_ft.distributed import sharded_experts
+
+    storage_bytes = torch.empty((), dtype=compute).element_size()
     shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(skeleton).items()}
-    check_shardable(shapes, storage_bytes=torch.empty((), dtype=compute).element_size(), shard_size=rung.shard_size)
+    check_shardable(shapes, storage_bytes=storage_bytes, shard_size=rung.shard_size)
+    sharded_experts.check_shardable(skeleton, storage_bytes=storage_bytes, shard_size=rung.shard_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,18 +184,25 @@ def plain_weights(model: nn.Module) -> None:
             module.weight = nn.Parameter(torch.empty_like(module.weight.data, device="meta"), requires_grad=False)
 
 
-def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, shard_size: int) -> None:
+def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, shard_size: int,
+                   storage_dtype: torch.dtype | None = None) -> None:
     """Turn a meta-device architecture into the shardable 4-bit base: refuse a layer it cannot
-    store, swap the quantisable linears for 4-bit ones of the packed shape, freeze everything.
-    The packed bytes are stored as `compute_dtype`: what FSDP2 gathers, so the run's
-    MixedPrecisionPolicy.param_dtype must equal it (check_recipe)."""
+    store, swap the quantisable linears for 4-bit ones of the packed shape and the fused experts for
+    packed stacks (sharded_experts.py), freeze everything. The packed bytes are stored as
+    `storage_dtype` (default `compute_dtype`: what FSDP2 gathers, so the run's
+    MixedPrecisionPolicy.param_dtype must equal it, check_recipe; uint8 where nothing shards)."""
+    from homelab_ft.distributed import sharded_experts
     from homelab_ft.model import quant
 
+    storage_dtype = compute_dtype if storage_dtype is None else storage_dtype
+    storage_bytes = torch.empty((), dtype=storage_dtype).element_size()
     shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model).items()}
-    check_shardable(shapes, storage_bytes=torch.empty((), dtype=compute_dtype).element_size(), shard_size=shard_size)
+    check_shardable(shapes, storage_bytes=storage_bytes, shard_size=shard_size)
+    sharded_experts.check_shardable(model, storage_bytes=storage_bytes, shard_size=shard_size)
     quant.raise_if_unquantizable(model)
     replace_linears(model, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant,
-                    compute_dtype=compute_dtype, storage_dtype=compute_dtype)
+                    compute_dtype=compute_dtype, storage_dtype=storage_dtype)
+    sharded_experts.pack(model, quant_cfg, storage_dtype=storage_dtype)
     for param in model.parameters():
         param.requires_grad_(False)
 
@@ -239,6 +251,7 @@ def _release_freed_memory() -> None:
 def load_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
     """(checkpoint name, module, attribute) of every base parameter, one group per transformer
     block and one for everything outside the blocks; a tied parameter appears once."""
+    from homelab_ft.distributed import sharded_experts
     from homelab_ft.model.blocks import transformer_blocks
 
     blocks = transformer_blocks(model)
@@ -247,10 +260,11 @@ def load_groups(model: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
     seen: set[int] = set()
     for module_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
-            if ".lora_" in f".{module_name}." or id(param) in seen:
+            if is_adapter(f".{module_name}.{attr}") or id(param) in seen:  # PEFT's and moe_experts' adapters
                 continue
             seen.add(id(param))
-            groups[owner.get(id(module), len(blocks))].append((base_name(f"{module_name}.{attr}"), module, attr))
+            name = base_name(f"{module_name}.{sharded_experts.checkpoint_attr(module, attr)}")
+            groups[owner.get(id(module), len(blocks))].append((name, module, attr))
     return groups
 
 
@@ -262,6 +276,8 @@ def fill_from_safetensors(model: nn.Module, groups: list, model_dir: Path, *, co
     file has. `peak`, when given, receives the largest number of bytes of temporaries (read
     tensor + its packed copy + quantisation states built so far) held at once.
     """
+    from homelab_ft.distributed import sharded_experts
+
     cls = _linear4bit_class()
     keys = CheckpointKeys(model, model_dir)
     available = keys.names()
@@ -277,7 +293,10 @@ def fill_from_safetensors(model: nn.Module, groups: list, model_dir: Path, *, co
         for name, full in keys.tensors(names):
             module, attr = lookup[name]
             param = getattr(module, attr)
-            if isinstance(module, cls) and attr == "weight":
+            if sharded_experts.is_packed_stack(module, attr):
+                held = max(held, sharded_experts.fill(module, attr, full, compute_device=compute_device))
+                state_bytes += sharded_experts.state_nbytes(module, attr)
+            elif isinstance(module, cls) and attr == "weight":
                 weight = full.to(device=compute_device, dtype=module.compute_dtype)
                 packed, state = quantize_4bit(weight, quant_type=module.quant_type_4bit,
                                               double_quant=module.double_quant, storage_dtype=param.dtype)

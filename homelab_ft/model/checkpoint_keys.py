@@ -61,12 +61,16 @@ def pretrained_model(model: nn.Module) -> nn.Module:
     `fully_shard` swaps a module's class for a generated `FSDP<Class>` defined outside
     `transformers.`, which `get_model_conversion_mapping` takes for custom code and skips (measured:
     a sharded Qwen 3.5 lost its `language_model` prefix rule). The twin has the same names, which
-    is all the plan needs, and costs a meta build (no memory).
+    is all the plan needs, and costs a meta build (no memory). So is a model whose experts are
+    packed 4-bit stacks (`moe_experts.pack_meta` renames `gate_up_proj` to `gate_up_proj_4bit`):
+    the twin has the fused parameters the checkpoint's per-expert keys convert to.
     """
     from torch.distributed.fsdp import FSDPModule
 
+    from homelab_ft.model import moe_experts
+
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+    if not any(isinstance(m, FSDPModule) or moe_experts.is_packed(m) for m in model.modules()):
         return model
     cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):

@@ -10,7 +10,10 @@ each instance. Nothing here names a family.
 
 Each expert's 2-D weight is quantized on its own with bitsandbytes' functional API, so the bytes
 are exactly what bitsandbytes produces for that slice (a dense `Linear4bit` of the same matrix
-holds the same bytes), and stays packed. The forward visits only the experts that tokens were
+holds the same bytes), and stays packed. `quantize` packs a loaded module in place; the trainer
+instead packs a meta-built one (`pack_meta`) and fills it expert by expert as the checkpoint is
+read (`quantize_stack`, distributed/sharded_experts.py), so the experts never exist whole in the
+compute dtype. The forward visits only the experts that tokens were
 routed to, one at a time, through `bnb.matmul_4bit`: it dequantizes that expert's weight for the
 matmul and again in backward, so neither a full-precision copy of the experts nor one expert's
 dequantized weight is kept for backward. A transposed layout (gpt-oss: `x @ W[e]`) quantizes
@@ -37,6 +40,9 @@ BLOCKSIZE = 64
 _STATES = "_expert_quant_states"
 """Instance attribute holding each projection's per-expert `QuantState`s."""
 
+_SHAPES = "_expert_shapes"
+"""Instance attribute: (experts, in_features, out_features) of each packed projection."""
+
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     """Modules of `model` that are fused expert stacks, by name: those transformers'
@@ -59,10 +65,8 @@ def projections(module: nn.Module) -> tuple[str, str]:
 
 def _io(module: nn.Module, name: str) -> tuple[int, int, int]:
     """(experts, in_features, out_features) of one projection, whatever its layout."""
-    if hasattr(module, _STATES):
-        experts = len(getattr(module, _STATES)[name])
-        out_features, in_features = getattr(module, _STATES)[name][0].shape
-        return experts, in_features, out_features
+    if hasattr(module, _SHAPES):
+        return getattr(module, _SHAPES)[name]
     weight = getattr(module, name)
     experts, rows, cols = weight.shape
     return (experts, rows, cols) if module.is_transposed else (experts, cols, rows)
@@ -79,23 +83,94 @@ def quantize(module: nn.Module, *, quant_type: str = "nf4", double_quant: bool =
     The packed stack is a frozen parameter `<name>_4bit` [E, bytes, 1] (FSDP2 can shard it along
     experts); each expert's quantisation constants are a `QuantState` kept on the module.
     """
+    weights = {name: getattr(module, name).detach() for name in projections(module)}
+    pack_meta(module, quant_type=quant_type, double_quant=double_quant, storage_dtype=quant_storage)
+    for name, weight in weights.items():
+        stack, per_expert = quantize_stack(module, weight, name=name, device=weight.device)
+        module._parameters[f"{name}_4bit"] = nn.Parameter(stack, requires_grad=False)
+        set_states(module, name, per_expert)
+
+
+def pack_meta(module: nn.Module, *, quant_type: str, double_quant: bool, storage_dtype: torch.dtype,
+              device: torch.device | str = "meta") -> None:
+    """Swap each projection's 3-D weight for an empty packed stack `<name>_4bit` [E, n, 1] of
+    `storage_dtype` (n: one expert's 4-bit bytes as storage elements) and the 4-bit forward; the
+    `QuantState`s come with the bytes (`quantize_stack`). On a meta-device model this allocates
+    nothing: the sharded and one-process 4-bit builds fill it from the safetensors per block."""
+    shapes = {}
+    for name in projections(module):
+        weight = getattr(module, name)
+        shapes[name] = _io(module, name)
+        experts, in_features, out_features = shapes[name]
+        numel = packed_elements(in_features, out_features, storage_dtype=storage_dtype)
+        if numel is None:
+            raise ValueError(f"{name}: {in_features} x {out_features} 4-bit bytes do not fill {storage_dtype} elements")
+        module._expert_compute_dtype = weight.dtype
+        del module._parameters[name]
+        module.register_parameter(f"{name}_4bit", nn.Parameter(
+            torch.empty(experts, numel, 1, dtype=storage_dtype, device=device), requires_grad=False))
+    setattr(module, _SHAPES, shapes)
+    setattr(module, _STATES, {name: [] for name in shapes})
+    module._expert_quant = (quant_type, double_quant)
+    _install_forward(module)
+
+
+def packed_elements(in_features: int, out_features: int, *, storage_dtype: torch.dtype) -> int | None:
+    """One expert's packed 4-bit bytes as elements of `storage_dtype`, or None when they do not fill
+    whole elements (then the bytes cannot be viewed as that dtype)."""
+    nbytes = (in_features * out_features + 1) // 2
+    width = torch.empty((), dtype=storage_dtype).element_size()
+    return None if nbytes % width else nbytes // width
+
+
+def quantize_stack(module: nn.Module, weight: torch.Tensor, *, name: str, device: torch.device | str):
+    """(packed [E, n, 1] in the module's storage dtype, one QuantState per expert) of one projection's
+    3-D weight as the checkpoint holds it (any device and dtype: the host, when read from disk).
+
+    One expert at a time goes to `device` in the compute dtype and through bitsandbytes'
+    `quantize_4bit` (blocks of 64, uint8 bytes), so the bytes are bitsandbytes' own for that
+    [out, in] slice, and no more than one expert's matrix in the compute dtype is made at once.
+    """
     import bitsandbytes.functional as bnbf
 
-    states = {}
-    for name in projections(module):
-        weight = getattr(module, name).detach()
-        packed, per_expert = [], []
-        for e in range(weight.shape[0]):
-            matrix = weight[e].t() if module.is_transposed else weight[e]  # [out, in], as Linear4bit holds it
-            q, state = bnbf.quantize_4bit(matrix.contiguous(), blocksize=BLOCKSIZE, compress_statistics=double_quant,
-                                          quant_type=quant_type, quant_storage=quant_storage)
-            packed.append(q)
-            per_expert.append(state)
-        del module._parameters[name]
-        module.register_parameter(f"{name}_4bit", nn.Parameter(torch.stack(packed), requires_grad=False))
-        states[name] = per_expert
-    setattr(module, _STATES, states)
-    _install_forward(module)
+    quant_type, double_quant = module._expert_quant
+    storage = getattr(module, f"{name}_4bit").dtype
+    packed, states = [], []
+    for e in range(weight.shape[0]):
+        matrix = weight[e].t() if module.is_transposed else weight[e]  # [out, in], as Linear4bit holds it
+        matrix = matrix.to(device=device, dtype=module._expert_compute_dtype).contiguous()
+        q, state = bnbf.quantize_4bit(matrix, blocksize=BLOCKSIZE, compress_statistics=double_quant,
+                                      quant_type=quant_type, quant_storage=torch.uint8)
+        del matrix
+        packed.append(q.reshape(-1).view(storage).unsqueeze(1))
+        states.append(state)
+    return torch.stack(packed), states
+
+
+def expert_shape(module: nn.Module, name: str) -> tuple[int, int, int]:
+    """(experts, in_features, out_features) of projection `name`, packed or not."""
+    return _io(module, name)
+
+
+def states(module: nn.Module, name: str) -> list:
+    """The per-expert QuantStates of packed projection `name`."""
+    return getattr(module, _STATES)[name]
+
+
+def matrix_nbytes(module: nn.Module, name: str) -> int:
+    """Bytes of one expert's matrix of projection `name` in the compute dtype (what quantize_stack makes at once)."""
+    _, in_features, out_features = _io(module, name)
+    return in_features * out_features * torch.empty((), dtype=module._expert_compute_dtype).element_size()
+
+
+def set_states(module: nn.Module, name: str, states: list) -> None:
+    """The per-expert QuantStates of projection `name` (whole on every rank: each describes a whole expert)."""
+    getattr(module, _STATES)[name] = states
+
+
+def is_packed(module: nn.Module) -> bool:
+    """Whether `module` is a fused-experts module whose projections are packed 4-bit stacks."""
+    return hasattr(module, _STATES)
 
 
 def dequantized(module: nn.Module, name: str, expert: int) -> torch.Tensor:

@@ -281,9 +281,16 @@ def prepare_for_training(model: torch.nn.Module) -> torch.nn.Module:
     """
     for param in model.parameters():
         param.requires_grad_(False)
-        if param.dtype == torch.float16:
-            param.data = param.data.float()
+    upcast_fp16(model)
     return model
+
+
+def upcast_fp16(model: torch.nn.Module) -> None:
+    """Every frozen fp16 parameter to fp32 (prepare_for_training says why); packed 4-bit bytes are
+    stored as uint8 where nothing shards, so they are never touched."""
+    for param in model.parameters():
+        if param.dtype == torch.float16 and not param.requires_grad:
+            param.data = param.data.float()
 
 
 # --------------------------------------------------------------------------------------------

@@ -263,6 +263,9 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
         share = _unquantizable_fraction(shape, bits=request.quant_bits)
         return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
                        "cannot quantize (quant.py refuses); use lora or full")
+    if est.method == "qlora" and est.stages and any(b.expert_stacks for b in shape.blocks):
+        return False, (f"{name}: 4-bit MoE experts do not pipeline yet (the trainer refuses it); "
+                       "full_shard or no_shard run them")
     limit = f"{gib_text(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
     total = est.memory.total - est.spilled_bytes
     if total > budget:

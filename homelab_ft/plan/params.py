@@ -66,16 +66,16 @@ def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
     A sharded 4-bit base (sharded_qlora.py) splits the packed weights over ranks but keeps each
     layer's constants whole on every rank: the kernel dequantizes the all-gathered weight with
     them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: ~1.0 GiB per rank).
+    So do the packed MoE experts' (distributed/sharded_experts.py: FSDP2 splits the stack along
+    experts, every expert's QuantState stays on every rank).
     """
     if request.quant_bits != 4:
         return 0
     total = 0
     for block in shape.blocks:
-        per_block = 0
-        for lin in block.linears:
-            n = lin.in_features * lin.out_features
-            per_block += quantized_linear_bytes(lin.in_features, lin.out_features, bits=4,
-                                                double_quant=request.double_quant) - math.ceil(n / 2)
+        matrices = [(1, lin.in_features, lin.out_features) for lin in block.linears] + list(block.expert_stacks)
+        per_block = sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) - math.ceil(i * o / 2))
+                        for count, i, o in matrices)
         total += block.num_blocks * per_block
     return total
 
@@ -83,10 +83,13 @@ def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
 def sharded_qlora_loading_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
     """Host RAM one rank holds while it fills its 4-bit shards (sharded_qlora.fill_from_safetensors):
     one tensor at a time as read from disk (bf16 assumed, 2 B) plus its compute-dtype copy. The
-    largest is the embedding (vocab x hidden) or the widest linear layer; never the whole model."""
+    largest is the embedding (vocab x hidden), the widest linear layer, or one projection's stacked
+    experts (read whole, bf16, and held twice while transformers' converter concatenates gate and up;
+    quantized one expert at a time, sharded_experts.py); never the whole model."""
     largest = max([shape.vocab_size * shape.hidden_size] + [lin.in_features * lin.out_features
                                                              for b in shape.blocks for lin in b.linears])
-    return largest * (2 + qlora_compute_bytes(request, cluster))
+    stacks = max((e * i * o for b in shape.blocks for e, i, o in b.expert_stacks), default=0)
+    return max(largest * (2 + qlora_compute_bytes(request, cluster)), stacks * 2 * 2)
 
 
 def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: int) -> int:

@@ -4,7 +4,9 @@
     -> shard (FSDP2) or replicate (DDP) -> fill the shards
 
 One process and DDP load the base the ordinary way (`from_pretrained`, 4-bit through
-bitsandbytes for QLoRA) and every rank holds all of it. FSDP builds the architecture on meta,
+bitsandbytes for QLoRA) and every rank holds all of it; but a QLoRA model with fused MoE experts
+takes the meta build and the per-block 4-bit fill, unsharded (distributed/sharded_experts.py says
+why: bitsandbytes' load would hold the experts whole in the compute dtype). FSDP builds the architecture on meta,
 shards it, and only then fills this rank's shards from a typed source: rank 0's ordinary load for
 LoRA (bit-identical to one process), per-rank safetensors reads for a full fine-tune, per-block
 quantisation for QLoRA. Every QLoRA rung takes its adapters from the seed alone
@@ -21,6 +23,7 @@ from torch import nn
 
 from homelab_ft.config import Recipe
 from homelab_ft.distributed import parallelize, pipeline, sharded_loading
+from homelab_ft.errors import UserError
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
 from homelab_ft.rung import Rung
@@ -58,15 +61,21 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
     if rung.fsdp_enabled:
         return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
-    model = _load_base(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
-    if rung.adapters_enabled:
-        model = loading.attach_lora(model, recipe.lora, compute_dtype=dtypes.compute)
-    if rung.quantized_enabled:
-        loading.reset_adapters(model, seed=recipe.train.seed)  # the sharded 4-bit build's adapters
-    if rung.adapters_enabled:
+    if rung.quantized_enabled and has_fused_experts(recipe, model_dir=model_dir):
+        # the experts filled block by block, never whole in the compute dtype (sharded_experts.py says why)
+        model = _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
+        quant.upcast_fp16(model)
         host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
-    if rung.activation_checkpointing:
-        enable_activation_checkpointing(model)
+    else:
+        model = _load_base(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
+        if rung.adapters_enabled:
+            model = loading.attach_lora(model, recipe.lora, compute_dtype=dtypes.compute)
+        if rung.quantized_enabled:
+            loading.reset_adapters(model, seed=recipe.train.seed)  # the sharded 4-bit build's adapters
+        if rung.adapters_enabled:
+            host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
+        if rung.activation_checkpointing:
+            enable_activation_checkpointing(model)
     if env.distributed:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)
@@ -86,7 +95,7 @@ def build_pipelined(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_tok
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
     if rung.quantized_enabled:  # each stage's base in 4 bits, quantised as the sharded 4-bit base is
         quant.require_bitsandbytes(device=env.device)
-        _refuse_split_moe_qlora(recipe, model_dir=model_dir)
+        refuse_pipelined_experts(recipe, model_dir=model_dir)
     return pipeline.build_pipeline(
         env, rung=rung, model_dir=model_dir,
         build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),
@@ -121,22 +130,28 @@ def _load_base(recipe: Recipe, *, model_dir: Path, rung: Rung, device: torch.dev
     model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device,
                                quantization_config=quant.bnb_config(recipe.quant, device=device))
     quant.refuse_8bit_experts(model, recipe.quant)
-    quant.quantize_experts(model, recipe.quant)  # bitsandbytes' load left the fused experts in `dtype`
+    quant.quantize_experts(model, recipe.quant)  # remote-code experts (no meta skeleton to find them first)
     quant.after_load(model)
     return quant.prepare_for_training(model)
 
 
 def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtypes: Dtypes) -> nn.Module:
-    """FSDP: meta build with adapters, checkpointing, FSDP2, then this rank's shards filled."""
+    """Meta build with adapters, checkpointing, FSDP2 (when the rung shards), then this rank's
+    shards (or, unsharded, the whole model) filled."""
     if rung.quantized_enabled:
         from homelab_ft.distributed import sharded_qlora
 
         quant.require_bitsandbytes(device=env.device)
-        _refuse_split_moe_qlora(recipe, model_dir=model_dir)
-        sharded_qlora.check_recipe(recipe, compute_dtype=dtypes.compute)
+        if rung.fsdp_enabled:
+            sharded_qlora.check_recipe(recipe, compute_dtype=dtypes.compute)
+        elif recipe.quant.bits != 4:
+            raise UserError("quant.bits=8: MoE experts are quantized in 4 bits only; set quant.bits=4 or method: lora")
+    # uint8 where nothing shards: the storage of bitsandbytes' own one-GPU layers
+    storage = None if rung.fsdp_enabled else torch.uint8
     return sharded_loading.build_sharded(
         env,
-        build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),
+        build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute,
+                                         storage_dtype=storage),
         source=_weight_source(recipe, model_dir=model_dir, rung=rung, env=env, dtype=dtypes.compute),
         rung=rung,
         param_dtype=dtypes.param,
@@ -145,22 +160,27 @@ def _build_sharded(recipe: Recipe, *, model_dir: Path, rung: Rung, env, dtypes: 
     )
 
 
-def _refuse_split_moe_qlora(recipe: Recipe, *, model_dir: Path) -> None:
-    """4-bit experts (moe_experts.py) are quantized after a whole-model load; the sharded and
-    pipelined 4-bit builds quantize per block from the safetensors and do not reach them yet."""
+def has_fused_experts(recipe: Recipe, *, model_dir: Path) -> bool:
+    """Whether the model has fused MoE experts (moe_experts.py), from config.json on a meta skeleton."""
     from transformers import AutoConfig
 
-    from homelab_ft.errors import UserError
     from homelab_ft.model import moe_experts
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
     skeleton = quant.meta_skeleton(config)
-    if skeleton is not None and moe_experts.fused_experts(skeleton):
-        raise UserError("method: qlora on an MoE model shards or pipelines not yet: use sharding.strategy=no_shard "
-                        "on one process or DDP")
+    return skeleton is not None and bool(moe_experts.fused_experts(skeleton))
 
 
-def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: torch.dtype) -> nn.Module:
+def refuse_pipelined_experts(recipe: Recipe, *, model_dir: Path) -> None:
+    """Pipeline stages quantize their blocks with the dense 4-bit fill only (pipeline.py); 4-bit
+    experts in a stage are not built yet. Also checked before anything is written (preflight)."""
+    if has_fused_experts(recipe, model_dir=model_dir):
+        raise UserError("method: qlora on an MoE model does not pipeline yet: set sharding.pipeline_stages=1 "
+                        "(full_shard, no_shard or DDP run it)")
+
+
+def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: torch.dtype,
+                       storage_dtype: torch.dtype | None = None) -> nn.Module:
     """The architecture from config.json (4-bit layers for QLoRA) with its adapters, no weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -174,7 +194,8 @@ def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: to
     if rung.quantized_enabled:
         from homelab_ft.distributed import sharded_qlora
 
-        sharded_qlora.to_4bit_layers(model, recipe.quant, compute_dtype=dtype, shard_size=rung.shard_size)
+        sharded_qlora.to_4bit_layers(model, recipe.quant, compute_dtype=dtype, shard_size=rung.shard_size,
+                                     storage_dtype=storage_dtype)
     if rung.adapters_enabled:
         model = loading.attach_lora(model, recipe.lora, compute_dtype=dtype)
     if rung.quantized_enabled:

@@ -64,6 +64,10 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
         from homelab_ft.model import quant
 
         quant.check_quantizable(config, recipe.quant, device=device_type)
+        if rung.pipeline_enabled:
+            from homelab_ft.train.build import refuse_pipelined_experts
+
+            refuse_pipelined_experts(recipe, model_dir=model_dir)
         if rung.fsdp_enabled:
             from homelab_ft.distributed import sharded_qlora
 

@@ -129,3 +129,31 @@ def test_lora_starts_at_the_base_model():
             moe_experts.attach_lora(module, r=4, alpha=8.0, dropout=0.1)
         after = model(ids).logits
     assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_per_expert_fill_equals_quantize_after_load(model_type):
+    """The fill of a meta-built packed stack (moe_experts.pack_meta + quantize_stack, as the loaders
+    use from the checkpoint's stacked tensor) holds the bytes quantize-after-load holds, in uint8 and
+    viewed as float storage (what FSDP2 shards), and the same forward."""
+    model = _model(model_type)
+    for storage in (torch.uint8, torch.float32):
+        for name, module in moe_experts.fused_experts(copy.deepcopy(model)).items():
+            weights = {p: getattr(module, p).detach().clone() for p in moe_experts.projections(module)}
+            reference = copy.deepcopy(module)
+            moe_experts.quantize(reference)
+            with torch.device("meta"):
+                moe_experts.pack_meta(module, quant_type="nf4", double_quant=True, storage_dtype=storage)
+            for proj, weight in weights.items():
+                assert getattr(module, f"{proj}_4bit").is_meta
+                stack, states = moe_experts.quantize_stack(module, weight, name=proj, device="cpu")
+                assert stack.dtype == storage and stack.shape[0] == weight.shape[0]
+                assert torch.equal(stack.reshape(stack.shape[0], -1).view(torch.uint8),
+                                   getattr(reference, f"{proj}_4bit").reshape(stack.shape[0], -1))
+                setattr(module, f"{proj}_4bit", torch.nn.Parameter(stack, requires_grad=False))  # to_empty + copy
+                moe_experts.set_states(module, proj, states)
+            x = torch.randn(5, model.config.hidden_size)
+            index = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [1, 3]])
+            weights_k = torch.rand(5, 2)
+            with torch.no_grad():
+                assert torch.equal(module(x, index, weights_k), reference(x, index, weights_k)), (model_type, name)
