@@ -71,6 +71,24 @@ def test_4bit_experts_equal_the_dequantized_reference(model_type):
     assert (want - _model(model_type)(ids).logits).abs().max().item() > 1e-4  # 4-bit did change the weights
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_4bit_expert_projection_equals_the_dequantized_matmul_exactly(model_type):
+    """Per expert and projection, the packed forward is bit for bit the matmul on that expert's
+    dequantized weight (the whole-model check above allows 1e-5 for the order of the sums)."""
+    model = _model(model_type)
+    torch.manual_seed(2)
+    for module in moe_experts.fused_experts(model).values():
+        moe_experts.quantize(module)
+        for proj in moe_experts.projections(module):
+            for e in (0, moe_experts._io(module, proj)[0] - 1):
+                weight = moe_experts.dequantized(module, proj, e)
+                x = torch.randn(5, weight.shape[0] if module.is_transposed else weight.shape[1])
+                want = x @ weight if module.is_transposed else torch.nn.functional.linear(x, weight)
+                if module.has_bias:
+                    want = want + getattr(module, f"{proj}_bias")[e]
+                assert torch.equal(moe_experts._project(module, proj, e, x), want), (model_type, proj, e)
+
+
 def _reference_loss(model, adapters: dict, ids) -> torch.Tensor:
     """Plain PyTorch: the model's own experts forward on W + scaling * B @ A, per expert."""
     replaced = {}
