@@ -72,3 +72,35 @@ def test_qlora_refuses_8bit_experts_and_quantizes_4bit():
         quant.refuse_8bit_experts(model, QuantConfig(bits=8))
     assert quant.quantize_experts(model, QuantConfig()) == len(moe_experts.fused_experts(model)) > 0
     quant.raise_if_unquantizable(model)  # packed experts count as quantized
+
+
+@pytest.mark.parametrize(("model_type", "method", "dropout"), [
+    *((m, "lora", 0.0) for m in FAMILIES), *((m, "qlora", 0.0) for m in FAMILIES), ("qwen3_moe", "lora", 0.1)])
+def test_planned_activations_equal_what_the_expert_loop_saves(model_type, method, dropout):
+    """The planner's bytes per token of each block (saved.py's frozen-base measurement of
+    transformers' grouped_mm experts, the adapters' and activations.expert_loop_bytes) equal what
+    saved-tensor hooks count on a real fp32 CPU forward through moe_experts' loop: 4-bit experts
+    for QLoRA, adapters on every expert. Without expert_loop_bytes the MoE blocks are far under."""
+    from homelab_ft.plan import activations, saved
+    from homelab_ft.plan.derive import decoder_blocks
+
+    shape, model = _shape_and_model(model_type)
+    if method == "qlora":
+        assert quant.quantize_experts(model, QuantConfig()) > 0
+    loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=dropout))
+    model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
+    seq = 128
+    torch.manual_seed(0)
+    real = saved._saved_by_block(model, decoder_blocks(model), seq)
+    request = default_request(method=method, lora_r=4, lora_dropout=dropout, seq_len=seq, micro_batch_size=1,
+                              lora_targets=("all-linear",), activation_checkpointing=False, quant_bits=4)
+    planned = activations._block_activation_bytes(shape, method, request, 4)
+    for block, per_token in zip(shape.blocks, planned, strict=True):
+        measured = real.get(block.first_layer, 0) / seq
+        if dropout:  # the planner prices CUDA's fused dropout (a bool mask); ATen's CPU dropout keeps
+            # its mask in the input's dtype (input * noise): 3 more bytes per dropped-out element
+            inputs = sum(lin.in_features for lin in params.targeted_linears(block, request))
+            measured -= 3 * (inputs + block.routed_experts * sum(i for _, i, _ in block.expert_stacks))
+        assert abs(measured - per_token) <= 0.02 * per_token, (block.kind, measured, per_token)
+        without = per_token - activations.expert_loop_bytes(block, method, request, 4)
+        assert (abs(measured - without) > 0.1 * per_token) == bool(block.expert_stacks), (block.kind, measured, without)
