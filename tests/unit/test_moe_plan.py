@@ -104,3 +104,37 @@ def test_planned_activations_equal_what_the_expert_loop_saves(model_type, method
         assert abs(measured - per_token) <= 0.02 * per_token, (block.kind, measured, per_token)
         without = per_token - activations.expert_loop_bytes(block, method, request, 4)
         assert (abs(measured - without) > 0.1 * per_token) == bool(block.expert_stacks), (block.kind, measured, without)
+
+
+@pytest.mark.parametrize(("model_type", "method"), [("qwen3_moe", "lora"), ("llama", "lora"), ("llama", "full")])
+def test_gradients_when_the_first_block_is_recomputed(model_type, method):
+    """With activation checkpointing (the trainer's switch, blocks.enable_activation_checkpointing)
+    the first block is recomputed last in backward: the gradients that exist at that moment, counted
+    on a real CPU backward, are memory.Memory.gradients_at_recompute (for a full fine-tune beside the
+    head's and final norm's, which gradients_in_backward holds)."""
+    from homelab_ft.model.blocks import enable_activation_checkpointing
+    from homelab_ft.plan import memory
+    from homelab_ft.plan.derive import decoder_blocks
+
+    shape, model = _shape_and_model(model_type)
+    if method == "lora":
+        model = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
+    enable_activation_checkpointing(model)
+    model.train()
+    blocks = decoder_blocks(model.get_base_model() if method == "lora" else model)
+    first, in_blocks = blocks[0], {id(p) for b in blocks for p in b.parameters()}
+    in_backward, seen = [], []
+
+    def at_recompute(module, args):  # transformers checkpoints the block's forward: its modules run again
+        if in_backward and not seen:
+            seen.append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None and id(p) in in_blocks))
+
+    for module in first.modules():
+        module.register_forward_pre_hook(at_recompute)
+    ids = torch.randint(0, shape.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    in_backward.append(True)
+    loss.backward()
+    request = default_request(method=method, lora_r=4, lora_dropout=0.0, seq_len=64, micro_batch_size=1,
+                              lora_targets=("all-linear",), activation_checkpointing=True, quant_bits=4)
+    assert seen == [memory._gradients_at_recompute(shape, method, request, cpu_offload=False, in_backward=False)] > [0]
