@@ -1,6 +1,8 @@
 """The planner's MoE pieces against the model itself (issue 21): the fused expert stacks derive.py
-reads, their 4-bit bytes (= moe_experts.packed_bytes after moe_experts.quantize), and the adapters
-`all-linear` puts on every expert (= what loading.attach_lora makes trainable)."""
+reads, their 4-bit bytes (= moe_experts.packed_bytes after moe_experts.quantize), the adapters
+`all-linear` puts on every expert (= what loading.attach_lora makes trainable), the bytes
+moe_experts' expert loop keeps for backward (= saved-tensor hooks on a real CPU forward), and the
+gradients alive when activation checkpointing recomputes the first block (= a real CPU backward)."""
 
 from __future__ import annotations
 
