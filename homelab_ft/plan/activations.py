@@ -54,7 +54,7 @@ def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest
     for block in shape.blocks:
         nbytes = block.saved_bytes_per_token(act_bytes, request.seq_len, frozen=method != "full")
         if method != "full":
-            nbytes += _adapter_bytes(block, request, act_bytes)
+            nbytes += _adapter_bytes(block, request, act_bytes) + expert_loop_bytes(block, method, request, act_bytes)
         per_block.append(round(nbytes))
     return per_block
 
@@ -76,6 +76,40 @@ def _adapter_bytes(block: BlockShape, request: PlanRequest, act_bytes: int) -> f
         return nbytes
     return nbytes + sum(names[next(n for n in group if n in names)].in_features * act_bytes
                         for group in block.lora_inputs if any(n in names for n in group))
+
+
+def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_bytes: int) -> float:
+    """Bytes per token that model/moe_experts' expert loop keeps beyond the frozen block saved.py
+    measured, which runs transformers' own `grouped_mm` experts (what a full fine-tune runs).
+
+    The loop runs where QLoRA packs the experts in 4 bits, or LoRA's `all-linear` adapts them.
+    Per token, for each of its top-k experts (measured with saved-tensor hooks on a CPU forward,
+    tests/unit/test_moe_plan.py; bench/memory.py --moe-shape: a 64-expert top-8 qwen3_moe's step
+    was 43% over the plan without this):
+    - `final.index_add_` keeps its source, the expert's weighted output (the last projection's out
+      features); grouped_mm's reshape-and-sum keeps none;
+    - each ExpertLora keeps its input, cast to the adapters' dtype (`x.to(a.dtype)`: with fp32
+      adapters on a 16-bit base a 4-byte copy), or with dropout its dropped-out copy and the 1-byte
+      mask, and lora_A's r outputs for lora_B. bnb.matmul_4bit and a frozen matmul keep no input.
+    """
+    looped = (method == "qlora" and request.quant_bits == 4) or "all-linear" in request.lora_targets
+    if not block.expert_stacks or not looped:
+        return 0.0
+    nbytes = block.expert_stacks[-1][2] * act_bytes
+    if "all-linear" in request.lora_targets:
+        lora = _expert_adapter_dtype_bytes(method, request, act_bytes)
+        mask = 1 if request.lora_dropout > 0 else 0
+        nbytes += sum(i * (lora + mask) + request.lora_r * lora for _, i, _ in block.expert_stacks)
+    return block.routed_experts * nbytes
+
+
+def _expert_adapter_dtype_bytes(method: str, request: PlanRequest, act_bytes: int) -> int:
+    """Bytes per element of moe_experts' adapters (params.adapter_bytes): fp32, or with
+    lora.dtype=compute bf16 on a bf16 base. `act_bytes` 2 under `auto` means a GPU's bf16."""
+    if request.lora_dtype != "compute":
+        return 4
+    name = request.quant_compute_dtype if method == "qlora" else request.dtype
+    return 2 if name == "bfloat16" or (name == "auto" and act_bytes == 2) else 4
 
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:

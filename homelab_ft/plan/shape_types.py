@@ -86,6 +86,14 @@ class BlockShape:
     def linear_weight_params(self) -> int:
         return sum(lin.weight_params for lin in self.linears)
 
+    @property
+    def routed_experts(self) -> int:
+        """Experts each token is routed to (top-k), from what derive.py counted: active expert
+        parameters are top-k / experts of them."""
+        if not self.expert_stacks or not self.expert_params:
+            return 0
+        return round(self.active_expert_params * self.expert_stacks[0][0] / self.expert_params)
+
     def saved_bytes_per_token(self, act_bytes: int, seq_len: int, *, frozen: bool = False) -> float:
         """Measured bytes per token at `seq_len` in the dtype of `act_bytes` (16-bit: 2, fp32: 4),
         with every parameter trained or (`frozen`) the base frozen."""

@@ -1,6 +1,8 @@
 """The planner's MoE pieces against the model itself (issue 21): the fused expert stacks derive.py
-reads, their 4-bit bytes (= moe_experts.packed_bytes after moe_experts.quantize), and the adapters
-`all-linear` puts on every expert (= what loading.attach_lora makes trainable)."""
+reads, their 4-bit bytes (= moe_experts.packed_bytes after moe_experts.quantize), the adapters
+`all-linear` puts on every expert (= what loading.attach_lora makes trainable), the bytes
+moe_experts' expert loop keeps for backward (= saved-tensor hooks on a real CPU forward), and the
+gradients alive when activation checkpointing recomputes the first block (= a real CPU backward)."""
 
 from __future__ import annotations
 
@@ -90,3 +92,69 @@ def test_shipped_qwen3_30b_a3b_recipe_plans_within_17_5_gib():
     assert params.host_embedding_bytes(shape, rung=chosen.rung, request=request_from_recipe(recipe),
                                        cluster=cuda) == 151936 * 2048 * 2
     assert chosen.trainable_params > sum(b.num_blocks * e * 4 * (i + o) for b in shape.blocks for e, i, o in b.expert_stacks)
+
+
+@pytest.mark.parametrize(("model_type", "method", "dropout"), [
+    *((m, "lora", 0.0) for m in FAMILIES), *((m, "qlora", 0.0) for m in FAMILIES), ("qwen3_moe", "lora", 0.1)])
+def test_planned_activations_equal_what_the_expert_loop_saves(model_type, method, dropout):
+    """The planner's bytes per token of each block (saved.py's frozen-base measurement of
+    transformers' grouped_mm experts, the adapters' and activations.expert_loop_bytes) equal what
+    saved-tensor hooks count on a real fp32 CPU forward through moe_experts' loop: 4-bit experts
+    for QLoRA, adapters on every expert. Without expert_loop_bytes the MoE blocks are far under."""
+    from homelab_ft.plan import activations, saved
+    from homelab_ft.plan.derive import decoder_blocks
+
+    shape, model = _shape_and_model(model_type)
+    if method == "qlora":
+        assert quant.quantize_experts(model, QuantConfig()) > 0
+    loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=dropout))
+    model.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
+    seq = 128
+    torch.manual_seed(0)
+    real = saved._saved_by_block(model, decoder_blocks(model), seq)
+    request = default_request(method=method, lora_r=4, lora_dropout=dropout, seq_len=seq, micro_batch_size=1,
+                              lora_targets=("all-linear",), activation_checkpointing=False, quant_bits=4)
+    planned = activations._block_activation_bytes(shape, method, request, 4)
+    for block, per_token in zip(shape.blocks, planned, strict=True):
+        measured = real.get(block.first_layer, 0) / seq
+        if dropout:  # the planner prices CUDA's fused dropout (a bool mask); ATen's CPU dropout keeps
+            # its mask in the input's dtype (input * noise): 3 more bytes per dropped-out element
+            inputs = sum(lin.in_features for lin in params.targeted_linears(block, request))
+            measured -= 3 * (inputs + block.routed_experts * sum(i for _, i, _ in block.expert_stacks))
+        assert abs(measured - per_token) <= 0.02 * per_token, (block.kind, measured, per_token)
+        without = per_token - activations.expert_loop_bytes(block, method, request, 4)
+        assert (abs(measured - without) > 0.1 * per_token) == bool(block.expert_stacks), (block.kind, measured, without)
+
+
+@pytest.mark.parametrize(("model_type", "method"), [("qwen3_moe", "lora"), ("llama", "lora"), ("llama", "full")])
+def test_gradients_when_the_first_block_is_recomputed(model_type, method):
+    """With activation checkpointing (the trainer's switch, blocks.enable_activation_checkpointing)
+    the first block is recomputed last in backward: the gradients that exist at that moment, counted
+    on a real CPU backward, are memory.Memory.gradients_at_recompute (for a full fine-tune beside the
+    head's and final norm's, which gradients_in_backward holds)."""
+    from homelab_ft.model.blocks import enable_activation_checkpointing
+    from homelab_ft.plan import memory
+    from homelab_ft.plan.derive import decoder_blocks
+
+    shape, model = _shape_and_model(model_type)
+    if method == "lora":
+        model = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
+    enable_activation_checkpointing(model)
+    model.train()
+    blocks = decoder_blocks(model.get_base_model() if method == "lora" else model)
+    first, in_blocks = blocks[0], {id(p) for b in blocks for p in b.parameters()}
+    in_backward, seen = [], []
+
+    def at_recompute(module, args):  # transformers checkpoints the block's forward: its modules run again
+        if in_backward and not seen:
+            seen.append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None and id(p) in in_blocks))
+
+    for module in first.modules():
+        module.register_forward_pre_hook(at_recompute)
+    ids = torch.randint(0, shape.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    in_backward.append(True)
+    loss.backward()
+    request = default_request(method=method, lora_r=4, lora_dropout=0.0, seq_len=64, micro_batch_size=1,
+                              lora_targets=("all-linear",), activation_checkpointing=True, quant_bits=4)
+    assert seen == [memory._gradients_at_recompute(shape, method, request, cpu_offload=False, in_backward=False)] > [0]
