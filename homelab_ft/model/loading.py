@@ -214,10 +214,15 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
     import torch
 
     # PEFT makes adapters fp32 (autocast_adapter_dtype); `lora.dtype: compute` keeps them in bf16.
-    if lora_cfg.dtype == "compute" and compute_dtype == torch.bfloat16:
+    adapter_dtype = torch.bfloat16 if lora_cfg.dtype == "compute" and compute_dtype == torch.bfloat16 else torch.float32
+    if adapter_dtype == torch.bfloat16:
         for param in model.parameters():
             if param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
+    if lora_cfg.train_router:
+        from homelab_ft.model import routers
+
+        routers.train_routers(model, dtype=adapter_dtype)
     return model
 
 

@@ -31,7 +31,6 @@ from homelab_ft.plan.network import (
 )
 from homelab_ft.plan.params import (
     adapter_bytes,
-    adapter_params,
     base_weight_bytes,
     gathered_end_params,
     largest_param,
@@ -39,8 +38,10 @@ from homelab_ft.plan.params import (
     optimizer_step_bytes,
     pageable_optimizer_bytes,
     quant_state_bytes,
+    router_params,
     sharded_qlora_loading_bytes,
     targeted_linears,
+    trainable_params,
     weight_bytes,
 )
 from homelab_ft.plan.shapes import ModelShape
@@ -232,8 +233,9 @@ def _sizes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluste
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
         # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
         # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
-        trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
-        base_bytes += trainable * state_bytes
+        trainable, state_bytes = trainable_params(shape, request), adapter_bytes(method, request, cluster)
+        # a trained router is the base's own weight, held in the adapters' dtype instead of the compute dtype
+        base_bytes += trainable * state_bytes - router_params(shape, request) * act_bytes
     return _Sizes(w_bytes=w_bytes, act_bytes=act_bytes, base_bytes=base_bytes, block_bytes=block_bytes,
                   trainable=trainable, state_bytes=state_bytes)
 

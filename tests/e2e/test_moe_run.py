@@ -122,3 +122,74 @@ def test_moe_export_merges_the_expert_adapters(tmp_path, data_dir, model_type, m
         del module.forward
     assert (_logits(reference, IDS) - want).abs().max() > 1e-5  # the expert adapters matter
     assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 2
+
+
+def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, data_dir, moe_dir):
+    """lora.train_router: the routers change in training (unchanged without it), are saved beside the
+    adapters, resume exactly (2 + 2 steps equal 4), and the merged export holds the trained routers:
+    its logits equal base + adapters + trained routers, not those with the base's routers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft import moe_routers
+    from homelab_ft.config import load_recipe
+    from homelab_ft.export import merged
+    from homelab_ft.store.model_state import ROUTERS
+
+    base = load_file(str(moe_dir / "model.safetensors"))
+    recipe = _recipe(tmp_path, data_dir, moe_dir, "lora", steps=4, **{"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                                               "train_router": True}})
+    whole = tmp_path / "whole"
+    assert main(["train", str(recipe), "--run-dir", str(whole)]) == 0
+    ckpt = whole / "checkpoints" / "step_000004"
+    routers = load_file(str(ckpt / "adapter" / ROUTERS))
+    assert sorted(routers) == [f"model.layers.{i}.mlp.gate.weight" for i in range(4)]
+    assert all((routers[k] - base[k]).abs().max() > 1e-4 for k in routers)  # trained
+    split = tmp_path / "split"
+    shutil.copytree(whole, split)
+    shutil.rmtree(split / "checkpoints" / "step_000004")
+    rows = (split / "metrics.jsonl").read_text().splitlines()
+    (split / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= 2))
+    assert main(["train", str(recipe), "--run-dir", str(split), "--resume"]) == 0
+    assert _losses(split) == pytest.approx(_losses(whole), rel=1e-6, abs=1e-6)
+    resumed = load_file(str(split / "checkpoints" / "step_000004" / "adapter" / ROUTERS))
+    assert all(torch.equal(resumed[k], routers[k]) for k in routers)
+
+    out = tmp_path / "export"
+    assert main(["export", str(whole), "--out", str(out), "--dtype", "float32"]) == 0
+    exported = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], routers[k].float()) for k in routers)
+    reference = merged.load_base_with_adapter(ckpt, moe_dir, load_recipe(recipe))
+    want = _logits(reference, IDS)
+    got = _logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), IDS)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
+    with torch.no_grad():
+        for name, module in moe_routers.routers(reference).items():
+            module.weight.copy_(base[name.removeprefix("base_model.model.") + ".weight"])
+    assert (_logits(reference, IDS) - want).abs().max() > 1e-5  # the trained routers matter
+    assert main(["export", str(whole), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 2
+
+
+def test_without_train_router_the_routers_stay_the_base_s(tmp_path, data_dir, moe_dir):
+    from safetensors.torch import load_file
+
+    from homelab_ft.store.model_state import ROUTERS
+
+    run = tmp_path / "run"
+    assert main(["train", str(_recipe(tmp_path, data_dir, moe_dir, "lora")), "--run-dir", str(run)]) == 0
+    assert not (run / "checkpoints" / "step_000002" / "adapter" / ROUTERS).exists()
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    base, exported = load_file(str(moe_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], base[k].float()) for k in base if k.endswith("mlp.gate.weight"))
+
+
+def test_train_router_on_a_dense_model_is_refused_before_anything_is_written(tmp_path, data_dir, capfd):
+    dense = save_tiny(tmp_path / "dense", "llama")
+    recipe = _recipe(tmp_path, data_dir, dense, "lora", **{"lora": {"train_router": True}})
+    run = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.train_router: true, but model.path" in err[0] and "(llama" in err[0], err
+    assert not run.exists()
