@@ -124,7 +124,8 @@ def test_moe_export_merges_the_expert_adapters(tmp_path, data_dir, model_type, m
     assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 2
 
 
-def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, data_dir, moe_dir):
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, data_dir, moe_dir, method):
     """lora.train_router: the routers change in training (unchanged without it), are saved beside the
     adapters, resume exactly (2 + 2 steps equal 4), and the merged export holds the trained routers:
     its logits equal base + adapters + trained routers, not those with the base's routers."""
@@ -137,7 +138,7 @@ def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, dat
     from homelab_ft.store.model_state import ROUTERS
 
     base = load_file(str(moe_dir / "model.safetensors"))
-    recipe = _recipe(tmp_path, data_dir, moe_dir, "lora", steps=4, **{"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+    recipe = _recipe(tmp_path, data_dir, moe_dir, method, steps=4, **{"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
                                                                                "train_router": True}})
     whole = tmp_path / "whole"
     assert main(["train", str(recipe), "--run-dir", str(whole)]) == 0

@@ -146,3 +146,23 @@ def test_a_router_trained_in_fp32_casts_around_a_bf16_base():
     compute = loading.attach_lora(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16),
                                   LoraConfig(r=4, train_router=True, dtype="compute"), compute_dtype=torch.bfloat16)
     assert next(iter(moe_routers.routers(compute).values())).weight.dtype == torch.bfloat16
+
+
+def test_the_planner_prices_the_trained_routers():
+    """With train_router the estimate grows by the routers' gradients and AdamW moments, and by their
+    weights moving from the compute dtype to the adapters' (fp32 here on a bf16 GPU base)."""
+    from homelab_ft.plan.ladder import option_rung
+    from homelab_ft.plan.memory import estimate
+
+    shape = _shape("qwen3_moe")
+    gpu = params.Cluster(**{**CPU.__dict__, "device": "cuda"})
+    frozen, trained = (default_request(method="lora", lora_r=4, lora_targets=("all-linear",), train_router=t)
+                       for t in (False, True))
+    rung = option_rung("lora", "no_shard", False, request=frozen, cluster=gpu)
+    off, on = (estimate(shape, rung=rung, request=r, cluster=gpu) for r in (frozen, trained))
+    routers = params.router_params(shape, trained)
+    assert routers == sum(b.num_blocks * b.router_params for b in shape.blocks) > 0
+    assert on.trainable_params - off.trainable_params == routers
+    assert on.memory.gradients - off.memory.gradients == 4 * routers
+    assert on.memory.optimizer - off.memory.optimizer == 8 * routers
+    assert on.memory.weights - off.memory.weights == (4 - 2) * routers
