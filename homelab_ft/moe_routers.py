@@ -60,8 +60,8 @@ def _num_experts(module) -> int:
 
 def refuse_dense(model: str) -> UserError:
     """The one-line refusal of `train_router: true` on a model without routers (file, field, fix)."""
-    return UserError(f"{KEY}: true, but model.path {model} is not a mixture-of-experts model (it has no router "
-                     f"to train); set {KEY}: false")
+    return UserError(f"{KEY}: true, but model.path {model} has no MoE router to train (no fused-experts block, "
+                     f"as transformers marks them, with a [experts, hidden] gate beside it); set {KEY}: false")
 
 
 def check_rung(train_router: bool, *, sharded: bool, stages: int) -> None:

@@ -8,6 +8,10 @@ each expert's weight of the fused model tensor (`<experts module>.<projection>`,
 `revert_weight_conversion` makes of it (checkpoint_keys.as_saved): a released Qwen3-MoE's per-expert
 `experts.3.gate_proj.weight`, as `save_pretrained` would. One converter unit (one layer's stack) is
 in memory at a time, as long as the file being written needs it.
+
+Routers trained in full (`lora.train_router`, store/model_state.ROUTERS) are plain tensors of the
+base: they replace its checkpoint tensor of the same parameter, one to one, and go onto base +
+adapter for the logit check.
 """
 
 from __future__ import annotations

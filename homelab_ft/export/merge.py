@@ -12,7 +12,9 @@ The base's files are written back in their own layout (a released MoE's per-expe
 Nemotron-H's `backbone.*`, a Qwen 3.5 image-text checkpoint's `model.language_model.*` and vision
 tower), which is what `save_pretrained` writes for a model loaded from them and what llama.cpp's
 converters read. Which checkpoint key holds an adapted module's weight is asked of transformers'
-own key conversion (model/checkpoint_keys.py), never guessed from the module's name.
+own key conversion (model/checkpoint_keys.py), never guessed from the module's name. The adapters on
+MoE experts merge there too, and routers trained with `lora.train_router` are written in place of the
+base's tensors (expert_adapters.py).
 
 Adapters this module does not merge (DoRA's magnitude vectors, per-module ranks or alphas,
 `modules_to_save`, fan-in-fan-out layers, a tied LM head with LoRA on it, LoRA on parameters or on
@@ -162,7 +164,7 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         del tensors  # one base file in memory at a time
         log.debug("merged %s", name)
     if merged != expected:
-        raise RuntimeError(f"export: merged {merged} of the {len(owner)} adapted weights; the base's files and index disagree")
+        raise RuntimeError(f"export: merged {merged} of the {expected} adapted weights; the base's files and index disagree")
     if len(files) > 1 or (model_dir / INDEX).is_file():
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config = json.loads((model_dir / "config.json").read_text())

@@ -193,4 +193,5 @@ def test_train_router_on_a_dense_model_is_refused_before_anything_is_written(tmp
     assert main(["train", str(recipe), "--run-dir", str(run)]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "lora.train_router: true, but model.path" in err[0] and "(llama" in err[0], err
+    assert "has no MoE router to train" in err[0] and err[0].endswith("set lora.train_router: false"), err
     assert not run.exists()

@@ -124,7 +124,7 @@ def test_attach_refuses_a_dense_model():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(tiny_config("llama"), dtype=torch.float32)
-    with pytest.raises(UserError, match="lora.train_router: true, but model.path"):
+    with pytest.raises(UserError, match=r"lora.train_router: true, but model.path \(llama\) has no MoE router"):
         loading.attach_lora(model, LoraConfig(r=4, train_router=True), compute_dtype=torch.float32)
 
 
