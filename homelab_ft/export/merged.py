@@ -31,7 +31,8 @@ def load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
 
     base = loading.load_model(recipe.model, model_dir, dtype=dtype or torch.float32, device=torch.device("cpu"))
     try:
-        model = PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
+        with loading.peft_v5_targets():
+            model = PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
         expert_adapters.attach(model, ckpt / checkpoint.ADAPTER, cfg=merge.adapter_config(ckpt / checkpoint.ADAPTER))
         expert_adapters.attach_routers(model, ckpt / checkpoint.ADAPTER)
         return model

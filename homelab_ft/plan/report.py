@@ -48,25 +48,23 @@ def lora_text(shape: ModelShape, request: PlanRequest) -> str:
     of each of 128 experts in 48 blocks; routers frozen; N trainable parameters at r=8`."""
     targets = request.lora_targets
     all_linear = "all-linear" in targets
-    groups: dict[tuple[str, ...], int] = {}  # (what) -> blocks
+    blocks: dict[str, int] = {}  # what is adapted -> in how many blocks
     left_out: dict[str, None] = {}
     for block in shape.blocks:
         parents: dict[str, list[str]] = {}
         for lin in linears_for(block, targets):
             parent, _, leaf = lin.name.rpartition(".")
             parents.setdefault(parent, []).append(leaf)
-        for parent, leaves in parents.items():
-            key = (f"{parent}.{{{', '.join(leaves)}}}" if parent else ", ".join(leaves),)
-            groups[key] = groups.get(key, 0) + block.num_blocks
+        adapted = [f"{parent}.{{{', '.join(leaves)}}}" if parent else ", ".join(leaves) for parent, leaves in parents.items()]
         if all_linear and block.expert_stacks:
-            experts = {e for e, _, _ in block.expert_stacks}
-            names = block.expert_names or tuple(f"expert stack {i}" for i in range(len(block.expert_stacks)))
-            parent = names[0].rpartition(".")[0]
-            key = (f"{parent}.{{{', '.join(n.rpartition('.')[2] for n in names)}}} of each of "
-                   f"{'/'.join(map(str, sorted(experts)))} experts",)
-            groups[key] = groups.get(key, 0) + block.num_blocks
+            names = block.expert_names or tuple(f"stack{i}" for i in range(len(block.expert_stacks)))
+            experts = "/".join(str(e) for e in sorted({e for e, _, _ in block.expert_stacks}))
+            adapted.append(f"{names[0].rpartition('.')[0]}.{{{', '.join(n.rpartition('.')[2] for n in names)}}} "
+                           f"of each of {experts} experts")
+        for what in adapted:
+            blocks[what] = blocks.get(what, 0) + block.num_blocks
         left_out.update((lin.name, None) for lin in block.linears if all_linear and not lin.all_linear)
-    parts = [f"{what[0]} in {blocks} block{'s' * (blocks != 1)}" for what, blocks in groups.items()] or ["nothing"]
+    parts = [f"{what} in {n} block{'s' * (n != 1)}" for what, n in blocks.items()] or ["nothing"]
     if left_out:
         parts.append(f"left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}")
     if any(b.router_params for b in shape.blocks):

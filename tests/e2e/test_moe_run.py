@@ -91,7 +91,7 @@ def _logits(model, ids):
 IDS = torch.tensor([[1, 5, 17, 40, 99, 23, 7, 64]])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_moe_export_merges_the_expert_adapters(tmp_path, data_dir, model_type, method):
     """The merged export (file by file, the checkpoint's own per-expert keys) reloads with

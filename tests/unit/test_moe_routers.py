@@ -68,20 +68,23 @@ def test_a_dense_model_has_no_router():
     assert all(b.router_params == 0 for b in _shape("llama").blocks)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next"])
 @pytest.mark.parametrize("train_router", [False, True])
 def test_plan_counts_what_the_trainer_trains(model_type, train_router):
     """The `lora` line's trainable count (params.trainable_params) equals loading.count_params on the
-    model the trainer builds, with and without the routers."""
+    model the trainer builds, with and without the routers. Before loading.peft_v5_targets, PEFT
+    rewrote DeepSeek-V3's, GLM-4-MoE's and Qwen3-Next's shared-expert targets into target_parameters
+    (their adapters gone, PEFT's ParamWrapper on the experts, refused with lora.dropout > 0)."""
     from transformers import AutoModelForCausalLM
 
     shape = _shape(model_type)
     request = default_request(method="lora", lora_r=4, lora_targets=("all-linear",), train_router=train_router)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32)
-    lora = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0, train_router=train_router),
+    lora = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.05, train_router=train_router),
                                compute_dtype=torch.float32)
     trainable, _ = loading.count_params(lora)
+    assert not lora.peft_config["default"].target_parameters  # the experts are moe_experts' (ExpertLora)
     assert params.trainable_params(shape, request) == trainable
     routers = sum(p.numel() for n, p in lora.named_parameters() if p.requires_grad and ".lora_" not in n)
     every = sum(b.num_blocks * b.router_params for b in shape.blocks)
