@@ -171,6 +171,19 @@ def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, dat
     assert main(["export", str(whole), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 2
 
 
+@pytest.mark.parametrize("train_router", [False, True])
+def test_the_plan_counts_what_the_run_trains(tmp_path, data_dir, moe_dir, capfd, train_router):
+    """`plan`'s lora line and the trainer's start line (loading.count_params) give one count."""
+    recipe = _recipe(tmp_path, data_dir, moe_dir, "lora", **{"lora": {"r": 4, "train_router": train_router}})
+    capfd.readouterr()
+    assert main(["plan", str(recipe)]) == 0
+    line = next(x for x in capfd.readouterr().out.splitlines() if x.startswith("lora     "))
+    count = line.rsplit("; ", 1)[1].split(" trainable")[0]
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]) == 0
+    out, err = capfd.readouterr()
+    assert f"{count} trainable of " in out + err, (line, count)
+
+
 def test_without_train_router_the_routers_stay_the_base_s(tmp_path, data_dir, moe_dir):
     from safetensors.torch import load_file
 
