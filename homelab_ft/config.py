@@ -69,7 +69,7 @@ class LoraConfig:
     """On an MoE model, train each router (the [experts, hidden] gate of every sparse-MoE block,
     homelab_ft/moe_routers.py) in full, beside the adapters: no LoRA on it, its weights in the
     adapters' dtype (`dtype` above: fp32, or bf16 with `compute`). Off, the router stays frozen in
-    the compute dtype. Refused on a dense model; one process or DDP only (not FSDP2, not pipelines)."""
+    the compute dtype. Refused on a dense model and in pipelines (one process, DDP and FSDP2 train it)."""
 
 
 @dataclass(frozen=True, config=_STRICT)

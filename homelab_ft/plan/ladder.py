@@ -80,7 +80,7 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
         raise RungError(f"a {stages}-stage pipeline needs train.grad_accum_steps >= {stages} "
                         "and train.activation_offload off")
     if method != "full":  # the trainer refuses trained routers on these rungs (train/build.py)
-        check_rung(request.train_router, sharded=strategy != NO_SHARD, stages=stages)
+        check_rung(request.train_router, stages=stages)
     named = stages > 1 and stages == request.pipeline_stages
     return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,

@@ -25,7 +25,7 @@ from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import STEP_TIME_TIE, Option, choose, evaluate, price
 from homelab_ft.plan.memory import gib_text
 from homelab_ft.plan.shapes import ModelShape
-from homelab_ft.rung import HYBRID_SHARD, NO_SHARD, RungError, requested_rung
+from homelab_ft.rung import HYBRID_SHARD, RungError, requested_rung
 
 
 @dataclass(frozen=True)
@@ -137,15 +137,14 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
 
 def check_router_request(shape: ModelShape, *, request: PlanRequest, model: str) -> None:
     """lora.train_router refused before anything is priced or written: on a model without routers, and
-    on a named FSDP2 strategy or pipeline (moe_routers.check_rung, which the ladder applies per option)."""
+    on a named pipeline (moe_routers.check_rung, which the ladder applies per option)."""
     if not request.train_router:
         return
     if not any(b.router_params for b in shape.blocks):
         raise moe_routers.refuse_dense(model)
     if request.method in ("lora", "qlora"):
         stages = request.pipeline_stages if isinstance(request.pipeline_stages, int) else 1
-        moe_routers.check_rung(True, sharded=request.strategy not in ("auto", NO_SHARD) or request.cpu_offload,
-                               stages=stages)
+        moe_routers.check_rung(True, stages=stages)
 
 
 def _pressure(option: Option) -> float:

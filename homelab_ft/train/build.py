@@ -57,7 +57,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
     """The model to train for `rung`: sharded when the rung shards, else whole on every rank."""
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
     if rung.adapters_enabled:  # the planner's rule too (ladder.option_rung)
-        check_rung(recipe.lora.train_router, sharded=rung.fsdp_enabled, stages=rung.pipeline_stages)
+        check_rung(recipe.lora.train_router, stages=rung.pipeline_stages)
     if rung.fsdp_enabled:
         return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
     model = _load_base(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
@@ -76,8 +76,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
 def build_for(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_token_id: int) -> tuple[nn.Module, object]:
     """The model to train and, when the rung is pipelined, the Pipeline that runs this rank's stage (else None)."""
     if rung.pipeline_enabled:
-        check_rung(recipe.lora.train_router and rung.adapters_enabled, sharded=rung.fsdp_enabled,
-                   stages=rung.pipeline_stages)
+        check_rung(recipe.lora.train_router and rung.adapters_enabled, stages=rung.pipeline_stages)
         return build_pipelined(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=pad_token_id)
     return build_model(recipe, model_dir=model_dir, rung=rung, env=env), None
 

@@ -112,15 +112,19 @@ def test_router_refusals_are_one_line_and_shared():
         plan(dense, request=default_request(method="lora", train_router=True), cluster=CPU, model="m")
     assert "\n" not in str(err.value) and "set lora.train_router: false" in str(err.value)
     moe = _shape("qwen3_moe")
-    two = params.Cluster(**{**CPU.__dict__, "gpus_per_node": 2})
-    with pytest.raises(RungError, match="FSDP2 and pipelines do not yet"):
-        plan(moe, request=default_request(method="lora", strategy="full_shard", train_router=True), cluster=two)
-    chosen = plan(moe, request=default_request(method="lora", train_router=True), cluster=two).options
-    assert chosen and all(o.rung.strategy == "no_shard" and not o.rung.pipeline_enabled for o in chosen
-                          if o.method != "full")
+    two = params.Cluster(**{**CPU.__dict__, "gpus_per_node": 2, "device": "cuda"})
+    with pytest.raises(RungError, match="does not train in a pipeline yet: set sharding.pipeline_stages=1"):
+        plan(moe, request=default_request(method="lora", pipeline_stages=2, train_router=True), cluster=two)
+    options = plan(moe, request=default_request(method="lora", pipeline_stages="auto", grad_accum_steps=2,
+                                                train_router=True), cluster=two).options
+    adapters = [o for o in options if o.method != "full"]
+    assert {o.rung.strategy for o in adapters} >= {"no_shard", "full_shard"}  # DDP and FSDP2 train it
+    assert not any(o.rung.pipeline_enabled for o in adapters)
+    assert any(o.rung.pipeline_enabled for o in plan(moe, request=default_request(
+        method="lora", pipeline_stages="auto", grad_accum_steps=2), cluster=two).options)  # priced without it
     with pytest.raises(RungError):  # the trainer's check (train/build.py) is the same function
-        moe_routers.check_rung(True, sharded=True, stages=1)
-    moe_routers.check_rung(True, sharded=False, stages=1)
+        moe_routers.check_rung(True, stages=2)
+    moe_routers.check_rung(True, stages=1)
 
 
 def test_attach_refuses_a_dense_model():
