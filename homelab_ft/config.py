@@ -66,6 +66,11 @@ class LoraConfig:
     moments in the parameter's dtype). `float32`, the most accurate: 16 B per adapter parameter with
     AdamW. `compute`: bf16 when the base computes in bf16 (8 B per parameter; small updates round
     away sooner), fp32 otherwise (fp16 adapters overflow)."""
+    train_router: bool = False
+    """On an MoE model, train each router (the [experts, hidden] gate of every sparse-MoE block,
+    homelab_ft/moe_routers.py) in full, beside the adapters: no LoRA on it, its weights in the
+    adapters' dtype (`dtype` above: fp32, or bf16 with `compute`). Off, the router stays frozen in
+    the compute dtype. Refused on a dense model and in pipelines (one process, DDP and FSDP2 train it)."""
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -30,7 +30,7 @@ def lora_line(recipe: Recipe) -> str:
     from homelab_ft.plan.report import lora_text
 
     shape, _ = recipe_shape(recipe)
-    return f"lora: {lora_text(shape, targets=request_from_recipe(recipe).lora_targets)}"
+    return f"lora: {lora_text(shape, request_from_recipe(recipe))}"
 
 
 def length_line(recipe: Recipe, num_rows: int) -> str:

@@ -8,6 +8,10 @@ each expert's weight of the fused model tensor (`<experts module>.<projection>`,
 `revert_weight_conversion` makes of it (checkpoint_keys.as_saved): a released Qwen3-MoE's per-expert
 `experts.3.gate_proj.weight`, as `save_pretrained` would. One converter unit (one layer's stack) is
 in memory at a time, as long as the file being written needs it.
+
+Routers trained in full (`lora.train_router`, store/model_state.ROUTERS) are plain tensors of the
+base: they replace its checkpoint tensor of the same parameter, one to one, and go onto base +
+adapter for the logit check.
 """
 
 from __future__ import annotations
@@ -19,11 +23,48 @@ from safetensors.torch import load_file
 from torch import nn
 
 from homelab_ft.model import moe_experts
-from homelab_ft.store.model_state import EXPERT_ADAPTERS, EXPERT_LORA
+from homelab_ft.store.model_state import EXPERT_ADAPTERS, EXPERT_LORA, PEFT_PREFIX, ROUTERS
 
 
 def present(adapter_dir: Path) -> bool:
     return (Path(adapter_dir) / EXPERT_ADAPTERS).is_file()
+
+
+def outside_peft(adapter_dir: Path) -> str | None:
+    """What of this adapter PEFT's format cannot hold (for --adapter-only and the adapter GGUF), or None."""
+    if present(adapter_dir):
+        return "the adapters on MoE experts"
+    if (Path(adapter_dir) / ROUTERS).is_file():
+        return "the trained MoE routers (lora.train_router)"
+    return None
+
+
+def trained_routers(adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """lora.train_router's router parameters by model parameter name ({} when it was off)."""
+    path = Path(adapter_dir) / ROUTERS
+    return load_file(str(path)) if path.is_file() else {}
+
+
+def attach_routers(model: nn.Module, adapter_dir: Path) -> None:
+    """The trained routers into `model` (base + adapter, PEFT-wrapped), in place of the base's."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in trained_routers(adapter_dir).items():
+            param = params.get(PEFT_PREFIX + name, params.get(name))
+            if param is None or param.shape != tensor.shape:
+                raise ValueError(f"a trained router {name} {tuple(tensor.shape)} the base lacks or shapes differently")
+            param.copy_(tensor.to(param.dtype))
+
+
+def router_keys(adapter_dir: Path, keys) -> dict[str, torch.Tensor]:
+    """Base checkpoint key -> the trained router tensor that replaces it (a router is one checkpoint
+    tensor, renamed or not: checkpoint_keys.sources)."""
+    out = {}
+    for name, tensor in trained_routers(adapter_dir).items():
+        if name not in keys.names() or keys.converted(name):
+            raise ValueError(f"the trained router {name} is not one tensor of the base checkpoint")
+        out[keys.sources(name)[0]] = tensor
+    return out
 
 
 def by_projection(adapter_dir: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -12,7 +12,9 @@ The base's files are written back in their own layout (a released MoE's per-expe
 Nemotron-H's `backbone.*`, a Qwen 3.5 image-text checkpoint's `model.language_model.*` and vision
 tower), which is what `save_pretrained` writes for a model loaded from them and what llama.cpp's
 converters read. Which checkpoint key holds an adapted module's weight is asked of transformers'
-own key conversion (model/checkpoint_keys.py), never guessed from the module's name.
+own key conversion (model/checkpoint_keys.py), never guessed from the module's name. The adapters on
+MoE experts merge there too, and routers trained with `lora.train_router` are written in place of the
+base's tensors (expert_adapters.py).
 
 Adapters this module does not merge (DoRA's magnitude vectors, per-module ranks or alphas,
 `modules_to_save`, fan-in-fan-out layers, a tied LM head with LoRA on it, LoRA on parameters or on
@@ -134,6 +136,8 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
     keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
     owner = adapted_keys(adapter_dir, keys)
     experts = expert_adapters.MergedUnits(adapter_dir, keys, factor=factor)
+    routers = expert_adapters.router_keys(adapter_dir, keys)  # lora.train_router: written in place of the base's
+    expected = len(owner) + len(experts.owner) + len(routers)
     out.mkdir(parents=True, exist_ok=True)
     files = base_files(model_dir)
     merged, max_delta, weight_map, total = 0, 0.0, {}, 0
@@ -141,9 +145,10 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         tensors = {}
         with safe_open(str(model_dir / name), "pt") as fh:
             for key in fh.keys():
-                tensor = experts.pop(key) if key in experts else fh.get_tensor(key)
+                replaced = key in experts or key in routers
+                tensor = experts.pop(key) if key in experts else routers.pop(key) if key in routers else fh.get_tensor(key)
                 module = owner.get(key)
-                if key in experts:
+                if replaced:
                     merged += 1
                 elif module is not None:
                     delta = factor * (lora[module]["B"].float() @ lora[module]["A"].float())
@@ -158,8 +163,8 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         del tensors  # one base file in memory at a time
         log.debug("merged %s", name)
-    if merged != len(owner) + len(experts.owner):
-        raise RuntimeError(f"export: merged {merged} of the {len(owner)} adapted weights; the base's files and index disagree")
+    if merged != expected:
+        raise RuntimeError(f"export: merged {merged} of the {expected} adapted weights; the base's files and index disagree")
     if len(files) > 1 or (model_dir / INDEX).is_file():
         (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config = json.loads((model_dir / "config.json").read_text())

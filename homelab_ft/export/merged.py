@@ -31,8 +31,10 @@ def load_base_with_adapter(ckpt: Path, model_dir: Path, recipe, *, dtype=None):
 
     base = loading.load_model(recipe.model, model_dir, dtype=dtype or torch.float32, device=torch.device("cpu"))
     try:
-        model = PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
+        with loading.peft_v5_targets():
+            model = PeftModel.from_pretrained(base, ckpt / checkpoint.ADAPTER)
         expert_adapters.attach(model, ckpt / checkpoint.ADAPTER, cfg=merge.adapter_config(ckpt / checkpoint.ADAPTER))
+        expert_adapters.attach_routers(model, ckpt / checkpoint.ADAPTER)
         return model
     except (RuntimeError, ValueError, KeyError) as err:
         raise UserError(
@@ -138,8 +140,9 @@ def write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dt
 
 def write_adapter(ckpt: Path, model_dir: Path, recipe, out: Path) -> None:
     """The adapter alone, for runtimes that serve base + adapter (vLLM, llama.cpp --lora)."""
-    if expert_adapters.present(ckpt / checkpoint.ADAPTER):
-        raise UserError("export --adapter-only: this adapter trains MoE experts, which PEFT's format cannot hold; "
+    beyond = expert_adapters.outside_peft(ckpt / checkpoint.ADAPTER)
+    if beyond:
+        raise UserError(f"export --adapter-only: this adapter holds {beyond}, which PEFT's format cannot hold; "
                         "export the merged model (drop --adapter-only)")
     load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     shutil.copytree(ckpt / checkpoint.ADAPTER, out, dirs_exist_ok=True)

@@ -280,8 +280,9 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
     from homelab_ft.export import expert_adapters
     from homelab_ft.export.gguf_adapter import check_adapter_gguf, write_adapter_gguf
 
-    if expert_adapters.present(ckpt / checkpoint.ADAPTER):
-        raise UserError("export: an adapter GGUF cannot hold the adapters on MoE experts yet; "
+    beyond = expert_adapters.outside_peft(ckpt / checkpoint.ADAPTER)
+    if beyond:
+        raise UserError(f"export: an adapter GGUF cannot hold {beyond} yet; "
                         "export the merged model (gguf of the merged weights) instead")
     peft_model = merged.load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     write_adapter_gguf(ckpt / checkpoint.ADAPTER, model_dir, path, name=name)

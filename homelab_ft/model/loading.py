@@ -10,6 +10,7 @@ Where a model may come from, all offline:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -206,7 +207,8 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
         task_type="CAUSAL_LM",
     )
     try:
-        model = get_peft_model(model, peft_cfg)
+        with peft_v5_targets():
+            model = get_peft_model(model, peft_cfg)
     except ValueError as err:
         raise UserError(f"lora.target_modules: {str(err).splitlines()[0]}") from None
     if lora_cfg.target_modules == targets.ALL_LINEAR:
@@ -214,11 +216,40 @@ def attach_lora(model, lora_cfg: LoraConfig, *, compute_dtype=None):
     import torch
 
     # PEFT makes adapters fp32 (autocast_adapter_dtype); `lora.dtype: compute` keeps them in bf16.
-    if lora_cfg.dtype == "compute" and compute_dtype == torch.bfloat16:
+    adapter_dtype = torch.bfloat16 if lora_cfg.dtype == "compute" and compute_dtype == torch.bfloat16 else torch.float32
+    if adapter_dtype == torch.bfloat16:
         for param in model.parameters():
             if param.requires_grad:
                 param.data = param.data.to(torch.bfloat16)
+    if lora_cfg.train_router:
+        from homelab_ft.model import routers
+
+        routers.train_routers(model, dtype=adapter_dtype)
     return model
+
+
+@contextlib.contextmanager
+def peft_v5_targets():
+    """PEFT's adapter config taken as written, for attaching (attach_lora) and loading (export) ours.
+
+    PEFT 0.21 rewrites the targets of MoE families whose transformers-4 checkpoints named each
+    expert's layers `gate_proj`/`up_proj`/`down_proj` (`w1`...`w3`, `gate` for Mixtral), as
+    transformers' `_MODEL_TO_CONVERSION_PATTERN` groups them (DeepSeek-V3, GLM-4-MoE, Qwen3-Next,
+    Ernie 4.5 ... -> qwen2_moe): inject_adapter calls `convert_peft_config_for_transformers`, which
+    turns every target ending in `.gate_proj` into target_parameters `gate_up_proj`. That is for
+    adapters trained on transformers 4. Ours are made on 5, where those names are the shared
+    expert's and the dense layers' nn.Linear: the rewrite dropped their adapters, put PEFT's
+    ParamWrapper on the experts (which refuses lora.dropout > 0) and hid them from moe_experts'
+    adapters (measured on tiny deepseek_v3). So it is off while our adapters are attached or loaded.
+    """
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def _attach_expert_lora(model, lora_cfg: LoraConfig) -> None:

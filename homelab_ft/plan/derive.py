@@ -21,6 +21,7 @@ import logging
 
 from homelab_ft.decoder_blocks import decoder_blocks as shared_decoder_blocks
 from homelab_ft.errors import UserError
+from homelab_ft.moe_routers import router_parameters
 from homelab_ft.plan.shape_types import BlockShape, Linear, ModelShape
 
 log = logging.getLogger(__name__)
@@ -166,8 +167,8 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -
             in_linear.update(id(p) for p in module.parameters())
     expert_params = active = 0
     in_experts: set[int] = set()
-    stacks = []
-    for module in block.modules():
+    stacks, stack_names = [], []
+    for module_name, module in block.named_modules():
         if isinstance(module, torch.nn.modules.conv._ConvNd):
             continue  # a Mamba / linear-attention conv1d weight is 3-D too, and no expert
         stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
@@ -179,11 +180,14 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -
         expert_params += numel
         active += numel * min(experts, _top_k(module, hf_config, experts)) // experts
         in_experts.update(id(p) for p in own)
-        stacks += _stacks(module)
+        found = _stacks(module)
+        stacks += found
+        stack_names += [f"{module_name}.{p}" for p in _projections(module)][:len(found)]
     other = sum(p.numel() for p in block.parameters() if id(p) not in in_linear and id(p) not in in_experts)
+    routers = sum(p.numel() for p in router_parameters(block).values())
     return BlockShape(num_blocks=count, linears=tuple(linears), other_params=other, expert_params=expert_params,
-                      active_expert_params=active, expert_stacks=tuple(stacks), kind=type(block).__name__,
-                      first_layer=first, **saved)
+                      active_expert_params=active, expert_stacks=tuple(stacks), expert_names=tuple(stack_names),
+                      router_params=routers, kind=type(block).__name__, first_layer=first, **saved)
 
 
 def _stacks(module) -> list[tuple[int, int, int]]:
@@ -192,10 +196,17 @@ def _stacks(module) -> list[tuple[int, int, int]]:
     if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
         return []
     out = []
-    for name in ("gate_up_proj" if module.has_gate else "up_proj", "down_proj"):
+    for name in _projections(module):
         experts, rows, cols = getattr(module, name).shape
         out.append((experts, rows, cols) if module.is_transposed else (experts, cols, rows))
     return out
+
+
+def _projections(module) -> tuple[str, ...]:
+    """The projections of a fused-experts module, as model/moe_experts.projections names them."""
+    if not hasattr(module, "has_gate"):
+        return ()
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
 
 
 def _top_k(module, hf_config, experts: int) -> int:

@@ -129,6 +129,8 @@ class PlanRequest:
     lora_dtype: Literal["float32", "compute"]
     lora_dropout: float
     lora_targets: tuple[str, ...]
+    train_router: bool
+    """lora.train_router: the routers train in full beside the adapters (moe_routers.py)."""
     quant_bits: int
     double_quant: bool
     quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"]

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from homelab_ft import embedding_offload
+from homelab_ft.moe_routers import check_rung
 from homelab_ft.plan import pipeline
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
@@ -79,6 +80,8 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
         # pipeline.py prices no activation offload; a schedule needs a micro-batch per stage
         raise RungError(f"a {stages}-stage pipeline needs train.grad_accum_steps >= {stages} "
                         "and train.activation_offload off")
+    if method != "full":  # the trainer refuses trained routers on these rungs (train/build.py)
+        check_rung(request.train_router, stages=stages)
     named = stages > 1 and stages == request.pipeline_stages
     rung = Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
                 procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,

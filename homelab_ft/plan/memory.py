@@ -31,7 +31,6 @@ from homelab_ft.plan.network import (
 )
 from homelab_ft.plan.params import (
     adapter_bytes,
-    adapter_params,
     base_weight_bytes,
     gathered_end_params,
     host_embedding_bytes,
@@ -41,8 +40,10 @@ from homelab_ft.plan.params import (
     optimizer_step_bytes,
     pageable_optimizer_bytes,
     quant_state_bytes,
+    router_params,
     sharded_qlora_loading_bytes,
     targeted_linears,
+    trainable_params,
     weight_bytes,
 )
 from homelab_ft.plan.shapes import ModelShape
@@ -239,8 +240,9 @@ def _sizes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluste
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
         # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
         # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
-        trainable, state_bytes = adapter_params(shape, request), adapter_bytes(method, request, cluster)
-        base_bytes += trainable * state_bytes
+        trainable, state_bytes = trainable_params(shape, request), adapter_bytes(method, request, cluster)
+        # a trained router is the base's own weight, held in the adapters' dtype instead of the compute dtype
+        base_bytes += trainable * state_bytes - router_params(shape, request) * act_bytes
     return _Sizes(w_bytes=w_bytes, act_bytes=act_bytes, base_bytes=base_bytes, block_bytes=block_bytes,
                   trainable=trainable, state_bytes=state_bytes)
 
@@ -339,14 +341,15 @@ def _gradients_at_recompute(shape: ModelShape, method: str, request: PlanRequest
                             in_backward: bool) -> int:
     """Memory.gradients_at_recompute, in parameters: every block's trainable ones but the first
     block's (a full fine-tune's head is in gradients_in_backward already; adapters sit in the
-    blocks). None with the gradients offloaded or stepped (and freed) in backward; with gradient
+    blocks, as the trained routers do). None with the gradients offloaded or stepped (and freed) in backward; with gradient
     accumulation they all exist from the start of backward (gradients_in_backward)."""
     if not request.activation_checkpointing or cpu_offload or in_backward or request.grad_accum_steps > 1:
         return 0
     first = next(i for i, b in enumerate(shape.blocks) if b.first_layer == 0)
     if method == "full":
         return shape.block_params - shape.blocks[first].params
-    return adapter_params(shape, request) - lora_params_per_block(shape, request, first)
+    first_router = shape.blocks[first].router_params if request.train_router else 0
+    return trainable_params(shape, request) - lora_params_per_block(shape, request, first) - first_router
 
 
 def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest) -> float:

@@ -122,6 +122,17 @@ def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
     return sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
 
 
+def router_params(shape: ModelShape, request: PlanRequest) -> int:
+    """The routers' parameters when lora.train_router trains them (moe_routers.router_parameters)."""
+    return sum(b.num_blocks * b.router_params for b in shape.blocks) if request.train_router else 0
+
+
+def trainable_params(shape: ModelShape, request: PlanRequest) -> int:
+    """What an adapter rung trains, as loading.count_params counts it: the adapters, and the routers
+    with lora.train_router."""
+    return adapter_params(shape, request) + router_params(shape, request)
+
+
 def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
     """(total bytes, largest block's bytes) of the unsharded base weights.
 

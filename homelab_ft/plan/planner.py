@@ -17,7 +17,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from homelab_ft import embedding_offload
+from homelab_ft import embedding_offload, moe_routers
 from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
 from homelab_ft.plan.diskspace import checkpoint_bytes
@@ -105,6 +105,7 @@ class Plan:
 def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: str = "", config_source: str = "") -> Plan:
     """Evaluate every option, pick one by the ladder, explain the rest."""
     validate(shape, request=request, cluster=cluster)
+    check_router_request(shape, request=request, model=f"{model} ({shape.model_type}, {config_source or 'its config'})")
     options = evaluate(shape, request=request, cluster=cluster)
     chosen = choose(options, request=request)
     closest, suggestions = None, ()
@@ -137,6 +138,18 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
         why = embedding_offload.model_refusal(tied=shape.tie_word_embeddings, targeted=targeted, device_type=cluster.device)
         if why is not None:
             raise embedding_offload.error(why)
+
+
+def check_router_request(shape: ModelShape, *, request: PlanRequest, model: str) -> None:
+    """lora.train_router refused before anything is priced or written: on a model without routers, and
+    on a named pipeline (moe_routers.check_rung, which the ladder applies per option)."""
+    if not request.train_router:
+        return
+    if not any(b.router_params for b in shape.blocks):
+        raise moe_routers.refuse_dense(model)
+    if request.method in ("lora", "qlora"):
+        stages = request.pipeline_stages if isinstance(request.pipeline_stages, int) else 1
+        moe_routers.check_rung(True, stages=stages)
 
 
 def _pressure(option: Option) -> float:
@@ -286,10 +299,9 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
                    f"{link}) vs {chosen.compute_s:.1f} s/step of compute; {advice}")
     if chosen.cpu_offload:
         out.append(f"CPU offload adds ~{chosen.offload_s:.1f} s/step (PCIe copies of the shards, AdamW on the CPU)")
-    if shape.is_moe and chosen.method != "full":
-        trained = ("attention, shared-expert and every routed expert's projections (moe_experts.py); the router stays "
-                   "frozen" if "all-linear" in request.lora_targets else "the listed linear layers only, no routed expert")
-        out.append(f"MoE: LoRA trains {trained}")
+    if shape.is_moe and chosen.method != "full" and "all-linear" not in request.lora_targets:
+        out.append("MoE: lora.target_modules lists linear layers only, so no routed expert trains "
+                   "(all-linear adapts every expert too; the `lora` line says what trains)")
     if request.optimizer == "paged_adamw_8bit" and cluster.device == "cpu":
         out.append("train.optimizer=paged_adamw_8bit pages to host RAM only on CUDA; on the CPU it runs as adamw_8bit")
     return tuple(out)
@@ -309,7 +321,7 @@ def request_from_recipe(recipe) -> PlanRequest:
         loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
         activation_offload=recipe.train.activation_offload, embedding_offload=recipe.train.embedding_offload,
         lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout, lora_dtype=recipe.lora.dtype,
-        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
+        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets), train_router=recipe.lora.train_router,
         quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
         quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,
         dtype=recipe.model.dtype, reduce_dtype=recipe.sharding.reduce_dtype, headroom=recipe.planner.headroom,

@@ -6,10 +6,10 @@ formats what planner.plan decided and decides nothing.
 from __future__ import annotations
 
 from homelab_ft.loss_chunks import AUTO, chunk_rows
-from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import Option
 from homelab_ft.plan.memory import gib_text
-from homelab_ft.plan.params import host_embedding_bytes, linears_for
+from homelab_ft.plan.params import host_embedding_bytes, linears_for, router_params, trainable_params
 from homelab_ft.plan.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.planner import Plan
 from homelab_ft.plan.shapes import ModelShape
@@ -40,26 +40,38 @@ def _chunk_text(chunk_tokens: int | str, vocab_size: int) -> str:
     return f"auto ({chunk_rows(chunk_tokens, vocab_size=vocab_size)} tokens)"
 
 
-def lora_text(shape: ModelShape, *, targets: tuple[str, ...]) -> str:
-    """What LoRA wraps, as the loader will (the shape's linears marked by lora_targets.wrapped_names,
-    the rule model/targets.resolve hands PEFT): `all-linear: q_proj, ... (7 per block; ...)`."""
-    names: dict[str, None] = {}
+def lora_text(shape: ModelShape, request: PlanRequest) -> str:
+    """What an adapter rung trains, from the shape's marks (lora_targets.wrapped_names: the linears
+    model/targets.resolve hands PEFT; the fused expert stacks moe_experts adapts; the routers
+    moe_routers finds), with the trainable count the trainer's count_params reports
+    (params.trainable_params): `all-linear: self_attn.{q_proj, ...} in 48 blocks; mlp.experts.{...}
+    of each of 128 experts in 48 blocks; routers frozen; N trainable parameters at r=8`."""
+    targets = request.lora_targets
+    all_linear = "all-linear" in targets
+    blocks: dict[str, int] = {}  # what is adapted -> in how many blocks
     left_out: dict[str, None] = {}
-    counts = set()
     for block in shape.blocks:
-        chosen = linears_for(block, targets)
-        counts.add(len(chosen))
-        names.update((lin.name.rsplit(".", 1)[-1], None) for lin in chosen)
-        left_out.update((lin.name, None) for lin in block.linears if "all-linear" in targets and not lin.all_linear)
-    per_block = f"{min(counts)}" if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
-    what = "all-linear" if "all-linear" in targets else "target_modules " + ",".join(targets)
-    if "all-linear" not in targets:
-        skipped = ""
-    elif left_out:
-        skipped = f"; left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}"
-    else:
-        skipped = "; no routers or Mamba projections to leave out"
-    return f"{what}: {', '.join(names) or 'nothing'} ({per_block} per block{skipped})"
+        parents: dict[str, list[str]] = {}
+        for lin in linears_for(block, targets):
+            parent, _, leaf = lin.name.rpartition(".")
+            parents.setdefault(parent, []).append(leaf)
+        adapted = [f"{parent}.{{{', '.join(leaves)}}}" if parent else ", ".join(leaves) for parent, leaves in parents.items()]
+        if all_linear and block.expert_stacks:
+            names = block.expert_names or tuple(f"stack{i}" for i in range(len(block.expert_stacks)))
+            experts = "/".join(str(e) for e in sorted({e for e, _, _ in block.expert_stacks}))
+            adapted.append(f"{names[0].rpartition('.')[0]}.{{{', '.join(n.rpartition('.')[2] for n in names)}}} "
+                           f"of each of {experts} experts")
+        for what in adapted:
+            blocks[what] = blocks.get(what, 0) + block.num_blocks
+        left_out.update((lin.name, None) for lin in block.linears if all_linear and not lin.all_linear)
+    parts = [f"{what} in {n} block{'s' * (n != 1)}" for what, n in blocks.items()] or ["nothing"]
+    if left_out:
+        parts.append(f"left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}")
+    if any(b.router_params for b in shape.blocks):
+        parts.append(f"routers trained in full ({router_params(shape, request):,} parameters)" if request.train_router
+                     else "routers frozen (lora.train_router: false)")
+    what = "all-linear" if all_linear else "target_modules " + ",".join(targets)
+    return f"{what}: {'; '.join(parts)}; {trainable_params(shape, request):,} trainable parameters at r={request.lora_r}"
 
 
 def embedding_lines(p: Plan) -> list[str]:
@@ -147,7 +159,7 @@ def format_plan(p: Plan) -> str:
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
         if p.chosen.method != "full":
-            lines.append(f"lora     {lora_text(s, targets=r.lora_targets)}")
+            lines.append(f"lora     {lora_text(s, r)}")
         lines += embedding_lines(p)
         lines += pipeline_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")

@@ -51,10 +51,16 @@ class BlockShape:
     bitsandbytes' load leaves unquantized; model/moe_experts.py packs and adapts them."""
     active_expert_params: int = 0
     """Expert parameters one token passes through: top-k of the experts."""
+    router_params: int = 0
+    """The routers' own parameters (moe_routers.router_parameters: the [experts, hidden] gate, and
+    gpt-oss's bias), part of `other_params`: what lora.train_router trains."""
     expert_stacks: tuple[tuple[int, int, int], ...] = ()
     """(experts, in_features, out_features) of each fused expert projection transformers marks
     (`use_experts_implementation`): what model/quant.py packs in 4 bits one expert matrix at a
     time, and `all-linear` adapts per expert (model/moe_experts.py)."""
+    expert_names: tuple[str, ...] = ()
+    """The name inside the block of each of `expert_stacks` (`mlp.experts.gate_up_proj`), for `plan`'s
+    `lora` line."""
     kind: str = ""
     """The block's class name."""
     first_layer: int = 0
@@ -179,6 +185,7 @@ class ModelShape:
                                      "saved": tuple(tuple(row) for row in b["saved"]),
                                      "saved_frozen": tuple(tuple(row) for row in b["saved_frozen"]),
                                      "lora_inputs": tuple(tuple(g) for g in b["lora_inputs"]),
-                                     "expert_stacks": tuple(tuple(x) for x in b["expert_stacks"])})
+                                     "expert_stacks": tuple(tuple(x) for x in b["expert_stacks"]),
+                                     "expert_names": tuple(b.get("expert_names", ()))})
                        for b in data["blocks"])
         return cls(**{**data, "blocks": blocks, "notes": tuple(data["notes"])})

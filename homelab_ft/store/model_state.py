@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+from homelab_ft.moe_routers import router_parameters
 from homelab_ft.store import ranks
 
 NESTED_KEY = "optim.param_groups.0.lr"
@@ -22,6 +23,11 @@ scaled as the adapter_config's alpha / r. PEFT's own loader never reads this fil
 
 EXPERT_LORA = ".expert_lora."
 """In the parameter names of moe_experts' adapters."""
+
+ROUTERS = "router_weights.safetensors"
+"""Beside PEFT's adapter file, with `lora.train_router`: the trained routers' own parameters in
+full (moe_routers.router_parameters), keyed by the transformers model's parameter names
+(`model.layers.0.mlp.gate.weight`). The merged export writes them in place of the base's."""
 
 PEFT_PREFIX = "base_model.model."
 
@@ -77,6 +83,7 @@ def save_adapter(model, out_dir: Path) -> None:
         for name, p in trainable_state(model).items()
     }
     experts = {name.removeprefix(PEFT_PREFIX): full.pop(name) for name in list(full) if EXPERT_LORA in name}
+    routers = {name.removeprefix(PEFT_PREFIX): full.pop(name) for name in router_parameters(inner) if name in full}
     adapter = get_peft_model_state_dict(inner, state_dict=full)
     if differs_across_ranks(sorted(adapter)):  # pipeline stages: each rank holds its own blocks' adapters
         adapter = {name: t for part in ranks.all_gather(adapter) for name, t in part.items()}
@@ -86,4 +93,6 @@ def save_adapter(model, out_dir: Path) -> None:
     save_file({k: v.contiguous() for k, v in adapter.items()}, out_dir / "adapter_model.safetensors")
     if experts:
         save_file({k: v.contiguous() for k, v in experts.items()}, out_dir / EXPERT_ADAPTERS)
+    if routers:
+        save_file({k: v.contiguous() for k, v in routers.items()}, out_dir / ROUTERS)
     inner.peft_config["default"].save_pretrained(out_dir)

@@ -26,6 +26,7 @@ from homelab_ft.distributed import parallelize, pipeline, sharded_loading
 from homelab_ft.errors import UserError
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
+from homelab_ft.moe_routers import check_rung
 from homelab_ft.rung import Rung
 from homelab_ft.train import host_embedding
 
@@ -59,6 +60,8 @@ def dtypes_for(recipe: Recipe, *, rung: Rung, device: torch.device) -> Dtypes:
 def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Module:
     """The model to train for `rung`: sharded when the rung shards, else whole on every rank."""
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
+    if rung.adapters_enabled:  # the planner's rule too (ladder.option_rung)
+        check_rung(recipe.lora.train_router, stages=rung.pipeline_stages)
     if rung.fsdp_enabled:
         return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
     if rung.quantized_enabled and has_fused_experts(recipe, model_dir=model_dir):
@@ -85,6 +88,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
 def build_for(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_token_id: int) -> tuple[nn.Module, object]:
     """The model to train and, when the rung is pipelined, the Pipeline that runs this rank's stage (else None)."""
     if rung.pipeline_enabled:
+        check_rung(recipe.lora.train_router and rung.adapters_enabled, stages=rung.pipeline_stages)
         return build_pipelined(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=pad_token_id)
     return build_model(recipe, model_dir=model_dir, rung=rung, env=env), None
 

@@ -93,7 +93,7 @@ def _logits(model, ids):
 IDS = torch.tensor([[1, 5, 17, 40, 99, 23, 7, 64]])
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_moe_export_merges_the_expert_adapters(tmp_path, data_dir, model_type, method):
     """The merged export (file by file, the checkpoint's own per-expert keys) reloads with
@@ -173,4 +173,89 @@ def test_moe_qlora_pipeline_is_refused_before_the_run_exists(tmp_path, data_dir,
     run = tmp_path / "run"
     assert main(["train", str(recipe), "--run-dir", str(run)]) == 2
     assert "does not pipeline yet" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, data_dir, moe_dir, method):
+    """lora.train_router: the routers change in training (unchanged without it), are saved beside the
+    adapters, resume exactly (2 + 2 steps equal 4), and the merged export holds the trained routers:
+    its logits equal base + adapters + trained routers, not those with the base's routers."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft import moe_routers
+    from homelab_ft.config import load_recipe
+    from homelab_ft.export import merged
+    from homelab_ft.store.model_state import ROUTERS
+
+    base = load_file(str(moe_dir / "model.safetensors"))
+    recipe = _recipe(tmp_path, data_dir, moe_dir, method, steps=4, **{"lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                                               "train_router": True}})
+    whole = tmp_path / "whole"
+    assert main(["train", str(recipe), "--run-dir", str(whole)]) == 0
+    ckpt = whole / "checkpoints" / "step_000004"
+    routers = load_file(str(ckpt / "adapter" / ROUTERS))
+    assert sorted(routers) == [f"model.layers.{i}.mlp.gate.weight" for i in range(4)]
+    assert all((routers[k] - base[k]).abs().max() > 1e-4 for k in routers)  # trained
+    split = tmp_path / "split"
+    shutil.copytree(whole, split)
+    shutil.rmtree(split / "checkpoints" / "step_000004")
+    rows = (split / "metrics.jsonl").read_text().splitlines()
+    (split / "metrics.jsonl").write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= 2))
+    assert main(["train", str(recipe), "--run-dir", str(split), "--resume"]) == 0
+    assert _losses(split) == pytest.approx(_losses(whole), rel=1e-6, abs=1e-6)
+    resumed = load_file(str(split / "checkpoints" / "step_000004" / "adapter" / ROUTERS))
+    assert all(torch.equal(resumed[k], routers[k]) for k in routers)
+
+    out = tmp_path / "export"
+    assert main(["export", str(whole), "--out", str(out), "--dtype", "float32"]) == 0
+    exported = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], routers[k].float()) for k in routers)
+    reference = merged.load_base_with_adapter(ckpt, moe_dir, load_recipe(recipe))
+    want = _logits(reference, IDS)
+    got = _logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), IDS)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
+    with torch.no_grad():
+        for name, module in moe_routers.routers(reference).items():
+            module.weight.copy_(base[name.removeprefix("base_model.model.") + ".weight"])
+    assert (_logits(reference, IDS) - want).abs().max() > 1e-5  # the trained routers matter
+    assert main(["export", str(whole), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 2
+
+
+@pytest.mark.parametrize("train_router", [False, True])
+def test_the_plan_counts_what_the_run_trains(tmp_path, data_dir, moe_dir, capfd, train_router):
+    """`plan`'s lora line and the trainer's start line (loading.count_params) give one count."""
+    recipe = _recipe(tmp_path, data_dir, moe_dir, "lora", **{"lora": {"r": 4, "train_router": train_router}})
+    capfd.readouterr()
+    assert main(["plan", str(recipe)]) == 0
+    line = next(x for x in capfd.readouterr().out.splitlines() if x.startswith("lora     "))
+    count = line.rsplit("; ", 1)[1].split(" trainable")[0]
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]) == 0
+    out, err = capfd.readouterr()
+    assert f"{count} trainable of " in out + err, (line, count)
+
+
+def test_without_train_router_the_routers_stay_the_base_s(tmp_path, data_dir, moe_dir):
+    from safetensors.torch import load_file
+
+    from homelab_ft.store.model_state import ROUTERS
+
+    run = tmp_path / "run"
+    assert main(["train", str(_recipe(tmp_path, data_dir, moe_dir, "lora")), "--run-dir", str(run)]) == 0
+    assert not (run / "checkpoints" / "step_000002" / "adapter" / ROUTERS).exists()
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out), "--dtype", "float32"]) == 0
+    base, exported = load_file(str(moe_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(exported[k], base[k].float()) for k in base if k.endswith("mlp.gate.weight"))
+
+
+def test_train_router_on_a_dense_model_is_refused_before_anything_is_written(tmp_path, data_dir, capfd):
+    dense = save_tiny(tmp_path / "dense", "llama")
+    recipe = _recipe(tmp_path, data_dir, dense, "lora", **{"lora": {"train_router": True}})
+    run = tmp_path / "run"
+    capfd.readouterr()
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lora.train_router: true, but model.path" in err[0] and "(llama" in err[0], err
+    assert "has no MoE router to train" in err[0] and err[0].endswith("set lora.train_router: false"), err
     assert not run.exists()

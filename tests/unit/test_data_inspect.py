@@ -29,3 +29,27 @@ def test_inspect_shows_counts_histogram_packing_and_trained_text(tmp_path, tiny_
     assert main(["data", "inspect", str(recipe), "--no-color", "data.packing=true"]) == 0
     out = capsys.readouterr().out
     assert "packing: on; non-pad fraction" in out and "from the cache" in out
+
+
+def test_inspect_and_plan_say_the_same_of_what_lora_trains(tmp_path, capsys):
+    """Before, both said `all-linear: q_proj, k_proj, v_proj, o_proj (4 per block; no routers or Mamba
+    projections to leave out)` of an MoE model; now the one line names the experts' adapters, the
+    routers and the trainable count, from the planner's shape (no weights loaded)."""
+    from families import save_tiny
+
+    model_dir = save_tiny(tmp_path / "moe", "qwen3_moe")
+    rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(4)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"method: lora\nmodel:\n  path: {model_dir}\nlora:\n  r: 4\n  train_router: true\n"
+                      f"data:\n  sources:\n    - path: d.jsonl\n  max_length: 64\n  cache_dir: {tmp_path / 'c'}\n"
+                      "train:\n  device: cpu\n")
+    capsys.readouterr()
+    assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
+    inspected = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lora: "))
+    assert main(["plan", str(recipe)]) == 0
+    planned = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lora     "))
+    assert inspected.removeprefix("lora: ") == planned.removeprefix("lora     ")
+    assert "mlp.experts.{gate_up_proj, down_proj} of each of 4 experts in 4 blocks" in inspected
+    assert "routers trained in full (1,024 parameters)" in inspected and "trainable parameters at r=4" in inspected

@@ -14,6 +14,8 @@ from homelab_ft import lora_targets
 from homelab_ft.config import LoraConfig, ModelConfig, QuantConfig
 from homelab_ft.errors import UserError
 from homelab_ft.model import family, loading, quant, targets
+from homelab_ft.plan import params
+from homelab_ft.plan.planner import default_request
 
 
 def _meta(model_type: str, config=None):
@@ -149,7 +151,7 @@ def test_the_planner_prices_what_all_linear_wraps(model_type):
             full = f"{layer}.{lin.name}"
             assert lin.all_linear == (full in wrapped), (block.kind, lin.name)
             assert lin.all_linear == any(full == s or full.endswith("." + s) for s in chosen), (lin.name, chosen)
-    text = lora_text(shape, targets=("all-linear",))
+    text = lora_text(shape, default_request(method="lora", lora_targets=("all-linear",)))
     leaves = {lin.name.rsplit(".", 1)[-1] for b in shape.blocks for lin in b.linears if lin.all_linear}
     assert text.startswith("all-linear: ") and all(leaf in text for leaf in leaves), text
     skipped = [lin.name for b in shape.blocks for lin in b.linears if not lin.all_linear]
@@ -167,9 +169,12 @@ def test_plan_text_names_what_lora_trains():
     from homelab_ft.plan.shapes import model_shape
 
     llama = model_shape(tiny_config("llama").to_dict())
-    assert lora_text(llama, targets=("all-linear",)) == (
-        "all-linear: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
-        "(7 per block; no routers or Mamba projections to leave out)")
-    assert lora_text(llama, targets=("q_proj", "v_proj")) == "target_modules q_proj,v_proj: q_proj, v_proj (2 per block)"
+    every, two = (default_request(method="lora", lora_r=4, lora_targets=targets)
+                  for targets in (("all-linear",), ("q_proj", "v_proj")))
+    assert lora_text(llama, every) == (
+        "all-linear: self_attn.{q_proj, k_proj, v_proj, o_proj} in 4 blocks; mlp.{gate_proj, up_proj, down_proj} "
+        f"in 4 blocks; {params.adapter_params(llama, every):,} trainable parameters at r=4")
+    assert lora_text(llama, two) == (f"target_modules q_proj,v_proj: self_attn.{{q_proj, v_proj}} in 4 blocks; "
+                                     f"{params.adapter_params(llama, two):,} trainable parameters at r=4")
     assert "left out, as routers and Mamba projections PEFT cannot wrap: feed_forward.router" in lora_text(
-        model_shape(tiny_config("llama4_text").to_dict()), targets=("all-linear",))
+        model_shape(tiny_config("llama4_text").to_dict()), every)
