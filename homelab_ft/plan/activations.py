@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from homelab_ft.loss_chunks import chunk_rows
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.params import qlora_compute_bytes, targeted_linears, weight_bytes
+from homelab_ft.plan.params import (
+    lora_params_per_block,
+    qlora_compute_bytes,
+    targeted_linears,
+    trainable_params,
+    weight_bytes,
+)
 from homelab_ft.plan.shapes import BlockShape, ModelShape
 from homelab_ft.rung import Rung
 
@@ -154,3 +160,18 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
         return tokens * shape.vocab_size * per_entry
     rows = min(chunk_rows(request.loss_chunk_tokens, vocab_size=shape.vocab_size), tokens)
     return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
+
+
+def gradients_at_recompute(shape: ModelShape, method: str, request: PlanRequest, *, cpu_offload: bool,
+                            in_backward: bool) -> int:
+    """Memory.gradients_at_recompute, in parameters: every block's trainable ones but the first
+    block's (a full fine-tune's head is in gradients_in_backward already; adapters sit in the
+    blocks, as the trained routers do). None with the gradients offloaded or stepped (and freed) in backward; with gradient
+    accumulation they all exist from the start of backward (gradients_in_backward)."""
+    if not request.activation_checkpointing or cpu_offload or in_backward or request.grad_accum_steps > 1:
+        return 0
+    first = next(i for i, b in enumerate(shape.blocks) if b.first_layer == 0)
+    if method == "full":
+        return shape.block_params - shape.blocks[first].params
+    first_router = shape.blocks[first].router_params if request.train_router else 0
+    return trainable_params(shape, request) - lora_params_per_block(shape, request, first) - first_router

@@ -18,6 +18,7 @@ from homelab_ft.plan.activations import (
     activation_bytes,
     activation_dtype_bytes,
     activation_offload_host_bytes,
+    gradients_at_recompute,
     logits_bytes,
     recomputed_block_bytes,
 )
@@ -35,7 +36,6 @@ from homelab_ft.plan.params import (
     gathered_end_params,
     host_embedding_bytes,
     largest_param,
-    lora_params_per_block,
     optimizer_bytes_per_param,
     optimizer_step_bytes,
     pageable_optimizer_bytes,
@@ -331,25 +331,10 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
         + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
         step_temporary=int(0 if cpu_offload else step_temp),
         step_in_backward=in_backward,
-        gradients_at_recompute=int(_gradients_at_recompute(shape, method, request, cpu_offload=cpu_offload,
+        gradients_at_recompute=int(gradients_at_recompute(shape, method, request, cpu_offload=cpu_offload,
                                                            in_backward=in_backward) * state_bytes / shards),
     )
     return device, weights + gradients + optimizer
-
-
-def _gradients_at_recompute(shape: ModelShape, method: str, request: PlanRequest, *, cpu_offload: bool,
-                            in_backward: bool) -> int:
-    """Memory.gradients_at_recompute, in parameters: every block's trainable ones but the first
-    block's (a full fine-tune's head is in gradients_in_backward already; adapters sit in the
-    blocks, as the trained routers do). None with the gradients offloaded or stepped (and freed) in backward; with gradient
-    accumulation they all exist from the start of backward (gradients_in_backward)."""
-    if not request.activation_checkpointing or cpu_offload or in_backward or request.grad_accum_steps > 1:
-        return 0
-    first = next(i for i, b in enumerate(shape.blocks) if b.first_layer == 0)
-    if method == "full":
-        return shape.block_params - shape.blocks[first].params
-    first_router = shape.blocks[first].router_params if request.train_router else 0
-    return trainable_params(shape, request) - lora_params_per_block(shape, request, first) - first_router
 
 
 def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest) -> float:

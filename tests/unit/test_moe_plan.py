@@ -133,7 +133,7 @@ def test_gradients_when_the_first_block_is_recomputed(model_type, method):
     on a real CPU backward, are memory.Memory.gradients_at_recompute (for a full fine-tune beside the
     head's and final norm's, which gradients_in_backward holds)."""
     from homelab_ft.model.blocks import enable_activation_checkpointing
-    from homelab_ft.plan import memory
+    from homelab_ft.plan import activations
     from homelab_ft.plan.derive import decoder_blocks
 
     shape, model = _shape_and_model(model_type)
@@ -157,4 +157,4 @@ def test_gradients_when_the_first_block_is_recomputed(model_type, method):
     loss.backward()
     request = default_request(method=method, lora_r=4, lora_dropout=0.0, seq_len=64, micro_batch_size=1,
                               lora_targets=("all-linear",), activation_checkpointing=True, quant_bits=4)
-    assert seen == [memory._gradients_at_recompute(shape, method, request, cpu_offload=False, in_backward=False)] > [0]
+    assert seen == [activations.gradients_at_recompute(shape, method, request, cpu_offload=False, in_backward=False)] > [0]
