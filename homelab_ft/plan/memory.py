@@ -33,9 +33,11 @@ from homelab_ft.plan.params import (
     adapter_bytes,
     adapter_params,
     base_weight_bytes,
+    device_kept_bytes,
     gathered_end_params,
     host_embedding_bytes,
     largest_param,
+    one_process_loading_bytes,
     optimizer_bytes_per_param,
     optimizer_step_bytes,
     pageable_optimizer_bytes,
@@ -255,6 +257,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = _loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
                              sharded=shards > 1 or cpu_offload)
     host = _host_bytes(device, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
+    if shards == 1 and not cpu_offload:
+        host = max(host, _one_process_load_host_bytes(shape, device, method=method, request=request, cluster=cluster))
     compute = compute_s(shape, method, request, cluster)
     comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
                          root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
@@ -292,9 +296,11 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     """(peak bytes on one device by item, the model state a rank holds, on the device or offloaded)."""
     method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
     trainable, state_bytes, act_bytes = sizes.trainable, sizes.state_bytes, sizes.act_bytes
-    # A sharded 4-bit base splits the packed bytes; the quantisation constants stay whole per rank.
-    replicated = quant_state_bytes(shape, request) if method == "qlora" and shards > 1 else 0
-    weights = (sizes.base_bytes - replicated) / shards + replicated
+    # A sharded 4-bit base splits (and offloads) the packed bytes; its constants and one expert's
+    # scratch stay whole on every rank's device (params.device_kept_bytes).
+    kept = device_kept_bytes(shape, method, request, cluster)
+    sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if method == "qlora" else 0)) / shards
+    weights = sharded + kept
     gradients = trainable * state_bytes / shards
     in_backward = request.optimizer_in_backward and method == "full"
     if in_backward:
@@ -309,7 +315,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
-        weights=int(0 if cpu_offload else weights),
+        weights=int(kept if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
         activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_host > 0),
@@ -324,7 +330,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
         step_temporary=int(0 if cpu_offload else step_temp),
         step_in_backward=in_backward,
     )
-    return device, weights + gradients + optimizer
+    return device, sharded + gradients + optimizer
 
 
 def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest) -> float:
@@ -361,7 +367,7 @@ def step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, c
 def _loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
                    sharded: bool) -> int:
     """Host RAM of a sharded load on node 0: LoRA/full take rank 0's whole copy; QLoRA fills its
-    shards tensor by tensor, on every local rank. Single-device loads stream from the page cache."""
+    shards tensor by tensor, on every local rank. Unsharded loads: `_one_process_load_host_bytes`."""
     if not sharded:
         return 0
     if method == "qlora":
@@ -379,3 +385,16 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
     if cluster.device == "cpu":
         return device.total * per_node
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
+
+
+def _one_process_load_host_bytes(shape: ModelShape, device: Memory, *, method: str, request: PlanRequest,
+                                 cluster: Cluster) -> int:
+    """Host RAM on node 0 while unsharded processes load (params.one_process_loading_bytes on every
+    local rank, beside the process; on a CPU 'device' beside the weights filled so far, at most all).
+    The run's host peak is the larger of this and training's: the load's temporaries are freed
+    before the first step, and what training adds on the host (activation offload, a host
+    embedding table, on the CPU the activations) appears only after it."""
+    loading = cluster.gpus_per_node * one_process_loading_bytes(shape, method, request, cluster)
+    if cluster.device == "cpu":
+        return cluster.gpus_per_node * (device.overhead + device.weights) + loading
+    return cluster.gpus_per_node * CUDA_HOST_PROCESS_BYTES + loading
