@@ -80,9 +80,9 @@ def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
     They are module attributes (bitsandbytes' QuantState on a Linear4bit, moe_experts' per-expert
     states), not parameters: FSDP2 neither shards nor offloads them, so every rank keeps them whole
     on its device (`device_kept_bytes`), and the kernel dequantizes the all-gathered weight with
-    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: ~1.0 GiB per rank;
-    Qwen3-30B-A3B: ~0.84 GiB). So do the packed MoE experts' (distributed/sharded_experts.py: FSDP2
-    splits the stack along experts, every expert's QuantState stays on every rank).
+    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: 1.04 GiB per rank;
+    Qwen3-30B-A3B: 0.45 GiB; 4x that without). So do the packed MoE experts' (sharded_experts.py:
+    FSDP2 splits the stack along experts, every expert's QuantState stays on every rank).
     """
     if request.quant_bits != 4:
         return 0
