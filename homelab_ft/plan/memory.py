@@ -342,8 +342,10 @@ def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pl
     block_grads = shape.max_block_params * (sizes.w_bytes + request.reduce_bytes) if rung.method == "full" else 0
     if not rung.reshard_after_forward:
         # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
-        # embeddings are resharded after theirs (distributed.shard_ends).
-        return sizes.base_bytes - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
+        # embeddings are resharded after theirs (distributed.shard_ends); 4-bit constants are never
+        # gathered (params.device_kept_bytes).
+        states = quant_state_bytes(shape, request) if rung.method == "qlora" else 0
+        return sizes.base_bytes - states - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
     # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
     # loss and its backward, and the running block plus one prefetched block.
     return gathered_end_params(shape) * sizes.act_bytes + 2 * sizes.block_bytes + block_grads

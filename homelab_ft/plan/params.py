@@ -84,15 +84,16 @@ def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
     Qwen3-30B-A3B: 0.45 GiB; 4x that without). So do the packed MoE experts' (sharded_experts.py:
     FSDP2 splits the stack along experts, every expert's QuantState stays on every rank).
     """
+    return sum(block.num_blocks * _block_constant_bytes(block, request) for block in shape.blocks)
+
+
+def _block_constant_bytes(block: BlockShape, request: PlanRequest) -> int:
+    """`quant_state_bytes` of one block: its 4-bit bytes beyond the packed ones (0 unless 4-bit)."""
     if request.quant_bits != 4:
         return 0
-    total = 0
-    for block in shape.blocks:
-        matrices = [(1, lin.in_features, lin.out_features) for lin in block.linears] + list(block.expert_stacks)
-        per_block = sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) - math.ceil(i * o / 2))
-                        for count, i, o in matrices)
-        total += block.num_blocks * per_block
-    return total
+    matrices = [(1, lin.in_features, lin.out_features) for lin in block.linears] + list(block.expert_stacks)
+    return sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) - math.ceil(i * o / 2))
+               for count, i, o in matrices)
 
 
 def expert_scratch_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
@@ -168,7 +169,8 @@ def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
 
 
 def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
-    """(total bytes, largest block's bytes) of the unsharded base weights.
+    """(total bytes, the largest block's bytes FSDP2 all-gathers) of the unsharded base weights;
+    a 4-bit block gathers its parameters only, not the constants every rank already keeps.
 
     QLoRA: the blocks' linear weights quantized, and in 4 bits each expert of the fused MoE stacks
     as its own matrix (moe_experts.quantize: packed bytes and constants as `quantized_linear_bytes`);
@@ -192,7 +194,7 @@ def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, clus
         kept = block.params - block.linear_weight_params - sum(e * i * o for e, i, o in stacks)
         block_bytes.append(quantized + other * kept)
     total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
-    return total, max(block_bytes)
+    return total, max(nbytes - _block_constant_bytes(b, request) for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
 
 
 def host_embedding_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:

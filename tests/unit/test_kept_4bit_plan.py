@@ -150,3 +150,20 @@ def test_one_process_moe_qlora_host_peak_holds_the_load(built):
     for gpus in (1, 2):  # DDP: every local rank loads its own copy
         est = _estimate(shape, "no_shard", False, gpus)
         assert est.host_bytes == gpus * (CUDA_HOST_PROCESS_BYTES + loading)
+
+
+def test_fsdp_gathers_the_4bit_parameters_and_not_the_constants(built):
+    """Before: a gathered 4-bit block (2 under full_shard, every block under shard_grad_op) counted
+    its constants again, which every rank already keeps whole (0.45 GiB per rank on Qwen3-30B-A3B
+    under shard_grad_op, 1.04 GiB on Llama-3.1-70B)."""
+    from homelab_ft.model.blocks import transformer_blocks
+    from homelab_ft.model.checkpoint_keys import is_adapter
+
+    shape, model, _, _ = built
+    blocks = [sum(_nbytes(p) for n, p in block.named_parameters() if not is_adapter(f".{n}"))
+              for block in transformer_blocks(model)]
+    ends = params.gathered_end_params(shape) * 4  # fp32 compute dtype
+    assert _estimate(shape, "full_shard", False, 2).memory.gathered == ends + 2 * max(blocks)
+    param_bytes = sum(_nbytes(p) for p in model.parameters())  # adapters included: gathered with their block
+    resharded = (shape.root_params - params.gathered_end_params(shape)) * 4  # an untied embedding's
+    assert _estimate(shape, "shard_grad_op", False, 2).memory.gathered == param_bytes - resharded
