@@ -391,12 +391,8 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
 
 def _one_process_load_host_bytes(shape: ModelShape, device: Memory, *, method: str, request: PlanRequest,
                                  cluster: Cluster) -> int:
-    """Host RAM on node 0 while unsharded processes load (params.one_process_loading_bytes on every
-    local rank, beside the process; on a CPU 'device' beside the weights filled so far, at most all).
-    The run's host peak is the larger of this and training's: the load's temporaries are freed
-    before the first step, and what training adds on the host (activation offload, a host
-    embedding table, on the CPU the activations) appears only after it."""
-    loading = cluster.gpus_per_node * one_process_loading_bytes(shape, method, request, cluster)
-    if cluster.device == "cpu":
-        return cluster.gpus_per_node * (device.overhead + device.weights) + loading
-    return cluster.gpus_per_node * CUDA_HOST_PROCESS_BYTES + loading
+    """Host RAM on node 0 while unsharded processes load: each process (on a CPU 'device' with its
+    weights) and its load's temporaries (params.one_process_loading_bytes), freed before training
+    adds its own (activation offload, a host embedding table): the host peak is the larger."""
+    held = device.overhead + device.weights if cluster.device == "cpu" else CUDA_HOST_PROCESS_BYTES
+    return cluster.gpus_per_node * (held + one_process_loading_bytes(shape, method, request, cluster))
