@@ -33,9 +33,11 @@ from homelab_ft.plan.network import (
 from homelab_ft.plan.params import (
     adapter_bytes,
     base_weight_bytes,
+    device_kept_bytes,
     gathered_end_params,
     host_embedding_bytes,
     largest_param,
+    one_process_loading_bytes,
     optimizer_bytes_per_param,
     optimizer_step_bytes,
     pageable_optimizer_bytes,
@@ -263,6 +265,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = _loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
                              sharded=shards > 1 or cpu_offload)
     host = _host_bytes(device, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
+    if shards == 1 and not cpu_offload:
+        host = max(host, _one_process_load_host_bytes(shape, device, method=method, request=request, cluster=cluster))
     compute = compute_s(shape, method, request, cluster)
     comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
                          root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
@@ -300,9 +304,11 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     """(peak bytes on one device by item, the model state a rank holds, on the device or offloaded)."""
     method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
     trainable, state_bytes, act_bytes = sizes.trainable, sizes.state_bytes, sizes.act_bytes
-    # A sharded 4-bit base splits the packed bytes; the quantisation constants stay whole per rank.
-    replicated = quant_state_bytes(shape, request) if method == "qlora" and shards > 1 else 0
-    weights = (sizes.base_bytes - replicated) / shards + replicated
+    # A sharded 4-bit base splits (and offloads) the packed bytes; its constants and one expert's
+    # scratch stay whole on every rank's device (params.device_kept_bytes).
+    kept = device_kept_bytes(shape, method, request, cluster)
+    sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if method == "qlora" else 0)) / shards
+    weights = sharded + kept
     gradients = trainable * state_bytes / shards
     in_backward = request.optimizer_in_backward and method == "full"
     if in_backward:
@@ -317,7 +323,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
-        weights=int(0 if cpu_offload else weights),
+        weights=int(kept if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
         activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_host > 0),
@@ -334,7 +340,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
         gradients_at_recompute=int(gradients_at_recompute(shape, method, request, cpu_offload=cpu_offload,
                                                            in_backward=in_backward) * state_bytes / shards),
     )
-    return device, weights + gradients + optimizer
+    return device, sharded + gradients + optimizer
 
 
 def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest) -> float:
@@ -346,8 +352,10 @@ def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pl
     block_grads = shape.max_block_params * (sizes.w_bytes + request.reduce_bytes) if rung.method == "full" else 0
     if not rung.reshard_after_forward:
         # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
-        # embeddings are resharded after theirs (distributed.shard_ends).
-        return sizes.base_bytes - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
+        # embeddings are resharded after theirs (distributed.shard_ends); 4-bit constants are never
+        # gathered (params.device_kept_bytes).
+        states = quant_state_bytes(shape, request) if rung.method == "qlora" else 0
+        return sizes.base_bytes - states - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
     # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
     # loss and its backward, and the running block plus one prefetched block.
     return gathered_end_params(shape) * sizes.act_bytes + 2 * sizes.block_bytes + block_grads
@@ -371,7 +379,7 @@ def step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, c
 def _loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
                    sharded: bool) -> int:
     """Host RAM of a sharded load on node 0: LoRA/full take rank 0's whole copy; QLoRA fills its
-    shards tensor by tensor, on every local rank. Single-device loads stream from the page cache."""
+    shards tensor by tensor, on every local rank. Unsharded loads: `_one_process_load_host_bytes`."""
     if not sharded:
         return 0
     if method == "qlora":
@@ -389,3 +397,12 @@ def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluste
     if cluster.device == "cpu":
         return device.total * per_node
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
+
+
+def _one_process_load_host_bytes(shape: ModelShape, device: Memory, *, method: str, request: PlanRequest,
+                                 cluster: Cluster) -> int:
+    """Host RAM on node 0 while unsharded processes load: each process (on a CPU 'device' with its
+    weights) and its load's temporaries (params.one_process_loading_bytes), freed before training
+    adds its own (activation offload, a host embedding table): the host peak is the larger."""
+    held = device.overhead + device.weights if cluster.device == "cpu" else CUDA_HOST_PROCESS_BYTES
+    return cluster.gpus_per_node * (held + one_process_loading_bytes(shape, method, request, cluster))

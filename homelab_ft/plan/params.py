@@ -38,7 +38,8 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, do
 
     4-bit (bitsandbytes functional.quantize_4bit): two values per byte, one absmax per block of 64
     values; fp32 absmax, or with double quantization (QLoRA sec. 3) uint8 absmax re-quantized in
-    blocks of 256 with fp32 second-level absmax plus one fp32 offset.
+    blocks of 256 with fp32 second-level absmax plus one fp32 offset; and the QuantState's own
+    codes (`quant_code_bytes`).
     8-bit (LLM.int8, Linear8bitLt): one byte per value plus an fp32 scale per output row (SCB).
     """
     n = in_features * out_features
@@ -46,8 +47,21 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, do
         return n + 4 * out_features
     blocks = math.ceil(n / 64)
     if double_quant:
-        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4
-    return math.ceil(n / 2) + 4 * blocks
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / 256) + 4 + quant_code_bytes(double_quant=True)
+    return math.ceil(n / 2) + 4 * blocks + quant_code_bytes(double_quant=False)
+
+
+FOUR_BIT_CODE_VALUES = 16
+"""bitsandbytes' get_4bit_type: the 16 fp32 values of NF4 (or FP4), made anew by every quantize_4bit call."""
+DYNAMIC_CODE_VALUES = 256
+"""bitsandbytes' quantize_blockwise: the 256 fp32 values of its dynamic map, copied into every nested state."""
+
+
+def quant_code_bytes(*, double_quant: bool) -> int:
+    """Bytes of the codes one 4-bit QuantState holds: each has its own tensors (quantize_4bit and
+    quantize_blockwise copy them per call), ~1 KB per matrix nested, which on Qwen3-30B-A3B's
+    ~12.5k expert and attention matrices is ~13 MB."""
+    return 4 * (FOUR_BIT_CODE_VALUES + DYNAMIC_CODE_VALUES * double_quant)
 
 
 def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
@@ -61,23 +75,55 @@ def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
 
 
 def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
-    """Bytes of the 4-bit quantisation constants (absmax, nested absmax, offset) of all blocks.
+    """Bytes of the 4-bit quantisation constants (absmax, nested absmax, offset, codes) of all blocks.
 
-    A sharded 4-bit base (sharded_qlora.py) splits the packed weights over ranks but keeps each
-    layer's constants whole on every rank: the kernel dequantizes the all-gathered weight with
-    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: ~1.0 GiB per rank).
-    So do the packed MoE experts' (distributed/sharded_experts.py: FSDP2 splits the stack along
-    experts, every expert's QuantState stays on every rank).
+    They are module attributes (bitsandbytes' QuantState on a Linear4bit, moe_experts' per-expert
+    states), not parameters: FSDP2 neither shards nor offloads them, so every rank keeps them whole
+    on its device (`device_kept_bytes`), and the kernel dequantizes the all-gathered weight with
+    them. With double quantization that is ~1/64 byte per weight (Llama-3.1-70B: 1.04 GiB per rank;
+    Qwen3-30B-A3B: 0.45 GiB; 4x that without). So do the packed MoE experts' (sharded_experts.py:
+    FSDP2 splits the stack along experts, every expert's QuantState stays on every rank).
     """
+    return sum(block.num_blocks * _block_constant_bytes(block, request) for block in shape.blocks)
+
+
+def _block_constant_bytes(block: BlockShape, request: PlanRequest) -> int:
+    """`quant_state_bytes` of one block: its 4-bit bytes beyond the packed ones (0 unless 4-bit)."""
     if request.quant_bits != 4:
         return 0
-    total = 0
-    for block in shape.blocks:
-        matrices = [(1, lin.in_features, lin.out_features) for lin in block.linears] + list(block.expert_stacks)
-        per_block = sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) - math.ceil(i * o / 2))
-                        for count, i, o in matrices)
-        total += block.num_blocks * per_block
-    return total
+    matrices = [(1, lin.in_features, lin.out_features) for lin in block.linears] + list(block.expert_stacks)
+    return sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) - math.ceil(i * o / 2))
+               for count, i, o in matrices)
+
+
+def expert_scratch_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
+    """The one expert's weight that bnb.matmul_4bit dequantizes at a time (moe_experts._project), in
+    the compute dtype, on the device: a temporary of the running block, the same size on every
+    rank whatever FSDP2 shards (it splits the stack along experts, the matmul takes one whole)."""
+    if request.quant_bits != 4:
+        return 0
+    return qlora_compute_bytes(request, cluster) * max((i * o for b in shape.blocks for _, i, o in b.expert_stacks), default=0)
+
+
+def device_kept_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
+    """Bytes of a 4-bit base that stay whole on every rank's device on every rung, sharded or not,
+    CPU-offloaded or not: the quantisation constants (`quant_state_bytes`: not parameters, so
+    FSDP2's CPUOffloadPolicy leaves them on the GPU) and one expert's dequantized scratch."""
+    if method != "qlora":
+        return 0
+    return quant_state_bytes(shape, request) + expert_scratch_bytes(shape, request, cluster)
+
+
+def one_process_loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
+    """Host RAM one unsharded process holds while it loads: a 4-bit base with fused MoE experts
+    takes the meta build and the per-block fill (train/build.py, sharded_experts.py), so it holds
+    what a sharded 4-bit rank holds (`sharded_qlora_loading_bytes`: one projection's stacked experts
+    as read, ~1.6 GB on Qwen3-30B-A3B); every other one-process load streams safetensors from the
+    page cache (`from_pretrained`)."""
+    has_experts = any(b.expert_stacks for b in shape.blocks)
+    if method != "qlora" or request.quant_bits != 4 or not has_experts:
+        return 0
+    return sharded_qlora_loading_bytes(shape, request, cluster)
 
 
 def sharded_qlora_loading_bytes(shape: ModelShape, request: PlanRequest, cluster: Cluster) -> int:
@@ -134,14 +180,15 @@ def trainable_params(shape: ModelShape, request: PlanRequest) -> int:
 
 
 def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
-    """(total bytes, largest block's bytes) of the unsharded base weights.
+    """(total bytes, the largest block's bytes FSDP2 all-gathers) of the unsharded base weights;
+    a 4-bit block gathers its parameters only, not the constants every rank already keeps.
 
     QLoRA: the blocks' linear weights quantized, and in 4 bits each expert of the fused MoE stacks
-    as its own matrix (moe_experts.quantize: packed bytes and constants as `quantized_linear_bytes`,
-    = moe_experts.packed_bytes), plus the one expert's weight its matmul dequantizes at a time
-    (bnb.matmul_4bit, in the compute dtype; not kept for backward); every other parameter
+    as its own matrix (moe_experts.quantize: packed bytes and constants as `quantized_linear_bytes`);
+    every other parameter
     (embeddings, norms, biases, router, LM head) in the compute dtype (quant.prepare_for_training
-    keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast).
+    keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast). The one expert the matmul dequantizes
+    at a time is not a weight FSDP2 shards: `expert_scratch_bytes`.
     """
     if method != "qlora":
         per_param = weight_bytes(request, cluster)
@@ -158,8 +205,7 @@ def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, clus
         kept = block.params - block.linear_weight_params - sum(e * i * o for e, i, o in stacks)
         block_bytes.append(quantized + other * kept)
     total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
-    scratch = max((i * o for b in shape.blocks for _, i, o in b.expert_stacks), default=0) if request.quant_bits == 4 else 0
-    return total + other * scratch, max(block_bytes)
+    return total, max(nbytes - _block_constant_bytes(b, request) for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
 
 
 def host_embedding_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:

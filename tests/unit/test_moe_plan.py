@@ -61,9 +61,10 @@ def test_planner_prices_4bit_experts_and_expert_adapters_as_built(model_type):
     with_experts, _ = params.base_weight_bytes(shape, "qlora", request, CPU)
     plain, _ = params.base_weight_bytes(without, "qlora", request, CPU)
     other = params.qlora_compute_bytes(request, CPU)
-    scratch = max(i * o for b in shape.blocks for _, i, o in b.expert_stacks) * other
     expert_weights = sum(b.num_blocks * b.expert_weight_params for b in shape.blocks)
-    assert with_experts - scratch == plain - other * expert_weights + packed
+    codes = sum(b.num_blocks * e for b in shape.blocks for e, _, _ in b.expert_stacks) * params.quant_code_bytes(
+        double_quant=True)  # each expert's QuantState has its own codes, which packed_bytes leaves out
+    assert with_experts == plain - other * expert_weights + packed + codes
 
 
 def test_qlora_refuses_8bit_experts_and_quantizes_4bit():

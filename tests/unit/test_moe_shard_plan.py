@@ -86,6 +86,8 @@ def test_replicated_quant_states_include_the_experts(model_type, tmp_path):
         moe_experts.quantize(module, quant_type=QuantConfig().quant_type, double_quant=True)
         packed = sum(getattr(module, f"{p}_4bit").numel() for p in moe_experts.projections(module))
         built += moe_experts.packed_bytes(module) - packed  # uint8 storage: one byte per element
+        built += sum(4 * (s.code.numel() + s.state2.code.numel()) for p in moe_experts.projections(module)
+                     for s in moe_experts.states(module, p))  # and each state's own codes (fp32)
     dense = dataclasses.replace(shape, blocks=tuple(dataclasses.replace(b, expert_stacks=()) for b in shape.blocks))
     assert built > 0
     assert params.quant_state_bytes(shape, request) - params.quant_state_bytes(dense, request) == built
