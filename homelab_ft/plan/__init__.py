@@ -20,6 +20,7 @@ The modules, in the order a plan is made:
   activations  what one micro-batch costs: the activations kept for backward, the loss's logits
   network      seconds per step: compute, collectives over the links, offload copies, overlap
   memory       one option's peak bytes per device and host RAM per node (`estimate`)
+  host_ram     host RAM per node: the processes, what they offload, what loading holds
   pipeline     a pipelined option: per-stage memory, p2p bytes and time, the bubble, the stage split
   ladder       every option priced and judged against the headroom, and the rule that picks one
   planner      the plan: the choice, what would fit when nothing does, the warnings

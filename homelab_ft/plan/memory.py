@@ -22,6 +22,11 @@ from homelab_ft.plan.activations import (
     logits_bytes,
     recomputed_block_bytes,
 )
+from homelab_ft.plan.host_ram import (
+    host_bytes,
+    loading_bytes,
+    one_process_load_host_bytes,
+)
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.network import (
     OFFLOAD_BYTES_PER_S,
@@ -37,13 +42,11 @@ from homelab_ft.plan.params import (
     gathered_end_params,
     host_embedding_bytes,
     largest_param,
-    one_process_loading_bytes,
     optimizer_bytes_per_param,
     optimizer_step_bytes,
     pageable_optimizer_bytes,
     quant_state_bytes,
     router_params,
-    sharded_qlora_loading_bytes,
     targeted_linears,
     trainable_params,
     weight_bytes,
@@ -62,8 +65,6 @@ CUDA_CONTEXT_BYTES = int(0.75 * GiB)
 CUDA_FRAGMENTATION_BYTES = int(0.5 * GiB)
 # A CPU training process before any tensor: python + torch + transformers + peft resident set.
 CPU_PROCESS_BYTES = int(0.6 * GiB)
-# Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
-CUDA_HOST_PROCESS_BYTES = 2 * GiB
 
 
 def gib_text(nbytes: float) -> str:
@@ -262,11 +263,11 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     device, resident = _device_memory(shape, sizes, rung=rung, request=request, cluster=cluster, act_host=act_host)
     device = dataclasses.replace(device, weights=device.weights - table_host)
     offloaded = resident if cpu_offload else 0
-    loading = _loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
+    loading = loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
                              sharded=shards > 1 or cpu_offload)
-    host = _host_bytes(device, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
+    host = host_bytes(device_total=device.total, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
     if shards == 1 and not cpu_offload:
-        host = max(host, _one_process_load_host_bytes(shape, device, method=method, request=request, cluster=cluster))
+        host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, method=method, request=request, cluster=cluster))
     compute = compute_s(shape, method, request, cluster)
     comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
                          root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
@@ -374,35 +375,3 @@ def step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, c
         largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in targeted_linears(b, request)) \
             * request.lora_r if trainable else 0
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)
-
-
-def _loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
-                   sharded: bool) -> int:
-    """Host RAM of a sharded load on node 0: LoRA/full take rank 0's whole copy; QLoRA fills its
-    shards tensor by tensor, on every local rank. Unsharded loads: `_one_process_load_host_bytes`."""
-    if not sharded:
-        return 0
-    if method == "qlora":
-        return cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster)
-    return base_bytes
-
-
-def _host_bytes(device: Memory, *, offloaded: int, loading: int, cluster: Cluster) -> int:
-    """Host RAM on node 0. On a CPU 'device' this is every process's memory. On GPUs: the process
-    overhead, offloaded shards of every local rank, and, for sharded runs, one full copy of the
-    weights that rank 0 loads before broadcasting (sharded_loading's rank-0 load), or for a sharded
-    4-bit base one tensor per local rank (`loading`; single-device loads stream safetensors from
-    the page cache straight to the GPU)."""
-    per_node = cluster.gpus_per_node
-    if cluster.device == "cpu":
-        return device.total * per_node
-    return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
-
-
-def _one_process_load_host_bytes(shape: ModelShape, device: Memory, *, method: str, request: PlanRequest,
-                                 cluster: Cluster) -> int:
-    """Host RAM on node 0 while unsharded processes load: each process (on a CPU 'device' with its
-    weights) and its load's temporaries (params.one_process_loading_bytes), freed before training
-    adds its own (activation offload, a host embedding table): the host peak is the larger."""
-    held = device.overhead + device.weights if cluster.device == "cpu" else CUDA_HOST_PROCESS_BYTES
-    return cluster.gpus_per_node * (held + one_process_loading_bytes(shape, method, request, cluster))

@@ -22,12 +22,12 @@ from homelab_ft.plan.activations import (
     logits_bytes,
     recomputed_block_bytes,
 )
+from homelab_ft.plan.host_ram import CUDA_HOST_PROCESS_BYTES
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import (
     CPU_PROCESS_BYTES,
     CUDA_CONTEXT_BYTES,
     CUDA_FRAGMENTATION_BYTES,
-    CUDA_HOST_PROCESS_BYTES,
     Estimate,
     Memory,
     Stage,

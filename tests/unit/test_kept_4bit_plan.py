@@ -14,9 +14,10 @@ from families import tiny_config
 
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.plan import params
+from homelab_ft.plan.host_ram import CUDA_HOST_PROCESS_BYTES
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.ladder import option_rung
-from homelab_ft.plan.memory import CUDA_HOST_PROCESS_BYTES, estimate
+from homelab_ft.plan.memory import estimate
 from homelab_ft.plan.planner import default_request
 from homelab_ft.plan.shapes import model_shape
 from homelab_ft.rung import Rung
