@@ -100,8 +100,9 @@ def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_
     - with adapters on the experts: the gate/up adapter's input once per token, in the adapters'
       dtype (`x.to(a.dtype)`: a 4-byte copy with fp32 adapters on a 16-bit base), with dropout
       its dropped-out copy and the 1-byte mask; per routed token its r gathered lora_A outputs,
-      the down adapter's r outputs (twice where the routing weight scales them) and its input g,
-      unless that is g itself, already kept; with dropout g's dropped-out copy and mask.
+      the down adapter's r outputs (twice where the routing weight scales them, with the weight
+      cast to the adapters' dtype) and its input g, unless that is g itself, already kept; with
+      dropout g's dropped-out copy and mask.
     (bench/memory.py --moe-shape: a 64-expert top-8 qwen3_moe's step was 43% over a plan that
     left the loop out, before the loop kept less.)
     """
@@ -118,7 +119,7 @@ def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_
     per_token = 0
     if adapters:
         per_token += hidden * (lora + mask)
-        per_routed += request.lora_r * lora * (3 if scale_input else 2)
+        per_routed += request.lora_r * lora * (3 if scale_input else 2) + (lora if scale_input and lora != act_bytes else 0)
         per_routed += 0 if reads_inner else inner * (lora + mask)
     return per_token + block.routed_experts * per_routed
 
