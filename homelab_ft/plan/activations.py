@@ -84,29 +84,50 @@ def _adapter_bytes(block: BlockShape, request: PlanRequest, act_bytes: int) -> f
                         for group in block.lora_inputs if any(n in names for n in group))
 
 
+INDEX_BYTES = 8
+"""An int64 index element: what both loops keep per routed token to route gradients back."""
+
+
 def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_bytes: int) -> float:
     """Bytes per token that model/moe_experts' expert loop keeps beyond the frozen block saved.py
-    measured, which runs transformers' own `grouped_mm` experts (what a full fine-tune runs).
+    measured, which runs transformers' own `grouped_mm` experts (what a full fine-tune runs); it
+    can be negative (the loop keeps less).
 
     The loop runs where QLoRA packs the experts in 4 bits, or LoRA's `all-linear` adapts them.
-    Per token, for each of its top-k experts (measured with saved-tensor hooks on a CPU forward,
-    tests/unit/test_moe_plan.py; bench/memory.py --moe-shape: a 64-expert top-8 qwen3_moe's step
-    was 43% over the plan without this):
-    - `final.index_add_` keeps its source, the expert's weighted output (the last projection's out
-      features); grouped_mm's reshape-and-sum keeps none;
-    - each ExpertLora keeps its input, cast to the adapters' dtype (`x.to(a.dtype)`: with fp32
-      adapters on a 16-bit base a 4-byte copy), or with dropout its dropped-out copy and the 1-byte
-      mask, and lora_A's r outputs for lora_B. bnb.matmul_4bit and a frozen matmul keep no input.
+    Measured with saved-tensor hooks on a CPU forward (tests/unit/test_moe_plan.py), per routed
+    token (top-k per token) against grouped_mm's, with H the experts' input and output width and I
+    the down projection's input (the gate output g):
+    - indices: torch.where's two int64 per routed token, and with adapters the one flat index of
+      the gate/up adapter's gather, against grouped_mm's three (perm // k, perm, inv_perm);
+    - the routing weight's gradient: grouped_mm keeps the H-wide down output; the loop the same,
+      or g (I wide) where it scales the down input (moe_experts.scales_down_input: I <= H, or the
+      down adapter reads g itself: no dropout, adapters in the activations' dtype); the weighted
+      sum (index_put_) keeps nothing more. bnb.matmul_4bit and a frozen matmul keep no input;
+    - with adapters on the experts: the gate/up adapter's input once per token, in the adapters'
+      dtype (`x.to(a.dtype)`: a 4-byte copy with fp32 adapters on a 16-bit base), with dropout
+      its dropped-out copy and the 1-byte mask; per routed token its r gathered lora_A outputs,
+      the down adapter's r outputs (twice where the routing weight scales them, with the weight
+      cast to the adapters' dtype) and its input g, unless that is g itself, already kept; with
+      dropout g's dropped-out copy and mask.
+    (bench/memory.py --moe-shape: a 64-expert top-8 qwen3_moe's step was 43% over a plan that
+    left the loop out, before the loop kept less.)
     """
     looped = (method == "qlora" and request.quant_bits == 4) or "all-linear" in request.lora_targets
     if not block.expert_stacks or not looped:
         return 0.0
-    nbytes = block.expert_stacks[-1][2] * act_bytes
-    if "all-linear" in request.lora_targets:
-        lora = _expert_adapter_dtype_bytes(method, request, act_bytes)
-        mask = 1 if request.lora_dropout > 0 else 0
-        nbytes += sum(i * (lora + mask) + request.lora_r * lora for _, i, _ in block.expert_stacks)
-    return block.routed_experts * nbytes
+    adapters = "all-linear" in request.lora_targets
+    hidden, (inner, out) = block.expert_stacks[0][1], block.expert_stacks[-1][1:]
+    lora = _expert_adapter_dtype_bytes(method, request, act_bytes)
+    mask = 1 if request.lora_dropout > 0 else 0
+    reads_inner = adapters and not mask and lora == act_bytes
+    scale_input = inner <= out or reads_inner
+    per_routed = (2 + adapters - 3) * INDEX_BYTES + ((inner - out) * act_bytes if scale_input else 0)
+    per_token = 0
+    if adapters:
+        per_token += hidden * (lora + mask)
+        per_routed += request.lora_r * lora * (3 if scale_input else 2) + (lora if scale_input and lora != act_bytes else 0)
+        per_routed += 0 if reads_inner else inner * (lora + mask)
+    return per_token + block.routed_experts * per_routed
 
 
 def _expert_adapter_dtype_bytes(method: str, request: PlanRequest, act_bytes: int) -> int:

@@ -139,9 +139,13 @@ def test_expert_adapters_forward_and_gradients_equal_plain_pytorch(model_type, q
 
 
 def test_lora_starts_at_the_base_model():
+    """Bit for bit against the same loop without adapters (its sums are ordered unlike
+    transformers' own forward, which the loop equals within 1e-5: the test below)."""
     model = _model("qwen3_moe")
     ids = _batch()
     with torch.no_grad():
+        for module in moe_experts.fused_experts(model).values():
+            moe_experts._install_forward(module)
         before = model(ids).logits
         for module in moe_experts.fused_experts(model).values():
             moe_experts.attach_lora(module, r=4, alpha=8.0, dropout=0.1)
@@ -175,3 +179,41 @@ def test_per_expert_fill_equals_quantize_after_load(model_type):
             weights_k = torch.rand(5, 2)
             with torch.no_grad():
                 assert torch.equal(module(x, index, weights_k), reference(x, index, weights_k)), (model_type, name)
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["plain", "adapters"])
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_expert_loop_gradients_to_the_input_and_routing_weights_equal_transformers(model_type, adapters):
+    """moe_experts' loop (the shared gate/up lora_A, the routing weight on the down projection's
+    input where scales_down_input says so, index_put_) against transformers' own experts forward
+    on W + scaling * B @ A: output and the gradients of the hidden states and of the routing
+    weights (they reach the router's input) within 1e-5 of the largest (fp32 sums in another
+    order). Both routing-weight paths run: the tiny models' g but qwen3_moe's is wider than the
+    hidden state, so without adapters the weight scales the output there."""
+    module = next(iter(moe_experts.fused_experts(_model(model_type)).values()))
+    module.requires_grad_(False)
+    reference = copy.deepcopy(module)
+    if adapters:
+        moe_experts.attach_lora(module, r=4, alpha=8.0, dropout=0.0)
+        for proj in moe_experts.projections(module):
+            module.expert_lora[proj].lora_B.data.normal_(0, 0.1)
+            for e in range(module.expert_lora[proj].lora_A.shape[0]):
+                getattr(reference, proj).data[e] += moe_experts.merged_delta(module, proj, e).detach()
+    else:
+        moe_experts._install_forward(module)
+    _, inner, out = moe_experts.expert_shape(module, "down_proj")
+    assert moe_experts.scales_down_input(module, torch.float32) == (inner <= out or adapters)
+    torch.manual_seed(2)
+    tokens, top_k, experts = 24, 2, moe_experts.expert_shape(module, "down_proj")[0]
+    index = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    grads = []
+    for experts_module in (module, reference):
+        torch.manual_seed(3)
+        x = torch.randn(tokens, moe_experts.expert_shape(module, "down_proj")[2], requires_grad=True)
+        weights = torch.rand(tokens, top_k, requires_grad=True)
+        out = experts_module(x, index, weights)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append((out.detach(), x.grad, weights.grad))
+    for got, want in zip(*grads, strict=True):
+        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item()), model_type
+    assert grads[0][2].abs().max().item() > 0
