@@ -198,9 +198,13 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
 def ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, loop_s: float) -> Communication:
     """DDP all-reduces the trainable gradients in buckets, each as soon as it is ready: all but the
     last overlap the rest of backward (`window`: backward's share of the step's compute)."""
-    buckets = _ddp_buckets(grads)
-    total = sum(collective_s(b, ranks=ranks, all_reduce=True, **ring) for b in buckets)
-    last = collective_s(buckets[-1], ranks=ranks, all_reduce=True, **ring)
+    first, full, tail = _ddp_buckets(grads)
+    def reduce(nbytes: float) -> float:
+        return collective_s(nbytes, ranks=ranks, all_reduce=True, **ring)
+    # the full-size buckets cost the same each: counted once, not summed one by one (a 70B full
+    # fine-tune has ~5,600 of them, and the ladder prices tens of thousands of options in a sweep)
+    total = reduce(first) + full * reduce(DDP_BUCKET_BYTES) + (reduce(tail) if tail else 0.0)
+    last = reduce(tail) if tail else reduce(DDP_BUCKET_BYTES) if full else reduce(first)
     return Communication(sent_bytes=int(2 * grads * (ranks - 1) / ranks), gathers_s=0.0, grads_s=total - last,
                          backward_window=window, exposed_s=last + loop_s)
 
@@ -214,13 +218,13 @@ def backward_fraction(method: str, request: PlanRequest) -> float:
     return backward / (forward + backward)
 
 
-def _ddp_buckets(grad_bytes: float) -> list[float]:
-    """DDP's buckets in the order they fill in backward: a small first one, then full-size ones."""
+def _ddp_buckets(grad_bytes: float) -> tuple[float, int, float]:
+    """DDP's buckets in the order they fill in backward: a small first one, then `full` full-size
+    ones, then the remainder (0 when none): (first, full, tail)."""
     if grad_bytes <= DDP_FIRST_BUCKET_BYTES:
-        return [grad_bytes]
-    rest = grad_bytes - DDP_FIRST_BUCKET_BYTES
-    full, tail = divmod(rest, DDP_BUCKET_BYTES)
-    return [DDP_FIRST_BUCKET_BYTES] + [DDP_BUCKET_BYTES] * int(full) + ([tail] if tail else [])
+        return grad_bytes, 0, 0.0
+    full, tail = divmod(grad_bytes - DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES)
+    return DDP_FIRST_BUCKET_BYTES, int(full), tail
 
 
 def compute_s(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> float:
