@@ -92,7 +92,7 @@ test: install ## run the test suite (CPU; distributed tests as 2-process gloo ru
 test-gpu: install ## one CUDA GPU, <= 10 min: cuda tests, memory vs plan, tokens/s + MFU, bnb kernels -> runs/gpu-report.md
 	$(PY) bench/gpu_report.py --out runs
 
-test-all: install ## also the slow tests that use the real SmolLM2 weights
+test-all: install ## also the slow tests: the real SmolLM2 weights, the install paths, costly repeats of what make test covers
 	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests
 
 lint: install ## ruff

@@ -56,6 +56,8 @@ def runs(tmp_path_factory) -> tuple[Path, dict, Path]:
     return tmp, out, model_dir
 
 
+# slow (make test-all): ~20 s of torchrun; make test keeps trained routers' one-process training, resume and export (tests/e2e/test_moe_run.py) and FSDP2 parity of MoE adapters (test_moe_qlora_fsdp.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_trained_routers_on_two_processes_match_one(runs, strategy):
     from safetensors.torch import load_file

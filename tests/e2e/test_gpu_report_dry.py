@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 MEMORY_ROWS = {"full", "full optim_in_bwd", "lora", "lora full logits", "lora ckpt", "lora offload", "lora compile",
                "qlora"}
@@ -25,6 +27,8 @@ def _report(tmp: Path, *extra: str) -> dict:
     return json.loads((out / "gpu-report.json").read_text())
 
 
+# slow (make test-all): 13 s of a whole dry report; make test keeps the report's budget cut (test_a_spent_budget_cuts_that_part_only)
+@pytest.mark.slow
 def test_dry_run_fills_every_field(tmp_path):
     report = _report(tmp_path)
     assert {"gpu", "torch", "peak_tflops", "peak_source", "model", "batch", "seq_len", "wall_s", "skipped"} <= set(report)
