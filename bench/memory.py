@@ -32,14 +32,16 @@ gpt_oss) sizes those families the same way.
     OMP_NUM_THREADS=1 .venv/bin/python bench/memory.py --moe-shape                  # ~1 minute
     OMP_NUM_THREADS=1 .venv/bin/python bench/memory.py --moe --family mixtral --seq-len 1024 --rows "lora chunked,qlora chunked"
 Measured (2-core shared CPU, torch 2.13, transformers 5.24, bitsandbytes 0.50), MB planned / measured:
-    qwen3_moe lora chunked    571.9 /  547.9 (0.958)    resident 1330.0 / 1349.5 (1.015)
-    qwen3_moe qlora chunked   571.9 /  544.2 (0.951)    resident  796.4 /  821.0 (1.031)
+    qwen3_moe lora chunked    381.1 /  363.4 (0.953)    resident 1139.2 / 1155.7 (1.014)
+    qwen3_moe qlora chunked   381.1 /  361.9 (0.950)    resident  606.1 /  631.5 (1.042)
     mixtral   lora chunked    561.4 /  533.7 (0.951)    resident 1319.5 / 1338.1 (1.014)
     mixtral   qlora chunked   561.4 /  532.0 (0.948)    resident  785.9 /  807.2 (1.027)
     gpt_oss   lora chunked    858.4 /  808.8 (0.942)    resident 1617.8 / 1644.3 (1.016)
     gpt_oss   qlora chunked   858.4 /  806.6 (0.940)    resident 1084.2 / 1113.4 (1.027)
-    qwen3_moe lora chunked+ckpt   152.5 / 148.2 (0.971)    resident  910.6 /  941.6 (1.034)
-    qwen3_moe qlora chunked+ckpt  152.5 / 146.9 (0.963)    resident  377.0 /  414.3 (1.099)
+    qwen3_moe lora chunked+ckpt   113.2 / 111.0 (0.980)    resident  871.3 /  899.8 (1.033)
+    qwen3_moe qlora chunked+ckpt  113.2 / 110.9 (0.979)    resident  338.3 /  365.1 (1.079)
+    (qwen3_moe rows: with the expert loop that keeps no hidden-wide tensor per routed token, idle
+    machine; the mixtral and gpt_oss rows are from before that change)
 The resident rows' excess is process memory, not the model's: ~20 MB the warm-up step leaves in
 the heap, and for QLoRA ~10-25 MB that quantizing 512 expert matrices leaves (QuantState objects,
 freed small tensors; malloc_trim returns ~5 MB of it), which the planner counts in
