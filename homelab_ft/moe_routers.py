@@ -19,6 +19,7 @@ loaded model, PEFT-wrapped or not).
 from __future__ import annotations
 
 from homelab_ft.errors import UserError
+from homelab_ft.moe_marks import is_fused_experts
 from homelab_ft.rung import RungError
 
 KEY = "lora.train_router"
@@ -29,7 +30,7 @@ def routers(model) -> dict[str, object]:
     modules = dict(model.named_modules())
     found = {}
     for name, module in modules.items():
-        if not (hasattr(module, "has_gate") and hasattr(module, "is_transposed")):
+        if not is_fused_experts(module):
             continue
         parent_name, _, leaf = name.rpartition(".")
         experts = _num_experts(module)

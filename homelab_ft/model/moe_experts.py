@@ -34,6 +34,8 @@ import types
 import torch
 from torch import nn
 
+from homelab_ft.moe_marks import is_fused_experts, projections
+
 BLOCKSIZE = 64
 """bitsandbytes' 4-bit block size, as `Linear4bit` uses by default (QLoRA paper)."""
 
@@ -50,17 +52,12 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     is a 3-D parameter or a packed 4-bit stack."""
     found = {}
     for name, module in model.named_modules():
-        if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+        if not is_fused_experts(module):
             continue
         down = getattr(module, "down_proj", None)
         if (isinstance(down, nn.Parameter) and down.dim() == 3) or hasattr(module, _STATES):
             found[name] = module
     return found
-
-
-def projections(module: nn.Module) -> tuple[str, str]:
-    """The two weight stacks of an expert: the (gated) up projection and the down projection."""
-    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
 
 
 def _io(module: nn.Module, name: str) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ import logging
 
 from homelab_ft.decoder_blocks import decoder_blocks as shared_decoder_blocks
 from homelab_ft.errors import UserError
+from homelab_ft.moe_marks import is_fused_experts, projections
 from homelab_ft.moe_routers import router_parameters
 from homelab_ft.plan.shape_types import BlockShape, Linear, ModelShape
 
@@ -182,7 +183,7 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -
         in_experts.update(id(p) for p in own)
         found = _stacks(module)
         stacks += found
-        stack_names += [f"{module_name}.{p}" for p in _projections(module)][:len(found)]
+        stack_names += [f"{module_name}.{p}" for p in projections(module)] if found else []
     other = sum(p.numel() for p in block.parameters() if id(p) not in in_linear and id(p) not in in_experts)
     routers = sum(p.numel() for p in router_parameters(block).values())
     return BlockShape(num_blocks=count, linears=tuple(linears), other_params=other, expert_params=expert_params,
@@ -193,20 +194,13 @@ def _block_shape(model, block, first: int, count: int, hf_config, saved: dict) -
 def _stacks(module) -> list[tuple[int, int, int]]:
     """(experts, in, out) of each projection of a fused-experts module, as model/moe_experts.py reads
     them (transformers' marks `has_gate`, `is_transposed`); [] for any other 3-D parameter."""
-    if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+    if not is_fused_experts(module):
         return []
     out = []
-    for name in _projections(module):
+    for name in projections(module):
         experts, rows, cols = getattr(module, name).shape
         out.append((experts, rows, cols) if module.is_transposed else (experts, cols, rows))
     return out
-
-
-def _projections(module) -> tuple[str, ...]:
-    """The projections of a fused-experts module, as model/moe_experts.projections names them."""
-    if not hasattr(module, "has_gate"):
-        return ()
-    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
 
 
 def _top_k(module, hf_config, experts: int) -> int:

@@ -60,25 +60,22 @@ def dtypes_for(recipe: Recipe, *, rung: Rung, device: torch.device) -> Dtypes:
 def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Module:
     """The model to train for `rung`: sharded when the rung shards, else whole on every rank."""
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
-    if rung.adapters_enabled:  # the planner's rule too (ladder.option_rung)
-        check_rung(recipe.lora.train_router, stages=rung.pipeline_stages)
     if rung.fsdp_enabled:
         return _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
     if rung.quantized_enabled and has_fused_experts(recipe, model_dir=model_dir):
         # the experts filled block by block, never whole in the compute dtype (sharded_experts.py says why)
         model = _build_sharded(recipe, model_dir=model_dir, rung=rung, env=env, dtypes=dtypes)
         quant.upcast_fp16(model)
-        host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
     else:
         model = _load_base(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
         if rung.adapters_enabled:
             model = loading.attach_lora(model, recipe.lora, compute_dtype=dtypes.compute)
         if rung.quantized_enabled:
             loading.reset_adapters(model, seed=recipe.train.seed)  # the sharded 4-bit build's adapters
-        if rung.adapters_enabled:
-            host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
         if rung.activation_checkpointing:
             enable_activation_checkpointing(model)
+    if rung.adapters_enabled:  # its hook is prepended, so it runs before checkpointing's input hook
+        host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
     if env.distributed:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)
