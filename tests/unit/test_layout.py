@@ -27,8 +27,8 @@ ALLOWED = {
     "cli": None,  # the commands may import anything
     "demo": None,
 }
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
 
 
 def _modules() -> dict[str, Path]:
