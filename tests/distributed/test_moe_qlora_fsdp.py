@@ -1,4 +1,5 @@
-"""MoE QLoRA under FSDP2 (issue 21 point 3): 2 gloo processes equal one process within 1e-5.
+"""MoE QLoRA under FSDP2 (issue 21 point 3): 2 gloo processes equal one process (losses within 1e-5,
+the saved adapters within 1% of one AdamW step).
 
 Tiny qwen3_moe, mixtral and gpt_oss (tests/families.py), 4 steps each: the packed experts are
 stored as fp32 bytes that `fully_shard` splits along experts and all-gathers per block, each
@@ -22,6 +23,13 @@ pytest.importorskip("bitsandbytes")
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
+LR = 5e-3
+WEIGHT_TOL = 0.01 * LR
+"""The saved adapters agree within 1% of one AdamW step. Adam divides each gradient by its own
+running magnitude, so an element whose gradient is near zero (lora_A before lora_B has moved)
+turns reduction-order noise (~1e-9 between 2 gloo ranks and 1 process) into a step-sized
+difference: 2.7e-5 was measured on one q_proj element of qwen3_moe (the losses agreed to 1e-6);
+the other elements differ by <= 1e-8."""
 STEPS = 4
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
@@ -33,7 +41,7 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, sharding: dict
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
         "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1, "lr": 5e-3,
+        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1, "lr": LR,
                   "warmup_steps": 0, "eval_every": 0, "save_every": STEPS, "device": "cpu"},
         "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
         "cluster": {"nodes": 1, "gpus_per_node": procs},
@@ -85,6 +93,6 @@ def test_sharded_moe_qlora_equals_one_process(results, name):
     want, have = _adapters(results["run_dirs"][f"{family}_ref"]), _adapters(results["run_dirs"][name])
     assert sorted(want) == sorted(have) and any(".experts." in k for k in want)
     for key, tensor in want.items():
-        assert (have[key] - tensor).abs().max().item() <= TOL, key
+        assert (have[key] - tensor).abs().max().item() <= WEIGHT_TOL, key
     moved = [k for k, t in want.items() if k.endswith("lora_B") and t.abs().max() > 0]
     assert any(".experts." in k for k in moved)  # the expert adapters trained
