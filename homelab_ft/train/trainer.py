@@ -19,9 +19,11 @@ import torch
 
 from homelab_ft import logs
 from homelab_ft.config import Recipe
-from homelab_ft.data import collate, collate_pairs, prepare_for
+from homelab_ft.data import PreparedData, collate, collate_pairs, prepare_for
 from homelab_ft.data.sampling import MicroBatchSampler
 from homelab_ft.distributed import comm, parallelize
+from homelab_ft.distributed.comm import DistEnv
+from homelab_ft.distributed.pipeline import Pipeline
 from homelab_ft.errors import Stopped
 from homelab_ft.model import compiling, loading
 from homelab_ft.rung import Rung, rung_for
@@ -44,19 +46,19 @@ class TrainResult:
     eval_loss: float | None
 
 
-def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: preflight.Inputs | None = None,
-          base_dir: Path | None = None, resume_command: str | None = None) -> TrainResult:
+def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
+          inputs: preflight.Inputs | None = None, base_dir: Path | None = None,
+          resume_command: str | None = None) -> TrainResult:
     """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
-    `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
-    checked model folder and resume point when the caller (the CLI) already ran the checks;
-    `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
-    the run directory. `resume_command`: what the stop line tells the user to run (the CLI knows the
+    `rung` is what the planner decided (default: `rung_for(recipe)`, the recipe's own rung); `inputs`
+    are the checked model folder and resume point when the caller (the CLI) already ran the checks.
+    `plan` is the planner's report in the one form every process holds it, `Plan.to_dict()` (what
+    `plan --json` prints and the torchrun workers receive in their Handoff): the trainer only stores
+    it, as plan.json. `resume_command`: what the stop line tells the user to run (the CLI knows the
     recipe path and the overrides); default: the run directory's own recipe.yaml with --resume.
     """
-    if rung is None:
-        chosen = getattr(plan, "chosen", None)
-        rung = chosen.rung if chosen is not None else rung_for(recipe)
+    rung = rung_for(recipe) if rung is None else rung
     env = comm.setup(device_pref=recipe.train.device)
     # SIGTERM/SIGINT stop the loop after a step and save it; the handlers stay until teardown is
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
@@ -75,33 +77,35 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
             comm.teardown(env)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Session:
-    """Everything the loop works with, built once by `_setup`."""
+    """Everything the loop works with, built once by `_setup` (with keywords: the fields are many)."""
 
     recipe: Recipe
-    env: object
+    rung: Rung
+    env: DistEnv
     model: torch.nn.Module
+    """This rank's model: whole, sharded in place (FSDP2), wrapped (DDP), or its pipeline stage."""
+    pipeline: Pipeline | None
+    """This rank's pipeline stage and schedule when the rung is pipelined, else None."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: PreparedData
     sampler: MicroBatchSampler
-    data: object
     pad_token_id: int
+    samples: samples.Samples
     logger: MetricsLogger
     fingerprint: str
+    """What a checkpoint must have been trained on to resume here (method, model, parameters, objective)."""
+    data_fingerprint: dict | None
+    """What the data was (data/fingerprint.py), recorded in every checkpoint; rank 0's alone (None elsewhere)."""
     start_step: int
-    rung: Rung
-    samples: samples.Samples
-    max_steps: int | None = None
-    """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
-    data_fingerprint: dict | None = None
-    """What the data was (data/fingerprint.py), recorded in every checkpoint."""
-    pipeline: object | None = None
-    """This rank's pipeline stage and schedule (distributed.pipeline.Pipeline) when the rung is pipelined."""
+    max_steps: int
+    """The run's optimizer steps (steps.total_steps)."""
 
 
-def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
-           resume_command: str | None = None) -> TrainResult:
+def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
+           base_dir: Path | None, resume_command: str | None = None) -> TrainResult:
     s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
@@ -179,7 +183,7 @@ def _save(s: Session, *, step: int) -> None:
     checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
 
-def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool, command: str | None) -> Stopped:
+def _stopped(recipe: Recipe, *, env: DistEnv, step: int, signum: int, saved: bool, command: str | None) -> Stopped:
     """The one line that ends a stopped run: where it stopped and the command that continues it
     (rank 0 says it): the CLI's, naming the recipe and overrides it ran with, else the run's own
     recipe.yaml, which holds every override already."""
@@ -279,7 +283,8 @@ def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, 
     return metrics.pop("loss"), float(grad_norm), trained, read, metrics
 
 
-def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> Session:
+def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
+           base_dir: Path | None) -> Session:
     """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
     _prepare_process(env, rung=rung, num_threads=cfg.num_threads)
@@ -335,13 +340,13 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
              len(data.train), start + 1, max_steps,
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
-    return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                   data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps, data_fingerprint=data_print,
-                   pipeline=pipe)
+    return Session(recipe=recipe, rung=rung, env=env, model=model, pipeline=pipe, optimizer=optimizer,
+                   scheduler=scheduler, data=data, sampler=sampler, pad_token_id=tokenizer.pad_token_id,
+                   samples=sampled, logger=logger, fingerprint=fingerprint, data_fingerprint=data_print,
+                   start_step=start, max_steps=max_steps)
 
 
-def _prepare_process(env, *, rung: Rung, num_threads: int | None) -> None:
+def _prepare_process(env: DistEnv, *, rung: Rung, num_threads: int | None) -> None:
     """This process matches the job the rung describes, and uses the threads the recipe gives it."""
     if env.distributed:
         comm.check_job(env, rung)
@@ -349,7 +354,7 @@ def _prepare_process(env, *, rung: Rung, num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):
+def _prepare_data(recipe: Recipe, tokenizer, *, env: DistEnv, base_dir: Path | None) -> PreparedData:
     """Tokenised splits. Rank 0 tokenises first and fills the datasets cache; the other ranks then
     read it. (If rank 0 fails here, torchrun stops the waiting ranks.)"""
     if not env.is_main:
@@ -360,9 +365,10 @@ def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):
     return data
 
 
-def _write_run_info(run_dir: Path, *, rung: Rung, plan, model_dir: Path, world_size: int, total: int) -> None:
+def _write_run_info(run_dir: Path, *, rung: Rung, plan: dict | None, model_dir: Path, world_size: int,
+                    total: int) -> None:
     """run.json (the rung and the model it trains) and plan.json (the planner's decision), rank 0's."""
     layout = RunDir(run_dir)
     layout.write_info(RunInfo(rung=rung, model_dir=str(model_dir), world_size=world_size, params=total))
     if plan is not None:
-        layout.write_plan(plan if isinstance(plan, dict) else plan.to_dict())
+        layout.write_plan(plan)
