@@ -2,9 +2,12 @@
 
 `train()` reads top to bottom: set up the run directory and processes, prepare the data, build the
 model for the chosen rung (build.py) and its optimizer (optim.py), then the loop (draw
-micro-batches, forward, backward, clip, step, log, evaluate (evaluate.py), checkpoint). Sharding is applied to the model before the loop and the loop does
-not care whether it is there: the only places it shows are the global token count and the
-gradient-sync switch during accumulation.
+micro-batches, step, log, evaluate (evaluate.py), checkpoint). A step is one skeleton
+(`_optimizer_step`: the step's divisor, clip, optimizer and schedule steps, the reduced sums) around
+its objective's forwards and backwards (`train_step`, `pipeline_step`, `dpo_step`), and reports a
+`StepResult`. Sharding is applied to the model before the loop and the loop does not care whether
+it is there: the only places it shows are the global token count and the gradient-sync switch
+during accumulation.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import logging
 import shlex
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -121,18 +125,15 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
             collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
             for _ in range(cfg.grad_accum_steps)
         ]
-        lr = s.scheduler.get_last_lr()[0]  # the rate this step uses (train_step advances the schedule)
-        loss, grad_norm, trained, read, *more = step_fn(s, micro_batches)
-        pair_metrics = more[0] if more else {}
+        result = step_fn(s, micro_batches)
         elapsed = time.perf_counter() - t0
-        losses.append(loss)
+        losses.append(result.loss)
         last = step == s.max_steps
         if step % cfg.log_every == 0 or last:
-            s.logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": read,
-                          "trained_tokens": trained, "tokens_per_s": read / elapsed, "epoch": s.sampler.epoch,
-                          "time_s": time.perf_counter() - loop_start, **pair_metrics})
-        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}", refresh=False,
-                             **preference.progress_fields(pair_metrics))
+            s.logger.log(result.row(step=step, seconds=elapsed, epoch=s.sampler.epoch,
+                                    time_s=time.perf_counter() - loop_start))
+        progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.read_tokens / elapsed:.0f}", refresh=False,
+                             **preference.progress_fields(result.metrics))
         progress.update(1)
         if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
             eval_loss = _evaluate(s, step=step, dpo=dpo, progress=progress)
@@ -196,91 +197,139 @@ def _stopped(recipe: Recipe, *, env: DistEnv, step: int, signum: int, saved: boo
     return Stopped(f"{stopping.name(signum)} after step {step}; {kept}; continue with: {command}", signum=signum)
 
 
-def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
-    """One optimizer step over this rank's micro-batches.
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step as the loop logs it, all ranks together."""
 
-    Returns the step's mean loss per trained token (all ranks), the gradient norm before
-    clipping, and the trained and read token counts of all ranks.
+    loss: float
+    """The step's mean loss: per trained token (sft), per pair (dpo, with any SFT term)."""
+    grad_norm: float
+    """The global gradient norm before clipping."""
+    lr: float
+    """The learning rate the step used (the schedule has moved on to the next step's)."""
+    trained_tokens: int
+    """Tokens that carried loss."""
+    read_tokens: int
+    """Tokens the model read (tokens/s counts these)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's other per-step means (dpo: preference.METRICS but the loss); empty for sft."""
+
+    def row(self, *, step: int, seconds: float, epoch: int, time_s: float) -> dict:
+        """The step's metrics.jsonl row; `seconds`: the step's wall time, its micro-batches' collation included."""
+        return {"step": step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+                "tokens": self.read_tokens, "trained_tokens": self.trained_tokens,
+                "tokens_per_s": self.read_tokens / seconds, "epoch": epoch, "time_s": time_s, **self.metrics}
+
+
+def train_step(s: Session, micro_batches: list[dict]) -> StepResult:
+    """One optimizer step of the next-token loss over this rank's micro-batches (a pipelined rung's
+    through its schedule: `pipeline_step`).
+
+    Each micro-batch's summed loss (loss.py) is scaled by world_size / (trained tokens of the step on
+    all ranks) before its backward (`_optimizer_step` says why); only the last micro-batch of the
+    step reduces gradients across ranks.
     """
     if s.rung.pipeline_enabled:
         return pipeline_step(s, micro_batches)
-    env, model = s.env, s.model
-    local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
-    global_tokens = int(comm.all_reduce_sum(local_tokens, env))
-    scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_tokens)
+    env, model, cfg = s.env, s.model, s.recipe.train
 
-    model.train()
-    loss_sum = torch.zeros((), device=env.device)
-    for i, mb in enumerate(micro_batches):
-        # Only the last micro-batch of the step reduces gradients across ranks.
-        with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
-                summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
-                                        compiled=s.recipe.train.compile)
-            (summed * scale).backward()
-        loss_sum += summed.detach()
-    if s.rung.optimizer_in_backward:  # every parameter already stepped from its gradient hook
-        grad_norm = s.optimizer.grad_norm(env)
-    else:
-        grad_norm = comm.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    def backward(scale: float) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=env.device)
+        for i, mb in enumerate(micro_batches):
+            with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
+                    summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=cfg.loss_chunk_tokens,
+                                            compiled=cfg.compile)
+                (summed * scale).backward()
+            loss_sum += summed.detach()
+        return loss_sum
 
-    loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
-    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
-    return loss, float(grad_norm), global_tokens, read
+    return _optimizer_step(s, micro_batches, backward=backward)
 
 
-def pipeline_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
-    """train_step through the pipeline's schedule (distributed/pipeline.py): the same loss scale
-    per micro-batch, the gradient norm over every stage; returns what train_step returns."""
-    env, stages = s.env, s.rung.pipeline_stages
-    # Every stage of a replica holds the same micro-batches: the world's sum counts each one once per stage.
-    global_tokens = int(comm.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env)) // stages
-    scale = steps.loss_scale(world_size=s.rung.data_parallel_size, global_tokens=global_tokens)
-    s.model.train()
-    loss_sum = s.pipeline.step(micro_batches, scale=scale, device=env.device)  # 0 but on the last stage
-    grad_norm = s.pipeline.clip_grad_norm_(s.recipe.train.max_grad_norm)
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
-    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env)) // stages
-    return loss, grad_norm, global_tokens, read
+def pipeline_step(s: Session, micro_batches: list[dict]) -> StepResult:
+    """train_step through the pipeline's schedule (distributed/pipeline.py): the same loss scale per
+    micro-batch (over the replicas: the stages of one pipeline hold the same rows), the gradient
+    norm over every stage; the summed loss is the last stage's (0 on the others)."""
+
+    def backward(scale: float) -> torch.Tensor:
+        return s.pipeline.step(micro_batches, scale=scale, device=s.env.device)
+
+    return _optimizer_step(s, micro_batches, backward=backward)
 
 
-def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int, dict]:
+def dpo_step(s: Session, micro_batches: list[dict]) -> StepResult:
     """One optimizer step of preference tuning (objective: dpo); the arithmetic is preference.py's.
 
     Per micro-batch: the reference log-probabilities (no grad: the adapters disabled, or the cache),
     then one forward of the chosen + rejected rows and the backward of the pair losses scaled by
-    world_size / (pairs in the step on all ranks). Returns train_step's four values and the step's
-    per-pair means of preference.METRICS (all ranks).
+    world_size / (pairs in the step on all ranks). Its metrics are the step's per-pair means of
+    preference.METRICS (all ranks).
     """
     env, model = s.env, s.model
-    global_pairs = int(comm.all_reduce_sum(sum(preference.num_pairs(mb) for mb in micro_batches), env))
-    scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_pairs)
 
-    model.train()
-    sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
-    for i, mb in enumerate(micro_batches):
-        reference = preference.reference_logps(model, mb, env.device)
-        with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            policy, num_tokens = preference.policy_logps(model, mb, env.device)
-            losses, stats = preference.pair_losses(policy, reference, num_tokens, s.recipe.dpo)
-            (losses.sum() * scale).backward()
-        sums += stats.cpu()
-    grad_norm = comm.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
+    def backward(scale: float) -> torch.Tensor:
+        sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
+        for i, mb in enumerate(micro_batches):
+            reference = preference.reference_logps(model, mb, env.device)
+            with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                policy, num_tokens = preference.policy_logps(model, mb, env.device)
+                losses, stats = preference.pair_losses(policy, reference, num_tokens, s.recipe.dpo)
+                (losses.sum() * scale).backward()
+            sums += stats.cpu()
+        return sums
+
+    return _optimizer_step(s, micro_batches, backward=backward, units=preference.num_pairs, names=preference.METRICS)
+
+
+def _optimizer_step(s: Session, micro_batches: list[dict], *, backward: Callable[[float], torch.Tensor],
+                    units: Callable[[dict], int] | None = None, names: tuple[str, ...] = ("loss",)) -> StepResult:
+    """What every step shares, around its objective's `backward(scale)`.
+
+    The step's divisor is the `units` of its micro-batches on all ranks (trained tokens unless
+    given; dpo counts pairs). `backward` runs the forwards and backwards with each micro-batch's
+    summed loss times `scale` = steps.loss_scale (the data-parallel average over replicas undone,
+    divided by the divisor: the mean over the whole step, however it is split over micro-batches
+    and ranks) and returns this rank's sums of `names` (the loss first). Then, in this order: the
+    gradient norm and clipping (`_clip`), the optimizer step, the schedule's step, the gradients
+    dropped; and the sums of all ranks over the divisor. A pipeline's stages all hold their
+    replica's micro-batches, so the world's counts are divided by the stages.
+    """
+    env, rung = s.env, s.rung
+    replicas, copies = (rung.data_parallel_size, rung.pipeline_stages) if rung.pipeline_enabled else (env.world_size, 1)
+
+    def world_count(count: Callable[[dict], int]) -> int:
+        return int(comm.all_reduce_sum(sum(count(mb) for mb in micro_batches), env)) // copies
+
+    divisor = world_count(units or _trained_tokens)
+    s.model.train()
+    sums = backward(steps.loss_scale(world_size=replicas, global_tokens=divisor))
+    grad_norm = _clip(s)
+    lr = s.scheduler.get_last_lr()[0]  # the rate this step used; the scheduler's step sets the next one
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
+    # Reduced in float64, as comm.all_reduce_sum reduces a number: the ranks' fp32 sums add without fp32 rounding.
+    summed = comm.all_reduce_sum_tensor(sums.detach().to(torch.float64).reshape(-1), env).cpu()
+    means = dict(zip(names, (summed / max(divisor, 1)).tolist(), strict=True))
+    trained = divisor if units is None else world_count(_trained_tokens)
+    return StepResult(loss=means.pop("loss"), grad_norm=grad_norm, lr=lr, trained_tokens=trained,
+                      read_tokens=world_count(steps.input_tokens), metrics=means)
 
-    means = (comm.all_reduce_sum_tensor(sums, env) / max(global_pairs, 1)).tolist()
-    metrics = dict(zip(preference.METRICS, means, strict=True))
-    trained = int(comm.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env))
-    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
-    return metrics.pop("loss"), float(grad_norm), trained, read, metrics
+
+def _trained_tokens(batch: dict) -> int:
+    return steps.trained_tokens(batch["labels"])
+
+
+def _clip(s: Session) -> float:
+    """The global gradient norm before clipping, the gradients clipped to train.max_grad_norm (<= 0:
+    only measured): over every rank's shards, over a pipeline's stages, or, when every parameter
+    already stepped inside backward (optim_backward.py: nothing is left to clip), as its hooks measured it."""
+    if s.rung.optimizer_in_backward:
+        return float(s.optimizer.grad_norm(s.env))
+    if s.rung.pipeline_enabled:
+        return s.pipeline.clip_grad_norm_(s.recipe.train.max_grad_norm)
+    return comm.clip_grad_norm_(s.model, s.recipe.train.max_grad_norm, s.env)
 
 
 def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
