@@ -125,7 +125,7 @@ def cmd_train(args) -> int:
     plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args))
     if handoffs.under_torchrun():
         # torchrun started by hand, without a handoff: every rank checks its own inputs.
-        trainer.train(recipe, plan=plan, rung=rung, base_dir=base_dir, resume_command=again)
+        trainer.train(recipe, plan=plan.to_dict(), rung=rung, base_dir=base_dir, resume_command=again)
         return 0
     handoff, inputs = checked_handoff(recipe, plan=plan, rung=rung)
     _check_this_machine(recipe, plan=plan, rung=rung)
@@ -134,7 +134,7 @@ def cmd_train(args) -> int:
         # any worker starts.
         preflight.check_data(recipe, inputs, base_dir=base_dir)
         return launch.run_workers(recipe, str(args.recipe), overrides + common.verbosity_flags(args), handoff=handoff)
-    trainer.train(recipe, plan=plan, rung=rung, inputs=inputs, base_dir=base_dir, resume_command=again)
+    trainer.train(recipe, plan=handoff.plan, rung=rung, inputs=inputs, base_dir=base_dir, resume_command=again)
     return 0
 
 

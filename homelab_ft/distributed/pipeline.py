@@ -24,6 +24,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from homelab_ft.distributed.stages import (
 )
 from homelab_ft.model.blocks import transformer_blocks
 from homelab_ft.rung import Rung
+
+if TYPE_CHECKING:  # imported when a pipeline is built (build_pipeline): most runs never load it
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +84,12 @@ class Pipeline:
     """This rank's stage, its schedule and the process groups around it."""
 
     stage_module: StageModule
-    schedule: object
+    schedule: PipelineScheduleSingle
+    """torch's Schedule1F1B or ScheduleGPipe over this rank's one stage."""
     stage_index: int
     num_stages: int
-    pp_group: object
-    tied_group: object | None
+    pp_group: dist.ProcessGroup
+    tied_group: dist.ProcessGroup | None
     """The first and last stage of this replica, when the model ties its embeddings."""
     pad_token_id: int
     width: int

@@ -2,9 +2,12 @@
 
 `train()` reads top to bottom: set up the run directory and processes, prepare the data, build the
 model for the chosen rung (build.py) and its optimizer (optim.py), then the loop (draw
-micro-batches, forward, backward, clip, step, log, evaluate (evaluate.py), checkpoint). Sharding is applied to the model before the loop and the loop does
-not care whether it is there: the only places it shows are the global token count and the
-gradient-sync switch during accumulation.
+micro-batches, step, log, evaluate (evaluate.py), checkpoint). A step is one skeleton
+(`_optimizer_step`: the step's divisor, clip, optimizer and schedule steps, the reduced sums) around
+its objective's forwards and backwards (`train_step`, `pipeline_step`, `dpo_step`), and reports a
+`StepResult`. Sharding is applied to the model before the loop and the loop does not care whether
+it is there: the only places it shows are the global token count and the gradient-sync switch
+during accumulation.
 """
 
 from __future__ import annotations
@@ -12,16 +15,19 @@ from __future__ import annotations
 import logging
 import shlex
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from homelab_ft import logs
 from homelab_ft.config import Recipe
-from homelab_ft.data import collate, collate_pairs, prepare_for
+from homelab_ft.data import PreparedData, collate, collate_pairs, prepare_for
 from homelab_ft.data.sampling import MicroBatchSampler
 from homelab_ft.distributed import comm, parallelize
+from homelab_ft.distributed.comm import DistEnv
+from homelab_ft.distributed.pipeline import Pipeline
 from homelab_ft.errors import Stopped
 from homelab_ft.model import compiling, loading
 from homelab_ft.rung import Rung, rung_for
@@ -44,19 +50,19 @@ class TrainResult:
     eval_loss: float | None
 
 
-def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: preflight.Inputs | None = None,
-          base_dir: Path | None = None, resume_command: str | None = None) -> TrainResult:
+def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
+          inputs: preflight.Inputs | None = None, base_dir: Path | None = None,
+          resume_command: str | None = None) -> TrainResult:
     """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
-    `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
-    checked model folder and resume point when the caller (the CLI) already ran the checks;
-    `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
-    the run directory. `resume_command`: what the stop line tells the user to run (the CLI knows the
+    `rung` is what the planner decided (default: `rung_for(recipe)`, the recipe's own rung); `inputs`
+    are the checked model folder and resume point when the caller (the CLI) already ran the checks.
+    `plan` is the planner's report in the one form every process holds it, `Plan.to_dict()` (what
+    `plan --json` prints and the torchrun workers receive in their Handoff): the trainer only stores
+    it, as plan.json. `resume_command`: what the stop line tells the user to run (the CLI knows the
     recipe path and the overrides); default: the run directory's own recipe.yaml with --resume.
     """
-    if rung is None:
-        chosen = getattr(plan, "chosen", None)
-        rung = chosen.rung if chosen is not None else rung_for(recipe)
+    rung = rung_for(recipe) if rung is None else rung
     env = comm.setup(device_pref=recipe.train.device)
     # SIGTERM/SIGINT stop the loop after a step and save it; the handlers stay until teardown is
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
@@ -75,33 +81,35 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
             comm.teardown(env)
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Session:
-    """Everything the loop works with, built once by `_setup`."""
+    """Everything the loop works with, built once by `_setup` (with keywords: the fields are many)."""
 
     recipe: Recipe
-    env: object
+    rung: Rung
+    env: DistEnv
     model: torch.nn.Module
+    """This rank's model: whole, sharded in place (FSDP2), wrapped (DDP), or its pipeline stage."""
+    pipeline: Pipeline | None
+    """This rank's pipeline stage and schedule when the rung is pipelined, else None."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: PreparedData
     sampler: MicroBatchSampler
-    data: object
     pad_token_id: int
+    samples: samples.Samples
     logger: MetricsLogger
     fingerprint: str
+    """What a checkpoint must have been trained on to resume here (method, model, parameters, objective)."""
+    data_fingerprint: dict | None
+    """What the data was (data/fingerprint.py), recorded in every checkpoint; rank 0's alone (None elsewhere)."""
     start_step: int
-    rung: Rung
-    samples: samples.Samples
-    max_steps: int | None = None
-    """The run's optimizer steps (steps.total_steps); set by `_setup`, unused by a step alone."""
-    data_fingerprint: dict | None = None
-    """What the data was (data/fingerprint.py), recorded in every checkpoint."""
-    pipeline: object | None = None
-    """This rank's pipeline stage and schedule (distributed.pipeline.Pipeline) when the rung is pipelined."""
+    max_steps: int
+    """The run's optimizer steps (steps.total_steps)."""
 
 
-def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None,
-           resume_command: str | None = None) -> TrainResult:
+def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
+           base_dir: Path | None, resume_command: str | None = None) -> TrainResult:
     s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
@@ -117,18 +125,15 @@ def _train(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
             collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
             for _ in range(cfg.grad_accum_steps)
         ]
-        lr = s.scheduler.get_last_lr()[0]  # the rate this step uses (train_step advances the schedule)
-        loss, grad_norm, trained, read, *more = step_fn(s, micro_batches)
-        pair_metrics = more[0] if more else {}
+        result = step_fn(s, micro_batches)
         elapsed = time.perf_counter() - t0
-        losses.append(loss)
+        losses.append(result.loss)
         last = step == s.max_steps
         if step % cfg.log_every == 0 or last:
-            s.logger.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": read,
-                          "trained_tokens": trained, "tokens_per_s": read / elapsed, "epoch": s.sampler.epoch,
-                          "time_s": time.perf_counter() - loop_start, **pair_metrics})
-        progress.set_postfix(loss=f"{loss:.4f}", tok_s=f"{read / elapsed:.0f}", refresh=False,
-                             **preference.progress_fields(pair_metrics))
+            s.logger.log(result.row(step=step, seconds=elapsed, epoch=s.sampler.epoch,
+                                    time_s=time.perf_counter() - loop_start))
+        progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.read_tokens / elapsed:.0f}", refresh=False,
+                             **preference.progress_fields(result.metrics))
         progress.update(1)
         if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
             eval_loss = _evaluate(s, step=step, dpo=dpo, progress=progress)
@@ -179,7 +184,7 @@ def _save(s: Session, *, step: int) -> None:
     checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
 
 
-def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool, command: str | None) -> Stopped:
+def _stopped(recipe: Recipe, *, env: DistEnv, step: int, signum: int, saved: bool, command: str | None) -> Stopped:
     """The one line that ends a stopped run: where it stopped and the command that continues it
     (rank 0 says it): the CLI's, naming the recipe and overrides it ran with, else the run's own
     recipe.yaml, which holds every override already."""
@@ -192,94 +197,143 @@ def _stopped(recipe: Recipe, *, env, step: int, signum: int, saved: bool, comman
     return Stopped(f"{stopping.name(signum)} after step {step}; {kept}; continue with: {command}", signum=signum)
 
 
-def train_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
-    """One optimizer step over this rank's micro-batches.
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step as the loop logs it, all ranks together."""
 
-    Returns the step's mean loss per trained token (all ranks), the gradient norm before
-    clipping, and the trained and read token counts of all ranks.
+    loss: float
+    """The step's mean loss: per trained token (sft), per pair (dpo, with any SFT term)."""
+    grad_norm: float
+    """The global gradient norm before clipping."""
+    lr: float
+    """The learning rate the step used (the schedule has moved on to the next step's)."""
+    trained_tokens: int
+    """Tokens that carried loss."""
+    read_tokens: int
+    """Tokens the model read (tokens/s counts these)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's other per-step means (dpo: preference.METRICS but the loss); empty for sft."""
+
+    def row(self, *, step: int, seconds: float, epoch: int, time_s: float) -> dict:
+        """The step's metrics.jsonl row; `seconds`: the step's wall time, its micro-batches' collation included."""
+        return {"step": step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+                "tokens": self.read_tokens, "trained_tokens": self.trained_tokens,
+                "tokens_per_s": self.read_tokens / seconds, "epoch": epoch, "time_s": time_s, **self.metrics}
+
+
+def train_step(s: Session, micro_batches: list[dict]) -> StepResult:
+    """One optimizer step of the next-token loss over this rank's micro-batches (a pipelined rung's
+    through its schedule: `pipeline_step`).
+
+    Each micro-batch's summed loss (loss.py) is scaled by world_size / (trained tokens of the step on
+    all ranks) before its backward (`_optimizer_step` says why); only the last micro-batch of the
+    step reduces gradients across ranks.
     """
     if s.rung.pipeline_enabled:
         return pipeline_step(s, micro_batches)
-    env, model = s.env, s.model
-    local_tokens = sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches)
-    global_tokens = int(comm.all_reduce_sum(local_tokens, env))
-    scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_tokens)
+    env, model, cfg = s.env, s.model, s.recipe.train
 
-    model.train()
-    loss_sum = torch.zeros((), device=env.device)
-    for i, mb in enumerate(micro_batches):
-        # Only the last micro-batch of the step reduces gradients across ranks.
-        with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
-                summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=s.recipe.train.loss_chunk_tokens,
-                                        compiled=s.recipe.train.compile)
-            (summed * scale).backward()
-        loss_sum += summed.detach()
-    if s.rung.optimizer_in_backward:  # every parameter already stepped from its gradient hook
-        grad_norm = s.optimizer.grad_norm(env)
-    else:
-        grad_norm = comm.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
+    def backward(scale: float) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=env.device)
+        for i, mb in enumerate(micro_batches):
+            with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
+                    summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=cfg.loss_chunk_tokens,
+                                            compiled=cfg.compile)
+                (summed * scale).backward()
+            loss_sum += summed.detach()
+        return loss_sum
 
-    loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
-    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
-    return loss, float(grad_norm), global_tokens, read
+    return _optimizer_step(s, micro_batches, backward=backward)
 
 
-def pipeline_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int]:
-    """train_step through the pipeline's schedule (distributed/pipeline.py): the same loss scale
-    per micro-batch, the gradient norm over every stage; returns what train_step returns."""
-    env, stages = s.env, s.rung.pipeline_stages
-    # Every stage of a replica holds the same micro-batches: the world's sum counts each one once per stage.
-    global_tokens = int(comm.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env)) // stages
-    scale = steps.loss_scale(world_size=s.rung.data_parallel_size, global_tokens=global_tokens)
-    s.model.train()
-    loss_sum = s.pipeline.step(micro_batches, scale=scale, device=env.device)  # 0 but on the last stage
-    grad_norm = s.pipeline.clip_grad_norm_(s.recipe.train.max_grad_norm)
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
-    loss = comm.all_reduce_sum(loss_sum, env) / max(global_tokens, 1)
-    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env)) // stages
-    return loss, grad_norm, global_tokens, read
+def pipeline_step(s: Session, micro_batches: list[dict]) -> StepResult:
+    """train_step through the pipeline's schedule (distributed/pipeline.py): the same loss scale per
+    micro-batch (over the replicas: the stages of one pipeline hold the same rows), the gradient
+    norm over every stage; the summed loss is the last stage's (0 on the others)."""
+
+    def backward(scale: float) -> torch.Tensor:
+        return s.pipeline.step(micro_batches, scale=scale, device=s.env.device)
+
+    return _optimizer_step(s, micro_batches, backward=backward)
 
 
-def dpo_step(s: Session, micro_batches: list[dict]) -> tuple[float, float, int, int, dict]:
+def dpo_step(s: Session, micro_batches: list[dict]) -> StepResult:
     """One optimizer step of preference tuning (objective: dpo); the arithmetic is preference.py's.
 
     Per micro-batch: the reference log-probabilities (no grad: the adapters disabled, or the cache),
     then one forward of the chosen + rejected rows and the backward of the pair losses scaled by
-    world_size / (pairs in the step on all ranks). Returns train_step's four values and the step's
-    per-pair means of preference.METRICS (all ranks).
+    world_size / (pairs in the step on all ranks). Its metrics are the step's per-pair means of
+    preference.METRICS (all ranks).
     """
     env, model = s.env, s.model
-    global_pairs = int(comm.all_reduce_sum(sum(preference.num_pairs(mb) for mb in micro_batches), env))
-    scale = steps.loss_scale(world_size=env.world_size, global_tokens=global_pairs)
 
-    model.train()
-    sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
-    for i, mb in enumerate(micro_batches):
-        reference = preference.reference_logps(model, mb, env.device)
-        with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
-            policy, num_tokens = preference.policy_logps(model, mb, env.device)
-            losses, stats = preference.pair_losses(policy, reference, num_tokens, s.recipe.dpo)
-            (losses.sum() * scale).backward()
-        sums += stats.cpu()
-    grad_norm = comm.clip_grad_norm_(model, s.recipe.train.max_grad_norm, env)
+    def backward(scale: float) -> torch.Tensor:
+        sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
+        for i, mb in enumerate(micro_batches):
+            reference = preference.reference_logps(model, mb, env.device)
+            with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                policy, num_tokens = preference.policy_logps(model, mb, env.device)
+                losses, stats = preference.pair_losses(policy, reference, num_tokens, s.recipe.dpo)
+                (losses.sum() * scale).backward()
+            sums += stats.cpu()
+        return sums
+
+    return _optimizer_step(s, micro_batches, backward=backward, units=preference.num_pairs, names=preference.METRICS)
+
+
+def _optimizer_step(s: Session, micro_batches: list[dict], *, backward: Callable[[float], torch.Tensor],
+                    units: Callable[[dict], int] | None = None, names: tuple[str, ...] = ("loss",)) -> StepResult:
+    """What every step shares, around its objective's `backward(scale)`.
+
+    The step's divisor is the `units` of its micro-batches on all ranks (trained tokens unless
+    given; dpo counts pairs). `backward` runs the forwards and backwards with each micro-batch's
+    summed loss times `scale` = steps.loss_scale (the data-parallel average over replicas undone,
+    divided by the divisor: the mean over the whole step, however it is split over micro-batches
+    and ranks) and returns this rank's sums of `names` (the loss first). Then, in this order: the
+    gradient norm and clipping (`_clip`), the optimizer step, the schedule's step, the gradients
+    dropped; and the sums of all ranks over the divisor. A pipeline's stages all hold their
+    replica's micro-batches, so the world's counts are divided by the stages.
+    """
+    env, rung = s.env, s.rung
+    replicas, copies = (rung.data_parallel_size, rung.pipeline_stages) if rung.pipeline_enabled else (env.world_size, 1)
+
+    def world_count(count: Callable[[dict], int]) -> int:
+        return int(comm.all_reduce_sum(sum(count(mb) for mb in micro_batches), env)) // copies
+
+    divisor = world_count(units or _trained_tokens)
+    s.model.train()
+    sums = backward(steps.loss_scale(world_size=replicas, global_tokens=divisor))
+    grad_norm = _clip(s)
+    lr = s.scheduler.get_last_lr()[0]  # the rate this step used; the scheduler's step sets the next one
     s.optimizer.step()
     s.scheduler.step()
     s.optimizer.zero_grad(set_to_none=True)
+    # Reduced in float64, as comm.all_reduce_sum reduces a number: the ranks' fp32 sums add without fp32 rounding.
+    summed = comm.all_reduce_sum_tensor(sums.detach().to(torch.float64).reshape(-1), env).cpu()
+    means = dict(zip(names, (summed / max(divisor, 1)).tolist(), strict=True))
+    trained = divisor if units is None else world_count(_trained_tokens)
+    return StepResult(loss=means.pop("loss"), grad_norm=grad_norm, lr=lr, trained_tokens=trained,
+                      read_tokens=world_count(steps.input_tokens), metrics=means)
 
-    means = (comm.all_reduce_sum_tensor(sums, env) / max(global_pairs, 1)).tolist()
-    metrics = dict(zip(preference.METRICS, means, strict=True))
-    trained = int(comm.all_reduce_sum(sum(steps.trained_tokens(mb["labels"]) for mb in micro_batches), env))
-    read = int(comm.all_reduce_sum(sum(steps.input_tokens(mb) for mb in micro_batches), env))
-    return metrics.pop("loss"), float(grad_norm), trained, read, metrics
+
+def _trained_tokens(batch: dict) -> int:
+    return steps.trained_tokens(batch["labels"])
 
 
-def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | None) -> Session:
+def _clip(s: Session) -> float:
+    """The global gradient norm before clipping, the gradients clipped to train.max_grad_norm (<= 0:
+    only measured): over every rank's shards, over a pipeline's stages, or, when every parameter
+    already stepped inside backward (optim_backward.py: nothing is left to clip), as its hooks measured it."""
+    if s.rung.optimizer_in_backward:
+        return float(s.optimizer.grad_norm(s.env))
+    if s.rung.pipeline_enabled:
+        return s.pipeline.clip_grad_norm_(s.recipe.train.max_grad_norm)
+    return comm.clip_grad_norm_(s.model, s.recipe.train.max_grad_norm, s.env)
+
+
+def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
+           base_dir: Path | None) -> Session:
     """Check inputs, make the run directory, build model, optimizer and data order; resume."""
     cfg = recipe.train
     _prepare_process(env, rung=rung, num_threads=cfg.num_threads)
@@ -335,13 +389,13 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
              len(data.train), start + 1, max_steps,
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
-    return Session(recipe=recipe, env=env, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                   data=data, pad_token_id=tokenizer.pad_token_id, logger=logger, fingerprint=fingerprint,
-                   start_step=start, rung=rung, samples=sampled, max_steps=max_steps, data_fingerprint=data_print,
-                   pipeline=pipe)
+    return Session(recipe=recipe, rung=rung, env=env, model=model, pipeline=pipe, optimizer=optimizer,
+                   scheduler=scheduler, data=data, sampler=sampler, pad_token_id=tokenizer.pad_token_id,
+                   samples=sampled, logger=logger, fingerprint=fingerprint, data_fingerprint=data_print,
+                   start_step=start, max_steps=max_steps)
 
 
-def _prepare_process(env, *, rung: Rung, num_threads: int | None) -> None:
+def _prepare_process(env: DistEnv, *, rung: Rung, num_threads: int | None) -> None:
     """This process matches the job the rung describes, and uses the threads the recipe gives it."""
     if env.distributed:
         comm.check_job(env, rung)
@@ -349,7 +403,7 @@ def _prepare_process(env, *, rung: Rung, num_threads: int | None) -> None:
         torch.set_num_threads(num_threads)
 
 
-def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):
+def _prepare_data(recipe: Recipe, tokenizer, *, env: DistEnv, base_dir: Path | None) -> PreparedData:
     """Tokenised splits. Rank 0 tokenises first and fills the datasets cache; the other ranks then
     read it. (If rank 0 fails here, torchrun stops the waiting ranks.)"""
     if not env.is_main:
@@ -360,9 +414,10 @@ def _prepare_data(recipe: Recipe, tokenizer, *, env, base_dir: Path | None):
     return data
 
 
-def _write_run_info(run_dir: Path, *, rung: Rung, plan, model_dir: Path, world_size: int, total: int) -> None:
+def _write_run_info(run_dir: Path, *, rung: Rung, plan: dict | None, model_dir: Path, world_size: int,
+                    total: int) -> None:
     """run.json (the rung and the model it trains) and plan.json (the planner's decision), rank 0's."""
     layout = RunDir(run_dir)
     layout.write_info(RunInfo(rung=rung, model_dir=str(model_dir), world_size=world_size, params=total))
     if plan is not None:
-        layout.write_plan(plan if isinstance(plan, dict) else plan.to_dict())
+        layout.write_plan(plan)

@@ -69,7 +69,7 @@ def _run(model_dir, *, method: str, compile: bool, checkpointing: bool,
     optimizer = optim.build_optimizer(model, recipe.train)
     s = SimpleNamespace(env=ENV, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                         scheduler=optim.build_scheduler(optimizer, recipe.train))
-    losses = [float(train_step(s, [mb])[0]) for mb in batches[1:]]
+    losses = [train_step(s, [mb]).loss for mb in batches[1:]]
     trained = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     return {"first": first.item(), "grads": grads, "losses": losses, "weights": trained,
             "state_keys": sorted(model.state_dict())}

@@ -67,10 +67,10 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
     s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                         scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    losses = [float(train_step(s, [{"input_ids": ids, "labels": ids}])[0])]  # compiles; optimizer state
+    losses = [train_step(s, [{"input_ids": ids, "labels": ids}]).loss]  # compiles; optimizer state
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    losses += [float(train_step(s, [{"input_ids": ids, "labels": ids}])[0]) for _ in range(NUM_STEPS - 1)]
+    losses += [train_step(s, [{"input_ids": ids, "labels": ids}]).loss for _ in range(NUM_STEPS - 1)]
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del model, optimizer, s

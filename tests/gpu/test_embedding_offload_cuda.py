@@ -55,8 +55,8 @@ def _step(model_dir: Path, setting):
     s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                         scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
-    loss, grad_norm, *_ = train_step(s, [{"input_ids": ids, "labels": ids}])
-    facts = SimpleNamespace(loss=loss, grad_norm=grad_norm, resident=resident, table_device=table.device.type,
+    result = train_step(s, [{"input_ids": ids, "labels": ids}])
+    facts = SimpleNamespace(loss=result.loss, grad_norm=result.grad_norm, resident=resident, table_device=table.device.type,
                             model_device=lm.device.type, table_bytes=table.numel() * table.element_size())
     with torch.no_grad():
         facts.generated = model.generate(input_ids=ids[:1, :8].cuda(), max_new_tokens=4, do_sample=False).cpu()

@@ -1,5 +1,5 @@
-"""The optimizer step in backward (optim_backward.py): the same training as one AdamW, no gradient
-left after backward, the logged norm, and its refusals (config.py and the rung check)."""
+"""The optimizer step in backward (optim_backward.py): the same training as one AdamW (sft and dpo),
+no gradient left after backward, the logged norm, and its refusals (config.py and the rung check)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from homelab_ft.rung import Rung, rung_for
 from homelab_ft.train import optim
 from homelab_ft.train.optim_backward import OptimizerInBackward
 from homelab_ft.train.steps import IGNORE_INDEX
-from homelab_ft.train.trainer import train_step
+from homelab_ft.train.trainer import dpo_step, train_step
 
 ENV = comm.DistEnv(0, 0, 1, 1, torch.device("cpu"), None, True)
 
@@ -39,8 +39,18 @@ def _batches(num: int):
     return out
 
 
-def _train(*, tied: bool, in_backward: bool, num_steps: int = 3):
-    recipe = recipe_from_dict({"method": "full", "train": {
+def _pairs() -> dict:
+    """Two preference pairs (chosen rows first) with cached reference log-probabilities, as a full
+    fine-tune's DPO batch carries them (data.pairs.collate_pairs)."""
+    ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(2))
+    labels = ids.clone()
+    labels[:, :6] = IGNORE_INDEX  # the prompt the two answers share
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+            "reference_logps": torch.tensor([-55.0, -56.0, -54.0, -57.0])}
+
+
+def _train(*, tied: bool, in_backward: bool, num_steps: int = 3, objective: str = "sft"):
+    recipe = recipe_from_dict({"method": "full", "objective": objective, "data": {"packing": False}, "train": {
         "optimizer_in_backward": in_backward, "max_grad_norm": 0.0, "lr": 1e-2, "weight_decay": 0.1,
         "warmup_steps": 1, "max_steps": num_steps, "loss_chunk_tokens": 8}})
     model = _llama(tied=tied)
@@ -48,20 +58,24 @@ def _train(*, tied: bool, in_backward: bool, num_steps: int = 3):
     assert isinstance(optimizer, OptimizerInBackward) == in_backward
     s = SimpleNamespace(env=ENV, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
                         scheduler=optim.build_scheduler(optimizer, recipe.train))
-    losses, norms = [], []
-    for mb in _batches(1) * num_steps:  # the same rows every step: the loss must fall
-        loss, norm, _, _ = train_step(s, [mb])
-        losses.append(float(loss))
-        norms.append(norm)
+    step, batch = (dpo_step, _pairs()) if objective == "dpo" else (train_step, _batches(1)[0])
+    results = []
+    for _ in range(num_steps):  # the same rows every step: the loss must fall
+        results.append(step(s, [batch]))
         assert all(p.grad is None for p in model.parameters())  # nothing is left for a step after backward
-    return model, losses, norms, s
+    # each step reports the rate it stepped with, not the next step's
+    assert [r.lr for r in results] == [1e-2 * optim.lr_factor(i, train_cfg=recipe.train, max_steps=num_steps)
+                                       for i in range(num_steps)]
+    return model, [r.loss for r in results], [r.grad_norm for r in results], s
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_same_training_as_one_adamw(tied):
-    ref_model, ref_losses, ref_norms, _ = _train(tied=tied, in_backward=False)
-    model, losses, norms, s = _train(tied=tied, in_backward=True)
+@pytest.mark.parametrize(("tied", "objective"), [(False, "sft"), (True, "sft"), (True, "dpo")])
+def test_same_training_as_one_adamw(tied, objective):
+    """dpo too: its step logs the norm the gradient hooks measured, not the 0 of no gradient left."""
+    ref_model, ref_losses, ref_norms, _ = _train(tied=tied, in_backward=False, objective=objective)
+    model, losses, norms, s = _train(tied=tied, in_backward=True, objective=objective)
     assert ref_losses[-1] < ref_losses[0]
+    assert min(ref_norms) > 0
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-6
     assert max(abs(a - b) / b for a, b in zip(norms, ref_norms, strict=True)) <= 1e-5
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
