@@ -11,6 +11,7 @@ module per step:
     sft        the SFT pipeline (`prepare_data`)       pairs    preference pairs (`prepare_pairs`)
     packing    several samples per row                 sampling the trainer's micro-batches
     report     what was kept, cut and left out         prepare  `prepare_for`: the objective's pipeline
+    fingerprint  what a run's data was, recorded in each checkpoint so `--resume` knows when it changed
 
 The front door imports no torch (`collate` does when called), so reading or inspecting data
 does not pay for it; the trainer's `sampling.MicroBatchSampler` is torch and imported from there.

@@ -4,6 +4,7 @@
     target          where it is written: --out refusals, lock, staging, signals, full or read-only disks
     merged          an adapter run's merged model: written, reloaded, its logits compared; the adapter alone
     merge           LoRA merged into the base one safetensors file at a time, and read back
+    expert_adapters the adapters on MoE experts, loaded onto base + adapter and merged into the base's layout
     gguf_quality    what a lossy GGUF costs: greedy agreement and eval loss against the merged model
     consolidate     a sharded (DCP) full fine-tune -> Hugging Face safetensors
     gguf_export     a Hugging Face folder -> one GGUF (`write_gguf`), streamed per tensor
