@@ -49,11 +49,14 @@ def train(recipe: Recipe, *, plan=None, rung: Rung | None = None, inputs: prefli
     """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
     `rung` is what the planner decided (default: `plan.chosen.rung`, else `rung_for(recipe)`); `inputs` are the
-    checked model folder and resume point when the caller (the CLI) already ran the checks;
+    checked model folder, resume point and model facts when the caller (the CLI) already ran the checks
+    (without them, `plan` must be the planner's Plan: the builder reads its shape's facts);
     `plan` (a planner.Plan, or its dict when handed down from the torchrun parent) is stored in
     the run directory. `resume_command`: what the stop line tells the user to run (the CLI knows the
     recipe path and the overrides); default: the run directory's own recipe.yaml with --resume.
     """
+    if inputs is None and not hasattr(plan, "shape"):
+        raise AssertionError("train() needs the planner's Plan (planner.plan_for_recipe) or checked preflight.Inputs")
     if rung is None:
         chosen = getattr(plan, "chosen", None)
         rung = chosen.rung if chosen is not None else rung_for(recipe)
@@ -286,7 +289,7 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     # Every input is checked before the run directory is touched: a typo never costs a run. (The
     # CLI has normally run these checks already, before launching; direct callers get them here.)
     if inputs is None:
-        inputs = preflight.check_inputs(recipe, rung=rung, device_type=env.device.type)
+        inputs = preflight.check_inputs(recipe, rung=rung, facts=plan.shape.facts, device_type=env.device.type)
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     # Rank 0 alone writes trainer_state.json, so only it hashes the data (a refusal there stops all).
@@ -305,7 +308,8 @@ def _setup(recipe: Recipe, *, env, rung: Rung, plan, inputs, base_dir: Path | No
     comm.barrier(env)  # and no rank reads a half-made run directory
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-    model, pipe = build.build_for(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=tokenizer.pad_token_id)
+    model, pipe = build.build_for(recipe, model_dir=model_dir, facts=inputs.facts, rung=rung, env=env,
+                                  pad_token_id=tokenizer.pad_token_id)
     if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
         compiling.compile_blocks(model)
     if recipe.objective == "dpo" and not rung.adapters_enabled:

@@ -53,7 +53,8 @@ def built(tmp_path_factory):
                                "data": {"sources": [{"path": str(folder / "x.jsonl")}], "max_length": 64},
                                "train": {"device": "cpu"}}, source="test")
     rung = Rung("qlora", "no_shard", False)
-    model = build._meta_architecture(recipe, model_dir=folder, rung=rung, dtype=torch.float32, storage_dtype=torch.uint8)
+    model = build._meta_architecture(recipe, config=build._config(recipe, model_dir=folder), rung=rung, dtype=torch.float32,
+                                     storage_dtype=torch.uint8)
     model.to_empty(device="cpu")
     peak: dict = {}
     sharded_qlora.fill_from_safetensors(model, sharded_qlora.load_groups(model), folder,
