@@ -187,13 +187,11 @@ def _meta_architecture(recipe: Recipe, *, config, rung: Rung, dtype: torch.dtype
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                              trust_remote_code=recipe.model.trust_remote_code)
     if rung.quantized_enabled:
-        from homelab_ft.distributed import sharded_qlora
-
-        sharded_qlora.to_4bit_layers(model, recipe.quant, compute_dtype=dtype, shard_size=rung.shard_size,
-                                     storage_dtype=storage_dtype)
+        quant.to_4bit_layers(model, recipe.quant, compute_dtype=dtype, shard_size=rung.shard_size,
+                             storage_dtype=storage_dtype)
     model = _with_adapters(model, recipe, rung=rung, dtype=dtype)
     if rung.quantized_enabled:
-        sharded_qlora.plain_weights(model)
+        quant.plain_weights(model)
     return model
 
 

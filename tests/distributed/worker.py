@@ -349,7 +349,7 @@ def run_qlora_shards(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    from homelab_ft.distributed import sharded_qlora
+    from homelab_ft.distributed import sharded_qlora  # noqa: F401  (imported before the baseline too)
     from homelab_ft.model import loading, quant
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
@@ -361,7 +361,7 @@ def run_qlora_shards(job: dict, env) -> dict:
     model = build_model(recipe, model_dir=model_dir, facts=facts, rung=rung, env=env)
     gc.collect()
     maxrss_after = _maxrss_bytes()
-    cls = sharded_qlora._linear4bit_class()
+    cls = quant.linear4bit_class()
     local = total = 0
     for module in model.modules():
         if isinstance(module, cls):
@@ -370,7 +370,7 @@ def run_qlora_shards(job: dict, env) -> dict:
             total += w.numel() * w.element_size()
     all_local = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
                     for p in model.parameters())
-    states = sum(sharded_qlora._state_nbytes(m.quant_state) for m in model.modules() if isinstance(m, cls))
+    states = sum(quant.state_nbytes(m.quant_state) for m in model.modules() if isinstance(m, cls))
     from safetensors import safe_open
 
     block_bytes = 0
