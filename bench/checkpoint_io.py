@@ -55,6 +55,8 @@ def _timed(store: dict, name: str, fn):
 def worker(recipe_path: str, overrides: list[str], out: str) -> None:
     """Runs inside the training process (every rank under torchrun); rank 0 writes the numbers."""
     from homelab_ft.config import load_recipe
+    from homelab_ft.plan.planner import plan_for_recipe
+    from homelab_ft.rung import rung_for
     from homelab_ft.store import checkpoint, manifest
     from homelab_ft.train import trainer
 
@@ -64,7 +66,7 @@ def worker(recipe_path: str, overrides: list[str], out: str) -> None:
     for name in ("hash_file", "fsync_dirs", "write"):
         setattr(manifest, name, _timed(times, "manifest", getattr(manifest, name)))
     recipe = load_recipe(recipe_path, overrides)
-    trainer.train(recipe, base_dir=Path(recipe_path).resolve().parent)
+    trainer.train(recipe, plan=plan_for_recipe(recipe).to_dict(), rung=rung_for(recipe), base_dir=Path(recipe_path).resolve().parent)
     if os.environ.get("RANK", "0") != "0":
         return
     ckpt = checkpoint.latest(recipe.run_dir)

@@ -64,11 +64,13 @@ def setup(tmp: Path) -> tuple[Path, Path]:
 
 
 def ours(recipe_path: Path, run_dir: Path) -> float:
+    from homelab_ft.plan.planner import plan_for_recipe
+    from homelab_ft.rung import rung_for
     from homelab_ft.train import trainer
     from homelab_ft.train.metrics import read_metrics
 
     recipe = load_recipe(recipe_path, [f"output.dir={run_dir}", "output.overwrite=true"])
-    trainer.train(recipe)
+    trainer.train(recipe, plan=plan_for_recipe(recipe).to_dict(), rung=rung_for(recipe))
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "tokens_per_s" in r]
     # step end to step end (`time_s`), so logging and data fetching count, as for the others
     return statistics.median(

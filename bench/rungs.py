@@ -139,7 +139,7 @@ def sharded_state_mib(model) -> dict:
     states, which every rank keeps whole) and the total over ranks of the shards alone."""
     from torch.distributed.tensor import DTensor
 
-    from homelab_ft.distributed import sharded_qlora
+    from homelab_ft.model import quant
 
     local = total = 0
     for p in model.parameters():
@@ -147,8 +147,8 @@ def sharded_state_mib(model) -> dict:
             t = p.to_local() if isinstance(p, DTensor) else p
             local += t.numel() * t.element_size()
             total += p.numel() * p.element_size()
-    states = sum(sharded_qlora._state_nbytes(m.quant_state) for m in model.modules()
-                 if isinstance(m, sharded_qlora._linear4bit_class()))
+    states = sum(quant.state_nbytes(m.quant_state) for m in model.modules()
+                 if isinstance(m, quant.linear4bit_class()))
     return {"shard_mib": (local + states) / 2**20, "state_mib": states / 2**20, "unsharded_mib": (total + states) / 2**20}
 
 

@@ -62,8 +62,9 @@ def checked_handoff(recipe, *, plan, rung):
     from homelab_ft.distributed import comm
     from homelab_ft.train import preflight
 
-    inputs = preflight.check_inputs(recipe, rung=rung, device_type=comm.device_type(recipe.train.device))
-    handoff = Handoff(rung=rung, plan=plan.to_dict(), model_dir=str(inputs.model_dir),
+    inputs = preflight.check_inputs(recipe, rung=rung, facts=plan.shape.facts,
+                                    device_type=comm.device_type(recipe.train.device))
+    handoff = Handoff(rung=rung, plan=plan.to_dict(), facts=inputs.facts, model_dir=str(inputs.model_dir),
                       resume_from=str(inputs.resume_from) if inputs.resume_from else None)
     return handoff, inputs
 

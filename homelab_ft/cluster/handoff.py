@@ -4,7 +4,9 @@
 and pass the result to the workers in one environment variable, `HOMELAB_FT_HANDOFF`: set in the
 environment torchrun inherits on one machine, written on each node's command line by `launch`.
 The workers then neither plan, nor probe the hardware (`plan.hardware.detect`, nvidia-smi), nor
-re-run the preflight checks, so every rank on every node trains the same rung.
+re-run the preflight checks, nor read config.json to learn what the planner read off the model
+(`ModelFacts`: blocks, fused experts, vocabulary, tying), so every rank on every node trains the
+same rung of the same model.
 
 The text is base64 of zlib-compressed compact JSON: one shell word with no quoting, and a few KB
 for a whole plan (every option priced) where the JSON itself would be ~20 KB. The model folder and
@@ -22,6 +24,7 @@ import zlib
 from dataclasses import dataclass
 
 from homelab_ft.errors import UserError
+from homelab_ft.model_facts import ModelFacts
 from homelab_ft.rung import Rung
 
 HANDOFF_VAR = "HOMELAB_FT_HANDOFF"
@@ -41,13 +44,15 @@ class Handoff:
     rung: Rung
     plan: dict
     """`Plan.to_dict()`: stored in the run directory, and priced the shutdown timeout."""
+    facts: ModelFacts
+    """The plan's shape's `facts`: what the builder asks of the model."""
     model_dir: str
     resume_from: str | None = None
     """The checkpoint the launching process verified (manifest and hashes) and chose to resume from."""
 
     def to_dict(self) -> dict:
-        return {"rung": self.rung.to_dict(), "plan": self.plan, "model_dir": self.model_dir,
-                "resume_from": self.resume_from}
+        return {"rung": self.rung.to_dict(), "plan": self.plan, "facts": self.facts.to_dict(),
+                "model_dir": self.model_dir, "resume_from": self.resume_from}
 
     def encode(self) -> str:
         compact = json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
@@ -62,8 +67,8 @@ class Handoff:
         except (binascii.Error, zlib.error, ValueError, UnicodeError):
             raise UserError(f"{HANDOFF_VAR} is damaged (was the command line cut short?); run `homelab-ft "
                             "launch` again and paste each node's whole command") from None
-        return cls(rung=Rung.from_dict(data["rung"]), plan=data["plan"], model_dir=data["model_dir"],
-                   resume_from=data.get("resume_from"))
+        return cls(rung=Rung.from_dict(data["rung"]), plan=data["plan"], facts=ModelFacts.from_dict(data["facts"]),
+                   model_dir=data["model_dir"], resume_from=data.get("resume_from"))
 
 
 def received(environ=os.environ) -> Handoff | None:

@@ -59,6 +59,8 @@ def run_demo(
     """
     from homelab_ft.export.run import export_run
     from homelab_ft.model import loading
+    from homelab_ft.plan import planner
+    from homelab_ft.rung import rung_for
     from homelab_ft.train import trainer
 
     run_dir = Path(run_dir)
@@ -72,7 +74,7 @@ def run_demo(
     log.info("base model:       %s", before.summary())
     watch.lap("score base")
 
-    trainer.train(recipe)
+    trainer.train(recipe, plan=planner.plan_for_recipe(recipe).to_dict(), rung=rung_for(recipe))
     watch.lap("train")
     export_dir = run_dir.parent / f"{run_dir.name}-export"  # beside the run: export refuses an --out inside one
     from homelab_ft.cli.export import eval_rows

@@ -207,11 +207,12 @@ def _whole_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return output
 
 
-def build_pipeline(env: DistEnv, *, rung: Rung, build: Callable[[], nn.Module], model_dir: Path,
+def build_pipeline(env: DistEnv, *, rung: Rung, build: Callable[[], nn.Module], model_dir: Path, num_blocks: int,
                    loss_fn: Callable, num_micro_batches: int, pad_token_id: int, width: int,
                    adapter_seed: int = 0, activation_checkpointing: bool = False) -> tuple[nn.Module, Pipeline]:
     """This rank's stage: the whole architecture (`build`, with its adapters) on meta, cut to the
-    stage (`keep_stage`), allocated, filled from the safetensors (`fill_stage`), wrapped for torch's
+    stage (`keep_stage`: of `num_blocks`, the model's blocks as the planner counted them, the cut
+    it priced), allocated, filled from the safetensors (`fill_stage`), wrapped for torch's
     schedule. Adapters take `loading.initial_adapters` of the whole model (the seed alone), so
     every stage draws the values a one-process build with `reset_adapters` holds. Returns the
     stage's model (what the optimizer and checkpoints see, by the model's own names) and the Pipeline."""
@@ -230,7 +231,9 @@ def build_pipeline(env: DistEnv, *, rung: Rung, build: Callable[[], nn.Module], 
     adapters = loading.initial_adapters(model, seed=adapter_seed)
     stage, pp_group, dp_group, tied_group = process_groups(env, rung, tied=bool(tied))
     first, last = stage == 0, stage == rung.pipeline_stages - 1
-    blocks = stage_ranges(len(transformer_blocks(model)), rung)[stage]
+    if len(transformer_blocks(model)) != num_blocks:
+        raise AssertionError(f"the plan counted {num_blocks} blocks, the built model has {len(transformer_blocks(model))}")
+    blocks = stage_ranges(num_blocks, rung)[stage]
     keep_stage(model, blocks=blocks, first=first, last=last)
     buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
     model.to_empty(device=env.device)

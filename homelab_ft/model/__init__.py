@@ -1,7 +1,9 @@
 """The model itself, knowing nothing of ranks: find, load, quantize, adapt, compile.
 
     loading    where the weights are (`resolve_model_dir`; GGUF converted once), tokenizer, model, LoRA (PEFT)
-    quant      bitsandbytes: the 4/8-bit config, the CPU guard, k-bit preparation, 8-bit optimizers
+    quant      bitsandbytes: the 4/8-bit config, the CPU guard, k-bit preparation, the meta-built base's
+               4-bit layers FSDP2 can shard (`to_4bit_layers`), 8-bit optimizers
+    moe_experts  fused MoE experts: packed 4-bit stacks, their checks and names, adapters on every expert
     blocks     the transformer blocks (from `_no_split_modules`) and activation checkpointing on them
     compiling  `train.compile`: torch.compile per block in place, and its preflight check
     checkpoint_keys  a model's tensors in a safetensors folder through transformers' key conversion

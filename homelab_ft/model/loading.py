@@ -343,8 +343,8 @@ def reset_adapters(model, *, seed: int) -> None:
 
 def count_params(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; a 4-bit weight counts its logical shape, not the values
-    packed per stored element (bitsandbytes keeps the shape in `quant_state`; the sharded 4-bit
-    layers of sharded_qlora.py keep a flat packed weight, so their module's features count)."""
+    packed per stored element (bitsandbytes keeps the shape in `quant_state`; the shardable 4-bit
+    layers of quant.linear4bit_class keep a flat packed weight, so their module's features count)."""
     logical = {id(m.weight): m.in_features * m.out_features for m in model.modules()
                if any(c.__name__ == "Linear4bit" for c in type(m).__mro__)}
 

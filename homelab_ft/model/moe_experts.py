@@ -34,6 +34,7 @@ import types
 import torch
 from torch import nn
 
+from homelab_ft.errors import UserError
 from homelab_ft.moe_marks import is_fused_experts, projections
 
 BLOCKSIZE = 64
@@ -44,6 +45,9 @@ _STATES = "_expert_quant_states"
 
 _SHAPES = "_expert_shapes"
 """Instance attribute: (experts, in_features, out_features) of each packed projection."""
+
+PACKED_SUFFIX = "_4bit"
+"""The packed stack of projection `<name>` is the parameter `<name>_4bit`."""
 
 
 def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -84,7 +88,7 @@ def quantize(module: nn.Module, *, quant_type: str = "nf4", double_quant: bool =
     pack_meta(module, quant_type=quant_type, double_quant=double_quant, storage_dtype=quant_storage)
     for name, weight in weights.items():
         stack, per_expert = quantize_stack(module, weight, name=name, device=weight.device)
-        module._parameters[f"{name}_4bit"] = nn.Parameter(stack, requires_grad=False)
+        module._parameters[name + PACKED_SUFFIX] = nn.Parameter(stack, requires_grad=False)
         set_states(module, name, per_expert)
 
 
@@ -104,7 +108,7 @@ def pack_meta(module: nn.Module, *, quant_type: str, double_quant: bool, storage
             raise ValueError(f"{name}: {in_features} x {out_features} 4-bit bytes do not fill {storage_dtype} elements")
         module._expert_compute_dtype = weight.dtype
         del module._parameters[name]
-        module.register_parameter(f"{name}_4bit", nn.Parameter(
+        module.register_parameter(name + PACKED_SUFFIX, nn.Parameter(
             torch.empty(experts, numel, 1, dtype=storage_dtype, device=device), requires_grad=False))
     setattr(module, _SHAPES, shapes)
     setattr(module, _STATES, {name: [] for name in shapes})
@@ -131,7 +135,7 @@ def quantize_stack(module: nn.Module, weight: torch.Tensor, *, name: str, device
     import bitsandbytes.functional as bnbf
 
     quant_type, double_quant = module._expert_quant
-    storage = getattr(module, f"{name}_4bit").dtype
+    storage = getattr(module, name + PACKED_SUFFIX).dtype
     packed, states = [], []
     for e in range(weight.shape[0]):
         matrix = weight[e].t() if module.is_transposed else weight[e]  # [out, in], as Linear4bit holds it
@@ -177,7 +181,7 @@ def dequantized(module: nn.Module, name: str, expert: int) -> torch.Tensor:
         return getattr(module, name)[expert]
     import bitsandbytes.functional as bnbf
 
-    matrix = bnbf.dequantize_4bit(getattr(module, f"{name}_4bit")[expert], getattr(module, _STATES)[name][expert])
+    matrix = bnbf.dequantize_4bit(getattr(module, name + PACKED_SUFFIX)[expert], getattr(module, _STATES)[name][expert])
     return matrix.t() if module.is_transposed else matrix
 
 
@@ -198,12 +202,54 @@ def packed_bytes(module: nn.Module) -> int:
     """Bytes of the packed experts and their quantisation constants (for the planner's tests)."""
     total = 0
     for name in projections(module):
-        total += getattr(module, f"{name}_4bit").numel() * getattr(module, f"{name}_4bit").element_size()
+        total += getattr(module, name + PACKED_SUFFIX).numel() * getattr(module, name + PACKED_SUFFIX).element_size()
         for state in getattr(module, _STATES)[name]:
             total += state.absmax.numel() * state.absmax.element_size()
             if state.nested:
                 total += state.state2.absmax.numel() * state.state2.absmax.element_size() + state.offset.numel() * 4
     return total
+
+
+def check_shardable(model: nn.Module, *, storage_bytes: int, shard_size: int) -> None:
+    """UserError, before anything is loaded, for an expert projection the packed stack cannot hold:
+    one expert's 4-bit bytes must fill whole storage elements (bitsandbytes' bytes are viewed as
+    that dtype), and FSDP2 splits the stack along experts, so every rank needs at least one."""
+    for module_name, module in fused_experts(model).items():
+        for name in projections(module):
+            experts, fan_in, fan_out = expert_shape(module, name)
+            nbytes = (fan_in * fan_out + 1) // 2
+            if nbytes % storage_bytes:
+                raise UserError(f"method=qlora with sharding: {module_name}.{name} ({fan_in} x {fan_out} per expert) packs "
+                                f"into {nbytes} bytes, not a multiple of the {storage_bytes}-byte storage element; use "
+                                "sharding.strategy=no_shard or method=lora")
+            if experts < shard_size:
+                raise UserError(f"method=qlora with sharding: {module_name} has {experts} experts, fewer than the "
+                                f"{shard_size} ranks FSDP2 splits them over; use fewer processes or sharding.strategy=no_shard")
+
+
+def is_packed_stack(module: nn.Module, attr: str) -> bool:
+    return is_packed(module) and attr.endswith(PACKED_SUFFIX)
+
+
+def checkpoint_attr(module: nn.Module, attr: str) -> str:
+    """The parameter name the checkpoint (through checkpoint_keys) holds for `module.attr`: the
+    fused projection for a packed stack, else `attr` itself."""
+    return attr.removesuffix(PACKED_SUFFIX) if is_packed_stack(module, attr) else attr
+
+
+def state_nbytes(module: nn.Module, attr: str) -> int:
+    """Bytes of one projection's QuantStates (absmax, code, and the nested ones): replicated on every rank."""
+    total = 0
+    for state in states(module, attr.removesuffix(PACKED_SUFFIX)):
+        tensors = [state.absmax, state.code]
+        if state.state2 is not None:
+            tensors += [state.state2.absmax, state.state2.code, state.offset]
+        total += sum(_nbytes(t) for t in tensors)
+    return total
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 # --------------------------------------------------------------------------------------------
@@ -310,7 +356,7 @@ def _project(module: nn.Module, name: str, expert: int, x: torch.Tensor, *, scal
     if hasattr(module, _STATES):
         import bitsandbytes as bnb
 
-        packed = getattr(module, f"{name}_4bit")[expert]
+        packed = getattr(module, name + PACKED_SUFFIX)[expert]
         y = bnb.matmul_4bit(base_input, packed.t(), quant_state=getattr(module, _STATES)[name][expert])
     else:
         weight = getattr(module, name)[expert]

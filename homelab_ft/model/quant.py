@@ -1,5 +1,7 @@
-"""Everything bitsandbytes-specific: the 4/8-bit load config, the CPU guard, k-bit preparation
-and the 8-bit / paged AdamW optimizers. `modeling`/`trainer` call this for `method: qlora`.
+"""Everything bitsandbytes-specific: the 4/8-bit load config, the CPU guard, k-bit preparation,
+the 4-bit layers of the meta-built base (`to_4bit_layers`: packed bytes in a float storage FSDP2 can
+shard, distributed/sharded_qlora.py says why, filled there block by block) and the 8-bit / paged AdamW
+optimizers. `train/build.py` calls this for `method: qlora`.
 
 The CPU trap (bitsandbytes 0.50.2, read in bitsandbytes/nn/modules.py `Linear4bit.forward`):
 on a CPU with AVX512-BF16, the first forward of a `Linear4bit` that runs in eval mode on an
@@ -23,11 +25,13 @@ layer shape works, and saves are lossless. tests/unit/test_qlora.py checks all o
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
 
 import torch
+from torch import nn
 
 from homelab_ft.config import QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
@@ -291,6 +295,199 @@ def upcast_fp16(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if param.dtype == torch.float16 and not param.requires_grad:
             param.data = param.data.float()
+
+
+# --------------------------------------------------------------------------------------------
+# the meta-built 4-bit base: layers FSDP2 can shard (distributed/sharded_qlora.py fills them)
+
+
+def packed_numel(in_features: int, out_features: int, *, storage_bytes: int) -> int | None:
+    """Elements of the packed 4-bit weight stored as `storage_bytes`-wide floats, or None when the
+    layer's 4-bit bytes do not fill whole storage elements (bitsandbytes' `view(quant_storage)` fails)."""
+    nbytes = (in_features * out_features + 1) // 2
+    return None if nbytes % storage_bytes else nbytes // storage_bytes
+
+
+def check_shardable(linear_shapes: dict[str, tuple[int, int]], *, storage_bytes: int, shard_size: int) -> None:
+    """UserError, before anything is loaded, for a layer the sharded 4-bit base cannot store.
+
+    `linear_shapes`: name -> (in_features, out_features) of every layer to quantise. A packed
+    weight that does not fill whole storage elements cannot be viewed as floats; one with fewer
+    elements than ranks would leave ranks without a shard (FSDP2 pads uneven splits, so any other
+    length works: the padding is at most shard_size - 1 elements per layer).
+    """
+    for name, (fan_in, fan_out) in linear_shapes.items():
+        numel = packed_numel(fan_in, fan_out, storage_bytes=storage_bytes)
+        if numel is None:
+            raise UserError(
+                f"method=qlora with sharding: layer {name} ({fan_in} x {fan_out}) packs into {(fan_in * fan_out + 1) // 2} "
+                f"bytes, not a multiple of the {storage_bytes}-byte storage element; use sharding.strategy=no_shard or method=lora"
+            )
+        if numel < shard_size:
+            raise UserError(
+                f"method=qlora with sharding: layer {name} ({fan_in} x {fan_out}) is too small to split over {shard_size} "
+                "ranks; use fewer processes, sharding.strategy=no_shard, or method=lora"
+            )
+
+
+@functools.cache
+def linear4bit_class():
+    """The 4-bit layer of the meta-built base (a class made once bitsandbytes is imported)."""
+    import bitsandbytes as bnb
+
+    class ShardedLinear4bit(bnb.nn.Linear4bit):
+        """A `Linear4bit` whose weight FSDP2 shards: plain float-typed packed bytes, with the
+        quantisation state of the whole weight kept on the module (`quant_state`).
+
+        bitsandbytes' own forward looks for the state on the weight and would re-wrap FSDP's
+        unsharded parameter in a `Params4bit` (setattr on the module behind FSDP's back); this
+        one reads the module's state and leaves FSDP's parameter alone. It never takes the CPU
+        inference repack (see the module docstring), so no `after_load` guard is needed.
+        """
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inp_dtype = x.dtype
+            x = x.to(self.compute_dtype)
+            bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+            return bnb.matmul_4bit(x, self.weight, bias=bias, quant_state=self.quant_state).to(inp_dtype)
+
+    return ShardedLinear4bit
+
+
+def quantized_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The `nn.Linear` layers transformers' bitsandbytes integration would quantise: all but the
+    output embedding (LM head), which stays in the compute dtype."""
+    head = model.get_output_embeddings()
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and m is not head}
+
+
+def replace_linears(model: nn.Module, *, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
+                    storage_dtype: torch.dtype) -> None:
+    """Swap every quantisable `nn.Linear` of a meta-device model for a 4-bit layer whose weight
+    has the packed shape (a meta tensor: nothing is allocated)."""
+    import bitsandbytes as bnb
+
+    cls = linear4bit_class()
+    storage_bytes = torch.empty((), dtype=storage_dtype).element_size()
+    for name, linear in quantized_linears(model).items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
+                    compress_statistics=double_quant, quant_type=quant_type, quant_storage=storage_dtype, device="meta")
+        numel = packed_numel(linear.in_features, linear.out_features, storage_bytes=storage_bytes)
+        # A Params4bit for now, so PEFT dispatches its 4-bit LoRA layer (it reads quant_type and
+        # compress_statistics off the weight); `plain_weights` swaps it for a plain Parameter.
+        layer.weight = bnb.nn.Params4bit(torch.empty((numel, 1), dtype=storage_dtype, device="meta"), requires_grad=False,
+                                         compress_statistics=double_quant, quant_type=quant_type,
+                                         quant_storage=storage_dtype, module=layer, bnb_quantized=True)
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(torch.empty(linear.out_features, dtype=compute_dtype, device="meta"),
+                                      requires_grad=False)
+        layer.quant_state = None  # set by sharded_qlora.fill_from_safetensors: the state of the whole weight
+        layer.quant_type_4bit, layer.double_quant = quant_type, double_quant
+        layer.support_avx512bf16_for_cpu = False
+        setattr(parent, child, layer)
+
+
+def plain_weights(model: nn.Module) -> None:
+    """Params4bit -> plain frozen Parameters (same meta shape and dtype) before `fully_shard`, which
+    would otherwise chunk through Params4bit's `__torch_function__` and carry its attributes."""
+    cls = linear4bit_class()
+    for module in model.modules():
+        if isinstance(module, cls) and not module.weight.is_meta:
+            raise AssertionError("plain_weights runs on the meta-device build only")
+        if isinstance(module, cls):
+            module.weight = nn.Parameter(torch.empty_like(module.weight.data, device="meta"), requires_grad=False)
+
+
+def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, shard_size: int,
+                   storage_dtype: torch.dtype | None = None) -> None:
+    """Turn a meta-device architecture into the shardable 4-bit base: refuse a layer it cannot
+    store, swap the quantisable linears for 4-bit ones of the packed shape and the fused experts for
+    packed stacks (`pack_experts`), freeze everything. The packed bytes are stored as
+    `storage_dtype` (default `compute_dtype`: what FSDP2 gathers, so the run's
+    MixedPrecisionPolicy.param_dtype must equal it, sharded_qlora.check_recipe; uint8 where nothing shards)."""
+    from homelab_ft.model import moe_experts
+
+    storage_dtype = compute_dtype if storage_dtype is None else storage_dtype
+    storage_bytes = torch.empty((), dtype=storage_dtype).element_size()
+    shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model).items()}
+    check_shardable(shapes, storage_bytes=storage_bytes, shard_size=shard_size)
+    moe_experts.check_shardable(model, storage_bytes=storage_bytes, shard_size=shard_size)
+    raise_if_unquantizable(model)
+    replace_linears(model, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant,
+                    compute_dtype=compute_dtype, storage_dtype=storage_dtype)
+    pack_experts(model, quant_cfg, storage_dtype=storage_dtype)
+    for param in model.parameters():
+        param.requires_grad_(False)
+
+
+QUANT_CHUNK_VALUES = 1 << 18
+"""Values quantised per call. bitsandbytes' CPU quantiser (backends/default/ops.py) holds ~8 fp32
+temporaries per value (abs, scaled, clamp, bucketize indices ...): measured +130 MB of RSS for one
+4M-value tensor, twice that tensor's own 16 MB. Chunks of 256k values cap it at ~8 MB; on CUDA
+the fused kernel needs no temporaries and 70B's largest layer is ~900 chunks, a few ms."""
+
+
+CUDA_QUANT_CHUNK_VALUES = 1 << 24
+
+
+def quantize_4bit(weight: torch.Tensor, *, quant_type: str, double_quant: bool, storage_dtype: torch.dtype):
+    """`bnb.functional.quantize_4bit(weight, blocksize=64, ...)`, bit for bit, in chunks.
+
+    NF4/FP4 quantise each block of 64 values on its own, so quantising 1M-value chunks (a multiple
+    of 64; only the last chunk has the short block, as in one call) and concatenating gives the same
+    packed bytes and absmax; double quantisation then runs once over the whole absmax, exactly as
+    bitsandbytes does (offset = mean, blockwise 8-bit in blocks of 256).
+    """
+    import bitsandbytes.functional as bnbf
+
+    flat = weight.reshape(-1)
+    # CUDA's fused kernel has no temporaries to cap: big chunks, ~15 calls for 70B's widest layer
+    chunk = QUANT_CHUNK_VALUES if weight.device.type == "cpu" else CUDA_QUANT_CHUNK_VALUES
+    packed, absmax = [], []
+    for start in range(0, flat.numel(), chunk):
+        part, state = bnbf.quantize_4bit(flat[start:start + chunk], blocksize=64, compress_statistics=False,
+                                         quant_type=quant_type, quant_storage=torch.uint8)
+        packed.append(part.reshape(-1))
+        absmax.append(state.absmax)
+    packed_bytes = torch.cat(packed)
+    absmax_all = torch.cat(absmax)
+    code = bnbf.get_4bit_type(quant_type, device=weight.device)
+    if double_quant:
+        offset = absmax_all.mean()
+        qabsmax, state2 = bnbf.quantize_blockwise(absmax_all - offset, blocksize=256)
+        state = bnbf.QuantState(absmax=qabsmax, shape=weight.shape, dtype=weight.dtype, blocksize=64, code=code,
+                                quant_type=quant_type, offset=offset, state2=state2)
+    else:
+        state = bnbf.QuantState(absmax=absmax_all, shape=weight.shape, dtype=weight.dtype, blocksize=64, code=code,
+                                quant_type=quant_type)
+    return packed_bytes.view(storage_dtype).unsqueeze(1), state
+
+
+def state_nbytes(state) -> int:
+    """Bytes of one QuantState's tensors (absmax, code, and the nested ones)."""
+    tensors = [state.absmax, state.code]
+    if state.state2 is not None:
+        tensors += [state.state2.absmax, state.state2.code]
+    return sum(_nbytes(t) for t in tensors)
+
+
+def pack_experts(model: nn.Module, quant_cfg, *, storage_dtype: torch.dtype) -> int:
+    """Every fused-experts module of a meta-device model to empty packed stacks (moe_experts.pack_meta)."""
+    from homelab_ft.model import moe_experts
+
+    found = moe_experts.fused_experts(model)
+    for module in found.values():
+        moe_experts.pack_meta(module, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant,
+                              storage_dtype=storage_dtype)
+    if found:
+        log.info("4-bit experts: %d fused-experts modules packed (%s)", len(found), quant_cfg.quant_type)
+    return len(found)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 # --------------------------------------------------------------------------------------------

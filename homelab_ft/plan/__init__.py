@@ -12,7 +12,8 @@ The modules, in the order a plan is made:
   hardware     the cluster as detected on this machine, or as the recipe, flags or a cluster file say
   gpus         the GPU table (vendors' dense bf16 TFLOPS, bandwidth) and the throughput a step is priced with
   shapes       the model's shape (`model_shape`): from the cache, else derived
-  shape_types  what a shape holds: parameters per block kind, nn.Linear layers, experts, saved activations
+  shape_types  what a shape holds: parameters per block kind, nn.Linear layers, experts, saved activations;
+               and its `facts` (model_facts.ModelFacts), the little of it the builder asks
   shape_cache  derived shapes as JSON per (config, attention, transformers version): plans without torch
   derive       the shape read from the model transformers builds on the meta device (imports torch)
   saved        the activation bytes a block keeps for backward, measured under saved_tensors_hooks

@@ -80,6 +80,7 @@ class Plan:
             "model": self.model,
             "config_source": self.config_source,
             "model_type": self.shape.model_type,
+            "facts": self.shape.facts.to_dict(),
             "total_params": self.shape.total_params,
             "active_params": self.shape.active_params,
             "cluster": dataclasses.asdict(self.cluster),

@@ -8,12 +8,16 @@ Nothing here is written per family: derive.py reads it all from the model transf
 the config (on the meta device), and shape_cache.py keeps it as JSON per (config, transformers
 version), so planning a model seen before imports no torch. The config itself comes from
 wherever the model lives: locate.locate_config. shapes.model_shape is the front door.
+
+`ModelShape.facts` is the little of the shape that building the model asks (homelab_ft/model_facts.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+from homelab_ft.model_facts import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,13 @@ class ModelShape:
     @property
     def is_moe(self) -> bool:
         return any(b.expert_params for b in self.blocks)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the builder asks, from this shape: the same meta model and the same cache entry."""
+        experts = tuple(dict.fromkeys(name for b in self.blocks for name in b.expert_names))
+        return ModelFacts(num_blocks=self.num_layers, vocab_size=self.vocab_size, tied_embeddings=self.tie_word_embeddings,
+                          embedding_name=self.embedding_name, fused_experts=experts)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,7 +1,7 @@
 """The run: the model for a rung, the one loop, and what it computes.
 
     trainer         `train(recipe, plan=..., rung=..., inputs=...)`: setup -> steps -> checkpoints -> cleanup
-    build           `build_model`: load or meta -> adapters -> checkpointing -> shard -> fill
+    build           `build_for`: the model for a rung by three builders (whole load; meta then fill; pipeline stage)
     preflight       every input checked before anything is created (`check_inputs`)
     steps           shared arithmetic: trained tokens, the loss normalised once over them
     loss            the chunked LM-head loss (no full-vocabulary logits)

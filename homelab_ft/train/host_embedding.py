@@ -23,6 +23,7 @@ from torch import nn
 
 from homelab_ft import embedding_offload
 from homelab_ft.config import Recipe
+from homelab_ft.model_facts import ModelFacts
 from homelab_ft.rung import Rung
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,9 @@ log = logging.getLogger(__name__)
 HOST = torch.device("cpu")
 
 
-def apply(model: nn.Module, recipe: Recipe, *, rung: Rung, device: torch.device) -> bool:
+def apply(model: nn.Module, recipe: Recipe, *, facts: ModelFacts, rung: Rung, device: torch.device) -> bool:
     """Keep `model`'s input embedding table on the host when the rule says so; whether it did."""
-    if not planned(model, recipe, rung=rung, device_type=device.type):
+    if not planned(recipe, facts=facts, rung=rung, device_type=device.type):
         return False
     base = _base(model)
     nbytes = keep_on_host(base, base.get_input_embeddings(), device=device)
@@ -41,16 +42,12 @@ def apply(model: nn.Module, recipe: Recipe, *, rung: Rung, device: torch.device)
     return True
 
 
-def planned(model: nn.Module, recipe: Recipe, *, rung: Rung, device_type: str) -> bool:
-    """The rule (embedding_offload.decide) on the built model: tied as derive.py reads it for the
-    planner (the head's weight is the embedding's), targeted by the embedding module's own name."""
-    base = _base(model)
-    embed, head = base.get_input_embeddings(), base.get_output_embeddings()
-    tied = head is not None and head.weight is embed.weight
-    name = next(n for n, m in base.named_modules() if m is embed)
-    targeted = embedding_offload.targets_embedding(recipe.lora.target_modules, embedding_name=name)
-    return embedding_offload.decide(recipe.train.embedding_offload, rung=rung, tied=tied, targeted=targeted,
-                                    device_type=device_type)
+def planned(recipe: Recipe, *, facts: ModelFacts, rung: Rung, device_type: str) -> bool:
+    """The rule (embedding_offload.decide) on what the planner read off the model (ModelFacts: tied,
+    and the embedding module's name the targets are matched against), so it decides as the plan did."""
+    targeted = embedding_offload.targets_embedding(recipe.lora.target_modules, embedding_name=facts.embedding_name)
+    return embedding_offload.decide(recipe.train.embedding_offload, rung=rung, tied=facts.tied_embeddings,
+                                    targeted=targeted, device_type=device_type)
 
 
 def _base(model: nn.Module) -> nn.Module:

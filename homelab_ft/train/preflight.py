@@ -21,6 +21,7 @@ from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
 from homelab_ft.locate import locate
 from homelab_ft.model import family, loading
+from homelab_ft.model_facts import ModelFacts
 from homelab_ft.rung import Rung
 from homelab_ft.store import rundir
 
@@ -39,10 +40,13 @@ class Inputs:
 
     model_dir: Path
     resume_from: Path | None
+    facts: ModelFacts
+    """What the plan read off the model (its shape's `facts`): what the builder asks."""
 
 
-def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
+def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: str) -> Inputs:
     """Recipe-level and file-level checks of everything a run reads, in the order a user fixes them.
+    `facts`: the plan's (`plan.shape.facts`), handed on to the builder with the checked inputs.
 
     The data is checked by `data.prepare_data` (rows are validated while tokenising), which the
     caller runs after this and still before the run directory is created.
@@ -67,7 +71,7 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
         if rung.pipeline_enabled:
             from homelab_ft.train.build import refuse_pipelined_experts
 
-            refuse_pipelined_experts(recipe, model_dir=model_dir)
+            refuse_pipelined_experts(facts)
         if rung.fsdp_enabled:
             from homelab_ft.distributed import sharded_qlora
 
@@ -84,7 +88,7 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
         from homelab_ft.distributed import stages
 
         stages.check_recipe(recipe, rung=rung, config=config)
-    return Inputs(model_dir=model_dir, resume_from=resume_from)
+    return Inputs(model_dir=model_dir, resume_from=resume_from, facts=facts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,4 +275,4 @@ def inputs_in_worker(recipe: Recipe, handoff) -> Inputs:
     of the checkpoint it chose to resume from), so nothing is read again; on another node the paths
     are the head's, which docs/multi-node.md asks to be the same on every machine."""
     return Inputs(model_dir=Path(handoff.model_dir),
-                  resume_from=Path(handoff.resume_from) if handoff.resume_from else None)
+                  resume_from=Path(handoff.resume_from) if handoff.resume_from else None, facts=handoff.facts)

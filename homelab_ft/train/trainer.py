@@ -30,6 +30,7 @@ from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.distributed.pipeline import Pipeline
 from homelab_ft.errors import Stopped
 from homelab_ft.model import compiling, loading
+from homelab_ft.model_facts import ModelFacts
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo
@@ -56,12 +57,16 @@ def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
     """Run `recipe` to `train.max_steps` (or the steps `train.num_epochs` means: steps.total_steps).
 
     `rung` is what the planner decided (default: `rung_for(recipe)`, the recipe's own rung); `inputs`
-    are the checked model folder and resume point when the caller (the CLI) already ran the checks.
-    `plan` is the planner's report in the one form every process holds it, `Plan.to_dict()` (what
-    `plan --json` prints and the torchrun workers receive in their Handoff): the trainer only stores
-    it, as plan.json. `resume_command`: what the stop line tells the user to run (the CLI knows the
-    recipe path and the overrides); default: the run directory's own recipe.yaml with --resume.
+    are the checked model folder, resume point and model facts when the caller (the CLI) already ran
+    the checks. `plan` is the planner's report in the one form every process holds it,
+    `Plan.to_dict()` (what `plan --json` prints and the torchrun workers receive in their Handoff):
+    the trainer stores it as plan.json and, without `inputs`, reads the model's facts from it (the
+    builder's answers, model_facts.py). `resume_command`: what the stop line tells the user to run
+    (the CLI knows the recipe path and the overrides); default: the run directory's own recipe.yaml
+    with --resume.
     """
+    if inputs is None and "facts" not in (plan or {}):
+        raise AssertionError("train() needs the plan (planner.plan_for_recipe(...).to_dict()) or checked preflight.Inputs")
     rung = rung_for(recipe) if rung is None else rung
     env = comm.setup(device_pref=recipe.train.device)
     # SIGTERM/SIGINT stop the loop after a step and save it; the handlers stay until teardown is
@@ -340,7 +345,8 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     # Every input is checked before the run directory is touched: a typo never costs a run. (The
     # CLI has normally run these checks already, before launching; direct callers get them here.)
     if inputs is None:
-        inputs = preflight.check_inputs(recipe, rung=rung, device_type=env.device.type)
+        inputs = preflight.check_inputs(recipe, rung=rung, facts=ModelFacts.from_dict(plan["facts"]),
+                                        device_type=env.device.type)
     model_dir = inputs.model_dir
     tokenizer = loading.load_tokenizer(recipe.model, model_dir)
     # Rank 0 alone writes trainer_state.json, so only it hashes the data (a refusal there stops all).
@@ -359,7 +365,8 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     comm.barrier(env)  # and no rank reads a half-made run directory
 
     torch.manual_seed(cfg.seed)  # LoRA's A matrices are initialised from this
-    model, pipe = build.build_for(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=tokenizer.pad_token_id)
+    model, pipe = build.build_for(recipe, model_dir=model_dir, facts=inputs.facts, rung=rung, env=env,
+                                  pad_token_id=tokenizer.pad_token_id)
     if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
         compiling.compile_blocks(model)
     if recipe.objective == "dpo" and not rung.adapters_enabled:

@@ -16,6 +16,7 @@ import torch
 
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
+from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.rung import rung_for
 from homelab_ft.train.build import build_model
 
@@ -29,7 +30,7 @@ def run_job(job: dict, env) -> dict:
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = Path(recipe.model.path)
     rung = rung_for(recipe)
-    model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung, env=env)
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = model(input_ids=ids).logits

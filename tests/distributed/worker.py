@@ -26,8 +26,9 @@ import torch
 
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm, parallelize
+from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.rung import Rung, rung_for
-from homelab_ft.train import trainer
+from homelab_ft.train import preflight, trainer
 from homelab_ft.train.build import build_model
 
 
@@ -63,7 +64,9 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
     if "capture_grads" in job:
         _capture_grads(grads)
     try:
-        result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=None, base_dir=base_dir)
+        # the facts the CLI hands down with its plan: the planner's reading of the model (cached shape)
+        inputs = preflight.check_inputs(recipe, rung=rung, facts=recipe_shape(recipe)[0].facts, device_type=env.device.type)
+        result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=base_dir)
     finally:
         trainer.train_step = _TRAIN_STEP
     if "capture_grads" in job:
@@ -213,7 +216,7 @@ def run_export(job: dict, env, base_dir: Path) -> dict:
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = loading.resolve_model_dir(recipe.model.path)
-    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=env)
     with torch.no_grad():  # in place, into this rank's shards, as checkpoint.load does
         dcp.load({"model": trainable_state(model)}, checkpoint_id=Path(job["checkpoint"]) / "state")
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -346,18 +349,19 @@ def run_qlora_shards(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import LlamaForCausalLM  # noqa: F401
 
-    from homelab_ft.distributed import sharded_qlora
+    from homelab_ft.distributed import sharded_qlora  # noqa: F401  (imported before the baseline too)
     from homelab_ft.model import loading, quant
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = Path(recipe.model.path)
     rung = rung_for(recipe)
+    facts = recipe_shape(recipe)[0].facts
     gc.collect()
     rss_before, maxrss_before = _rss_bytes(), _maxrss_bytes()
-    model = build_model(recipe, model_dir=model_dir, rung=rung, env=env)
+    model = build_model(recipe, model_dir=model_dir, facts=facts, rung=rung, env=env)
     gc.collect()
     maxrss_after = _maxrss_bytes()
-    cls = sharded_qlora._linear4bit_class()
+    cls = quant.linear4bit_class()
     local = total = 0
     for module in model.modules():
         if isinstance(module, cls):
@@ -366,7 +370,7 @@ def run_qlora_shards(job: dict, env) -> dict:
             total += w.numel() * w.element_size()
     all_local = sum(p.to_local().numel() * p.element_size() if isinstance(p, DTensor) else p.numel() * p.element_size()
                     for p in model.parameters())
-    states = sum(sharded_qlora._state_nbytes(m.quant_state) for m in model.modules() if isinstance(m, cls))
+    states = sum(quant.state_nbytes(m.quant_state) for m in model.modules() if isinstance(m, cls))
     from safetensors import safe_open
 
     block_bytes = 0

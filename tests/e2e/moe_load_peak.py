@@ -21,6 +21,7 @@ from safetensors import safe_open
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.model import moe_experts
+from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.rung import rung_for
 from homelab_ft.train.build import build_model
 
@@ -58,11 +59,12 @@ def main(recipe_path: str, out_path: str) -> None:
     recipe = recipe_from_dict(json.loads(Path(recipe_path).read_text()), source="load-peak")
     env = DistEnv(rank=0, local_rank=0, world_size=1, num_nodes=1, device=torch.device("cpu"), backend=None,
                   is_main=True)
-    build_model(recipe, model_dir=Path(recipe.model.path), rung=rung_for(recipe), env=env)  # dropped at once
+    facts = recipe_shape(recipe)[0].facts
+    build_model(recipe, model_dir=Path(recipe.model.path), facts=facts, rung=rung_for(recipe), env=env)  # dropped at once
     _release_freed_memory()
     _reset_peak()
     rss_before, peak_before = _rss_bytes(), _peak_rss_bytes()
-    model = build_model(recipe, model_dir=Path(recipe.model.path), rung=rung_for(recipe), env=env)
+    model = build_model(recipe, model_dir=Path(recipe.model.path), facts=facts, rung=rung_for(recipe), env=env)
     gc.collect()
     peak = _peak_rss_bytes() - rss_before
     experts = moe_experts.fused_experts(model)

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.model import compiling
+from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.rung import rung_for
 from homelab_ft.train import optim
 from homelab_ft.train.build import build_model
@@ -55,7 +56,7 @@ def _run(model_dir, *, method: str, compile: bool, checkpointing: bool,
                   "loss_chunk_tokens": CHUNK, "activation_checkpointing": checkpointing, "compile": compile,
                   "device": "cpu", **(train or {})}})
     torch.manual_seed(0)
-    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=ENV)
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=ENV)
     names = [name for name, _ in model.named_parameters()]
     if compile:
         assert compiling.compile_blocks(model) == model.config.num_hidden_layers

@@ -13,8 +13,9 @@ from keys_models import save_original, saved_keys
 from homelab_ft.cli.main import main
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
+from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.rung import rung_for
-from homelab_ft.train import trainer
+from homelab_ft.train import preflight, trainer
 
 
 def _linear_names(model_dir) -> list[str]:
@@ -41,12 +42,14 @@ def test_lora_run_exports_in_the_base_layout(tmp_path, family):
     }
     run, out = tmp_path / "run", tmp_path / "export"
     recipe["output"]["dir"] = str(run)
-    # The trainer itself, as the distributed tests' worker runs it: the planner's shape of these
-    # families is another change of issue 20 (today it refuses model_type qwen3_5).
+    # The trainer itself, as the distributed tests' worker runs it, with the model facts the planner's
+    # shape hands the builder.
     env = comm.setup(device_pref="cpu", timeout_s=60)
     parsed = recipe_from_dict(recipe, source=family)
+    rung = rung_for(parsed)
     try:
-        trainer._train(parsed, env=env, rung=rung_for(parsed), plan=None, inputs=None, base_dir=tmp_path)
+        inputs = preflight.check_inputs(parsed, rung=rung, facts=recipe_shape(parsed)[0].facts, device_type="cpu")
+        trainer._train(parsed, env=env, rung=rung, plan=None, inputs=inputs, base_dir=tmp_path)
     finally:
         comm.teardown(env)
     assert main(["export", str(run), "--out", str(out)]) == 0  # checks merged vs base + adapter logits itself

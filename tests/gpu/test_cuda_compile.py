@@ -44,6 +44,7 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.model import compiling
+    from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model
@@ -59,7 +60,7 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
     env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     torch.manual_seed(0)
-    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe),
                         env=env)
     if compile:
         compiling.compile_blocks(model)

@@ -51,7 +51,7 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.ladder import option_rung
     from homelab_ft.plan.memory import estimate
-    from homelab_ft.plan.planner import request_from_recipe
+    from homelab_ft.plan.planner import recipe_shape, request_from_recipe
     from homelab_ft.plan.shapes import model_shape
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
@@ -67,7 +67,7 @@ def test_peak_matches_the_plan(model_dir, name):
     env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe),
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe),
                         env=env)
     optimizer = optim.build_optimizer(model, recipe.train)
     s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,

@@ -33,6 +33,7 @@ def model_dir(tmp_path_factory) -> Path:
 def _step(model_dir: Path, setting):
     from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
+    from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model
@@ -47,7 +48,7 @@ def _step(model_dir: Path, setting):
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.manual_seed(0)
-    model = build_model(recipe, model_dir=model_dir, rung=rung_for(recipe), env=env)
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=env)
     resident = torch.cuda.memory_allocated() - before
     lm = model.get_base_model()
     table = lm.get_input_embeddings().weight

@@ -10,6 +10,7 @@ import torch
 from homelab_ft.config import LoraConfig, ModelConfig, recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.model import loading
+from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.train.build import build_model, dtypes_for
 
@@ -45,7 +46,7 @@ def test_model_dtype_is_qloras_compute_only_when_not_quantized():
 def test_activation_checkpointing_on_every_block_or_none(tiny_model_dir, method, checkpointing):
     recipe = recipe_from_dict({"method": method, "model": {"path": str(tiny_model_dir), "dtype": "float32"},
                                "lora": {"r": 4}, "train": {"activation_checkpointing": checkpointing, "device": "cpu"}})
-    model = build_model(recipe, model_dir=tiny_model_dir, rung=rung_for(recipe), env=ENV)
+    model = build_model(recipe, model_dir=tiny_model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=ENV)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     assert [layer.gradient_checkpointing for layer in base.model.layers] == [checkpointing] * len(base.model.layers)
     assert base.is_activation_checkpointing == checkpointing

@@ -63,6 +63,10 @@ def test_planner_and_trainer_apply_one_rule(tied):
     where the trainer keeps it there, and both refuse the same `true`."""
     model, shape = _model_and_shape(tied)
     assert shape.embedding_name == "model.embed_tokens" and shape.tie_word_embeddings == tied
+    # the trainer decides on the facts the plan hands it, which are the built model's
+    embed, facts = model.get_input_embeddings(), shape.facts
+    assert facts.tied_embeddings == (model.get_output_embeddings().weight is embed.weight)
+    assert facts.embedding_name == next(n for n, m in model.named_modules() if m is embed)
     seen = set()
     for (rung_name, rung), (tname, targets), device, setting in itertools.product(
             RUNGS.items(), TARGETS.items(), ("cuda", "cpu"), ("auto", True, False)):
@@ -71,7 +75,7 @@ def test_planner_and_trainer_apply_one_rule(tied):
                                   embedding_offload=setting)
         priced = _outcome(params.host_embedding_bytes, shape=shape, rung=rung, request=request, cluster=_cluster(device))
         priced = priced if priced == "refused" else priced > 0
-        kept = _outcome(host_embedding.planned, model=model, recipe=recipe, rung=rung, device_type=device)
+        kept = _outcome(host_embedding.planned, recipe=recipe, facts=facts, rung=rung, device_type=device)
         assert priced == kept, (rung_name, tname, device, setting)
         seen.add(kept)
         applies = (not tied and tname != "embed" and device == "cuda" and rung_name in ("qlora", "lora", "lora ddp"))

@@ -83,13 +83,13 @@ def test_all_linear_is_every_plain_linear_the_owner_calls(model_type):
 
 
 def test_quantized_linear_layers_stay_targets():
-    """bitsandbytes' 4-bit layers and sharded_qlora's subclass (each with its own forward) are linear
-    layers PEFT wraps, unlike a model's router; and a config's list needs no weights."""
+    """bitsandbytes' 4-bit layers and the shardable subclass (quant.linear4bit_class, each with its own
+    forward) are linear layers PEFT wraps, unlike a model's router; and a config's list needs no weights."""
     import bitsandbytes as bnb
 
-    from homelab_ft.distributed import sharded_qlora
+    from homelab_ft.model import quant
 
-    assert targets.linear_forward(bnb.nn.Linear4bit) and targets.linear_forward(sharded_qlora._linear4bit_class())
+    assert targets.linear_forward(bnb.nn.Linear4bit) and targets.linear_forward(quant.linear4bit_class())
     assert targets.linear_forward(torch.nn.Linear)
     assert targets.for_config(tiny_config("llama4_text")) == targets.lora_targets(_meta("llama4_text"))
     assert "router" not in targets.for_config(tiny_config("llama4_text"))

@@ -53,7 +53,8 @@ def built(tmp_path_factory):
                                "data": {"sources": [{"path": str(folder / "x.jsonl")}], "max_length": 64},
                                "train": {"device": "cpu"}}, source="test")
     rung = Rung("qlora", "no_shard", False)
-    model = build._meta_architecture(recipe, model_dir=folder, rung=rung, dtype=torch.float32, storage_dtype=torch.uint8)
+    model = build._meta_architecture(recipe, config=build._config(recipe, model_dir=folder), rung=rung, dtype=torch.float32,
+                                     storage_dtype=torch.uint8)
     model.to_empty(device="cpu")
     peak: dict = {}
     sharded_qlora.fill_from_safetensors(model, sharded_qlora.load_groups(model), folder,
@@ -75,10 +76,9 @@ def _state_tensors(state) -> list[torch.Tensor]:
 
 def _kept_bytes(model) -> tuple[int, int]:
     """(bytes of every QuantState tensor in the model, the largest one-expert dequantized weight)."""
-    from homelab_ft.distributed import sharded_qlora
-    from homelab_ft.model import moe_experts
+    from homelab_ft.model import moe_experts, quant
 
-    cls = sharded_qlora._linear4bit_class()
+    cls = quant.linear4bit_class()
     states = [m.quant_state for m in model.modules() if isinstance(m, cls)]
     scratch = 0
     for module in moe_experts.fused_experts(model).values():
@@ -133,13 +133,13 @@ def test_sharded_4bit_base_splits_the_parameters_and_not_the_scratch(built):
 def test_one_process_moe_qlora_host_peak_holds_the_load(built):
     """Before: the one-process MoE QLoRA load (meta build + per-block fill) priced 0 host bytes for
     the stacked experts it reads; now the host peak is the larger of the load and of training."""
-    from homelab_ft.distributed import sharded_experts
     from homelab_ft.distributed.sharded_qlora import load_groups
+    from homelab_ft.model import moe_experts
     from homelab_ft.model.checkpoint_keys import CheckpointKeys
 
     shape, model, peak, folder = built
     groups = load_groups(model)
-    packed = {name for group in groups for name, module, attr in group if sharded_experts.is_packed_stack(module, attr)}
+    packed = {name for group in groups for name, module, attr in group if moe_experts.is_packed_stack(module, attr)}
     reads = dict(CheckpointKeys(model, folder).tensors([name for group in groups for name, _, _ in group]))
     stack = max(_nbytes(reads[name]) for name in packed)
     dense = max(_nbytes(t) for name, t in reads.items() if name not in packed)

@@ -18,9 +18,13 @@ from homelab_ft.cluster.handoff import Handoff
 from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.errors import UserError
+from homelab_ft.model_facts import ModelFacts
 from homelab_ft.rung import Rung
 
 REPO = Path(__file__).resolve().parents[2]
+FACTS = ModelFacts(num_blocks=2, vocab_size=320, tied_embeddings=True, embedding_name="model.embed_tokens")
+MOE_FACTS = ModelFacts(num_blocks=48, vocab_size=151936, tied_embeddings=False, embedding_name="model.embed_tokens",
+                       fused_experts=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
 
 
 def test_standalone_command_runs_the_same_train_under_torchrun():
@@ -76,12 +80,12 @@ def test_node_commands_refuse_a_hostfile_that_contradicts_the_recipe():
 
 
 def _handoff(rung: Rung) -> Handoff:
-    return Handoff(rung=rung, plan={"chosen": None}, model_dir="/m")
+    return Handoff(rung=rung, plan={"chosen": None}, facts=FACTS, model_dir="/m")
 
 
 def test_the_handoff_survives_its_encoding_as_one_shell_word():
     rung = Rung("full", "hybrid_shard", True, nodes=2, procs_per_node=2, activation_checkpointing=True)
-    sent = Handoff(rung=rung, plan={"chosen": {"step_s": 1.5}, "options": [{"label": "x" * 40}] * 50},
+    sent = Handoff(rung=rung, plan={"chosen": {"step_s": 1.5}, "options": [{"label": "x" * 40}] * 50}, facts=MOE_FACTS,
                    model_dir="/models/llama 3", resume_from="/runs/r/checkpoints/step_00000010")
     text = sent.encode()
     assert Handoff.decode(text) == sent
@@ -172,6 +176,7 @@ def test_workers_get_the_parents_decision(monkeypatch):
     assert handoff.received(env) is None  # the parent itself is not a worker
     received = handoff.received({**env, "LOCAL_RANK": "0"})
     assert received.rung == rung and received.model_dir == "/m" and received.plan == {"chosen": None}
+    assert received.facts == FACTS  # the model facts too: the worker reads no config.json to learn them
 
 
 def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, capsys, monkeypatch):
@@ -193,6 +198,7 @@ def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, capsys, mo
     sent = Handoff.decode(words.pop())
     assert sent.rung.nodes == 2 and sent.rung == Rung.from_dict(sent.plan["chosen"]["rung"])
     assert Path(sent.model_dir, "config.json").is_file() and sent.resume_from is None
+    assert sent.facts.num_blocks == 30 and sent.facts.tied_embeddings and not sent.facts.has_fused_experts  # SmolLM2-135M
 
 
 def test_torchrun_waits_for_a_step_and_a_checkpoint_after_a_signal():

@@ -93,15 +93,16 @@ def test_a_schedule_this_torch_lacks_is_refused(monkeypatch):
 
 
 def test_preflight_refuses_before_the_run_directory_exists(tmp_path, tiny_model_dir):
+    from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.train import preflight
 
     recipe = recipe_from_dict({"method": "full", "model": {"path": str(tiny_model_dir)},
                                "output": {"dir": str(tmp_path / "run")}, "cluster": {"gpus_per_node": 2},
                                "sharding": {"pipeline_stages": 2}, "train": {"grad_accum_steps": 4}})
-    preflight.check_inputs(recipe, rung=rung_for(recipe), device_type="cpu")  # 2 blocks, 2 stages: fine
+    preflight.check_inputs(recipe, rung=rung_for(recipe), facts=recipe_shape(recipe)[0].facts, device_type="cpu")  # 2 blocks, 2 stages: fine
     too_many = recipe_from_dict({**{"method": "full", "model": {"path": str(tiny_model_dir)}},
                                  "output": {"dir": str(tmp_path / "run")}, "cluster": {"gpus_per_node": 4},
                                  "sharding": {"pipeline_stages": 4}, "train": {"grad_accum_steps": 4}})
     with pytest.raises(UserError, match="the model has 2 decoder block"):
-        preflight.check_inputs(too_many, rung=rung_for(too_many), device_type="cpu")
+        preflight.check_inputs(too_many, rung=rung_for(too_many), facts=recipe_shape(too_many)[0].facts, device_type="cpu")
     assert not (tmp_path / "run").exists()

@@ -168,6 +168,33 @@ def test_plan_succeeds_on_a_saved_tiny_model_of_every_family(model_type, tmp_pat
     assert result.shape.is_moe == (model_type in MOE)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "gpt_oss"])
+def test_facts_are_what_the_built_model_says(model_type):
+    """ModelShape.facts, which the plan hands the builder instead of config.json, against the model
+    transformers builds from the config (the one the trainer builds): blocks, vocabulary, tying, the
+    embedding's name, and every fused-experts projection by its name inside a block."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.model import moe_experts
+    from homelab_ft.model.blocks import transformer_blocks
+    from homelab_ft.model_facts import ModelFacts
+
+    config = tiny_config(model_type)
+    facts = model_shape(config.to_dict()).facts
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed, blocks = model.get_input_embeddings(), transformer_blocks(model)
+    prefix = next(n for n, m in model.named_modules() if m is blocks[0])
+    experts = {f"{name.removeprefix(prefix + '.')}.{proj}" for name, module in moe_experts.fused_experts(model).items()
+               if name.startswith(prefix + ".") for proj in moe_experts.projections(module)}
+    assert facts.num_blocks == len(blocks) and facts.vocab_size == embed.weight.shape[0]
+    assert facts.tied_embeddings == (model.get_output_embeddings().weight is embed.weight)
+    assert facts.embedding_name == next(n for n, m in model.named_modules() if m is embed)
+    assert set(facts.fused_experts) == experts and facts.has_fused_experts == (model_type != "llama")
+    assert ModelFacts.from_dict(json.loads(json.dumps(facts.to_dict()))) == facts
+
+
 def test_moe_active_params_count_top_k_experts():
     mixtral = model_shape(_real("mixtral-8x7b"))
     block = mixtral.blocks[0]

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.config import recipe_from_dict
-from homelab_ft.distributed.sharded_qlora import check_model, check_recipe, check_shardable, packed_numel
+from homelab_ft.distributed.sharded_qlora import check_model, check_recipe
 from homelab_ft.errors import UserError
+from homelab_ft.model.quant import check_shardable, packed_numel
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.ladder import option_rung
 from homelab_ft.plan.memory import GiB, estimate
@@ -88,11 +89,11 @@ def test_chunked_quantisation_is_bitsandbytes_bit_for_bit(monkeypatch, quant_typ
     bnb = pytest.importorskip("bitsandbytes")
     import bitsandbytes.functional as F
 
-    from homelab_ft.distributed import sharded_qlora
+    from homelab_ft.model import quant
 
-    monkeypatch.setattr(sharded_qlora, "QUANT_CHUNK_VALUES", 1024)
+    monkeypatch.setattr(quant, "QUANT_CHUNK_VALUES", 1024)
     weight = torch.randn(72, 40, generator=torch.Generator().manual_seed(0))  # 2880 values: 3 chunks, 45 blocks
-    packed, state = sharded_qlora.quantize_4bit(weight, quant_type=quant_type, double_quant=double_quant,
+    packed, state = quant.quantize_4bit(weight, quant_type=quant_type, double_quant=double_quant,
                                                 storage_dtype=torch.float32)
     ref, ref_state = F.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant, quant_type=quant_type)
     assert packed.shape == (2880 // 8, 1) and packed.dtype == torch.float32
