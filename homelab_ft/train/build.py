@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from homelab_ft import refusals
 from homelab_ft.config import Recipe
 from homelab_ft.distributed import parallelize, pipeline, sharded_loading
 from homelab_ft.errors import UserError
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
-from homelab_ft.moe_routers import check_rung
-from homelab_ft.rung import Rung
+from homelab_ft.rung import Rung, RungError
 from homelab_ft.train import host_embedding
 
 
@@ -85,7 +85,8 @@ def build_model(recipe: Recipe, *, model_dir: Path, rung: Rung, env) -> nn.Modul
 def build_for(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_token_id: int) -> tuple[nn.Module, object]:
     """The model to train and, when the rung is pipelined, the Pipeline that runs this rank's stage (else None)."""
     if rung.pipeline_enabled:
-        check_rung(recipe.lora.train_router and rung.adapters_enabled, stages=rung.pipeline_stages)
+        if why := refusals.trained_router(rung, train_router=recipe.lora.train_router):
+            raise RungError(why)
         return build_pipelined(recipe, model_dir=model_dir, rung=rung, env=env, pad_token_id=pad_token_id)
     return build_model(recipe, model_dir=model_dir, rung=rung, env=env), None
 
@@ -96,7 +97,7 @@ def build_pipelined(recipe: Recipe, *, model_dir: Path, rung: Rung, env, pad_tok
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
     if rung.quantized_enabled:  # each stage's base in 4 bits, quantised as the sharded 4-bit base is
         quant.require_bitsandbytes(device=env.device)
-        refuse_pipelined_experts(recipe, model_dir=model_dir)
+        refuse_pipelined_experts(recipe, model_dir=model_dir, rung=rung)
     return pipeline.build_pipeline(
         env, rung=rung, model_dir=model_dir,
         build=lambda: _meta_architecture(recipe, model_dir=model_dir, rung=rung, dtype=dtypes.compute),
@@ -172,12 +173,11 @@ def has_fused_experts(recipe: Recipe, *, model_dir: Path) -> bool:
     return skeleton is not None and bool(moe_experts.fused_experts(skeleton))
 
 
-def refuse_pipelined_experts(recipe: Recipe, *, model_dir: Path) -> None:
+def refuse_pipelined_experts(recipe: Recipe, *, model_dir: Path, rung: Rung) -> None:
     """Pipeline stages quantize their blocks with the dense 4-bit fill only (pipeline.py); 4-bit
     experts in a stage are not built yet. Also checked before anything is written (preflight)."""
-    if has_fused_experts(recipe, model_dir=model_dir):
-        raise UserError("method: qlora on an MoE model does not pipeline yet: set sharding.pipeline_stages=1 "
-                        "(full_shard, no_shard or DDP run it)")
+    if why := refusals.four_bit_experts(rung, moe_experts=has_fused_experts(recipe, model_dir=model_dir)):
+        raise RungError(why)
 
 
 def _meta_architecture(recipe: Recipe, *, model_dir: Path, rung: Rung, dtype: torch.dtype,

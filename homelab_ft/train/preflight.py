@@ -64,10 +64,6 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
         from homelab_ft.model import quant
 
         quant.check_quantizable(config, recipe.quant, device=device_type)
-        if rung.pipeline_enabled:
-            from homelab_ft.train.build import refuse_pipelined_experts
-
-            refuse_pipelined_experts(recipe, model_dir=model_dir)
         if rung.fsdp_enabled:
             from homelab_ft.distributed import sharded_qlora
 
@@ -82,8 +78,11 @@ def check_inputs(recipe: Recipe, *, rung: Rung, device_type: str) -> Inputs:
                         "weight at init); set lora.use_dora=false, or use method=lora with sharding.strategy=no_shard")
     if rung.pipeline_enabled:
         from homelab_ft.distributed import stages
+        from homelab_ft.train.build import has_fused_experts
 
-        stages.check_recipe(recipe, rung=rung, config=config)
+        # only 4-bit experts are refused in a stage: the meta skeleton that tells is built for qlora alone
+        moe = rung.quantized_enabled and has_fused_experts(recipe, model_dir=model_dir)
+        stages.check_recipe(recipe, rung=rung, config=config, moe_experts=moe)
     return Inputs(model_dir=model_dir, resume_from=resume_from)
 
 
