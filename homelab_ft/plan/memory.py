@@ -305,10 +305,10 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # A sharded 4-bit base splits (and offloads) the packed bytes; its constants and one expert's
     # scratch stay whole on every rank's device (params.device_kept_bytes).
     kept = device_kept_bytes(shape, method, request, cluster)
-    sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if method == "qlora" else 0)) / shards
+    sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if rung.quantized_enabled else 0)) / shards
     weights = sharded + kept
     gradients = trainable * state_bytes / shards
-    in_backward = request.train.optimizer_in_backward and method == "full"
+    in_backward = rung.optimizer_in_backward  # rung._validate: full fine-tunes only
     if in_backward:
         # optim_backward.py: a gradient lives from its hook to its parameter's step; the largest
         # one alone bounds what is left of the optimizer phase.
@@ -317,7 +317,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded until the head
     # unit's post-backward right after the loss, a tied head's in the root unit until backward
     # ends); a tied head's is the embedding's. Adapters' are negligible.
-    head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
+    head_grads = 0 if rung.adapters_enabled else shape.vocab_size * shape.hidden_size * state_bytes
     step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
@@ -347,12 +347,12 @@ def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pl
         return 0
     # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
     # the reduce dtype for the reduce-scatter (full fine-tuning; adapter gradients are tiny).
-    block_grads = shape.max_block_params * (sizes.w_bytes + request.reduce_bytes) if rung.method == "full" else 0
+    block_grads = 0 if rung.adapters_enabled else shape.max_block_params * (sizes.w_bytes + request.reduce_bytes)
     if not rung.reshard_after_forward:
         # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
         # embeddings are resharded after theirs (distributed.shard_ends); 4-bit constants are never
         # gathered (params.device_kept_bytes).
-        states = quant_state_bytes(shape, request) if rung.method == "qlora" else 0
+        states = quant_state_bytes(shape, request) if rung.quantized_enabled else 0
         return sizes.base_bytes - states - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
     # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
     # loss and its backward, and the running block plus one prefetched block.

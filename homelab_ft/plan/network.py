@@ -179,7 +179,7 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
 
     root_gather = _gather_s(root_bytes, ranks=shards, gloo=gloo, **link)
     gathers_s = accum * (root_gather + gathers * units * _gather_s(block_bytes, ranks=shards, gloo=gloo, **link))
-    grad_root = grads * root_bytes / base_bytes if rung.method == "full" else 0.0
+    grad_root = 0.0 if rung.adapters_enabled else grads * root_bytes / base_bytes
     grad_block = (grads - grad_root) / max(1, units)
     grads_s = syncs * (reduce_s(grad_root) + units * reduce_s(grad_block))
     sent = (gathers * accum * base_bytes + syncs * grads) * (shards - 1) / shards

@@ -154,7 +154,7 @@ def stage_memory(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster
     per = _per_block(shape, rung=rung, request=request, cluster=cluster)
     stages, first, last = rung.pipeline_stages, stage_index == 0, stage_index == rung.pipeline_stages - 1
     ends = _end_params(shape, first=first, last=last)
-    full = rung.method == "full"
+    full = not rung.adapters_enabled
     trainable = _stage_trainable(shape, per, rung=rung, stage_index=stage_index, num_blocks=num_blocks)
     grads = trainable * per.state_bytes
     micro = request.train.grad_accum_steps
@@ -306,7 +306,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster) if rung.quantized_enabled else 0
     host = cluster.gpus_per_node * CUDA_HOST_PROCESS_BYTES + loading if cluster.device == "cuda" else (
         cluster.gpus_per_node * memory.total)
-    trainable = shape.total_params if rung.method == "full" else adapter_params(shape, request)
+    trainable = adapter_params(shape, request) if rung.adapters_enabled else shape.total_params
     return Estimate(
         method=rung.method, strategy=rung.strategy, cpu_offload=False, memory=memory, host_bytes=int(host),
         trainable_params=trainable, comm_bytes=int(sent), comm_s=comm_s, comm_hidden_s=hidden, compute_s=slowest,
@@ -344,4 +344,4 @@ def _replica_sync(shape: ModelShape, stage: Stage, *, rung: Rung, request: PlanR
 def _stage_trainable(shape: ModelShape, per: _PerBlock, *, rung: Rung, stage_index: int, num_blocks: int) -> float:
     """Trainable parameters a stage holds: its blocks' (and for a full fine-tune its ends')."""
     ends = _end_params(shape, first=stage_index == 0, last=stage_index == rung.pipeline_stages - 1)
-    return num_blocks * per.trainable + (ends if rung.method == "full" else 0)
+    return num_blocks * per.trainable + (0 if rung.adapters_enabled else ends)

@@ -318,7 +318,7 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
                    f"{link}) vs {chosen.compute_s:.1f} s/step of compute; {advice}")
     if chosen.cpu_offload:
         out.append(f"CPU offload adds ~{chosen.offload_s:.1f} s/step (PCIe copies of the shards, AdamW on the CPU)")
-    if shape.is_moe and chosen.method != "full" and "all-linear" not in request.lora.targets:
+    if shape.is_moe and chosen.rung.adapters_enabled and "all-linear" not in request.lora.targets:
         out.append("MoE: lora.target_modules lists linear layers only, so no routed expert trains "
                    "(all-linear adapts every expert too; the `lora` line says what trains)")
     if request.train.optimizer == "paged_adamw_8bit" and cluster.device == "cpu":

@@ -168,7 +168,7 @@ def format_plan(p: Plan) -> str:
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
-        if p.chosen.method != "full":
+        if p.chosen.rung.adapters_enabled:
             lines.append(f"lora     {lora_text(s, r)}")
         lines += embedding_lines(p)
         lines += pipeline_lines(p)
