@@ -72,6 +72,12 @@ class LoraConfig:
     adapters' dtype (`dtype` above: fp32, or bf16 with `compute`). Off, the router stays frozen in
     the compute dtype. Refused on a dense model and in pipelines (one process, DDP and FSDP2 train it)."""
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """`target_modules` as a tuple of names (`("all-linear",)` for the string)."""
+        names = self.target_modules
+        return (names,) if isinstance(names, str) else tuple(names)
+
 
 @dataclass(frozen=True, config=_STRICT)
 class QuantConfig:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from homelab_ft.errors import UserError
 from homelab_ft.moe_marks import is_fused_experts
-from homelab_ft.rung import RungError
 
 KEY = "lora.train_router"
 
@@ -63,13 +62,3 @@ def refuse_dense(model: str) -> UserError:
     """The one-line refusal of `train_router: true` on a model without routers (file, field, fix)."""
     return UserError(f"{KEY}: true, but model.path {model} has no MoE router to train (no fused-experts block, "
                      f"as transformers marks them, with a [experts, hidden] gate beside it); set {KEY}: false")
-
-
-def check_rung(train_router: bool, *, stages: int) -> None:
-    """Refused on pipelined rungs, for the planner (ladder.option_rung skips them) and the trainer
-    alike: a stage builds, fills and initialises its blocks on its own (distributed/pipeline.py),
-    which was not checked with trained routers. One process, DDP and FSDP2 train them (2 gloo
-    processes equal one process: tests/distributed/test_router_dp.py)."""
-    if train_router and stages > 1:
-        raise RungError(f"{KEY}: true does not train in a pipeline yet: set sharding.pipeline_stages=1 "
-                        f"(one process, DDP or FSDP2 train the routers), or {KEY}: false")

@@ -159,9 +159,8 @@ def _validate(r: Rung) -> None:
         raise RungError(f"train.optimizer={r.optimizer!r} does not exist; use one of {', '.join(OPTIMIZERS)}")
     if r.nodes < 1 or r.procs_per_node < 1:
         raise RungError(f"cluster: {r.nodes} node(s) x {r.procs_per_node} process(es) per node; both must be >= 1")
-    if r.hybrid_enabled and r.nodes < 2:
-        raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: it needs "
-                        "cluster.nodes >= 2; on one machine use full_shard")
+    if why := hybrid_refusal(r.strategy, nodes=r.nodes):
+        raise RungError(why)
     if r.cpu_offload and not r.fsdp_enabled:
         raise RungError("sharding.cpu_offload=true needs a sharded strategy (FSDP2 offloads shards); set "
                         "sharding.strategy=full_shard (also works with one GPU) or sharding.cpu_offload=false")
@@ -189,6 +188,15 @@ def _validate(r: Rung) -> None:
         raise RungError(f"train.optimizer={r.optimizer} cannot update FSDP2-sharded parameters (bitsandbytes "
                         "optimizers take plain tensors, not DTensor shards); use train.optimizer=adamw, or "
                         "sharding.strategy=no_shard")
+
+
+def hybrid_refusal(strategy: str, *, nodes: int) -> str | None:
+    """HYBRID_SHARD shards inside a node and replicates across nodes: one node has nothing to
+    replicate across. The rung's rule, and the planner's for a recipe that names the strategy alone."""
+    if strategy == HYBRID_SHARD and nodes < 2:
+        return ("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: it needs "
+                "cluster.nodes >= 2; on one machine use full_shard")
+    return None
 
 
 def _validate_pipeline(r: Rung) -> None:

@@ -32,11 +32,14 @@ class ShardingConfig:
     """Dtype gradients are reduced in; fp32 keeps small per-rank contributions from rounding away.
     DDP (no_shard) reduces gradients that are already bf16 in bf16 whatever this says, and on
     gloo (CPU) fp32 gradients in fp32 (torch's bf16 hook for DDP needs NCCL)."""
-    pipeline_stages: PositiveInt | Literal["auto"] = 1
+    pipeline_stages: PositiveInt | Literal["auto"] = "auto"
     """Cut the decoder blocks into this many contiguous stages, one per process, run by
     torch.distributed.pipelining (distributed/pipeline.py): the first stage holds the embeddings,
     the last the final norm, the head and the loss. The processes beyond one pipeline replicate it
-    (DDP). 1: no pipeline; `auto`: the planner decides."""
+    (DDP). `auto`: the planner prices pipelines (one stage per node, one per GPU) beside sharding
+    and takes one when it is the fastest option that fits and the trainer runs it for this recipe
+    (homelab_ft/refusals.py: not with DPO, a held-out split, samples, DoRA, an 8-bit base ...);
+    `plan` says why one was not offered. 1: never a pipeline."""
     stage_blocks: tuple[PositiveInt, ...] | None = None
     """Decoder blocks per stage, first to last, summing to the model's blocks (e.g. `[3, 1]`);
     default: as even as possible, earlier stages taking the remainder."""

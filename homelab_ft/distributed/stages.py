@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from homelab_ft import refusals
 from homelab_ft.errors import UserError
 from homelab_ft.model import checkpoint_keys
 from homelab_ft.model.blocks import transformer_blocks
@@ -41,46 +42,23 @@ def stage_ranges(num_blocks: int, rung: Rung) -> list[range]:
     return [range(start, start + n) for start, n in zip(starts, counts, strict=True)]
 
 
-def check_recipe(recipe, *, rung: Rung, config: dict) -> None:
-    """What a pipeline needs from the recipe and the model (its config.json), refused before
-    anything is created: enough micro-batches and blocks for the stages, a split that covers the
-    model, a schedule this torch has, and only what the pipelined loop runs."""
+def check_recipe(recipe, *, rung: Rung, config: dict, moe_experts: bool) -> None:
+    """What a pipeline needs from the recipe and the model (its config.json; `moe_experts`: it has
+    fused MoE experts), refused before anything is created: the trainer's rules (refusals.py, the
+    ones the planner keeps off its ladder) and what only torch can answer, a schedule this torch has."""
     if not rung.pipeline_enabled:
         return
-    stages = rung.pipeline_stages
-    text = config.get("text_config") or config
-    num_blocks = text.get("num_hidden_layers")
-    if recipe.train.grad_accum_steps < stages:
-        raise UserError(f"sharding.pipeline_stages={stages} needs at least as many micro-batches per step: "
-                        f"train.grad_accum_steps={recipe.train.grad_accum_steps} would leave stages idle the whole "
-                        f"step; set train.grad_accum_steps >= {stages} (4 x stages keeps the bubble small)")
+    num_blocks = (config.get("text_config") or config).get("num_hidden_layers")
     if not isinstance(num_blocks, int):
         raise UserError(f"sharding.pipeline_stages: {recipe.model.path} config.json names no num_hidden_layers, so "
                         "its decoder blocks cannot be split into stages; set sharding.pipeline_stages=1")
-    if num_blocks < stages:
-        raise UserError(f"sharding.pipeline_stages={stages}, but the model has {num_blocks} decoder block(s); every "
-                        f"stage needs one: set sharding.pipeline_stages <= {num_blocks}")
-    if rung.stage_blocks and sum(rung.stage_blocks) != num_blocks:
-        raise UserError(f"sharding.stage_blocks={list(rung.stage_blocks)} covers {sum(rung.stage_blocks)} decoder "
-                        f"blocks, but the model has {num_blocks}; make them sum to {num_blocks}, or drop stage_blocks")
+    refusals.check(rung, recipe, num_blocks=num_blocks, moe_experts=moe_experts)
     import torch.distributed.pipelining as pipelining
 
     name = SCHEDULE_CLASSES[rung.pipeline_schedule]
     if not hasattr(pipelining, name):
         raise UserError(f"sharding.pipeline_schedule={rung.pipeline_schedule}: torch {torch.__version__} has no "
                         f"torch.distributed.pipelining.{name}; use another schedule or a newer torch")
-    unsupported = [
-        (recipe.objective == "dpo", "objective=dpo", "objective: sft"),
-        (rung.quantized_enabled and rung.quant_bits != 4, "an 8-bit base", "quant.bits=4"),
-        (recipe.lora.use_dora and rung.adapters_enabled, "lora.use_dora", "lora.use_dora=false"),
-        (bool(recipe.data.eval_sources or recipe.data.eval_fraction), "a held-out split",
-         "data.eval_fraction=0 and no data.eval_sources"),
-        (bool(recipe.train.sample_every), "train.sample_every", "train.sample_every=0"),
-    ]
-    for refused, what, fix in unsupported:
-        if refused:
-            raise UserError(f"sharding.pipeline_stages={stages}: {what} is not run pipelined yet; set {fix}, "
-                            "or sharding.pipeline_stages=1")
 
 
 # --------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from homelab_ft.plan.shapes import BlockShape, ModelShape
 from homelab_ft.rung import Rung
 
 
-def activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int, *,
+def activation_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, act_bytes: int,
                      offloaded: bool = False) -> int:
     """Tensors autograd keeps for backward on one device, for one micro-batch.
 
@@ -35,30 +35,31 @@ def activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_b
     during its backward; with activation offload (`offloaded`) those block inputs wait in host RAM
     and only the running block's input is back on the device.
     """
-    tokens = request.seq_len * request.rows_per_micro_batch
-    per_block = _block_activation_bytes(shape, method, request, act_bytes)
-    if request.activation_checkpointing and offloaded:
+    tokens = request.data.max_length * request.rows_per_micro_batch
+    per_block = _block_activation_bytes(shape, rung.method, request, act_bytes)
+    if rung.activation_checkpointing and offloaded:
         per_token = shape.hidden_size * act_bytes + max(per_block)
-    elif request.activation_checkpointing:
+    elif rung.activation_checkpointing:
         per_token = shape.num_layers * shape.hidden_size * act_bytes + max(per_block)
     else:
         per_token = sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, per_block, strict=True))
     return tokens * per_token
 
 
-def recomputed_block_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> int:
+def recomputed_block_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, act_bytes: int) -> int:
     """The part of `activation_bytes` that one block recomputed by activation checkpointing holds:
     it exists only once backward has reached the blocks, after the loss has freed its logits."""
-    if not request.activation_checkpointing:
+    if not rung.activation_checkpointing:
         return 0
-    return request.seq_len * request.rows_per_micro_batch * max(_block_activation_bytes(shape, method, request, act_bytes))
+    return request.data.max_length * request.rows_per_micro_batch * max(_block_activation_bytes(shape, rung.method, request,
+                                                                                                 act_bytes))
 
 
 def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> list[int]:
     """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
-        nbytes = block.saved_bytes_per_token(act_bytes, request.seq_len, frozen=method != "full")
+        nbytes = block.saved_bytes_per_token(act_bytes, request.data.max_length, frozen=method != "full")
         if method != "full":
             nbytes += _adapter_bytes(block, request, act_bytes) + expert_loop_bytes(block, method, request, act_bytes)
         per_block.append(round(nbytes))
@@ -74,8 +75,8 @@ def _adapter_bytes(block: BlockShape, request: PlanRequest, act_bytes: int) -> f
     either: bitsandbytes' MatMul4Bit keeps only the packed weight (ctx.tensors = (None, B)), so it
     is priced as a frozen 16-bit linear."""
     targets = targeted_linears(block, request)
-    nbytes = len(targets) * request.lora_r * act_bytes
-    if request.lora_dropout > 0:
+    nbytes = len(targets) * request.lora.r * act_bytes
+    if request.lora.dropout > 0:
         return nbytes + sum(lin.in_features for lin in targets) * (act_bytes + 1)
     names = {lin.name: lin for lin in targets}
     if not block.saved_frozen:  # a hand-built shape: its full figure already holds every linear's input
@@ -112,20 +113,20 @@ def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_
     (bench/memory.py --moe-shape: a 64-expert top-8 qwen3_moe's step was 43% over a plan that
     left the loop out, before the loop kept less.)
     """
-    looped = (method == "qlora" and request.quant_bits == 4) or "all-linear" in request.lora_targets
+    looped = (method == "qlora" and request.quant.bits == 4) or "all-linear" in request.lora.targets
     if not block.expert_stacks or not looped:
         return 0.0
-    adapters = "all-linear" in request.lora_targets
+    adapters = "all-linear" in request.lora.targets
     hidden, (inner, out) = block.expert_stacks[0][1], block.expert_stacks[-1][1:]
     lora = _expert_adapter_dtype_bytes(method, request, act_bytes)
-    mask = 1 if request.lora_dropout > 0 else 0
+    mask = 1 if request.lora.dropout > 0 else 0
     reads_inner = adapters and not mask and lora == act_bytes
     scale_input = inner <= out or reads_inner
     per_routed = (2 + adapters - 3) * INDEX_BYTES + ((inner - out) * act_bytes if scale_input else 0)
     per_token = 0
     if adapters:
         per_token += hidden * (lora + mask)
-        per_routed += request.lora_r * lora * (3 if scale_input else 2) + (lora if scale_input and lora != act_bytes else 0)
+        per_routed += request.lora.r * lora * (3 if scale_input else 2) + (lora if scale_input and lora != act_bytes else 0)
         per_routed += 0 if reads_inner else inner * (lora + mask)
     return per_token + block.routed_experts * per_routed
 
@@ -133,15 +134,15 @@ def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_
 def _expert_adapter_dtype_bytes(method: str, request: PlanRequest, act_bytes: int) -> int:
     """Bytes per element of moe_experts' adapters (params.adapter_bytes): fp32, or with
     lora.dtype=compute bf16 on a bf16 base. `act_bytes` 2 under `auto` means a GPU's bf16."""
-    if request.lora_dtype != "compute":
+    if request.lora.dtype != "compute":
         return 4
-    name = request.quant_compute_dtype if method == "qlora" else request.dtype
+    name = request.quant.compute_dtype if method == "qlora" else request.model.dtype
     return 2 if name == "bfloat16" or (name == "auto" and act_bytes == 2) else 4
 
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
     """Host bytes per rank of activation offload: every block's input, and the final norm's."""
-    return request.seq_len * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
+    return request.data.max_length * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
 def activation_dtype_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
@@ -175,24 +176,23 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     (2 x tokens x hidden). DPO's answer log-probabilities (preference.sequence_logps) take the
     full logits of twice the rows (the chunked loss does not serve them yet); the reference's
     no-grad forward runs before the policy's and leaves only one number per row behind."""
-    tokens = request.seq_len * request.rows_per_micro_batch
+    tokens = request.data.max_length * request.rows_per_micro_batch
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
     if not request.chunked_loss:
         return tokens * shape.vocab_size * per_entry
-    rows = min(chunk_rows(request.loss_chunk_tokens, vocab_size=shape.vocab_size), tokens)
+    rows = min(chunk_rows(request.train.loss_chunk_tokens, vocab_size=shape.vocab_size), tokens)
     return rows * shape.vocab_size * per_entry + 2 * tokens * shape.hidden_size * act_bytes
 
 
-def gradients_at_recompute(shape: ModelShape, method: str, request: PlanRequest, *, cpu_offload: bool,
-                            in_backward: bool) -> int:
+def gradients_at_recompute(shape: ModelShape, *, rung: Rung, request: PlanRequest, in_backward: bool) -> int:
     """Memory.gradients_at_recompute, in parameters: every block's trainable ones but the first
     block's (a full fine-tune's head is in gradients_in_backward already; adapters sit in the
     blocks, as the trained routers do). None with the gradients offloaded or stepped (and freed) in backward; with gradient
     accumulation they all exist from the start of backward (gradients_in_backward)."""
-    if not request.activation_checkpointing or cpu_offload or in_backward or request.grad_accum_steps > 1:
+    if not rung.activation_checkpointing or rung.cpu_offload or in_backward or request.train.grad_accum_steps > 1:
         return 0
     first = next(i for i, b in enumerate(shape.blocks) if b.first_layer == 0)
-    if method == "full":
+    if not rung.adapters_enabled:
         return shape.block_params - shape.blocks[first].params
-    first_router = shape.blocks[first].router_params if request.train_router else 0
+    first_router = shape.blocks[first].router_params if request.lora.train_router else 0
     return trainable_params(shape, request) - lora_params_per_block(shape, request, first) - first_router

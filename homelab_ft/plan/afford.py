@@ -11,7 +11,6 @@ and offload, with the savers the recipe leaves `auto` free to turn on; the next 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,15 +41,15 @@ class Afford:
     def text(self, *, request: PlanRequest) -> str:
         """`qlora no_shard: micro_batch <= 21 at max_length 2048; max_length <= 16384 at micro_batch 2`."""
         if not self.micro_batch_size:
-            batch = f"no micro_batch fits at max_length {request.seq_len}"
+            batch = f"no micro_batch fits at max_length {request.data.max_length}"
         else:
-            batch = f"micro_batch {'>=' if self.micro_batch_capped else '<='} {self.micro_batch_size} at max_length {request.seq_len}"
+            batch = f"micro_batch {'>=' if self.micro_batch_capped else '<='} {self.micro_batch_size} at max_length {request.data.max_length}"
         if not self.seq_len:
-            seq = f"no max_length fits at micro_batch {request.micro_batch_size}"
+            seq = f"no max_length fits at micro_batch {request.train.micro_batch_size}"
         elif self.seq_capped:
-            seq = f"max_length {self.seq_len} (the model's limit) fits at micro_batch {request.micro_batch_size}"
+            seq = f"max_length {self.seq_len} (the model's limit) fits at micro_batch {request.train.micro_batch_size}"
         else:
-            seq = f"max_length <= {self.seq_len} at micro_batch {request.micro_batch_size}"
+            seq = f"max_length <= {self.seq_len} at micro_batch {request.train.micro_batch_size}"
         return f"{self.label}: {batch}; {seq}"
 
 
@@ -83,7 +82,7 @@ def for_option(shape: ModelShape, option: Option, *, request: PlanRequest, clust
     recipe leaves `auto` turned on where the larger batch or sequence needs them (as the planner
     would: ladder.saver_levels, cheapest first)."""
     def fits(**change) -> bool:
-        req = dataclasses.replace(request, **change)
+        req = request.changed(**change)
         stages = option.rung.pipeline_stages
         return any(price(shape, rung=option_rung(option.method, option.strategy, option.cpu_offload, request=req,
                                                  cluster=cluster, savers=level, stages=stages),
@@ -97,10 +96,10 @@ def for_option(shape: ModelShape, option: Option, *, request: PlanRequest, clust
 
 def for_rung(shape: ModelShape, method: str, *, request: PlanRequest, cluster: Cluster) -> Afford:
     """The limits of a rung of the ladder: any of its options, chosen as `method: <that rung>` would."""
-    rung_request = dataclasses.replace(request, method=method)
+    rung_request = request.changed(method=method)
 
     def fits(**change) -> bool:
-        req = dataclasses.replace(rung_request, **change)
+        req = rung_request.changed(**change)
         return choose(evaluate(shape, request=req, cluster=cluster), request=req) is not None
 
     return _limits(method, fits, shape=shape, request=request)
@@ -113,8 +112,8 @@ def next_rung(method: str) -> str | None:
 
 
 def _limits(label: str, fits: Callable[..., bool], *, shape: ModelShape, request: PlanRequest) -> Afford:
-    batch = largest(lambda n: fits(micro_batch_size=n), low=1, high=MAX_MICRO_BATCH)
+    batch = largest(lambda n: fits(train={"micro_batch_size": n}), low=1, high=MAX_MICRO_BATCH)
     top = shape.max_position_embeddings
-    seq = largest(lambda n: fits(seq_len=n), low=min(SEQ_STEP, top), high=top, step=SEQ_STEP)
+    seq = largest(lambda n: fits(data={"max_length": n}), low=min(SEQ_STEP, top), high=top, step=SEQ_STEP)
     return Afford(label=label, micro_batch_size=batch, seq_len=seq, micro_batch_capped=batch == MAX_MICRO_BATCH,
                   seq_capped=seq == top)

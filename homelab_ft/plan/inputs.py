@@ -7,8 +7,12 @@ figures a cluster description falls back to when nothing was measured. Pure data
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
+
+from homelab_ft.config import DataConfig, LoraConfig, ModelConfig, PlannerConfig, QuantConfig, TrainConfig
+from homelab_ft.sharding_config import ShardingConfig
 
 # Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
 # cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives
@@ -100,65 +104,49 @@ class Cluster:
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the recipe asks for (planner.request_from_recipe). No defaults here: the recipe's live once,
-    in config.py, and `planner.default_request()` is a recipe that sets nothing."""
+    """What the recipe asks for: its own typed sections (config.py), as `planner.request_from_recipe`
+    takes them from a `config.Recipe`, so a recipe key is read under its own name (`data.max_length`,
+    `lora.r`, `quant.bits`) with its own type and default, once. `planner.default_request()` is a
+    recipe that sets nothing. The cluster section is not here: `Cluster` is what the plan is for.
+
+    What the planner decides for an `auto` (the savers, the strategy, the pipeline) is never written
+    back here: it is the option's `Rung`, and pricing reads the rung for it."""
 
     method: str
     """`auto` or one of rung.METHODS (config.Recipe.method)."""
-    strategy: str
-    """`auto` or one of rung.STRATEGIES (config.ShardingConfig.strategy)."""
-    cpu_offload: bool
-    """True forces offload. False forbids it when a strategy is named; with `auto` the planner may
-    still choose it when nothing else fits."""
-    seq_len: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    activation_checkpointing: bool | Literal["auto"]
-    """The recipe's setting; `auto` lets the planner turn it on (ladder.saver_levels). What an
-    estimate prices is the rung's value."""
-    activation_offload: bool | Literal["auto"]
-    """With checkpointing: block inputs wait in host RAM (offload.py); no effect without a GPU."""
-    embedding_offload: bool | Literal["auto"]
-    """The frozen input embedding table in host RAM (homelab_ft/embedding_offload.py decides per option)."""
-    loss_chunk_tokens: int | Literal["auto"]
-    """Tokens per LM-head/cross-entropy chunk (loss.py), `auto`: sized by logits (loss_chunks.chunk_rows);
-    0: the full logits of the micro-batch."""
-    optimizer_in_backward: bool
-    """Full fine-tunes: each parameter steps from its gradient hook, its gradient freed at once."""
-    lora_r: int
-    lora_dtype: Literal["float32", "compute"]
-    lora_dropout: float
-    lora_targets: tuple[str, ...]
-    train_router: bool
-    """lora.train_router: the routers train in full beside the adapters (moe_routers.py)."""
-    quant_bits: int
-    double_quant: bool
-    quant_compute_dtype: Literal["auto", "bfloat16", "float16", "float32"]
-    optimizer: str
-    """One of rung.OPTIMIZERS."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"]
-    reduce_dtype: Literal["float32", "bfloat16"]
-    headroom: float
     objective: Literal["sft", "dpo"]
     """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
-    pipeline_stages: int | Literal["auto"]
-    """sharding.pipeline_stages: 1 = no pipeline, `auto` = the planner prices pipelines beside sharding."""
-    stage_blocks: tuple[int, ...]
-    """sharding.stage_blocks: decoder blocks per stage; () = the planner sizes them to each GPU."""
-    pipeline_schedule: str
-    """sharding.pipeline_schedule: one of rung.PIPELINE_SCHEDULES."""
+    model: ModelConfig
+    lora: LoraConfig
+    quant: QuantConfig
+    data: DataConfig
+    train: TrainConfig
+    sharding: ShardingConfig
+    planner: PlannerConfig
+
+    def changed(self, **sections) -> PlanRequest:
+        """This request with recipe keys changed, a section's as a dict (validated by its dataclass):
+        `changed(data={"max_length": 512}, method="lora")`."""
+        new = {name: dataclasses.replace(getattr(self, name), **value) if isinstance(value, dict) else value
+               for name, value in sections.items()}
+        return dataclasses.replace(self, **new)
 
     @property
     def rows_per_micro_batch(self) -> int:
         """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
-        return self.micro_batch_size * (2 if self.objective == "dpo" else 1)
+        return self.train.micro_batch_size * (2 if self.objective == "dpo" else 1)
 
     @property
     def reduce_bytes(self) -> int:
         """Bytes per element of FSDP2's gradient reductions (sharding.reduce_dtype)."""
-        return 4 if self.reduce_dtype == "float32" else 2
+        return 4 if self.sharding.reduce_dtype == "float32" else 2
 
     @property
     def chunked_loss(self) -> bool:
         """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
-        return self.loss_chunk_tokens != 0 and self.objective != "dpo"
+        return self.train.loss_chunk_tokens != 0 and self.objective != "dpo"
+
+    @property
+    def held_out(self) -> bool:
+        """The data section holds out an eval split (data.eval_sources, or data.eval_fraction > 0)."""
+        return bool(self.data.eval_sources or self.data.eval_fraction)

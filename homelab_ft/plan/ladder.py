@@ -17,8 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from homelab_ft import embedding_offload
-from homelab_ft.moe_routers import check_rung
+from homelab_ft import refusals
 from homelab_ft.plan import pipeline
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
@@ -71,27 +70,19 @@ class Option(Estimate):
 
 def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
                 savers: tuple[bool, bool] | None = None, stages: int = 1) -> Rung:
-    """The validated rung of one option on this cluster (raises RungError for one the trainer refuses).
+    """The validated rung of one option on this cluster (raises RungError for one that cannot exist).
     `savers` is (activation checkpointing, activation offload); default: the request's first level.
     `stages` > 1: a pipeline (pipeline.py), its blocks per stage as the recipe gives them, else left
-    for `price` to size to each GPU."""
+    for `price` to size to each GPU. Whether the trainer runs it for this recipe and model is
+    `refusals.refusals` (`offers` asks it of every option)."""
     checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
-    if stages > 1 and (act_offload or request.grad_accum_steps < stages):
-        # pipeline.py prices no activation offload; a schedule needs a micro-batch per stage
-        raise RungError(f"a {stages}-stage pipeline needs train.grad_accum_steps >= {stages} "
-                        "and train.activation_offload off")
-    if method != "full":  # the trainer refuses trained routers on these rungs (train/build.py)
-        check_rung(request.train_router, stages=stages)
-    named = stages > 1 and stages == request.pipeline_stages
-    rung = Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
-                procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
-                optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
+    named = stages > 1 and stages == request.sharding.pipeline_stages
+    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
+                procs_per_node=cluster.gpus_per_node, optimizer=request.train.optimizer,
+                optimizer_in_backward=request.train.optimizer_in_backward, quant_bits=request.quant.bits,
                 activation_checkpointing=checkpointing, activation_offload=act_offload,
-                pipeline_stages=stages, stage_blocks=request.stage_blocks if named else (),
-                pipeline_schedule=request.pipeline_schedule)
-    if request.embedding_offload is True and (why := embedding_offload.rung_refusal(rung)):
-        raise embedding_offload.error(why)  # `true` keeps the ladder to the options where it applies
-    return rung
+                pipeline_stages=stages, stage_blocks=(request.sharding.stage_blocks or ()) if named else (),
+                pipeline_schedule=request.sharding.pipeline_schedule)
 
 
 def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:
@@ -99,8 +90,8 @@ def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, boo
     first: what the recipe fixes stays fixed, what it leaves `auto` is tried off, then on. The cheap
     savers come before any costlier rung, offload or GPU: `evaluate` keeps, per option, the first
     level that fits. Activation offload only helps where there is a GPU to offload from."""
-    off = request.activation_offload
-    ckpt = implied_checkpointing(request.activation_checkpointing, activation_offload=off)
+    off = request.train.activation_offload
+    ckpt = implied_checkpointing(request.train.activation_checkpointing, activation_offload=off)
     ckpts = [ckpt] if isinstance(ckpt, bool) else [False, True]
     levels = []
     for c in ckpts:
@@ -109,21 +100,42 @@ def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, boo
     return levels
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """An option the ladder does not offer: the trainer would refuse it (refusals.py, rung._validate)."""
+
+    label: str
+    reason: str
+    """The refusal's one line, naming the recipe key and the fix."""
+
+
 def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[Option, ...]:
-    """Every option this cluster supports and the trainer accepts (a `Rung` that validates), with
-    its estimate, whether it fits and why."""
-    budget = int(cluster.device_bytes * (1 - request.headroom))
-    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
-    out = []
+    """Every option this cluster supports and the trainer accepts, with its estimate, whether it fits and why."""
+    return offers(shape, request=request, cluster=cluster)[0]
+
+
+def offers(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tuple[tuple[Option, ...], tuple[Refusal, ...]]:
+    """`evaluate`'s options, and the ones not offered with why: a rung that does not validate (QLoRA
+    with a sharded 8-bit base, 8-bit AdamW under FSDP2) or that one of the trainer's rules refuses
+    for this recipe and model (refusals.py: a pipeline for DPO, for 4-bit MoE experts ...)."""
+    budget = int(cluster.device_bytes * (1 - request.planner.headroom))
+    host_budget = int(cluster.host_ram_bytes * (1 - request.planner.headroom))
+    moe_experts = any(b.expert_stacks for b in shape.blocks)
+    out, refused = [], []
     levels = saver_levels(request, cluster)
     for method in LADDER:
         for strategy, offload, stages in _strategies(shape, cluster, request=request):
+            # pipeline.py prices no activation offload, and the pipelined step runs none (refusals.activation_offload)
+            pipelined_levels = [level for level in levels if not (stages > 1 and level[1])] or levels
             try:
                 rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level,
-                                     stages=stages) for level in levels if not (stages > 1 and level[1])]
-            except RungError:
-                continue  # e.g. QLoRA with a sharded base, 8-bit AdamW under FSDP2
-            if not rungs:
+                                     stages=stages) for level in pipelined_levels]
+                why = next((w for r in rungs for w in refusals.refusals(r, request, num_blocks=shape.num_layers,
+                                                                        moe_experts=moe_experts)), None)
+            except RungError as err:
+                why = str(err)
+            if why is not None:
+                refused.append(Refusal(label=_plain_label(method, strategy, offload, stages), reason=why))
                 continue
             saver_note = ""
             for rung in rungs:  # the first saver level that fits, else the leanest
@@ -141,7 +153,14 @@ def evaluate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tu
                 reason=reason,
                 rung=rung,
             ))
-    return tuple(out)
+    return tuple(out), tuple(refused)
+
+
+def _plain_label(method: str, strategy: str, offload: bool, stages: int) -> str:
+    """An option's name without its savers (the plan's `not offered` lines)."""
+    if stages > 1:
+        return f"{method} pipeline {stages} stages"
+    return f"{method} {strategy}{' +offload' if offload else ''}"
 
 
 def price(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> tuple[Estimate, bool, str]:
@@ -154,8 +173,8 @@ def sized_price(shape: ModelShape, *, rung: Rung, request: PlanRequest,
                 cluster: Cluster) -> tuple[Estimate, bool, str, Rung]:
     """`price`, and the rung priced: a pipeline's with its blocks per stage sized to each GPU
     (pipeline.sized) unless the recipe gave them. A pipeline's budget is its tightest stage's."""
-    budget = int(cluster.device_bytes * (1 - request.headroom))
-    host_budget = int(cluster.host_ram_bytes * (1 - request.headroom))
+    budget = int(cluster.device_bytes * (1 - request.planner.headroom))
+    host_budget = int(cluster.host_ram_bytes * (1 - request.planner.headroom))
     if rung.pipeline_enabled:
         rung = pipeline.sized(shape, rung=rung, request=request, cluster=cluster)
         est = pipeline.estimate(shape, rung=rung, request=request, cluster=cluster)
@@ -234,8 +253,8 @@ def pipeline_counts(shape: ModelShape, cluster: Cluster, *, request: PlanRequest
     stage per GPU, never more stages than blocks. With `auto` the ladder may take them; with 1 (the
     default) they are priced as not requested, so the advice can say what one would plan. CPU runs
     pipeline only when the recipe names the stages."""
-    if isinstance(request.pipeline_stages, int) and request.pipeline_stages > 1:
-        return [request.pipeline_stages]
+    if isinstance(request.sharding.pipeline_stages, int) and request.sharding.pipeline_stages > 1:
+        return [request.sharding.pipeline_stages]
     if cluster.device != "cuda":
         return []
     counts = {cluster.nodes, cluster.world_size} if cluster.nodes > 1 else {cluster.gpus_per_node}
@@ -246,15 +265,15 @@ def _allowed(method: str, strategy: str, offload: bool, stages: int = 1, *, requ
              cluster: Cluster) -> bool:
     if request.method not in ("auto", method):
         return False
-    if request.cpu_offload and not offload:
+    if request.sharding.cpu_offload and not offload:
         return False
-    if request.pipeline_stages not in ("auto", stages):
+    if request.sharding.pipeline_stages not in ("auto", stages):
         return False
-    if request.strategy == "auto" or 1 < stages == request.pipeline_stages:
+    if request.sharding.strategy == "auto" or 1 < stages == request.sharding.pipeline_stages:
         return True
     if cluster.world_size == 1 and not offload:
         return True  # one device has no strategy to choose
-    return strategy == request.strategy and offload == request.cpu_offload and stages == 1
+    return strategy == request.sharding.strategy and offload == request.sharding.cpu_offload and stages == 1
 
 
 def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int, request: PlanRequest,
@@ -262,14 +281,11 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
     device = "GPU" if cluster.device == "cuda" else "process"
     layout = f"pipeline {len(est.stages)} stages" if est.stages else est.strategy
     name = f"{_method_label(est.method, request, cluster)} {layout}{' +offload' if est.cpu_offload else ''}"
-    if est.method == "qlora" and _unquantizable_fraction(shape, bits=request.quant_bits) > MAX_UNQUANTIZABLE_FRACTION:
-        share = _unquantizable_fraction(shape, bits=request.quant_bits)
+    if est.method == "qlora" and _unquantizable_fraction(shape, bits=request.quant.bits) > MAX_UNQUANTIZABLE_FRACTION:
+        share = _unquantizable_fraction(shape, bits=request.quant.bits)
         return False, (f"{name}: {share:.0%} of the block weights are MoE expert tensors that bitsandbytes "
                        "cannot quantize (quant.py refuses); use lora or full")
-    if est.method == "qlora" and est.stages and any(b.expert_stacks for b in shape.blocks):
-        return False, (f"{name}: 4-bit MoE experts do not pipeline yet (the trainer refuses it); "
-                       "full_shard or no_shard run them")
-    limit = f"{gib_text(cluster.device_bytes)} GiB - {request.headroom:.0%} headroom"
+    limit = f"{gib_text(cluster.device_bytes)} GiB - {request.planner.headroom:.0%} headroom"
     total = est.memory.total - est.spilled_bytes
     if total > budget:
         biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
@@ -278,7 +294,7 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
                        f"(largest: {biggest} {gib_text(getattr(est.memory, biggest))} GiB)")
     if cluster.device == "cuda" and est.host_bytes > host_budget:
         return False, (f"{name}: host RAM {gib_text(est.host_bytes)} GiB per node > "
-                       f"{gib_text(cluster.host_ram_bytes)} GiB - {request.headroom:.0%} headroom")
+                       f"{gib_text(cluster.host_ram_bytes)} GiB - {request.planner.headroom:.0%} headroom")
     spill = (f" (paged optimizer state: {gib_text(est.spilled_bytes)} GiB spills to host RAM, "
              f"~{2 * est.spilled_bytes / OFFLOAD_BYTES_PER_S:.1f} s/step of paging)") if est.spilled_bytes else ""
     return True, f"{name}: {gib_text(total)} GiB per {device} <= {limit}{spill}"
@@ -294,7 +310,7 @@ def _unquantizable_fraction(shape: ModelShape, *, bits: int) -> float:
 
 def _method_label(method: str, request: PlanRequest, cluster: Cluster) -> str:
     if method == "qlora":
-        return "QLoRA nf4" if request.quant_bits == 4 else "QLoRA int8"
-    dtype = request.dtype if request.dtype != "auto" else ("bfloat16" if cluster.device == "cuda" else "float32")
+        return "QLoRA nf4" if request.quant.bits == 4 else "QLoRA int8"
+    dtype = request.model.dtype if request.model.dtype != "auto" else ("bfloat16" if cluster.device == "cuda" else "float32")
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
     return f"{'LoRA' if method == 'lora' else 'full'} {short}"

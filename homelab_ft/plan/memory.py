@@ -254,9 +254,6 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     """Peak memory per device, host RAM, traffic and time per step for one option: the `rung` the
     trainer would run (rung.py), whose properties say how parameters are spread."""
     method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
-    # The request may leave the savers to the planner (`auto`); the rung carries what runs.
-    request = dataclasses.replace(request, activation_checkpointing=rung.activation_checkpointing,
-                                  activation_offload=rung.activation_offload)
     sizes = _sizes(shape, method, request, cluster)
     act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
     table_host = host_embedding_bytes(shape, rung=rung, request=request, cluster=cluster)
@@ -268,7 +265,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     host = host_bytes(device_total=device.total, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
     if shards == 1 and not cpu_offload:
         host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, method=method, request=request, cluster=cluster))
-    compute = compute_s(shape, method, request, cluster)
+    compute = compute_s(shape, rung=rung, request=request, cluster=cluster)
     comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
                          root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
                          sync_deferred=sync_deferred(shape, rung=rung, trainable=sizes.trainable))
@@ -279,7 +276,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         comm_hidden_s=comm.hidden_s(compute), compute_s=compute,
         # each micro-batch's block inputs go to the host in forward and come back in backward
         offload_s=offload + (2 * act_host + _looked_up_bytes(shape, request, sizes, on=table_host > 0))
-        * request.grad_accum_steps / OFFLOAD_BYTES_PER_S,
+        * request.train.grad_accum_steps / OFFLOAD_BYTES_PER_S,
         prepass_s_per_pair=prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
         bubble_s=0.0, stages=(),
     )
@@ -290,7 +287,7 @@ def _looked_up_bytes(shape: ModelShape, request: PlanRequest, sizes: _Sizes, *, 
     hidden, once per forward (DPO runs the reference's too). Their gradient is never sent back: the
     frozen table needs none, and the copy is the leaf activation checkpointing marks."""
     forwards = 2 if request.objective == "dpo" else 1
-    return on * forwards * request.seq_len * request.rows_per_micro_batch * shape.hidden_size * sizes.act_bytes
+    return on * forwards * request.data.max_length * request.rows_per_micro_batch * shape.hidden_size * sizes.act_bytes
 
 
 def sync_deferred(shape: ModelShape, *, rung: Rung, trainable: int) -> bool:
@@ -308,10 +305,10 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # A sharded 4-bit base splits (and offloads) the packed bytes; its constants and one expert's
     # scratch stay whole on every rank's device (params.device_kept_bytes).
     kept = device_kept_bytes(shape, method, request, cluster)
-    sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if method == "qlora" else 0)) / shards
+    sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if rung.quantized_enabled else 0)) / shards
     weights = sharded + kept
     gradients = trainable * state_bytes / shards
-    in_backward = request.optimizer_in_backward and method == "full"
+    in_backward = rung.optimizer_in_backward  # rung._validate: full fine-tunes only
     if in_backward:
         # optim_backward.py: a gradient lives from its hook to its parameter's step; the largest
         # one alone bounds what is left of the optimizer phase.
@@ -320,26 +317,26 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # The LM head's gradient is the first one backward makes (with FSDP2 unsharded until the head
     # unit's post-backward right after the loss, a tied head's in the root unit until backward
     # ends); a tied head's is the embedding's. Adapters' are negligible.
-    head_grads = shape.vocab_size * shape.hidden_size * state_bytes if method == "full" else 0
+    head_grads = 0 if rung.adapters_enabled else shape.vocab_size * shape.hidden_size * state_bytes
     step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
         weights=int(kept if cpu_offload else weights),
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
-        activations=activation_bytes(shape, method, request, act_bytes, offloaded=act_host > 0),
-        recomputed=recomputed_block_bytes(shape, method, request, act_bytes),
+        activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0),
+        recomputed=recomputed_block_bytes(shape, rung=rung, request=request, act_bytes=act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
         gathered=int(_gathered_bytes(shape, sizes, rung=rung, request=request)),
         context=CUDA_CONTEXT_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         fragmentation=CUDA_FRAGMENTATION_BYTES if cluster.device == "cuda" else 0,
         pageable=int(0 if cpu_offload else pageable_optimizer_bytes(shape, method, request, cluster) / shards),
-        gradients_in_backward=int(gradients if request.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
-        + (head_grads if shards > 1 or cpu_offload or request.grad_accum_steps == 1 else 0),
+        gradients_in_backward=int(gradients if request.train.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
+        + (head_grads if shards > 1 or cpu_offload or request.train.grad_accum_steps == 1 else 0),
         step_temporary=int(0 if cpu_offload else step_temp),
         step_in_backward=in_backward,
-        gradients_at_recompute=int(gradients_at_recompute(shape, method, request, cpu_offload=cpu_offload,
-                                                           in_backward=in_backward) * state_bytes / shards),
+        gradients_at_recompute=int(gradients_at_recompute(shape, rung=rung, request=request, in_backward=in_backward)
+                                   * state_bytes / shards),
     )
     return device, sharded + gradients + optimizer
 
@@ -350,12 +347,12 @@ def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pl
         return 0
     # In backward FSDP holds one block's unsharded gradients in the param dtype plus their copy in
     # the reduce dtype for the reduce-scatter (full fine-tuning; adapter gradients are tiny).
-    block_grads = shape.max_block_params * (sizes.w_bytes + request.reduce_bytes) if rung.method == "full" else 0
+    block_grads = 0 if rung.adapters_enabled else shape.max_block_params * (sizes.w_bytes + request.reduce_bytes)
     if not rung.reshard_after_forward:
         # SHARD_GRAD_OP: every block stays gathered from its forward to its backward; untied
         # embeddings are resharded after theirs (distributed.shard_ends); 4-bit constants are never
         # gathered (params.device_kept_bytes).
-        states = quant_state_bytes(shape, request) if rung.method == "qlora" else 0
+        states = quant_state_bytes(shape, request) if rung.quantized_enabled else 0
         return sizes.base_bytes - states - (shape.root_params - gathered_end_params(shape)) * sizes.act_bytes + block_grads
     # The LM head (and the root unit's final norm, or a tied embedding) gathered through the
     # loss and its backward, and the running block plus one prefetched block.
@@ -373,5 +370,5 @@ def step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, c
         largest = largest_param(shape)
     else:
         largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in targeted_linears(b, request)) \
-            * request.lora_r if trainable else 0
+            * request.lora.r if trainable else 0
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)

@@ -142,16 +142,16 @@ def communication(shape: ModelShape, base_bytes: int, trainable: int, *, rung: R
     # a ring over every rank waits on its slowest hop: Ethernet as soon as it spans nodes
     ring = dict(bytes_per_s=cluster.inter_bytes_per_s, hop_s=cluster.inter_hop_s) if nodes > 1 else intra
     loop = (LOOP_ALL_REDUCES + rung.fsdp_enabled) * collective_s(8, ranks=n, all_reduce=True, **ring)
-    backward = backward_fraction(rung.method, request)
+    backward = backward_fraction(rung=rung, request=request)
     if not rung.fsdp_enabled:
         # DDP reduces in the gradients' dtype, or on GPUs in bf16 with reduce_dtype=bfloat16
         # (distributed._replicate: torch's bf16 hook needs NCCL)
         dtype_bytes = min(request.reduce_bytes, grad_bytes) if cluster.device == "cuda" else grad_bytes
-        return ddp_communication(trainable * dtype_bytes, ranks=n, ring=ring, window=backward / request.grad_accum_steps,
+        return ddp_communication(trainable * dtype_bytes, ranks=n, ring=ring, window=backward / request.train.grad_accum_steps,
                                   loop_s=loop)
     link = intra if rung.hybrid_enabled else ring
     return _fsdp_communication(shape, base_bytes, trainable * request.reduce_bytes, rung=rung, request=request,
-                               cluster=cluster, root_bytes=root_bytes, syncs=1 if sync_deferred else request.grad_accum_steps,
+                               cluster=cluster, root_bytes=root_bytes, syncs=1 if sync_deferred else request.train.grad_accum_steps,
                                link=link, loop_s=loop, backward=backward)
 
 
@@ -160,7 +160,7 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
                         backward: float) -> Communication:
     """FSDP2's all-gathers and reduce-scatters over `link` (see `communication`): `grads` bytes of
     gradients reduced `syncs` times per step, one unit per block plus the root."""
-    g, nodes, accum = cluster.gpus_per_node, cluster.nodes, request.grad_accum_steps
+    g, nodes, accum = cluster.gpus_per_node, cluster.nodes, request.train.grad_accum_steps
     units = shape.num_layers
     block_bytes = (base_bytes - root_bytes) / max(1, units)
     gathers = 2 if rung.reshard_after_forward else 1
@@ -179,7 +179,7 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
 
     root_gather = _gather_s(root_bytes, ranks=shards, gloo=gloo, **link)
     gathers_s = accum * (root_gather + gathers * units * _gather_s(block_bytes, ranks=shards, gloo=gloo, **link))
-    grad_root = grads * root_bytes / base_bytes if rung.method == "full" else 0.0
+    grad_root = 0.0 if rung.adapters_enabled else grads * root_bytes / base_bytes
     grad_block = (grads - grad_root) / max(1, units)
     grads_s = syncs * (reduce_s(grad_root) + units * reduce_s(grad_block))
     sent = (gathers * accum * base_bytes + syncs * grads) * (shards - 1) / shards
@@ -209,12 +209,13 @@ def ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, lo
                          backward_window=window, exposed_s=last + loop_s)
 
 
-def backward_fraction(method: str, request: PlanRequest) -> float:
+def backward_fraction(*, rung: Rung, request: PlanRequest) -> float:
     """Backward's share of a step's FLOPs (see compute_s): 4 of 6 per parameter and token for a
     full fine-tune, 2 of 4 for adapters, plus the forward that activation checkpointing recomputes
     in backward; a DPO adapter step's reference forward is forward work."""
-    forward = 2 + (2 if request.objective == "dpo" and method != "full" else 0)
-    backward = (4 if method == "full" else 2) + (2 if request.activation_checkpointing else 0)
+    adapters = rung.adapters_enabled
+    forward = 2 + (2 if request.objective == "dpo" and adapters else 0)
+    backward = (2 if adapters else 4) + (2 if rung.activation_checkpointing else 0)
     return backward / (forward + backward)
 
 
@@ -227,23 +228,23 @@ def _ddp_buckets(grad_bytes: float) -> tuple[float, int, float]:
     return DDP_FIRST_BUCKET_BYTES, int(full), tail
 
 
-def compute_s(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> float:
+def compute_s(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> float:
     """6 x params x tokens FLOPs for full fine-tuning (forward 2, backward 4; Kaplan et al. 2020);
     4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
     recomputes the forward, and 2 x vocab x hidden more when the chunked loss recomputes the LM
     head (more than one chunk: loss_chunks.recomputes, every token counted as trained). Params are the matmul ones a token passes through (blocks' active parameters and the LM
     head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
     < 10% for these models."""
-    tokens = request.seq_len * request.rows_per_micro_batch * request.grad_accum_steps
-    factor = (6 if method == "full" else 4) + (2 if request.activation_checkpointing else 0)
-    if request.objective == "dpo" and method != "full":
+    tokens = request.data.max_length * request.rows_per_micro_batch * request.train.grad_accum_steps
+    factor = (4 if rung.adapters_enabled else 6) + (2 if rung.activation_checkpointing else 0)
+    if request.objective == "dpo" and rung.adapters_enabled:
         factor += 2  # the reference: one more forward with the adapters disabled
     flops = factor * matmul_params(shape) * tokens
-    micro_tokens = request.seq_len * request.rows_per_micro_batch
-    if request.chunked_loss and recomputes(request.loss_chunk_tokens, vocab_size=shape.vocab_size, tokens=micro_tokens):
+    micro_tokens = request.data.max_length * request.rows_per_micro_batch
+    if request.chunked_loss and recomputes(request.train.loss_chunk_tokens, vocab_size=shape.vocab_size, tokens=micro_tokens):
         flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
     seconds = flops / (cluster.tflops * 1e12)
-    return seconds * (QLORA_SLOWDOWN if method == "qlora" else 1.0)
+    return seconds * (QLORA_SLOWDOWN if rung.quantized_enabled else 1.0)
 
 
 def matmul_params(shape: ModelShape) -> int:
@@ -254,11 +255,11 @@ def prepass_s_per_pair(shape: ModelShape, method: str, request: PlanRequest, clu
     """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
     if request.objective != "dpo" or method != "full":
         return 0.0
-    return 2 * matmul_params(shape) * 2 * request.seq_len / (cluster.tflops * 1e12 * cluster.world_size)
+    return 2 * matmul_params(shape) * 2 * request.data.max_length / (cluster.tflops * 1e12 * cluster.world_size)
 
 
 def offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:
     """CPU offload: the weight shard crosses PCIe for the forward and the backward all-gather of
     every micro-batch, gradients come back once, and AdamW runs on the CPU."""
-    copies = 2 * request.grad_accum_steps * weight_shard_bytes + trainable_shard * w_bytes
+    copies = 2 * request.train.grad_accum_steps * weight_shard_bytes + trainable_shard * w_bytes
     return copies / OFFLOAD_BYTES_PER_S + trainable_shard / CPU_ADAM_PARAMS_PER_S

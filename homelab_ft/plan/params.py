@@ -19,18 +19,18 @@ from homelab_ft.rung import Rung
 
 def weight_bytes(request: PlanRequest, cluster: Cluster) -> int:
     """Bytes per base weight: `auto` is bf16 on GPUs and fp32 on CPUs (config.ModelConfig.dtype)."""
-    if request.dtype == "auto":
+    if request.model.dtype == "auto":
         return 2 if cluster.device == "cuda" else 4
-    return 4 if request.dtype == "float32" else 2
+    return 4 if request.model.dtype == "float32" else 2
 
 
 def qlora_compute_bytes(request: PlanRequest, cluster: Cluster) -> int:
     """Bytes of QLoRA's non-quantized weights and activations: the compute dtype (`auto`: bf16 on
     GPUs, fp32 on CPUs). fp16 counts as fp32: quant.prepare_for_training upcasts non-quantized
     fp16 weights, since fp16's range overflows on LLM activation outliers."""
-    if request.quant_compute_dtype == "auto":
+    if request.quant.compute_dtype == "auto":
         return 2 if cluster.device == "cuda" else 4
-    return 2 if request.quant_compute_dtype == "bfloat16" else 4
+    return 2 if request.quant.compute_dtype == "bfloat16" else 4
 
 
 def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, double_quant: bool) -> int:
@@ -67,9 +67,9 @@ def quant_code_bytes(*, double_quant: bool) -> int:
 def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
     bf16 (fp16 bases keep fp32 adapters)."""
-    if request.lora_dtype != "compute":
+    if request.lora.dtype != "compute":
         return 4
-    name = request.quant_compute_dtype if method == "qlora" else request.dtype
+    name = request.quant.compute_dtype if method == "qlora" else request.model.dtype
     bf16 = name == "bfloat16" or (name == "auto" and cluster.device == "cuda")
     return 2 if bf16 else 4
 
@@ -89,10 +89,10 @@ def quant_state_bytes(shape: ModelShape, request: PlanRequest) -> int:
 
 def _block_constant_bytes(block: BlockShape, request: PlanRequest) -> int:
     """`quant_state_bytes` of one block: its 4-bit bytes beyond the packed ones (0 unless 4-bit)."""
-    if request.quant_bits != 4:
+    if request.quant.bits != 4:
         return 0
     matrices = [(1, lin.in_features, lin.out_features) for lin in block.linears] + list(block.expert_stacks)
-    return sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) - math.ceil(i * o / 2))
+    return sum(count * (quantized_linear_bytes(i, o, bits=4, double_quant=request.quant.double_quant) - math.ceil(i * o / 2))
                for count, i, o in matrices)
 
 
@@ -100,7 +100,7 @@ def expert_scratch_bytes(shape: ModelShape, request: PlanRequest, cluster: Clust
     """The one expert's weight that bnb.matmul_4bit dequantizes at a time (moe_experts._project), in
     the compute dtype, on the device: a temporary of the running block, the same size on every
     rank whatever FSDP2 shards (it splits the stack along experts, the matmul takes one whole)."""
-    if request.quant_bits != 4:
+    if request.quant.bits != 4:
         return 0
     return qlora_compute_bytes(request, cluster) * max((i * o for b in shape.blocks for _, i, o in b.expert_stacks), default=0)
 
@@ -121,7 +121,7 @@ def one_process_loading_bytes(shape: ModelShape, method: str, request: PlanReque
     as read, ~1.6 GB on Qwen3-30B-A3B); every other one-process load streams safetensors from the
     page cache (`from_pretrained`)."""
     has_experts = any(b.expert_stacks for b in shape.blocks)
-    if method != "qlora" or request.quant_bits != 4 or not has_experts:
+    if method != "qlora" or request.quant.bits != 4 or not has_experts:
         return 0
     return sharded_qlora_loading_bytes(shape, request, cluster)
 
@@ -145,16 +145,16 @@ def lora_params_per_block(shape: ModelShape, request: PlanRequest, block_index: 
     stacks (model/moe_experts.py: A [E, r, in], B [E, out, r] per projection).
     """
     block = shape.blocks[block_index]
-    r = request.lora_r
+    r = request.lora.r
     linears = sum(r * (lin.in_features + lin.out_features) for lin in targeted_linears(block, request))
-    experts = sum(e * r * (i + o) for e, i, o in block.expert_stacks) if "all-linear" in request.lora_targets else 0
+    experts = sum(e * r * (i + o) for e, i, o in block.expert_stacks) if "all-linear" in request.lora.targets else 0
     return linears + experts
 
 
 def targeted_linears(block: BlockShape, request: PlanRequest) -> tuple[Linear, ...]:
     """The block's linears that LoRA wraps: `all-linear` as PEFT resolves it on this model (derive.py
     asks PEFT), else `lora.target_modules` matched by name suffix, as PEFT does."""
-    return linears_for(block, request.lora_targets)
+    return linears_for(block, request.lora.targets)
 
 
 def linears_for(block: BlockShape, targets: tuple[str, ...]) -> tuple[Linear, ...]:
@@ -170,7 +170,7 @@ def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
 
 def router_params(shape: ModelShape, request: PlanRequest) -> int:
     """The routers' parameters when lora.train_router trains them (moe_routers.router_parameters)."""
-    return sum(b.num_blocks * b.router_params for b in shape.blocks) if request.train_router else 0
+    return sum(b.num_blocks * b.router_params for b in shape.blocks) if request.lora.train_router else 0
 
 
 def trainable_params(shape: ModelShape, request: PlanRequest) -> int:
@@ -197,11 +197,11 @@ def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, clus
     block_bytes = []
     for block in shape.blocks:
         quantized = sum(
-            quantized_linear_bytes(lin.in_features, lin.out_features, bits=request.quant_bits, double_quant=request.double_quant)
+            quantized_linear_bytes(lin.in_features, lin.out_features, bits=request.quant.bits, double_quant=request.quant.double_quant)
             for lin in block.linears
         )
-        stacks = block.expert_stacks if request.quant_bits == 4 else ()
-        quantized += sum(e * quantized_linear_bytes(i, o, bits=4, double_quant=request.double_quant) for e, i, o in stacks)
+        stacks = block.expert_stacks if request.quant.bits == 4 else ()
+        quantized += sum(e * quantized_linear_bytes(i, o, bits=4, double_quant=request.quant.double_quant) for e, i, o in stacks)
         kept = block.params - block.linear_weight_params - sum(e * i * o for e, i, o in stacks)
         block_bytes.append(quantized + other * kept)
     total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
@@ -212,8 +212,8 @@ def host_embedding_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest,
     """Bytes of the input embedding table that train.embedding_offload keeps in host RAM instead of
     on the GPU (0 where the one rule, homelab_ft/embedding_offload.py, leaves it there): vocab x
     hidden in the dtype the base keeps its unquantized ends in (`base_weight_bytes`)."""
-    targeted = embedding_offload.targets_embedding(request.lora_targets, embedding_name=shape.embedding_name)
-    if not embedding_offload.decide(request.embedding_offload, rung=rung, tied=shape.tie_word_embeddings,
+    targeted = embedding_offload.targets_embedding(request.lora.targets, embedding_name=shape.embedding_name)
+    if not embedding_offload.decide(request.train.embedding_offload, rung=rung, tied=shape.tie_word_embeddings,
                                     targeted=targeted, device_type=cluster.device):
         return 0
     per_param = qlora_compute_bytes(request, cluster) if rung.quantized_enabled else weight_bytes(request, cluster)
@@ -248,7 +248,7 @@ def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int,
     holds two temporaries of the largest one (measured: bench/memory.py). bitsandbytes' 8-bit
     AdamW updates each tensor in place in one kernel.
     """
-    if request.optimizer != "adamw":
+    if request.train.optimizer != "adamw":
         return 0
     if cluster.device == "cuda":
         return params * state_bytes
@@ -268,7 +268,7 @@ def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanReques
     A (r x in) and B (out x r) only those that big (r=16 on a 4096-wide model: A and B of the
     14336-wide MLP projections, not the attention ones). On the CPU paged AdamW is plain 8-bit.
     """
-    if request.optimizer != "paged_adamw_8bit" or cluster.device != "cuda":
+    if request.train.optimizer != "paged_adamw_8bit" or cluster.device != "cuda":
         return 0
     per_param = optimizer_bytes_per_param(request, 0)
     if method == "full":
@@ -278,11 +278,11 @@ def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanReques
             experts = block.params - block.linear_weight_params if shape.is_moe else 0
             big += block.num_blocks * (linears + experts)
         return int(big * per_param)
-    r = request.lora_r
+    r = request.lora.r
     big = sum(block.num_blocks * sum(n for lin in targeted_linears(block, request)
                                      for n in (r * lin.in_features, r * lin.out_features) if n >= PAGED_MIN_NUMEL)
               for block in shape.blocks)
-    if "all-linear" in request.lora_targets:  # moe_experts' A [E, r, in] and B [E, out, r]: one tensor each
+    if "all-linear" in request.lora.targets:  # moe_experts' A [E, r, in] and B [E, out, r]: one tensor each
         big += sum(block.num_blocks * sum(n for e, i, o in block.expert_stacks for n in (e * r * i, e * r * o)
                                           if n >= PAGED_MIN_NUMEL) for block in shape.blocks)
     return int(big * per_param)
@@ -291,6 +291,6 @@ def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanReques
 def optimizer_bytes_per_param(request: PlanRequest, state_bytes: int) -> float:
     """AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype (torch.optim.AdamW). bitsandbytes'
     8-bit AdamW keeps each as uint8 with an fp32 absmax per block of 256 (optim/optimizer.py)."""
-    if request.optimizer == "adamw":
+    if request.train.optimizer == "adamw":
         return 2 * state_bytes
     return 2 * (1 + 4 / 256)

@@ -75,7 +75,7 @@ def p2p_bytes(shape: ModelShape, *, method: str, request: PlanRequest, cluster: 
     """Bytes one stage boundary carries per micro-batch and direction: the hidden states
     [rows, seq, hidden] in the activation dtype forward, and their gradient (same shape) back."""
     act = activation_dtype_bytes(method, request, cluster)
-    return request.rows_per_micro_batch * request.seq_len * shape.hidden_size * act
+    return request.rows_per_micro_batch * request.data.max_length * shape.hidden_size * act
 
 
 def stage_nodes(rung: Rung, cluster: Cluster) -> tuple[int, ...]:
@@ -130,8 +130,8 @@ def _per_block(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: 
     else:
         trainable, state = adapter_params(shape, request), adapter_bytes(method, request, cluster)
         block_trainable = trainable / layers
-    recomputed = recomputed_block_bytes(shape, method, request, act)
-    kept = activation_bytes(shape, method, request, act) - recomputed
+    recomputed = recomputed_block_bytes(shape, rung=rung, request=request, act_bytes=act)
+    kept = activation_bytes(shape, rung=rung, request=request, act_bytes=act) - recomputed
     pageable = pageable_optimizer_bytes(shape, method, request, cluster) / max(1, trainable)
     return _PerBlock(act_bytes=act, base_bytes=(base_total - shape.root_params * act) / layers,
                      trainable=block_trainable, state_bytes=state,
@@ -154,10 +154,10 @@ def stage_memory(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster
     per = _per_block(shape, rung=rung, request=request, cluster=cluster)
     stages, first, last = rung.pipeline_stages, stage_index == 0, stage_index == rung.pipeline_stages - 1
     ends = _end_params(shape, first=first, last=last)
-    full = rung.method == "full"
+    full = not rung.adapters_enabled
     trainable = _stage_trainable(shape, per, rung=rung, stage_index=stage_index, num_blocks=num_blocks)
     grads = trainable * per.state_bytes
-    micro = request.grad_accum_steps
+    micro = request.train.grad_accum_steps
     flying = in_flight(rung.pipeline_schedule, stages=stages, stage_index=stage_index, micro_batches=micro)
     head_grads = shape.vocab_size * shape.hidden_size * per.state_bytes if full and last else 0
     step_temp = step_temporary_bytes(shape, rung.method, request, cluster, trainable=int(trainable),
@@ -184,8 +184,6 @@ def sized(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clust
     the savers the rung runs with."""
     if rung.stage_blocks:
         return rung
-    request = dataclasses.replace(request, activation_checkpointing=rung.activation_checkpointing,
-                                  activation_offload=rung.activation_offload)
     return dataclasses.replace(rung, stage_blocks=stage_split(shape, rung=rung, request=request, cluster=cluster))
 
 
@@ -206,7 +204,7 @@ def stage_split(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster:
     nodes = stage_nodes(rung, cluster)
     capacity = []
     for i in range(stages):
-        budget = cluster.node_bytes(nodes[i]) * (1 - request.headroom)
+        budget = cluster.node_bytes(nodes[i]) * (1 - request.planner.headroom)
         fixed = stage_memory(shape, rung=rung, request=request, cluster=cluster, stage_index=i, num_blocks=0).total
         one = stage_memory(shape, rung=rung, request=request, cluster=cluster, stage_index=i, num_blocks=1).total
         capacity.append(max(0.0, budget - fixed) / max(1, one - fixed))
@@ -275,12 +273,10 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     and the other transfers overlap compute (torch.distributed.pipelining posts them as isend/irecv).
     With D replicas each stage's gradients are all-reduced among its D copies as DDP does
     (network.ddp_communication), and the loop's small all-reduces span the world."""
-    request = dataclasses.replace(request, activation_checkpointing=rung.activation_checkpointing,
-                                  activation_offload=rung.activation_offload)
-    stages_n, micro = rung.pipeline_stages, request.grad_accum_steps
+    stages_n, micro = rung.pipeline_stages, request.train.grad_accum_steps
     counts = rung.stage_blocks or stage_split(shape, rung=rung, request=request, cluster=cluster)
     nodes = stage_nodes(rung, cluster)
-    whole = compute_s(shape, rung.method, request, cluster)
+    whole = compute_s(shape, rung=rung, request=request, cluster=cluster)
     matmul, head = matmul_params(shape), shape.vocab_size * shape.hidden_size
     stages, first = [], 0
     for i, count in enumerate(counts):
@@ -288,7 +284,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         share = (count / shape.num_layers * (matmul - head) + (head if i == stages_n - 1 else 0)) / matmul
         device_bytes = cluster.node_bytes(nodes[i])
         stages.append(Stage(index=i, first_block=first, num_blocks=count, node=nodes[i], device_bytes=device_bytes,
-                            budget_bytes=int(device_bytes * (1 - request.headroom)), memory_total=memory.total,
+                            budget_bytes=int(device_bytes * (1 - request.planner.headroom)), memory_total=memory.total,
                             in_flight=in_flight(rung.pipeline_schedule, stages=stages_n, stage_index=i,
                                                 micro_batches=micro),
                             compute_s=whole * share))
@@ -310,7 +306,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     loading = cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster) if rung.quantized_enabled else 0
     host = cluster.gpus_per_node * CUDA_HOST_PROCESS_BYTES + loading if cluster.device == "cuda" else (
         cluster.gpus_per_node * memory.total)
-    trainable = shape.total_params if rung.method == "full" else adapter_params(shape, request)
+    trainable = adapter_params(shape, request) if rung.adapters_enabled else shape.total_params
     return Estimate(
         method=rung.method, strategy=rung.strategy, cpu_offload=False, memory=memory, host_bytes=int(host),
         trainable_params=trainable, comm_bytes=int(sent), comm_s=comm_s, comm_hidden_s=hidden, compute_s=slowest,
@@ -340,7 +336,7 @@ def _replica_sync(shape: ModelShape, stage: Stage, *, rung: Rung, request: PlanR
     per = _per_block(shape, rung=rung, request=request, cluster=cluster)
     dtype = min(request.reduce_bytes, per.state_bytes) if cluster.device == "cuda" else per.state_bytes
     grads = _stage_trainable(shape, per, rung=rung, stage_index=stage.index, num_blocks=stage.num_blocks) * dtype
-    window = backward_fraction(rung.method, request) / request.grad_accum_steps
+    window = backward_fraction(rung=rung, request=request) / request.train.grad_accum_steps
     link = intra if replicas <= cluster.gpus_per_node else ring
     return ddp_communication(grads if replicas > 1 else 0, ranks=replicas, ring=link, window=window, loop_s=loop)
 
@@ -348,4 +344,4 @@ def _replica_sync(shape: ModelShape, stage: Stage, *, rung: Rung, request: PlanR
 def _stage_trainable(shape: ModelShape, per: _PerBlock, *, rung: Rung, stage_index: int, num_blocks: int) -> float:
     """Trainable parameters a stage holds: its blocks' (and for a full fine-tune its ends')."""
     ends = _end_params(shape, first=stage_index == 0, last=stage_index == rung.pipeline_stages - 1)
-    return num_blocks * per.trainable + (ends if rung.method == "full" else 0)
+    return num_blocks * per.trainable + (0 if rung.adapters_enabled else ends)

@@ -22,10 +22,10 @@ from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
 from homelab_ft.plan.diskspace import checkpoint_bytes
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.ladder import STEP_TIME_TIE, Option, choose, evaluate, price
+from homelab_ft.plan.ladder import LADDER, STEP_TIME_TIE, Option, Refusal, choose, evaluate, offers, price
 from homelab_ft.plan.memory import gib_text
 from homelab_ft.plan.shapes import ModelShape
-from homelab_ft.rung import HYBRID_SHARD, RungError, requested_rung
+from homelab_ft.rung import RungError, hybrid_refusal, requested_rung
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class Plan:
     suggestions: tuple[str, ...]
     """When nothing fits: changes that would make an option fit, each with its numbers."""
     warnings: tuple[str, ...]
+    refused: tuple[Refusal, ...] = ()
+    """Options the ladder did not offer, each with the trainer's reason (refusals.py, rung._validate)."""
 
     @property
     def fits(self) -> bool:
@@ -93,6 +95,7 @@ class Plan:
             "afford": [dataclasses.asdict(a) for a in self.affordable],
             "warnings": list(self.warnings),
             "options": [option(o) for o in self.options],
+            "refused": [dataclasses.asdict(r) for r in self.refused],
         }
 
     def to_json(self) -> str:
@@ -107,7 +110,8 @@ def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: st
     """Evaluate every option, pick one by the ladder, explain the rest."""
     validate(shape, request=request, cluster=cluster)
     check_router_request(shape, request=request, model=f"{model} ({shape.model_type}, {config_source or 'its config'})")
-    options = evaluate(shape, request=request, cluster=cluster)
+    options, refused = offers(shape, request=request, cluster=cluster)
+    _refuse_named_pipeline(options, refused, request=request)
     chosen = choose(options, request=request)
     closest, suggestions = None, ()
     if chosen is None:
@@ -115,42 +119,50 @@ def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: st
         closest = min(allowed, key=_pressure)
         suggestions = what_would_fit(shape, request=request, cluster=cluster, closest=closest)
     return Plan(model=model, config_source=config_source, shape=shape, cluster=cluster, request=request, options=options, chosen=chosen,
-                closest=closest, suggestions=suggestions, warnings=_warnings(shape, chosen, request, cluster, options))
+                closest=closest, suggestions=suggestions, warnings=_warnings(shape, chosen, request, cluster, options),
+                refused=refused)
+
+
+def _refuse_named_pipeline(options: tuple[Option, ...], refused: tuple[Refusal, ...], *, request: PlanRequest) -> None:
+    """A pipeline the recipe names (sharding.pipeline_stages > 1) that the trainer refuses for every
+    method it allows is the recipe's mistake: refused here with the trainer's reason, before anything
+    is priced further, created or launched (with `auto` the ladder just does not offer it)."""
+    stages = request.sharding.pipeline_stages
+    if not isinstance(stages, int) or stages == 1 or any(o.allowed for o in options):
+        return
+    methods = LADDER if request.method == "auto" else (request.method,)
+    named = [r for r in refused if r.label in {f"{m} pipeline {stages} stages" for m in methods}]
+    if named:
+        raise RungError(named[0].reason)
 
 
 def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> None:
-    if request.seq_len > shape.max_position_embeddings:
+    if request.data.max_length > shape.max_position_embeddings:
         raise UserError(
-            f"data.max_length={request.seq_len} is beyond the model's max_position_embeddings="
+            f"data.max_length={request.data.max_length} is beyond the model's max_position_embeddings="
             f"{shape.max_position_embeddings}; lower data.max_length"
         )
-    if request.method != "auto" and request.strategy != "auto":
+    if request.method != "auto" and request.sharding.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
-        requested_rung(request.method, strategy=request.strategy, cpu_offload=request.cpu_offload,
-                       nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node, optimizer=request.optimizer,
-                       optimizer_in_backward=request.optimizer_in_backward, quant_bits=request.quant_bits,
-                       activation_checkpointing=request.activation_checkpointing,
-                       activation_offload=request.activation_offload)
-    elif request.strategy == HYBRID_SHARD and cluster.nodes < 2:
-        raise RungError("sharding.strategy=hybrid_shard shards inside a node and replicates across nodes: "
-                        "it needs cluster.nodes >= 2; on one machine use full_shard")
-    if request.embedding_offload is True:
-        targeted = embedding_offload.targets_embedding(request.lora_targets, embedding_name=shape.embedding_name)
+        requested_rung(request.method, strategy=request.sharding.strategy, cpu_offload=request.sharding.cpu_offload,
+                       nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node, optimizer=request.train.optimizer,
+                       optimizer_in_backward=request.train.optimizer_in_backward, quant_bits=request.quant.bits,
+                       activation_checkpointing=request.train.activation_checkpointing,
+                       activation_offload=request.train.activation_offload)
+    elif why := hybrid_refusal(request.sharding.strategy, nodes=cluster.nodes):
+        raise RungError(why)
+    if request.train.embedding_offload is True:
+        targeted = embedding_offload.targets_embedding(request.lora.targets, embedding_name=shape.embedding_name)
         why = embedding_offload.model_refusal(tied=shape.tie_word_embeddings, targeted=targeted, device_type=cluster.device)
         if why is not None:
             raise embedding_offload.error(why)
 
 
 def check_router_request(shape: ModelShape, *, request: PlanRequest, model: str) -> None:
-    """lora.train_router refused before anything is priced or written: on a model without routers, and
-    on a named pipeline (moe_routers.check_rung, which the ladder applies per option)."""
-    if not request.train_router:
-        return
-    if not any(b.router_params for b in shape.blocks):
+    """lora.train_router refused before anything is priced or written on a model without routers (a
+    pipeline, which does not train them, is refusals.trained_router: the ladder does not offer it)."""
+    if request.lora.train_router and not any(b.router_params for b in shape.blocks):
         raise moe_routers.refuse_dense(model)
-    if request.method in ("lora", "qlora"):
-        stages = request.pipeline_stages if isinstance(request.pipeline_stages, int) else 1
-        moe_routers.check_rung(True, stages=stages)
 
 
 def _pressure(option: Option) -> float:
@@ -168,31 +180,38 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
     """Changes, one at a time, that make an allowed option fit, each with the option it gives."""
     r, c = request, cluster
     tries: list[tuple[str, PlanRequest, Cluster]] = []
+
+    def change(text: str, **sections) -> None:
+        """Try `text`, the recipe keys changed as `sections`; a change the recipe would refuse is no advice."""
+        try:
+            tries.append((text, r.changed(**sections), c))
+        except ValueError:  # pydantic's ValidationError: e.g. grad_accum_steps > 1 with optimizer_in_backward
+            pass
+
     # The cheap savers first: they cost a little compute, never a rung or a GPU.
-    if r.loss_chunk_tokens == 0:
-        tries.append(("train.loss_chunk_tokens=auto", dataclasses.replace(r, loss_chunk_tokens="auto"), c))
-    if not r.activation_checkpointing:
-        tries.append(("train.activation_checkpointing=true", dataclasses.replace(r, activation_checkpointing=True), c))
-    if c.device == "cuda" and not r.activation_offload:
-        tries.append(("train.activation_checkpointing=true train.activation_offload=true",
-                      dataclasses.replace(r, activation_checkpointing=True, activation_offload=True), c))
-    if r.method == "full" and not r.optimizer_in_backward and r.grad_accum_steps == 1:
-        tries.append(("train.optimizer_in_backward=true train.max_grad_norm=0",
-                      dataclasses.replace(r, optimizer_in_backward=True), c))
-    if r.micro_batch_size > 1:
-        accum = r.grad_accum_steps * r.micro_batch_size
-        tries.append((f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
-                      dataclasses.replace(r, micro_batch_size=1, grad_accum_steps=accum), c))
-    seq = r.seq_len // 2
+    if r.train.loss_chunk_tokens == 0:
+        change("train.loss_chunk_tokens=auto", train={"loss_chunk_tokens": "auto"})
+    if not r.train.activation_checkpointing:
+        change("train.activation_checkpointing=true", train={"activation_checkpointing": True})
+    if c.device == "cuda" and not r.train.activation_offload:
+        change("train.activation_checkpointing=true train.activation_offload=true",
+               train={"activation_checkpointing": True, "activation_offload": True})
+    if r.method == "full" and not r.train.optimizer_in_backward and r.train.grad_accum_steps == 1:
+        change("train.optimizer_in_backward=true train.max_grad_norm=0",
+               train={"optimizer_in_backward": True, "max_grad_norm": 0.0})
+    if r.train.micro_batch_size > 1:
+        accum = r.train.grad_accum_steps * r.train.micro_batch_size
+        change(f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
+               train={"micro_batch_size": 1, "grad_accum_steps": accum})
+    seq = r.data.max_length // 2
     while seq >= 128:
-        tries.append((f"data.max_length={seq}", dataclasses.replace(r, seq_len=seq), c))
+        change(f"data.max_length={seq}", data={"max_length": seq})
         seq //= 2
-    if c.device == "cuda" and not r.cpu_offload:
-        tries.append(("sharding.strategy=auto sharding.cpu_offload=true",
-                      dataclasses.replace(r, strategy="auto", cpu_offload=True), c))
+    if c.device == "cuda" and not r.sharding.cpu_offload:
+        change("sharding.strategy=auto sharding.cpu_offload=true", sharding={"strategy": "auto", "cpu_offload": True})
     if r.method in ("lora", "full"):
         lighter = "qlora" if r.method == "lora" else "lora"
-        tries.append((f"method={lighter}", dataclasses.replace(r, method=lighter), c))
+        change(f"method={lighter}", method=lighter)
     for more in (2, 4, 8):
         if more > c.gpus_per_node and c.device == "cuda":
             tries.append((f"--gpus {more}x{gib_text(c.device_bytes)}GB", r, dataclasses.replace(c, gpus_per_node=more)))
@@ -210,9 +229,9 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
             shorter_found = shorter_found or text.startswith("data.max_length")
         if len(found) >= 4:
             break
-    device_need = closest.memory.total / (1 - request.headroom)
+    device_need = closest.memory.total / (1 - request.planner.headroom)
     if closest.host_budget_bytes and closest.host_bytes > closest.host_budget_bytes:
-        found.append(f"host RAM >= {gib_text(closest.host_bytes / (1 - request.headroom))} GiB per node"
+        found.append(f"host RAM >= {gib_text(closest.host_bytes / (1 - request.planner.headroom))} GiB per node"
                      + (f" and GPUs with >= {gib_text(device_need)} GiB" if closest.memory.total > closest.budget_bytes else "")
                      + f": {closest.label} would fit")
     else:
@@ -262,12 +281,12 @@ def shorter_steps(shape: ModelShape, chosen: Option, *, options: tuple[Option, .
     hybrid = [o for o in better if o.rung.hybrid_enabled]
     if hybrid and not chosen.rung.hybrid_enabled:
         found.append("hybrid_shard, " + named(best(hybrid)))
-    if chosen.rung.fsdp_enabled and request.grad_accum_steps > 1 and not request.optimizer_in_backward:
-        micro, accum = request.micro_batch_size * 2, request.grad_accum_steps // 2
-        larger = dataclasses.replace(request, micro_batch_size=micro, grad_accum_steps=accum)
+    if chosen.rung.fsdp_enabled and request.train.grad_accum_steps > 1 and not request.train.optimizer_in_backward:
+        micro, accum = request.train.micro_batch_size * 2, request.train.grad_accum_steps // 2
+        larger = request.changed(train={"micro_batch_size": micro, "grad_accum_steps": accum})
         est, fits, _ = price(shape, rung=chosen.rung, request=larger, cluster=cluster)
         if fits and est.step_s < chosen.step_s * (1 - STEP_TIME_TIE) * micro * accum / (
-                request.micro_batch_size * request.grad_accum_steps):
+                request.train.micro_batch_size * request.train.grad_accum_steps):
             found.append(f"a larger micro-batch, train.micro_batch_size={micro} train.grad_accum_steps={accum} "
                          f"(same batch) {est.step_s:.1f} s/step")
     return found
@@ -278,9 +297,9 @@ def _asking_for(o: Option, request: PlanRequest) -> str:
     keys = []
     if request.method not in ("auto", o.method):
         keys.append(f"method={o.method}")
-    if o.rung.pipeline_enabled and request.pipeline_stages not in ("auto", o.rung.pipeline_stages):
+    if o.rung.pipeline_enabled and request.sharding.pipeline_stages not in ("auto", o.rung.pipeline_stages):
         keys.append("sharding.pipeline_stages=auto")
-    if request.strategy not in ("auto", o.strategy) or (o.rung.pipeline_enabled and request.strategy != "auto"):
+    if request.sharding.strategy not in ("auto", o.strategy) or (o.rung.pipeline_enabled and request.sharding.strategy != "auto"):
         keys.append("sharding.strategy=auto")
     return " ".join(keys) or "the recipe's other settings"
 
@@ -300,10 +319,10 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
                    f"{link}) vs {chosen.compute_s:.1f} s/step of compute; {advice}")
     if chosen.cpu_offload:
         out.append(f"CPU offload adds ~{chosen.offload_s:.1f} s/step (PCIe copies of the shards, AdamW on the CPU)")
-    if shape.is_moe and chosen.method != "full" and "all-linear" not in request.lora_targets:
+    if shape.is_moe and chosen.rung.adapters_enabled and "all-linear" not in request.lora.targets:
         out.append("MoE: lora.target_modules lists linear layers only, so no routed expert trains "
                    "(all-linear adapts every expert too; the `lora` line says what trains)")
-    if request.optimizer == "paged_adamw_8bit" and cluster.device == "cpu":
+    if request.train.optimizer == "paged_adamw_8bit" and cluster.device == "cpu":
         out.append("train.optimizer=paged_adamw_8bit pages to host RAM only on CUDA; on the CPU it runs as adamw_8bit")
     return tuple(out)
 
@@ -313,29 +332,18 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
 
 
 def request_from_recipe(recipe) -> PlanRequest:
-    """The planner's view of a `config.Recipe`."""
-    targets = recipe.lora.target_modules
-    return PlanRequest(
-        method=recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
-        seq_len=recipe.data.max_length, micro_batch_size=recipe.train.micro_batch_size,
-        grad_accum_steps=recipe.train.grad_accum_steps, activation_checkpointing=recipe.train.activation_checkpointing,
-        loss_chunk_tokens=recipe.train.loss_chunk_tokens, optimizer_in_backward=recipe.train.optimizer_in_backward,
-        activation_offload=recipe.train.activation_offload, embedding_offload=recipe.train.embedding_offload,
-        lora_r=recipe.lora.r, lora_dropout=recipe.lora.dropout, lora_dtype=recipe.lora.dtype,
-        lora_targets=(targets,) if isinstance(targets, str) else tuple(targets), train_router=recipe.lora.train_router,
-        quant_bits=recipe.quant.bits, double_quant=recipe.quant.double_quant,
-        quant_compute_dtype=recipe.quant.compute_dtype, optimizer=recipe.train.optimizer,
-        dtype=recipe.model.dtype, reduce_dtype=recipe.sharding.reduce_dtype, headroom=recipe.planner.headroom,
-        objective=recipe.objective, pipeline_stages=recipe.sharding.pipeline_stages,
-        stage_blocks=tuple(recipe.sharding.stage_blocks or ()), pipeline_schedule=recipe.sharding.pipeline_schedule,
-    )
+    """The planner's view of a `config.Recipe`: its own sections, as they are."""
+    return PlanRequest(method=recipe.method, objective=recipe.objective, model=recipe.model, lora=recipe.lora,
+                       quant=recipe.quant, data=recipe.data, train=recipe.train, sharding=recipe.sharding,
+                       planner=recipe.planner)
 
 
-def default_request(**changes) -> PlanRequest:
-    """The request of a recipe that sets nothing (config.py's defaults), with `changes` applied."""
+def default_request(**sections) -> PlanRequest:
+    """The request of a recipe that sets nothing but `sections` (config.py's defaults otherwise), as a
+    recipe's YAML spells them: `default_request(method="lora", data={"max_length": 512})`."""
     from homelab_ft.config import recipe_from_dict
 
-    return dataclasses.replace(request_from_recipe(recipe_from_dict({})), **changes)
+    return request_from_recipe(recipe_from_dict(sections))
 
 
 def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None) -> Plan:

@@ -46,7 +46,7 @@ def lora_text(shape: ModelShape, request: PlanRequest) -> str:
     moe_routers finds), with the trainable count the trainer's count_params reports
     (params.trainable_params): `all-linear: self_attn.{q_proj, ...} in 48 blocks; mlp.experts.{...}
     of each of 128 experts in 48 blocks; routers frozen; N trainable parameters at r=8`."""
-    targets = request.lora_targets
+    targets = request.lora.targets
     all_linear = "all-linear" in targets
     blocks: dict[str, int] = {}  # what is adapted -> in how many blocks
     left_out: dict[str, None] = {}
@@ -68,10 +68,10 @@ def lora_text(shape: ModelShape, request: PlanRequest) -> str:
     if left_out:
         parts.append(f"left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}")
     if any(b.router_params for b in shape.blocks):
-        parts.append(f"routers trained in full ({router_params(shape, request):,} parameters)" if request.train_router
+        parts.append(f"routers trained in full ({router_params(shape, request):,} parameters)" if request.lora.train_router
                      else "routers frozen (lora.train_router: false)")
     what = "all-linear" if all_linear else "target_modules " + ",".join(targets)
-    return f"{what}: {'; '.join(parts)}; {trainable_params(shape, request):,} trainable parameters at r={request.lora_r}"
+    return f"{what}: {'; '.join(parts)}; {trainable_params(shape, request):,} trainable parameters at r={request.lora.r}"
 
 
 def embedding_lines(p: Plan) -> list[str]:
@@ -82,7 +82,7 @@ def embedding_lines(p: Plan) -> list[str]:
     if not table:
         return []
     return [f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM; the rows looked up go to the GPU, "
-            f"{r.seq_len * r.rows_per_micro_batch} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)"]
+            f"{r.data.max_length * r.rows_per_micro_batch} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)"]
 
 
 def pipeline_lines(p: Plan) -> list[str]:
@@ -91,7 +91,7 @@ def pipeline_lines(p: Plan) -> list[str]:
     o, c, r = p.chosen, p.cluster, p.request
     if o is None or not o.stages:
         return []
-    stages, micro = len(o.stages), r.grad_accum_steps
+    stages, micro = len(o.stages), r.train.grad_accum_steps
     boundary_mb = o.comm_bytes / max(1, 2 * micro) / 1e6 if stages > 1 else 0.0
     link = c.inter_link_name if len({s.node for s in o.stages}) > 1 else (c.intra_link if c.device == "cuda" else "gloo")
     lines = [f"stages   {split_text(o.stages)}",
@@ -118,6 +118,16 @@ def _batches(o: Option) -> str:
     return f"{replicas} batch{'es' if replicas > 1 else ''}"
 
 
+def refused_lines(p: Plan) -> list[str]:
+    """The options the ladder did not offer, one line per reason with the options it keeps off:
+    `not offered: qlora pipeline 2 stages, lora pipeline 2 stages: sharding.pipeline_stages=2: objective=dpo ...`."""
+    by_reason: dict[str, list[str]] = {}
+    for refusal in p.refused:
+        by_reason.setdefault(refusal.reason, []).append(refusal.label)
+    return [f"{'refused' if i == 0 else '':8s} {', '.join(labels)}: {reason}"
+            for i, (reason, labels) in enumerate(by_reason.items())]
+
+
 def format_plan(p: Plan) -> str:
     """A readable table: one row per option, the chosen one marked with `>`."""
     s, c, r = p.shape, p.cluster, p.request
@@ -134,11 +144,11 @@ def format_plan(p: Plan) -> str:
         f"model    {p.model} ({s.model_type}, {params}; config: {p.config_source})",
         f"cluster  {c.nodes} node(s) x {device}, host RAM {gib_text(c.host_ram_bytes)} GiB/node{links} [{c.source}]",
         f"compute  {c.tflops_source or f'{c.tflops:.3g} TFLOPS sustained per device (as given)'}",
-        f"request  method={r.method} strategy={r.strategy} seq={r.seq_len} micro_batch={r.micro_batch_size} "
-        f"accum={r.grad_accum_steps} act_ckpt={str(r.activation_checkpointing).lower()} loss_chunk={_chunk_text(r.loss_chunk_tokens, s.vocab_size)}"
-        f" act_offload={str(r.activation_offload).lower()} emb_offload={str(r.embedding_offload).lower()}"
-        + (" optim_in_bwd" if r.optimizer_in_backward else "")
-        + (f" lora_dtype={r.lora_dtype}" if r.lora_dtype != "float32" else "") + f" headroom={r.headroom:.0%}"
+        f"request  method={r.method} strategy={r.sharding.strategy} seq={r.data.max_length} micro_batch={r.train.micro_batch_size} "
+        f"accum={r.train.grad_accum_steps} act_ckpt={str(r.train.activation_checkpointing).lower()} loss_chunk={_chunk_text(r.train.loss_chunk_tokens, s.vocab_size)}"
+        f" act_offload={str(r.train.activation_offload).lower()} emb_offload={str(r.train.embedding_offload).lower()}"
+        + (" optim_in_bwd" if r.train.optimizer_in_backward else "")
+        + (f" lora_dtype={r.lora.dtype}" if r.lora.dtype != "float32" else "") + f" headroom={r.planner.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
         "",
         "  option                                weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
@@ -158,7 +168,7 @@ def format_plan(p: Plan) -> str:
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
-        if p.chosen.method != "full":
+        if p.chosen.rung.adapters_enabled:
             lines.append(f"lora     {lora_text(s, r)}")
         lines += embedding_lines(p)
         lines += pipeline_lines(p)
@@ -171,6 +181,7 @@ def format_plan(p: Plan) -> str:
     if p.chosen is not None and rejected:
         lines.append("rejected " + rejected[0].reason)
         lines += [f"         {o.reason}" for o in rejected[1:]]
+    lines += refused_lines(p)
     if p.chosen is not None and p.chosen.prepass_s_per_pair:
         lines.append(f"dpo      the reference is scored once before step 1: ~{p.chosen.prepass_s_per_pair * 1000:.1f} s "
                      "per 1000 pairs (cached beside the tokenised data)")

@@ -27,14 +27,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from homelab_ft import refusals
 from homelab_ft.config import Recipe
 from homelab_ft.distributed import parallelize, pipeline, sharded_loading
 from homelab_ft.errors import UserError
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
 from homelab_ft.model_facts import ModelFacts
-from homelab_ft.moe_routers import check_rung
-from homelab_ft.rung import Rung
+from homelab_ft.rung import Rung, RungError
 from homelab_ft.train import host_embedding
 
 
@@ -68,7 +68,8 @@ def build_for(recipe: Recipe, *, model_dir: Path, facts: ModelFacts, rung: Rung,
               pad_token_id: int) -> tuple[nn.Module, object]:
     """The model to train and, when the rung is pipelined, the Pipeline that runs this rank's stage (else None)."""
     if rung.pipeline_enabled:
-        check_rung(recipe.lora.train_router and rung.adapters_enabled, stages=rung.pipeline_stages)
+        if why := refusals.trained_router(rung, train_router=recipe.lora.train_router):
+            raise RungError(why)
         return build_stage(recipe, model_dir=model_dir, facts=facts, rung=rung, env=env, pad_token_id=pad_token_id)
     return build_model(recipe, model_dir=model_dir, facts=facts, rung=rung, env=env), None
 
@@ -132,7 +133,7 @@ def build_stage(recipe: Recipe, *, model_dir: Path, facts: ModelFacts, rung: Run
     dtypes = dtypes_for(recipe, rung=rung, device=env.device)
     if rung.quantized_enabled:  # each stage's base in 4 bits, quantised as the sharded 4-bit base is
         quant.require_bitsandbytes(device=env.device)
-        refuse_pipelined_experts(facts)
+        refuse_pipelined_experts(facts, rung=rung)
     config = _config(recipe, model_dir=model_dir)
     return pipeline.build_pipeline(
         env, rung=rung, model_dir=model_dir, num_blocks=facts.num_blocks,
@@ -142,12 +143,12 @@ def build_stage(recipe: Recipe, *, model_dir: Path, facts: ModelFacts, rung: Run
         activation_checkpointing=rung.activation_checkpointing)
 
 
-def refuse_pipelined_experts(facts: ModelFacts) -> None:
+def refuse_pipelined_experts(facts: ModelFacts, *, rung: Rung) -> None:
     """Pipeline stages quantize their blocks with the dense 4-bit fill only (pipeline.py); 4-bit
-    experts in a stage are not built yet. Also checked before anything is written (preflight)."""
-    if facts.has_fused_experts:
-        raise UserError("method: qlora on an MoE model does not pipeline yet: set sharding.pipeline_stages=1 "
-                        "(full_shard, no_shard or DDP run it)")
+    experts in a stage are not built yet (refusals.four_bit_experts, which the ladder and preflight
+    ask too)."""
+    if why := refusals.four_bit_experts(rung, moe_experts=facts.has_fused_experts):
+        raise RungError(why)
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,10 +68,6 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
         from homelab_ft.model import quant
 
         quant.check_quantizable(config, recipe.quant, device=device_type)
-        if rung.pipeline_enabled:
-            from homelab_ft.train.build import refuse_pipelined_experts
-
-            refuse_pipelined_experts(facts)
         if rung.fsdp_enabled:
             from homelab_ft.distributed import sharded_qlora
 
@@ -87,7 +83,9 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
     if rung.pipeline_enabled:
         from homelab_ft.distributed import stages
 
-        stages.check_recipe(recipe, rung=rung, config=config)
+        # only 4-bit experts are refused in a stage (refusals.four_bit_experts): the plan's facts tell
+        stages.check_recipe(recipe, rung=rung, config=config,
+                            moe_experts=rung.quantized_enabled and facts.has_fused_experts)
     return Inputs(model_dir=model_dir, resume_from=resume_from, facts=facts)
 
 

@@ -22,7 +22,7 @@ def test_checkpoint_bytes_per_trainable_parameter():
     assert diskspace.checkpoint_bytes(_option("lora", 1000), request=default_request(), cluster=gpu) == 16_000
     # full fine-tune in bf16 on GPUs: 2 bytes of weight + AdamW's two moments in the param dtype
     assert diskspace.checkpoint_bytes(_option("full", 1000), request=default_request(), cluster=gpu) == 6_000
-    eight_bit = default_request(optimizer="adamw_8bit")
+    eight_bit = default_request(train={"optimizer": "adamw_8bit"})
     assert diskspace.checkpoint_bytes(_option("full", 256_000), request=eight_bit, cluster=gpu) == 256_000 * (2 + 2 + 8 / 256)
 
 

@@ -71,8 +71,7 @@ def test_planner_and_trainer_apply_one_rule(tied):
     for (rung_name, rung), (tname, targets), device, setting in itertools.product(
             RUNGS.items(), TARGETS.items(), ("cuda", "cpu"), ("auto", True, False)):
         recipe = recipe_from_dict({"lora": {"target_modules": targets}, "train": {"embedding_offload": setting}})
-        request = default_request(method=rung.method, lora_targets=(targets,) if isinstance(targets, str) else tuple(targets),
-                                  embedding_offload=setting)
+        request = default_request(lora={"target_modules": targets}, train={"embedding_offload": setting})  # method: the rung's
         priced = _outcome(params.host_embedding_bytes, shape=shape, rung=rung, request=request, cluster=_cluster(device))
         priced = priced if priced == "refused" else priced > 0
         kept = _outcome(host_embedding.planned, recipe=recipe, facts=facts, rung=rung, device_type=device)
@@ -90,15 +89,15 @@ def test_priced_bytes_and_copy():
 
     _, shape = _model_and_shape(False)
     rung = RUNGS["lora"]
-    on = default_request(method="lora", embedding_offload="auto", grad_accum_steps=4)
-    off = default_request(method="lora", embedding_offload=False, grad_accum_steps=4)
+    on = default_request(method="lora", train={"embedding_offload": "auto", "grad_accum_steps": 4})
+    off = default_request(method="lora", train={"embedding_offload": False, "grad_accum_steps": 4})
     cuda = _cluster("cuda")
     a, b = estimate(shape, rung=rung, request=on, cluster=cuda), estimate(shape, rung=rung, request=off, cluster=cuda)
     table = shape.vocab_size * shape.hidden_size * 2
     assert b.memory.weights - a.memory.weights == table == a.host_bytes - b.host_bytes
     from homelab_ft.plan.network import OFFLOAD_BYTES_PER_S
 
-    rows = 4 * on.seq_len * on.micro_batch_size * shape.hidden_size * 2
+    rows = 4 * on.data.max_length * on.train.micro_batch_size * shape.hidden_size * 2
     assert a.offload_s - b.offload_s == pytest.approx(rows / OFFLOAD_BYTES_PER_S)
 
 
@@ -111,12 +110,12 @@ def test_true_refused_in_one_line():
     recipe_from_dict({"sharding": {"strategy": "full_shard"}, "train": {"embedding_offload": True}})  # 1 GPU: no_shard
     _, tied = _model_and_shape(True)
     with pytest.raises(UserError, match="tied to the LM head"):
-        plan(tied, request=default_request(method="lora", embedding_offload=True), cluster=_cluster("cuda"))
+        plan(tied, request=default_request(method="lora", train={"embedding_offload": True}), cluster=_cluster("cuda"))
     _, untied = _model_and_shape(False)
     with pytest.raises(UserError, match="no GPU memory to save"):
-        plan(untied, request=default_request(method="lora", embedding_offload=True), cluster=_cluster("cpu"))
+        plan(untied, request=default_request(method="lora", train={"embedding_offload": True}), cluster=_cluster("cpu"))
     # method auto: `true` keeps the ladder to the adapter rungs
-    chosen = plan(untied, request=default_request(embedding_offload=True), cluster=_cluster("cuda")).chosen
+    chosen = plan(untied, request=default_request(train={"embedding_offload": True}), cluster=_cluster("cuda")).chosen
     assert chosen.method in ("qlora", "lora") and chosen.host_bytes > 0
 
 

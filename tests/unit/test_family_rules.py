@@ -151,7 +151,7 @@ def test_the_planner_prices_what_all_linear_wraps(model_type):
             full = f"{layer}.{lin.name}"
             assert lin.all_linear == (full in wrapped), (block.kind, lin.name)
             assert lin.all_linear == any(full == s or full.endswith("." + s) for s in chosen), (lin.name, chosen)
-    text = lora_text(shape, default_request(method="lora", lora_targets=("all-linear",)))
+    text = lora_text(shape, default_request(method="lora", lora={"target_modules": ("all-linear",)}))
     leaves = {lin.name.rsplit(".", 1)[-1] for b in shape.blocks for lin in b.linears if lin.all_linear}
     assert text.startswith("all-linear: ") and all(leaf in text for leaf in leaves), text
     skipped = [lin.name for b in shape.blocks for lin in b.linears if not lin.all_linear]
@@ -169,7 +169,7 @@ def test_plan_text_names_what_lora_trains():
     from homelab_ft.plan.shapes import model_shape
 
     llama = model_shape(tiny_config("llama").to_dict())
-    every, two = (default_request(method="lora", lora_r=4, lora_targets=targets)
+    every, two = (default_request(method="lora", lora={"r": 4, "target_modules": targets})
                   for targets in (("all-linear",), ("q_proj", "v_proj")))
     assert lora_text(llama, every) == (
         "all-linear: self_attn.{q_proj, k_proj, v_proj, o_proj} in 4 blocks; mlp.{gate_proj, up_proj, down_proj} "

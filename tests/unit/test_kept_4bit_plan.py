@@ -31,9 +31,7 @@ def _cluster(gpus: int) -> Cluster:
 
 
 # fp32 everywhere, as the CPU build below computes: the planner's figures in the same dtypes
-REQUEST = default_request(method="qlora", quant_bits=4, double_quant=True, quant_compute_dtype="float32",
-                          dtype="float32", lora_targets=("all-linear",), embedding_offload=False,
-                          seq_len=64, micro_batch_size=1)
+REQUEST = default_request(method="qlora", quant={"bits": 4, "double_quant": True, "compute_dtype": "float32"}, model={"dtype": "float32"}, lora={"target_modules": ("all-linear",)}, train={"embedding_offload": False, "micro_batch_size": 1}, data={"max_length": 64})
 
 
 @pytest.fixture(scope="module")

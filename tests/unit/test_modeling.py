@@ -67,7 +67,7 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     assert {s["exp_avg"].dtype for s in optimizer.state.values()} == {want}
     # the planner prices the same bytes per adapter parameter
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[base]
-    request = default_request(method="lora", dtype=name, lora_dtype=lora_dtype)
+    request = default_request(method="lora", model={"dtype": name}, lora={"dtype": lora_dtype})
     cluster = Cluster(device="cuda", nodes=1, gpus_per_node=1, device_bytes=1, host_ram_bytes=1)
     assert adapter_bytes("lora", request, cluster) == torch.empty((), dtype=want).element_size()
 

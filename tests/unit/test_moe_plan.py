@@ -20,6 +20,7 @@ from homelab_ft.model import loading, moe_experts, quant
 from homelab_ft.plan import params
 from homelab_ft.plan.planner import default_request
 from homelab_ft.plan.shapes import model_shape
+from homelab_ft.rung import Rung
 
 pytest.importorskip("bitsandbytes")
 
@@ -46,7 +47,7 @@ def test_planner_prices_4bit_experts_and_expert_adapters_as_built(model_type):
     blocks = sum(b.num_blocks for b in shape.blocks if b.expert_stacks)
     assert blocks == len(found)
     # the adapters all-linear makes trainable: attention's through PEFT, every expert's through moe_experts
-    request = default_request(method="qlora", lora_r=4, quant_bits=4, double_quant=True, lora_targets=("all-linear",))
+    request = default_request(method="qlora", lora={"r": 4, "target_modules": ("all-linear",)}, quant={"bits": 4, "double_quant": True})
     lora = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.0))
     trainable, _ = loading.count_params(lora)
     assert params.adapter_params(shape, request) == trainable
@@ -125,8 +126,7 @@ def test_planned_activations_equal_what_the_expert_loop_saves(model_type, method
     seq = 128
     torch.manual_seed(0)
     real = saved._saved_by_block(model, decoder_blocks(model), seq)
-    request = default_request(method=method, lora_r=4, lora_dropout=dropout, seq_len=seq, micro_batch_size=1,
-                              lora_targets=lora_targets, activation_checkpointing=False, quant_bits=4)
+    request = default_request(method=method, lora={"r": 4, "dropout": dropout, "target_modules": lora_targets}, data={"max_length": seq}, train={"micro_batch_size": 1, "activation_checkpointing": False}, quant={"bits": 4})
     planned = activations._block_activation_bytes(shape, method, request, 4)
     for block, per_token in zip(shape.blocks, planned, strict=True):
         measured = real.get(block.first_layer, 0) / seq
@@ -173,6 +173,7 @@ def test_gradients_when_the_first_block_is_recomputed(model_type, method):
     loss = model(input_ids=ids, labels=ids).loss
     in_backward.append(True)
     loss.backward()
-    request = default_request(method=method, lora_r=4, lora_dropout=0.0, seq_len=64, micro_batch_size=1,
-                              lora_targets=("all-linear",), activation_checkpointing=True, quant_bits=4)
-    assert seen == [activations.gradients_at_recompute(shape, method, request, cpu_offload=False, in_backward=False)] > [0]
+    request = default_request(method=method, lora={"r": 4, "dropout": 0.0, "target_modules": ("all-linear",)}, data={"max_length": 64}, train={"micro_batch_size": 1, "activation_checkpointing": True}, quant={"bits": 4})
+    assert seen == [activations.gradients_at_recompute(
+        shape, rung=Rung(method=method, strategy="no_shard", cpu_offload=False, activation_checkpointing=True),
+        request=request, in_backward=False)] > [0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from families import tiny_config
 
-from homelab_ft import moe_routers
+from homelab_ft import moe_routers, refusals
 from homelab_ft.config import LoraConfig
 from homelab_ft.errors import UserError
 from homelab_ft.model import loading
@@ -19,7 +19,7 @@ from homelab_ft.plan import params
 from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.report import lora_text
 from homelab_ft.plan.shapes import model_shape
-from homelab_ft.rung import RungError
+from homelab_ft.rung import Rung, RungError
 
 CPU = params.Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=16 << 30, host_ram_bytes=16 << 30,
                      inter_link_gbit=1.0, tflops=1.0)
@@ -78,7 +78,7 @@ def test_plan_counts_what_the_trainer_trains(model_type, train_router):
     from transformers import AutoModelForCausalLM
 
     shape = _shape(model_type)
-    request = default_request(method="lora", lora_r=4, lora_targets=("all-linear",), train_router=train_router)
+    request = default_request(method="lora", lora={"r": 4, "target_modules": ("all-linear",), "train_router": train_router})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32)
     lora = loading.attach_lora(model, LoraConfig(r=4, alpha=8, dropout=0.05, train_router=train_router),
@@ -97,11 +97,11 @@ def test_plan_counts_what_the_trainer_trains(model_type, train_router):
 def test_lora_line_names_attention_experts_and_routers():
     """Before: `all-linear: q_proj, k_proj, v_proj, o_proj (4 per block; no routers or Mamba projections
     to leave out)` on an MoE model, without the experts' adapters that are most of what trains."""
-    text = lora_text(_shape("qwen3_moe"), default_request(method="lora", lora_r=4, lora_targets=("all-linear",)))
+    text = lora_text(_shape("qwen3_moe"), default_request(method="lora", lora={"r": 4, "target_modules": ("all-linear",)}))
     assert text.startswith("all-linear: self_attn.{q_proj, k_proj, v_proj, o_proj} in 4 blocks; "
                            "mlp.experts.{gate_up_proj, down_proj} of each of 4 experts in 4 blocks; "
                            "routers frozen (lora.train_router: false); "), text
-    dense = lora_text(_shape("llama"), default_request(method="lora", lora_r=4, lora_targets=("q_proj", "v_proj")))
+    dense = lora_text(_shape("llama"), default_request(method="lora", lora={"r": 4, "target_modules": ("q_proj", "v_proj")}))
     assert dense.startswith("target_modules q_proj,v_proj: self_attn.{q_proj, v_proj} in 4 blocks; "), dense
     assert "router" not in dense
 
@@ -109,22 +109,21 @@ def test_lora_line_names_attention_experts_and_routers():
 def test_router_refusals_are_one_line_and_shared():
     dense = _shape("llama")
     with pytest.raises(UserError, match=r"^lora.train_router: true, but model.path m \(llama") as err:
-        plan(dense, request=default_request(method="lora", train_router=True), cluster=CPU, model="m")
+        plan(dense, request=default_request(method="lora", lora={"train_router": True}), cluster=CPU, model="m")
     assert "\n" not in str(err.value) and "set lora.train_router: false" in str(err.value)
     moe = _shape("qwen3_moe")
     two = params.Cluster(**{**CPU.__dict__, "gpus_per_node": 2, "device": "cuda"})
     with pytest.raises(RungError, match="does not train in a pipeline yet: set sharding.pipeline_stages=1"):
-        plan(moe, request=default_request(method="lora", pipeline_stages=2, train_router=True), cluster=two)
-    options = plan(moe, request=default_request(method="lora", pipeline_stages="auto", grad_accum_steps=2,
-                                                train_router=True), cluster=two).options
+        plan(moe, request=default_request(method="lora", sharding={"pipeline_stages": 2}, train={"grad_accum_steps": 2},
+                                     lora={"train_router": True}), cluster=two)
+    options = plan(moe, request=default_request(method="lora", sharding={"pipeline_stages": "auto"}, train={"grad_accum_steps": 2}, lora={"train_router": True}), cluster=two).options
     adapters = [o for o in options if o.method != "full"]
     assert {o.rung.strategy for o in adapters} >= {"no_shard", "full_shard"}  # DDP and FSDP2 train it
     assert not any(o.rung.pipeline_enabled for o in adapters)
-    assert any(o.rung.pipeline_enabled for o in plan(moe, request=default_request(
-        method="lora", pipeline_stages="auto", grad_accum_steps=2), cluster=two).options)  # priced without it
-    with pytest.raises(RungError):  # the trainer's check (train/build.py) is the same function
-        moe_routers.check_rung(True, stages=2)
-    moe_routers.check_rung(True, stages=1)
+    assert any(o.rung.pipeline_enabled for o in plan(moe, request=default_request(method="lora", sharding={"pipeline_stages": "auto"}, train={"grad_accum_steps": 2}), cluster=two).options)  # priced without it
+    # the trainer's check (train/build.py, preflight) is the same function
+    assert refusals.trained_router(Rung("lora", "no_shard", False, procs_per_node=2, pipeline_stages=2), train_router=True)
+    assert refusals.trained_router(Rung("lora", "no_shard", False, procs_per_node=2), train_router=True) is None
 
 
 def test_attach_refuses_a_dense_model():
@@ -163,7 +162,7 @@ def test_the_planner_prices_the_trained_routers():
 
     shape = _shape("qwen3_moe")
     gpu = params.Cluster(**{**CPU.__dict__, "device": "cuda"})
-    frozen, trained = (default_request(method="lora", lora_r=4, lora_targets=("all-linear",), train_router=t)
+    frozen, trained = (default_request(method="lora", lora={"r": 4, "target_modules": ("all-linear",), "train_router": t})
                        for t in (False, True))
     rung = option_rung("lora", "no_shard", False, request=frozen, cluster=gpu)
     off, on = (estimate(shape, rung=rung, request=r, cluster=gpu) for r in (frozen, trained))

@@ -18,7 +18,9 @@ from homelab_ft.model import moe_experts
 from homelab_ft.plan import params
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.planner import default_request, plan
+from homelab_ft.plan.report import format_plan
 from homelab_ft.plan.shapes import model_shape
+from homelab_ft.rung import Rung, RungError
 
 pytest.importorskip("bitsandbytes")
 
@@ -30,16 +32,17 @@ TWO_24GB = Cluster(device="cuda", nodes=1, gpus_per_node=2, device_bytes=24 << 3
 def test_planner_never_offers_a_pipeline_of_4bit_experts(stages):
     """Before: the planner could choose a pipelined MoE QLoRA that train/build.py refuses."""
     shape = model_shape(json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()))
-    request = default_request(method="qlora", pipeline_stages=stages, seq_len=2048, micro_batch_size=1,
-                              grad_accum_steps=4)
+    request = default_request(method="qlora", sharding={"pipeline_stages": stages}, data={"max_length": 2048}, train={"micro_batch_size": 1, "grad_accum_steps": 4})
+    if stages == 2:  # the pipeline the recipe names is refused by the plan, as the trainer refuses it
+        with pytest.raises(RungError, match="does not pipeline yet"):
+            plan(shape, request=request, cluster=TWO_24GB)
+        return
     got = plan(shape, request=request, cluster=TWO_24GB)
-    pipelines = [o for o in got.options if o.rung.pipeline_enabled and o.method == "qlora"]
-    assert pipelines and not any(o.fits for o in pipelines)
-    assert all("do not pipeline yet" in o.reason for o in pipelines)
-    if stages == "auto":  # full_shard: what the trainer now builds (before: refused, like the pipeline)
-        assert got.chosen.method == "qlora" and got.chosen.rung.fsdp_enabled and not got.chosen.rung.pipeline_enabled
-    else:  # the pipeline the recipe names is refused in the plan, as the trainer refuses it
-        assert got.chosen is None
+    assert not any(o.rung.pipeline_enabled and o.method == "qlora" for o in got.options)  # never offered
+    assert [r.label for r in got.refused if "does not pipeline yet" in r.reason] == ["qlora pipeline 2 stages"]
+    assert "refused  qlora pipeline 2 stages: method: qlora on an MoE model does not pipeline yet" in format_plan(got)
+    # full_shard: what the trainer now builds (before: refused, like the pipeline)
+    assert got.chosen.method == "qlora" and got.chosen.rung.fsdp_enabled and not got.chosen.rung.pipeline_enabled
 
 
 def test_planner_choice_on_two_processes_is_one_the_trainer_builds(tmp_path):
@@ -66,7 +69,8 @@ def test_planner_choice_on_two_processes_is_one_the_trainer_builds(tmp_path):
     if rung.fsdp_enabled:
         sharded_qlora.check_model(config, recipe, rung=rung, device_type="cpu")
     with pytest.raises(UserError, match="does not pipeline yet"):
-        build.refuse_pipelined_experts(got.shape.facts)
+        build.refuse_pipelined_experts(got.shape.facts, rung=Rung("qlora", "no_shard", False, procs_per_node=2,
+                                                                  pipeline_stages=2))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
@@ -78,7 +82,7 @@ def test_replicated_quant_states_include_the_experts(model_type, tmp_path):
     config = tiny_config(model_type)
     config.save_pretrained(tmp_path)
     shape = model_shape(json.loads((tmp_path / "config.json").read_text()))
-    request = default_request(method="qlora", quant_bits=4, double_quant=True)
+    request = default_request(method="qlora", quant={"bits": 4, "double_quant": True})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     built = 0

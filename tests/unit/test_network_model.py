@@ -23,7 +23,7 @@ from homelab_ft.plan.shapes import model_shape
 ROOT = Path(__file__).parent.parent.parent
 CONFIGS = ROOT / "tests" / "configs"
 LLAMA_1B = model_shape(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
-LONG = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
+LONG = default_request(data={"max_length": 2048}, train={"micro_batch_size": 1, "activation_checkpointing": True})
 
 
 def cluster(*, device="cuda", nodes=2, per_node=1, gbit=1.0, **links) -> Cluster:
@@ -43,7 +43,7 @@ def test_latency_counts_every_collective_fsdp2_issues():
     fast = cluster(gbit=1e9, inter_latency_s=2e-3, inter_link_measured=True)
     hop = 1e-3  # half the measured 2-rank all-reduce
     layers = LLAMA_1B.num_layers
-    request = dataclasses.replace(LONG, grad_accum_steps=2)
+    request = LONG.changed(train={"grad_accum_steps": 2})
     full = est("full", "full_shard", fast, request)
     gathers, scatters = 2 * (1 + 2 * layers), 2 * (layers + 1)  # not deferred: a full fine-tune syncs every micro-batch
     assert full.comm_s == pytest.approx((gathers + scatters + 2 * (LOOP_ALL_REDUCES + 1)) * hop, rel=1e-6)
@@ -85,11 +85,11 @@ def test_ddp_hides_all_but_the_last_bucket_behind_backward():
     assert grads > 10 * DDP_FIRST_BUCKET_BYTES  # several buckets
     assert 0 < ddp.comm_hidden_s < ddp.comm_s
     # with accumulation only the last micro-batch's backward is left to hide it
-    accum = est("lora", "no_shard", cluster(gbit=1.0), dataclasses.replace(LONG, grad_accum_steps=8))
+    accum = est("lora", "no_shard", cluster(gbit=1.0), LONG.changed(train={"grad_accum_steps": 8}))
     assert accum.comm_s == pytest.approx(ddp.comm_s)
     assert accum.comm_hidden_s <= accum.compute_s * (4 / 6) / 8 + 1e-9
     # one bucket (a tiny adapter): nothing to overlap, its all-reduce waits at the end of backward
-    tiny = est("lora", "no_shard", cluster(gbit=1.0), dataclasses.replace(LONG, lora_r=1, lora_targets=("q_proj",)))
+    tiny = est("lora", "no_shard", cluster(gbit=1.0), LONG.changed(lora={"r": 1, "target_modules": ("q_proj",)}))
     assert tiny.trainable_params * 4 <= DDP_FIRST_BUCKET_BYTES and tiny.comm_hidden_s == 0
 
 
@@ -113,7 +113,7 @@ def test_hybrid_shard_sends_only_gradient_shards_across_a_shared_nic():
 
 def test_slow_link_ranking_and_fast_link_ranking():
     """1 Gbit between two 1-GPU nodes: a full fine-tune is link-bound; at 100 Gbit compute-bound."""
-    request = dataclasses.replace(LONG, method="full")
+    request = LONG.changed(method="full")
     slow = plan(LLAMA_1B, request=request, cluster=cluster(gbit=1.0))
     assert slow.chosen.comm_s > slow.chosen.compute_s
     fast = plan(LLAMA_1B, request=request, cluster=cluster(gbit=100.0))
@@ -192,7 +192,7 @@ def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
     from homelab_ft.plan.network import GLOO_ALL_GATHER_EFFICIENCY
 
     links = dict(gbit=1.0, inter_link_measured=True, inter_latency_s=0.0)
-    request = dataclasses.replace(LONG, dtype="float32")
+    request = LONG.changed(model={"dtype": "float32"})
     nccl = est("full", "full_shard", cluster(**links), request)
     gloo = est("full", "full_shard", cluster(device="cpu", **links), request)
     weights = LLAMA_1B.total_params * 4

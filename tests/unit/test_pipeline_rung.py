@@ -80,7 +80,7 @@ def _recipe(**train) -> object:
 ])
 def test_refusals_that_need_the_model(train, rung, config, message):
     with pytest.raises(UserError, match=message):
-        check_recipe(_recipe(**train), rung=_rung(**rung), config=config)
+        check_recipe(_recipe(**train), rung=_rung(**rung), config=config, moe_experts=False)
 
 
 def test_a_schedule_this_torch_lacks_is_refused(monkeypatch):
@@ -88,8 +88,8 @@ def test_a_schedule_this_torch_lacks_is_refused(monkeypatch):
 
     monkeypatch.delattr(pipelining, "ScheduleGPipe")
     with pytest.raises(UserError, match="has no torch.distributed.pipelining.ScheduleGPipe"):
-        check_recipe(_recipe(), rung=_rung(pipeline_schedule="gpipe"), config={"num_hidden_layers": 4})
-    check_recipe(_recipe(), rung=_rung(), config={"text_config": {"num_hidden_layers": 4}})  # 1f1b is there
+        check_recipe(_recipe(), rung=_rung(pipeline_schedule="gpipe"), config={"num_hidden_layers": 4}, moe_experts=False)
+    check_recipe(_recipe(), rung=_rung(), config={"text_config": {"num_hidden_layers": 4}}, moe_experts=False)  # 1f1b is there
 
 
 def test_preflight_refuses_before_the_run_directory_exists(tmp_path, tiny_model_dir):

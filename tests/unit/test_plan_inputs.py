@@ -3,7 +3,6 @@ request's derived values, and the gradient-sync decision memory.py makes for net
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -23,18 +22,18 @@ TWO_NODES = Cluster(device="cuda", nodes=2, gpus_per_node=1, device_bytes=80 * G
 
 @pytest.mark.parametrize(("reduce_dtype", "expected"), [("float32", 4), ("bfloat16", 2)])
 def test_reduce_bytes_follows_sharding_reduce_dtype(reduce_dtype, expected):
-    assert default_request(reduce_dtype=reduce_dtype).reduce_bytes == expected
+    assert default_request(sharding={"reduce_dtype": reduce_dtype}).reduce_bytes == expected
 
 
 def test_chunked_loss_only_for_sft_with_a_chunk_size():
-    assert default_request(loss_chunk_tokens=128).chunked_loss
-    assert not default_request(loss_chunk_tokens=0).chunked_loss
-    assert not default_request(loss_chunk_tokens=128, objective="dpo").chunked_loss
+    assert default_request(train={"loss_chunk_tokens": 128}).chunked_loss
+    assert not default_request(train={"loss_chunk_tokens": 0}).chunked_loss
+    assert not default_request(objective="dpo", train={"loss_chunk_tokens": 128}).chunked_loss
 
 
 def test_dpo_rows_are_pairs():
-    assert default_request(micro_batch_size=3).rows_per_micro_batch == 3
-    assert default_request(micro_batch_size=3, objective="dpo").rows_per_micro_batch == 6
+    assert default_request(train={"micro_batch_size": 3}).rows_per_micro_batch == 3
+    assert default_request(objective="dpo", train={"micro_batch_size": 3}).rows_per_micro_batch == 6
 
 
 @pytest.mark.parametrize(("method", "strategy", "deferred"), [
@@ -51,7 +50,7 @@ def test_sync_deferred(method, strategy, deferred):
 
 def test_a_deferred_sync_sends_the_gradients_once_per_step():
     """Four micro-batches: reduce-scattering every one sends three more gradient copies."""
-    request = dataclasses.replace(default_request(), grad_accum_steps=4)
+    request = default_request(train={"grad_accum_steps": 4})
     rung = option_rung("full", "full_shard", False, request=request, cluster=TWO_NODES)
     base = LLAMA_1B.total_params * 2
     kwargs = dict(rung=rung, request=request, cluster=TWO_NODES, root_bytes=LLAMA_1B.root_params * 2)

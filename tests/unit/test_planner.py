@@ -45,22 +45,22 @@ def gpus(count: int, vram_gib: float = 24, *, nodes: int = 1, link_gbit: float =
 
 
 # The QLoRA recipes' settings: 2k tokens, checkpointed activations.
-LONG = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True)
+LONG = default_request(data={"max_length": 2048}, train={"micro_batch_size": 1, "activation_checkpointing": True})
 
 DECISIONS = [
     # model, request, cluster, (method, strategy, cpu_offload) chosen
     ("llama-3-8b", LONG, gpus(1), ("qlora", "no_shard", False)),
-    ("llama-3.2-1b", dataclasses.replace(LONG, method="lora"), gpus(1), ("lora", "no_shard", False)),
-    ("llama-3.2-1b", dataclasses.replace(LONG, method="full"), gpus(1), ("full", "no_shard", False)),
+    ("llama-3.2-1b", LONG.changed(method="lora"), gpus(1), ("lora", "no_shard", False)),
+    ("llama-3.2-1b", LONG.changed(method="full"), gpus(1), ("full", "no_shard", False)),
     # slow Ethernet between two 2-GPU nodes: adapters only cross the wire. QLoRA: HYBRID_SHARD's two
     # replica groups put 1 x the adapter gradients through each NIC where DDP's 4-rank ring puts
     # 1.5 x, and DDP hides its all-reduce behind backward only: ~9% faster. LoRA: the bf16 base's
     # all-gathers over PCIe eat that gain (within STEP_TIME_TIE), so fewer bytes win: DDP.
     ("mistral-7b-v0.1", LONG, gpus(2, nodes=2), ("qlora", "hybrid_shard", False)),
-    ("qwen2.5-7b", dataclasses.replace(LONG, method="lora"), gpus(2, nodes=2), ("lora", "no_shard", False)),
+    ("qwen2.5-7b", LONG.changed(method="lora"), gpus(2, nodes=2), ("lora", "no_shard", False)),
     # issue 24 item 4: one 24 GB card at micro-batch 16, where FSDP2 on one rank with CPU offload is
     # estimated 0.8% faster than activation offload alone: a tie, which fewer moving parts win.
-    ("llama-3-8b", dataclasses.replace(LONG, micro_batch_size=16, activation_checkpointing="auto"), gpus(1),
+    ("llama-3-8b", LONG.changed(train={"micro_batch_size": 16, "activation_checkpointing": "auto"}), gpus(1),
      ("qlora", "no_shard", False)),
 ]
 
@@ -74,7 +74,7 @@ def test_decisions(name, request_, cluster, expected):
 
 
 def test_8b_on_24gb_rejects_lora_with_numbers():
-    full_logits = dataclasses.replace(LONG, micro_batch_size=2, loss_chunk_tokens=0)
+    full_logits = LONG.changed(train={"micro_batch_size": 2, "loss_chunk_tokens": 0})
     p = plan(shape("llama-3-8b"), request=full_logits, cluster=gpus(1))
     assert p.chosen.method == "qlora"
     lora = next(o for o in p.options if (o.method, o.strategy, o.cpu_offload) == ("lora", "no_shard", False))
@@ -82,26 +82,26 @@ def test_8b_on_24gb_rejects_lora_with_numbers():
     assert lora.reason.startswith("LoRA bf16 no_shard: ") and "GiB per GPU > 24.0 GiB - 10% headroom" in lora.reason
     assert f"{lora.memory.total / GiB:.1f}" in lora.reason
     # the cheap saver comes first among the suggestions, before a lighter rung or more GPUs
-    p = plan(shape("llama-3-8b"), request=dataclasses.replace(full_logits, method="lora", strategy="no_shard"),
+    p = plan(shape("llama-3-8b"), request=full_logits.changed(method="lora", sharding={"strategy": "no_shard"}),
              cluster=gpus(1))
     assert not p.fits and p.suggestions[0].startswith("train.loss_chunk_tokens=auto: lora no_shard +ckpt fits")
 
 
 def test_chunked_loss_prices_one_chunk_and_lets_8b_lora_fit_24gb():
-    request = dataclasses.replace(LONG, micro_batch_size=2)
+    request = LONG.changed(train={"micro_batch_size": 2})
     llama = shape("llama-3-8b")
     chunked = estimate(llama, rung=option_rung("lora", "no_shard", False, request=request, cluster=gpus(1)), request=request, cluster=gpus(1))
-    whole = estimate(llama, rung=option_rung("lora", "no_shard", False, request=dataclasses.replace(request, loss_chunk_tokens=0), cluster=gpus(1)), request=dataclasses.replace(request, loss_chunk_tokens=0), cluster=gpus(1))
+    whole = estimate(llama, rung=option_rung("lora", "no_shard", False, request=request.changed(train={"loss_chunk_tokens": 0}), cluster=gpus(1)), request=request.changed(train={"loss_chunk_tokens": 0}), cluster=gpus(1))
     tokens = 2 * 2048
     assert whole.memory.logits == tokens * 128256 * 14
     assert chunked.memory.logits == 128 * 128256 * 14 + 2 * tokens * 4096 * 2
     assert chunked.memory.logits * 8 <= whole.memory.logits
-    assert plan(llama, request=dataclasses.replace(request, method="lora"), cluster=gpus(1)).chosen.method == "lora"
+    assert plan(llama, request=request.changed(method="lora"), cluster=gpus(1)).chosen.method == "lora"
 
 
 def test_peak_is_the_larger_phase_not_the_sum():
     """Full fine-tune of a 1B model: gradients and activations never peak together."""
-    request = default_request(seq_len=2048, micro_batch_size=4, method="full")
+    request = default_request(method="full", data={"max_length": 2048}, train={"micro_batch_size": 4})
     est = estimate(shape("llama-3.2-1b"), rung=option_rung("full", "no_shard", False, request=request, cluster=gpus(1)), request=request, cluster=gpus(1))
     m = est.memory
     head = 128256 * 2048 * 2  # the tied embedding/head gradient, made first in backward
@@ -113,7 +113,7 @@ def test_peak_is_the_larger_phase_not_the_sum():
     assert m.total == max(m.forward_backward, m.optimizer_step) + m.overhead
     assert m.total < m.model_state + m.activations + m.logits + m.overhead
     # accumulating keeps the earlier micro-batches' gradients through the next forward
-    accum = estimate(shape("llama-3.2-1b"), rung=option_rung("full", "no_shard", False, request=dataclasses.replace(request, grad_accum_steps=2), cluster=gpus(1)), request=dataclasses.replace(request, grad_accum_steps=2), cluster=gpus(1))
+    accum = estimate(shape("llama-3.2-1b"), rung=option_rung("full", "no_shard", False, request=request.changed(train={"grad_accum_steps": 2}), cluster=gpus(1)), request=request.changed(train={"grad_accum_steps": 2}), cluster=gpus(1))
     assert accum.memory.gradients_in_backward == m.gradients
 
 
@@ -130,33 +130,33 @@ def test_70b_on_two_24gb_picks_sharded_qlora_with_offload():
     assert p.chosen is not None, [o.reason for o in p.options]
     assert (p.chosen.method, p.chosen.strategy, p.chosen.cpu_offload) == ("qlora", "full_shard", True)
     assert p.chosen.memory.total <= p.chosen.budget_bytes and p.chosen.host_bytes <= p.chosen.host_budget_bytes
-    eight_bit = plan(shape("llama-3-70b"), request=dataclasses.replace(LONG, quant_bits=8), cluster=gpus(2, host_gib=128))
+    eight_bit = plan(shape("llama-3-70b"), request=LONG.changed(quant={"bits": 8}), cluster=gpus(2, host_gib=128))
     assert not any(o.method == "qlora" and o.strategy != "no_shard" for o in eight_bit.options)  # never offered
 
 
 def test_7b_full_over_1gbit_warns_that_communication_dominates():
-    p = plan(shape("mistral-7b-v0.1"), request=dataclasses.replace(LONG, method="full"), cluster=gpus(1, nodes=4))
+    p = plan(shape("mistral-7b-v0.1"), request=LONG.changed(method="full"), cluster=gpus(1, nodes=4))
     assert p.chosen is not None and p.chosen.method == "full"
     assert p.chosen.comm_s > p.chosen.compute_s
     # one GPU per node: hybrid_shard would shard over one GPU, so it is not advice (issue 22)
     dominated = [w for w in p.warnings if w.startswith("communication dominates")]
     assert dominated and "hybrid_shard" not in dominated[0] and "adapter-only data parallelism" in dominated[0]
-    fast = plan(shape("mistral-7b-v0.1"), request=dataclasses.replace(LONG, method="full"),
+    fast = plan(shape("mistral-7b-v0.1"), request=LONG.changed(method="full"),
                 cluster=dataclasses.replace(gpus(1, nodes=4), inter_link_gbit=400.0))
     assert not any(w.startswith("communication dominates") for w in fast.warnings)
 
 
 def test_fsdp_traffic_is_three_times_weights_with_equal_dtypes():
     s = shape("llama-3.2-1b")
-    req = dataclasses.replace(LONG, reduce_dtype="bfloat16")
+    req = LONG.changed(sharding={"reduce_dtype": "bfloat16"})
     est = estimate(s, rung=option_rung("full", "full_shard", False, request=req, cluster=gpus(4)), request=req, cluster=gpus(4))
     assert est.comm_bytes == pytest.approx(3 * s.total_params * 2 * 3 / 4, rel=1e-6)
     ddp = estimate(s, rung=option_rung("lora", "no_shard", False, request=req, cluster=gpus(4)), request=req, cluster=gpus(4))
     assert ddp.comm_bytes == pytest.approx(2 * ddp.trainable_params * 2 * 3 / 4, rel=1e-6)
     # DDP reduces bf16 gradients in bf16 whatever reduce_dtype says (distributed._replicate)
-    full = dataclasses.replace(LONG, method="full")
+    full = LONG.changed(method="full")
     full_ddp = estimate(s, rung=option_rung("full", "no_shard", False, request=full, cluster=gpus(4)), request=full, cluster=gpus(4))
-    assert full.reduce_dtype == "float32"
+    assert full.sharding.reduce_dtype == "float32"
     assert full_ddp.comm_bytes == pytest.approx(2 * s.total_params * 2 * 3 / 4, rel=1e-6)
     # torch's bf16 hook for DDP needs NCCL: on CPU processes fp32 adapter gradients stay fp32
     cpus = dataclasses.replace(gpus(4), device="cpu")
@@ -169,7 +169,7 @@ def test_mixtral_qlora_quantizes_experts_in_4_bits_only():
     p = plan(shape("mixtral-8x7b"), request=LONG, cluster=gpus(8, 80, host_gib=512))
     qlora = [o for o in p.options if o.method == "qlora"]
     assert qlora and not any("expert" in o.reason for o in qlora)
-    p8 = plan(shape("mixtral-8x7b"), request=dataclasses.replace(LONG, quant_bits=8), cluster=gpus(8, 80, host_gib=512))
+    p8 = plan(shape("mixtral-8x7b"), request=LONG.changed(quant={"bits": 8}), cluster=gpus(8, 80, host_gib=512))
     qlora8 = [o for o in p8.options if o.method == "qlora"]
     assert qlora8 and not any(o.fits for o in qlora8) and "expert" in qlora8[0].reason
 
@@ -185,7 +185,7 @@ def test_cpu_plan_uses_host_ram():
 
 
 def test_nothing_fits_gives_closest_and_what_would_fit():
-    req = dataclasses.replace(LONG, method="lora", strategy="no_shard", micro_batch_size=2, loss_chunk_tokens=0)
+    req = LONG.changed(method="lora", sharding={"strategy": "no_shard"}, train={"micro_batch_size": 2, "loss_chunk_tokens": 0})
     p = plan(shape("llama-3-8b"), request=req, cluster=gpus(1))
     assert p.chosen is None and not p.fits and p.closest is not None and p.closest.allowed
     assert p.closest.label == "lora no_shard +act-off"  # the leanest saver level of the requested option
@@ -203,12 +203,14 @@ def test_nothing_fits_gives_closest_and_what_would_fit():
 MODELS = ["llama-3.2-1b", "llama-3-8b", "qwen3-8b", "gemma-2-9b", "phi-3-mini-4k", "qwen1.5-moe-a2.7b"]
 requests = st.builds(
     default_request,
-    seq_len=st.sampled_from([256, 512, 1024, 2048]),
-    micro_batch_size=st.integers(1, 8),
-    grad_accum_steps=st.integers(1, 4),
-    activation_checkpointing=st.booleans(),
-    activation_offload=st.just(False),  # `auto` would let a longer request pick another saver level
-    optimizer=st.sampled_from(["adamw", "adamw_8bit"]),
+    data=st.fixed_dictionaries({"max_length": st.sampled_from([256, 512, 1024, 2048])}),
+    train=st.fixed_dictionaries({
+        "micro_batch_size": st.integers(1, 8),
+        "grad_accum_steps": st.integers(1, 4),
+        "activation_checkpointing": st.booleans(),
+        "activation_offload": st.just(False),  # `auto` would let a longer request pick another saver level
+        "optimizer": st.sampled_from(["adamw", "adamw_8bit"]),
+    }),
 )
 
 
@@ -227,8 +229,7 @@ def test_more_vram_never_forces_a_heavier_rung(name, request_, vram, extra, coun
 @given(name=st.sampled_from(MODELS), request_=requests, seq2=st.sampled_from([256, 512, 1024, 2048, 4096]),
        mb2=st.integers(1, 8), count=st.integers(1, 4))
 def test_memory_grows_with_sequence_and_micro_batch(name, request_, seq2, mb2, count):
-    bigger = dataclasses.replace(request_, seq_len=max(seq2, request_.seq_len),
-                                 micro_batch_size=max(mb2, request_.micro_batch_size))
+    bigger = request_.changed(data={"max_length": max(seq2, request_.data.max_length)}, train={"micro_batch_size": max(mb2, request_.train.micro_batch_size)})
     for a, b in zip(plan(shape(name), request=request_, cluster=gpus(count)).options,
                     plan(shape(name), request=bigger, cluster=gpus(count)).options, strict=True):
         if a.rung.pipeline_enabled:
@@ -260,9 +261,9 @@ def test_more_gpus_never_raise_per_gpu_model_state_under_full_shard(name, reques
 
 def test_bad_requests_and_flags():
     with pytest.raises(UserError, match=r"data.max_length=9000 .*max_position_embeddings=8192"):
-        plan(shape("llama-3-8b"), request=default_request(seq_len=9000), cluster=gpus(1))
+        plan(shape("llama-3-8b"), request=default_request(data={"max_length": 9000}), cluster=gpus(1))
     with pytest.raises(UserError, match="hybrid_shard.*cluster.nodes >= 2"):
-        plan(shape("llama-3-8b"), request=default_request(strategy="hybrid_shard"), cluster=gpus(2))
+        plan(shape("llama-3-8b"), request=default_request(sharding={"strategy": "hybrid_shard"}), cluster=gpus(2))
     with pytest.raises(UserError, match="at least one GPU"):
         parse_gpus("0x24GB")
     for bad in ("24", "2x", "twox24GB", "2x24XB"):
@@ -322,10 +323,10 @@ def test_plan_command_json_flags_and_exit_codes(tmp_path):
 
 
 def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
-    request = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full")
+    request = default_request(method="full", data={"max_length": 2048}, train={"micro_batch_size": 1, "activation_checkpointing": True})
     llama = shape("llama-3.2-1b")
     plain = estimate(llama, rung=option_rung("full", "no_shard", False, request=request, cluster=gpus(1)), request=request, cluster=gpus(1))
-    lean = estimate(llama, rung=option_rung("full", "no_shard", False, request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(1)), request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(1))
+    lean = estimate(llama, rung=option_rung("full", "no_shard", False, request=request.changed(train={"optimizer_in_backward": True, "max_grad_norm": 0}), cluster=gpus(1)), request=request.changed(train={"optimizer_in_backward": True, "max_grad_norm": 0}), cluster=gpus(1))
     assert lean.memory.gradients == 128256 * 2048 * 2  # the embedding's, the largest single gradient
     # The optimizer phase (every gradient, and AdamW's copy of every second moment) was the peak;
     # now the forward/backward phase is, the embedding's step temporary in it instead of the logits.
@@ -338,30 +339,28 @@ def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
     assert lean.memory.forward_backward == plain.memory.forward_backward - late + 128256 * 2048 * 2
     assert plain.memory.total - lean.memory.total >= 0.9 * plain.memory.gradients
     assert lean.memory.total == lean.memory.forward_backward + lean.memory.overhead < plain.memory.total
-    p = plan(llama, request=dataclasses.replace(request, method="auto", optimizer_in_backward=True), cluster=gpus(1))
+    p = plan(llama, request=request.changed(method="auto", train={"optimizer_in_backward": True, "max_grad_norm": 0}), cluster=gpus(1))
     assert p.chosen.method == "full"  # never an adapter rung the trainer would refuse
     assert not any(o.allowed for o in p.options if o.method != "full")
-    two = plan(llama, request=dataclasses.replace(request, optimizer_in_backward=True), cluster=gpus(2))
+    two = plan(llama, request=request.changed(train={"optimizer_in_backward": True, "max_grad_norm": 0}), cluster=gpus(2))
     assert not any(o.allowed for o in two.options if o.strategy == "no_shard")
 
 
 def test_suggestions_offer_optimizer_in_backward_before_more_gpus():
-    request = default_request(seq_len=2048, micro_batch_size=1, activation_checkpointing=True, method="full",
-                          strategy="no_shard")
+    request = default_request(method="full", data={"max_length": 2048}, train={"micro_batch_size": 1, "activation_checkpointing": True}, sharding={"strategy": "no_shard"})
     p = plan(shape("llama-3.2-1b"), request=request, cluster=gpus(1, 11))
     assert not p.fits
     assert p.suggestions[0].startswith("train.optimizer_in_backward=true train.max_grad_norm=0: full no_shard +ckpt fits")
 
 
 def test_activation_offload_moves_block_inputs_to_host():
-    request = default_request(seq_len=2048, micro_batch_size=2, activation_checkpointing=True, method="qlora",
-                              embedding_offload=False)  # the block inputs alone (test_embedding_offload.py: the table)
+    request = default_request(method="qlora", data={"max_length": 2048}, train={"micro_batch_size": 2, "activation_checkpointing": True, "embedding_offload": False})  # the block inputs alone (test_embedding_offload.py: the table)
     llama = shape("llama-3-8b")
 
     def est(req, cluster):
         return estimate(llama, rung=option_rung("qlora", "no_shard", False, request=req, cluster=cluster), request=req, cluster=cluster)
 
-    on = dataclasses.replace(request, activation_offload=True)
+    on = request.changed(train={"activation_offload": True})
     plain, lean = est(request, gpus(1)), est(on, gpus(1))
     tokens = 2 * 2048
     assert plain.memory.activations - lean.memory.activations == tokens * 31 * 4096 * 2
@@ -379,8 +378,8 @@ def test_dpo_prices_the_doubled_sequences_and_the_reference(method):
     s, c = shape("llama-3-8b"), gpus(1, 80)
     # DPO's log-probabilities take full logits (the chunked loss serves SFT only), so the SFT
     # comparison runs unchunked; the DPO request's own loss_chunk_tokens is ignored
-    sft2 = default_request(method=method, seq_len=1024, micro_batch_size=4, loss_chunk_tokens=0)
-    dpo = dataclasses.replace(sft2, micro_batch_size=2, objective="dpo", loss_chunk_tokens=128)
+    sft2 = default_request(method=method, data={"max_length": 1024}, train={"micro_batch_size": 4, "loss_chunk_tokens": 0})
+    dpo = sft2.changed(objective="dpo", train={"micro_batch_size": 2, "loss_chunk_tokens": 128})
     strategy = "no_shard"
     a = estimate(s, rung=option_rung(method, strategy, False, request=sft2, cluster=c), request=sft2, cluster=c)
     b = estimate(s, rung=option_rung(method, strategy, False, request=dpo, cluster=c), request=dpo, cluster=c)
@@ -403,30 +402,28 @@ def test_dpo_recipe_reaches_the_planner():
 def test_auto_savers_turn_on_only_when_needed_and_say_so():
     """`auto` checkpointing / activation offload: off when the option fits without them (faster
     steps), on before any costlier rung, offload or GPU, and the chosen line says why."""
-    auto = dataclasses.replace(default_request(method="qlora", seq_len=2048, micro_batch_size=2),
-                               activation_checkpointing="auto", activation_offload="auto")
+    auto = default_request(method="qlora", data={"max_length": 2048}, train={"micro_batch_size": 2}).changed(train={"activation_checkpointing": "auto", "activation_offload": "auto"})
     llama = shape("llama-3-8b")
     p = plan(llama, request=auto, cluster=gpus(1))
     assert p.chosen.label == "qlora no_shard +ckpt" and p.chosen.rung.activation_checkpointing
     assert "train.activation_checkpointing=auto turned on: without it" in p.chosen.reason
     plain = option_rung("qlora", "no_shard", False, request=auto, cluster=gpus(1), savers=(False, False))
     assert estimate(llama, rung=plain, request=auto, cluster=gpus(1)).memory.total > 21.6 * GiB
-    short = plan(llama, request=dataclasses.replace(auto, seq_len=256, micro_batch_size=1), cluster=gpus(1))
+    short = plan(llama, request=auto.changed(data={"max_length": 256}, train={"micro_batch_size": 1}), cluster=gpus(1))
     assert short.chosen.label == "qlora no_shard" and "auto turned on" not in short.chosen.reason
     # explicit settings are never changed; offload is tried only after checkpointing alone
-    fixed = plan(llama, request=dataclasses.replace(auto, activation_checkpointing=False), cluster=gpus(1))
+    fixed = plan(llama, request=auto.changed(train={"activation_checkpointing": False}), cluster=gpus(1))
     assert not fixed.fits and all(not o.rung.activation_checkpointing for o in fixed.options)
     assert saver_levels(auto, gpus(1)) == [(False, False), (True, False), (True, True)]
     cpu = dataclasses.replace(gpus(1), device="cpu")
     assert saver_levels(auto, cpu) == [(False, False), (True, False)]  # nothing to offload to
-    assert saver_levels(dataclasses.replace(auto, activation_offload=True), gpus(1)) == [(True, True)]
+    assert saver_levels(auto.changed(train={"activation_offload": True}), gpus(1)) == [(True, True)]
 
 
 def test_paged_optimizer_state_may_spill_to_host_ram():
     """paged_adamw_8bit keeps big tensors' state in CUDA unified memory: an option that is over the
     budget by no more than that state fits, with the spill in host RAM and its paging in the step."""
-    request = default_request(method="full", strategy="no_shard", seq_len=2048, micro_batch_size=2,
-                              activation_checkpointing=True, activation_offload=False, optimizer="paged_adamw_8bit")
+    request = default_request(method="full", sharding={"strategy": "no_shard"}, data={"max_length": 2048}, train={"micro_batch_size": 2, "activation_checkpointing": True, "activation_offload": False, "optimizer": "paged_adamw_8bit"})
     llama = shape("llama-3.2-1b")
     rung = option_rung("full", "no_shard", False, request=request, cluster=gpus(1, 8))
     est = estimate(llama, rung=rung, request=request, cluster=gpus(1, 8))
@@ -440,10 +437,10 @@ def test_paged_optimizer_state_may_spill_to_host_ram():
     assert p.chosen.host_bytes == est.host_bytes + over and p.chosen.offload_s > est.offload_s
     assert "GiB spills to host RAM" in p.chosen.reason
     # plain 8-bit AdamW has nothing pageable and does not fit
-    eight = plan(llama, request=dataclasses.replace(request, optimizer="adamw_8bit"), cluster=gpus(1, 8))
+    eight = plan(llama, request=request.changed(train={"optimizer": "adamw_8bit"}), cluster=gpus(1, 8))
     assert not eight.fits
     # LoRA: only A/B matrices of >= 1e5 elements are paged (r=16: the 14336-wide MLP ones of Llama 3)
-    lora = dataclasses.replace(request, method="lora")
+    lora = request.changed(method="lora")
     est = estimate(shape("llama-3-8b"), rung=option_rung("lora", "no_shard", False, request=lora, cluster=gpus(1)),
                    request=lora, cluster=gpus(1))
     assert 0 < est.memory.pageable < est.memory.optimizer
@@ -465,7 +462,7 @@ def test_fsdp_gathers_the_head_through_the_loss_and_untied_embeddings_only_brief
     embedding is the head and stays gathered in the root unit."""
     llama = shape(name)
     assert llama.tie_word_embeddings == tied
-    request = dataclasses.replace(LONG, method="full")
+    request = LONG.changed(method="full")
     full = estimate(llama, rung=option_rung("full", "full_shard", False, request=request, cluster=gpus(2)),
                     request=request, cluster=gpus(2)).memory
     grad_op = estimate(llama, rung=option_rung("full", "shard_grad_op", False, request=request, cluster=gpus(2)),
@@ -482,7 +479,7 @@ def test_a_clearly_faster_option_beats_fewer_moving_parts():
     """The tie rule only decides ties: beyond STEP_TIME_TIE the faster option wins even with more parts."""
     from homelab_ft.plan.ladder import STEP_TIME_TIE, choose, evaluate, moving_parts
 
-    request = dataclasses.replace(LONG, micro_batch_size=16, activation_checkpointing="auto")
+    request = LONG.changed(train={"micro_batch_size": 16, "activation_checkpointing": "auto"})
     options = evaluate(shape("llama-3-8b"), request=request, cluster=gpus(1))
     plain = next(o for o in options if o.fits and o.method == "qlora" and not o.cpu_offload)
     offload = next(o for o in options if o.fits and o.method == "qlora" and o.cpu_offload)
@@ -497,8 +494,8 @@ def test_auto_loss_chunks_are_priced_by_logits_as_they_run():
     """Issue 24 item 11: the logits item and the head's recompute follow loss_chunks exactly."""
     from homelab_ft.plan.network import compute_s
 
-    request = dataclasses.replace(LONG, micro_batch_size=2)
-    assert request.loss_chunk_tokens == "auto"
+    request = LONG.changed(train={"micro_batch_size": 2})
+    assert request.train.loss_chunk_tokens == "auto"
     tokens = 2 * 2048
     mistral = shape("mistral-7b-v0.1")  # 32,000 entries: 513 tokens a chunk (not 128)
     cluster = gpus(1)
@@ -510,9 +507,10 @@ def test_auto_loss_chunks_are_priced_by_logits_as_they_run():
                    request=request, cluster=cluster)
     assert est.memory.logits == tokens * 320 * 14 + 2 * tokens * small.hidden_size * 2
     # one chunk is not recomputed: the step is the unchunked one's, while 128-token chunks pay the head again
-    unchunked = compute_s(small, "lora", dataclasses.replace(request, loss_chunk_tokens=0), cluster)
-    fixed = compute_s(small, "lora", dataclasses.replace(request, loss_chunk_tokens=128), cluster)
-    assert compute_s(small, "lora", request, cluster) == unchunked < fixed
+    lora = option_rung("lora", "no_shard", False, request=request, cluster=cluster)
+    unchunked = compute_s(small, rung=lora, request=request.changed(train={"loss_chunk_tokens": 0}), cluster=cluster)
+    fixed = compute_s(small, rung=lora, request=request.changed(train={"loss_chunk_tokens": 128}), cluster=cluster)
+    assert compute_s(small, rung=lora, request=request, cluster=cluster) == unchunked < fixed
 
 
 def test_largest_finds_the_edge_of_a_monotone_fit():
@@ -531,27 +529,27 @@ def test_plan_says_the_largest_micro_batch_and_sequence_that_fit():
     from homelab_ft.plan.ladder import choose, evaluate
 
     llama = shape("llama-3-8b")
-    request = dataclasses.replace(LONG, micro_batch_size=16)
+    request = LONG.changed(train={"micro_batch_size": 16})
     p = plan(llama, request=request, cluster=gpus(1))
     mine, heavier = p.affordable
     assert mine.label == "qlora no_shard" and heavier.label == "lora"
 
     def option_fits(**change):
-        req = dataclasses.replace(request, method="qlora", strategy="no_shard", **change)
+        req = request.changed(method="qlora", sharding={"strategy": "no_shard"}, **change)
         return any(o.fits and o.strategy == "no_shard" and not o.cpu_offload
                    for o in evaluate(llama, request=req, cluster=gpus(1)) if o.method == "qlora")
 
     def rung_fits(**change):
-        req = dataclasses.replace(request, method="lora", **change)
+        req = request.changed(method="lora", **change)
         return choose(evaluate(llama, request=req, cluster=gpus(1)), request=req) is not None
 
     for fits, limits in ((option_fits, mine), (rung_fits, heavier)):
         assert limits.micro_batch_size > 1 and not limits.micro_batch_capped and not limits.seq_capped
-        assert fits(micro_batch_size=limits.micro_batch_size) and not fits(micro_batch_size=limits.micro_batch_size + 1)
-        assert fits(seq_len=limits.seq_len) and not fits(seq_len=limits.seq_len + 64)
+        assert fits(train={"micro_batch_size": limits.micro_batch_size}) and not fits(train={"micro_batch_size": limits.micro_batch_size + 1})
+        assert fits(data={"max_length": limits.seq_len}) and not fits(data={"max_length": limits.seq_len + 64})
     text = mine.text(request=request)
     assert text == (f"qlora no_shard: micro_batch <= {mine.micro_batch_size} at max_length 2048; "
                     f"max_length <= {mine.seq_len} at micro_batch 16")
     assert p.to_dict()["afford"][0]["micro_batch_size"] == mine.micro_batch_size
-    full = plan(llama, request=dataclasses.replace(LONG, method="full"), cluster=gpus(8, 80))
+    full = plan(llama, request=LONG.changed(method="full"), cluster=gpus(8, 80))
     assert len(full.affordable) == 1  # no rung after full

@@ -3,7 +3,6 @@ option the planner prints is one the trainer accepts (plan and train cannot disa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -92,7 +91,7 @@ def test_the_planner_and_rung_for_share_the_savers_rule():
     assert implied_checkpointing("auto", activation_offload=True) is True
     assert implied_checkpointing("auto", activation_offload="auto") == "auto"
     assert implied_checkpointing(False, activation_offload=True) is False  # refused by the rung, not overridden
-    request = default_request(activation_offload=True)
+    request = default_request(train={"activation_offload": True})
     assert {c for c, _ in saver_levels(request, CLUSTERS[0])} == {True}
 
 
@@ -111,12 +110,12 @@ CLUSTERS = [
 ]
 MODELS = sorted(p.stem for p in CONFIGS.glob("*.json"))
 REQUESTS = [
-    default_request(seq_len=1024, micro_batch_size=1, activation_checkpointing=True),
-    default_request(seq_len=512, optimizer="adamw_8bit"),
-    default_request(seq_len=512, optimizer="paged_adamw_8bit", method="lora"),
-    default_request(seq_len=256, method="full", strategy="auto", cpu_offload=True),
-    default_request(seq_len=256, optimizer_in_backward=True),
-    default_request(seq_len=512, quant_bits=8),  # an 8-bit base is never offered sharded
+    default_request(data={"max_length": 1024}, train={"micro_batch_size": 1, "activation_checkpointing": True}),
+    default_request(data={"max_length": 512}, train={"optimizer": "adamw_8bit"}),
+    default_request(method="lora", data={"max_length": 512}, train={"optimizer": "paged_adamw_8bit"}),
+    default_request(method="full", data={"max_length": 256}, sharding={"strategy": "auto", "cpu_offload": True}),
+    default_request(data={"max_length": 256}, train={"optimizer_in_backward": True, "max_grad_norm": 0}),
+    default_request(data={"max_length": 512}, quant={"bits": 8}),  # an 8-bit base is never offered sharded
 ]
 
 
@@ -126,11 +125,11 @@ def _recipe_for(option, cluster: Cluster, request: PlanRequest):
         "method": option.method,
         "sharding": {"strategy": option.strategy, "cpu_offload": option.cpu_offload},
         "cluster": {"nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
-        "train": {"optimizer": request.optimizer,
+        "train": {"optimizer": request.train.optimizer,
                   "activation_checkpointing": option.rung.activation_checkpointing,
                   "activation_offload": option.rung.activation_offload,
-                  **({"optimizer_in_backward": True, "max_grad_norm": 0} if request.optimizer_in_backward else {})},
-        "quant": {"bits": request.quant_bits},
+                  **({"optimizer_in_backward": True, "max_grad_norm": 0} if request.train.optimizer_in_backward else {})},
+        "quant": {"bits": request.quant.bits},
     }
     return _recipe(**sections)
 
@@ -141,13 +140,12 @@ def test_every_planned_option_is_accepted_by_the_trainer(name):
     checked = 0
     for cluster in CLUSTERS:
         for request in REQUESTS:
-            if request.cpu_offload and cluster.device == "cpu":
+            if request.sharding.cpu_offload and cluster.device == "cpu":
                 continue
             p = plan(shape, request=request, cluster=cluster)
             for option in p.options:
                 # Naming the printed option in the recipe gives exactly that rung, validated.
-                explicit = dataclasses.replace(request, method=option.method, strategy=option.strategy,
-                                               cpu_offload=option.cpu_offload)
+                explicit = request.changed(method=option.method, sharding={"strategy": option.strategy, "cpu_offload": option.cpu_offload})
                 plan(shape, request=explicit, cluster=cluster)  # the planner's own up-front check passes
                 assert rung_for(_recipe_for(option, cluster, request)) == option.rung
                 checked += 1

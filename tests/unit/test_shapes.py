@@ -141,8 +141,7 @@ def test_lora_pricing_equals_a_real_peft_forward(model_type):
     base.get_input_embeddings().register_forward_hook(lambda module, args, output: output.requires_grad_())
     seq = 128
     real = saved._saved_by_block(base, decoder_blocks(base), seq)
-    request = default_request(method="lora", lora_r=8, lora_dropout=0.0, seq_len=seq, micro_batch_size=1,
-                              lora_targets=("all-linear",), activation_checkpointing=False)
+    request = default_request(method="lora", lora={"r": 8, "dropout": 0.0, "target_modules": ("all-linear",)}, data={"max_length": seq}, train={"micro_batch_size": 1, "activation_checkpointing": False})
     planned = activations._block_activation_bytes(shape, "lora", request, 4)
     assert model is not None
     for block, per_token in zip(shape.blocks, planned, strict=True):

@@ -69,8 +69,7 @@ def test_planner_keeps_quant_constants_whole_per_rank():
     shape = model_shape(json.loads((CONFIGS / "llama-3-70b.json").read_text()))
     cluster = Cluster(device="cuda", nodes=1, gpus_per_node=2, device_bytes=24 * GiB, host_ram_bytes=64 * GiB,
                       inter_link_gbit=1.0, tflops=40.0)
-    request = default_request(seq_len=1024, micro_batch_size=1, activation_checkpointing=True, method="qlora",
-                              embedding_offload=False)  # one process would keep the table on the host, FSDP2 cannot
+    request = default_request(method="qlora", data={"max_length": 1024}, train={"micro_batch_size": 1, "activation_checkpointing": True, "embedding_offload": False})  # one process would keep the table on the host, FSDP2 cannot
     one = estimate(shape, rung=option_rung("qlora", "no_shard", False, request=request, cluster=cluster), request=request, cluster=cluster)
     two = estimate(shape, rung=option_rung("qlora", "full_shard", False, request=request, cluster=cluster), request=request, cluster=cluster)
     states = quant_state_bytes(shape, request)
