@@ -243,6 +243,11 @@ def test_the_issue_jobs():
     evaluation: with it the planner does not offer the pipeline and says why, issue 31)."""
     seventy = plan_for_recipe(load_recipe(ROOT / "recipes" / "llama-70b-qlora-2nodes-1gbe.yaml"))
     assert seventy.chosen.rung.pipeline_enabled and seventy.chosen.step_s < 275
+    shipped = ROOT / "recipes" / "llama-70b-qlora-2x24gb.yaml"  # as shipped, moved onto two machines
+    moved = plan_for_recipe(load_recipe(shipped, cluster_overrides(gpus="1x24GB", nodes=2, link="1Gbit")))
+    assert moved.chosen.rung.pipeline_enabled and moved.chosen.step_s < 275
+    tight = plan_for_recipe(load_recipe(shipped, ["planner.headroom=0.1"]))  # the recipe comment's fallback
+    assert tight.chosen.label == "qlora full_shard +offload +ckpt"
     recipe = ROOT / "recipes" / "llama-1b-full-2x24gb.yaml"
     flags = ["sharding.strategy=auto", "data.eval_sources=[]"]  # pipeline_stages: auto is the default
     two = plan_for_recipe(load_recipe(recipe, flags + cluster_overrides(gpus="1x16GB", nodes=2, link="1Gbit")))
