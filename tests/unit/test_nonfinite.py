@@ -92,3 +92,21 @@ def test_learning_rate_past_the_bound_is_refused_before_the_run(tmp_path, tiny_m
     recipe, run = _recipe(tmp_path, tiny_model_dir, lr=1e6), tmp_path / "run"
     assert main(["-q", "train", str(recipe), "--run-dir", str(run)]) == 2
     assert "train.lr" in capsys.readouterr().err and not run.exists()
+
+
+def test_optimizer_in_backward_hooks_never_step_on_a_nonfinite_gradient():
+    from homelab_ft.distributed.comm import DistEnv
+    from homelab_ft.train.optim_backward import OptimizerInBackward
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = OptimizerInBackward(model, make_optimizer=lambda params: torch.optim.AdamW(params, lr=0.1))
+    x = torch.ones(2, 4)
+    (model(x).sum() * float("inf")).backward()  # every gradient is inf or nan
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(not inner.state for inner in opt.optimizers)  # no moment absorbed it
+    env = DistEnv(rank=0, local_rank=0, world_size=1, num_nodes=1, device=torch.device("cpu"), backend=None, is_main=True)
+    assert divergence.nonfinite(loss=1.0, grad_norm=opt.grad_norm(env)) == "gradient norm"
+    model(x).sum().backward()  # a finite one steps
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
