@@ -208,6 +208,12 @@ class TrainConfig:
     """Write a resumable checkpoint every N steps (0: only at the end)."""
     keep_last: PositiveInt = 2
     """Checkpoints to keep; older complete ones are deleted after a new one is written."""
+    skip_nonfinite_steps: Annotated[int, Field(ge=0, le=1000)] = 0
+    """A step whose loss or gradient norm is not finite (NaN/inf) is never applied (train/divergence.py);
+    with 0 the first one stops the run (exit 3, one line naming the step and the usual causes). N
+    skips up to N such steps over the run (each logged and counted in metrics.jsonl as
+    `skipped_nonfinite`) and stops at the next: a rare overflow (fp16) passes, a diverged run still
+    stops. At most 1000: more skipped steps than that is a run that no longer trains."""
     save_on_interrupt: bool = True
     """On SIGTERM or SIGINT (Ctrl-C, `docker stop`, a scheduler's preemption), finish the step in
     progress, write a checkpoint of it, and exit 143 / 130 with the line that resumes the run."""
@@ -240,6 +246,10 @@ class TrainConfig:
         if self.optimizer_in_backward and self.max_grad_norm > 0:
             raise ValueError("train.optimizer_in_backward steps each parameter before the global gradient norm "
                              "exists; set train.max_grad_norm=0 (the norm is still logged)")
+        if self.optimizer_in_backward and self.skip_nonfinite_steps:
+            raise ValueError("train.optimizer_in_backward steps each parameter inside backward, before the step's "
+                             "loss and norm are known, so a non-finite step cannot be skipped (it stops the run); "
+                             "set train.skip_nonfinite_steps=0")
         if self.sample_prompts and not self.sample_every:
             raise ValueError("train.sample_prompts are sampled only with train.sample_every=N (every N steps); set it, "
                              "or drop the prompts")

@@ -25,3 +25,13 @@ class Stopped(UserError):
     def __init__(self, message: str, *, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class Diverged(UserError):
+    """The run reached a step whose loss or gradient norm is not finite (train/divergence.py): the
+    step was not applied, the checkpoints before it are kept, and the settings that usually cause it
+    are named. Exit 3: neither refused input (2, nothing started) nor a signal (128 + N) nor our own
+    bug (a traceback, exit 1), so a script can tell "lower the learning rate and resume" apart."""
+
+    exit_code = 3
+    label = "diverged"

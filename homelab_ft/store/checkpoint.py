@@ -133,6 +133,10 @@ def _newest_intact(run_dir: Path, *, verbose: bool, hold: bool) -> tuple[Path | 
         if damaged and verbose and ranks.rank() == 0:
             log.warning("checkpoint %s is damaged; going back to %s (step %d)", "; ".join(damaged), path.name,
                         step_of(path))
+        failure = RunDir(run_dir).read_failure()
+        if failure and verbose and ranks.rank() == 0:
+            log.warning("the run stopped at step %s (non-finite %s); %s is from before it", failure.get("step"),
+                        failure.get("what"), path.name)
         return path, fd
     if damaged:
         raise UserError(

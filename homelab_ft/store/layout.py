@@ -6,7 +6,8 @@ A run directory holds
 - `plan.json`: the planner's report, when the run was planned;
 - `metrics.jsonl`, `tensorboard/`, `loss.png`: what people read (train/metrics.py);
 - `checkpoints/step_*/`: resumable checkpoints (checkpoint.py);
-- `.lock`: held by the one writer while it trains (runlock.py).
+- `.lock`: held by the one writer while it trains (runlock.py);
+- `diverged.json`: the step a non-finite loss or gradient norm stopped the run at (train/divergence.py).
 
 `RunDir.marker` and `checkpoint_marker` say what makes a folder a run or a checkpoint, so that
 export can refuse an `--out` over one (export/target.py).
@@ -109,6 +110,20 @@ class RunDir:
     @property
     def lock_file(self) -> Path:
         return self.root / ".lock"
+
+    @property
+    def failure_file(self) -> Path:
+        """Written when the run stopped at a non-finite step (train/divergence.py): the step, what
+        was not finite, and the checkpoint from before it; a --resume removes it."""
+        return self.root / "diverged.json"
+
+    def read_failure(self) -> dict | None:
+        """diverged.json, or None when the run has not diverged (or it cannot be read: it only informs)."""
+        try:
+            data = json.loads(self.failure_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
 
     def marker(self) -> str | None:
         """The file that makes this a run directory, or None: `run.json` (written when training

@@ -92,6 +92,11 @@ def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     staging.sweep_if_free(run_dir)  # an export into this path that a SIGKILL ended
     layout.write_recipe(recipe)
+    failure = layout.read_failure() if recipe.train.resume else None
+    if failure is not None:  # this resume is the retry the stop line asked for; it records its own
+        log.warning("the previous run stopped at step %s (non-finite %s); resuming from %s", failure.get("step"),
+                    failure.get("what"), resume_from.name if resume_from else "step 0")
+        layout.failure_file.unlink()
     if recipe.train.resume and resume_from is None:
         log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
 

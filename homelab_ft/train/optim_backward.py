@@ -15,7 +15,10 @@ What it cannot do, refused before anything starts:
   (the norm is still measured, from the hooks, and logged);
 - DDP (`no_shard` on several ranks): DDP all-reduces gradients in buckets after autograd has
   accumulated them, so the hook would step on this rank's unreduced gradient;
-- adapters (LoRA/QLoRA): their gradients are ~1% of the weights; there is nothing to save.
+- adapters (LoRA/QLoRA): their gradients are ~1% of the weights; there is nothing to save;
+- skipping a non-finite step (train.skip_nonfinite_steps): each hook refuses a non-finite
+  gradient of its own parameter, but the parameters that stepped before it in the same backward
+  cannot be taken back, so such a step stops the run instead.
 
 AdamW is elementwise per parameter, so one optimizer per parameter computes exactly what one
 optimizer over all of them does; the parity tests compare the two.
@@ -72,8 +75,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _step_param(self, param: torch.Tensor) -> None:
         grad = param.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad
-        self._squares.append(local.float().pow(2).sum() / _replicas(grad))
-        self._by_param[param].step()
+        square = local.float().pow(2).sum() / _replicas(grad)
+        self._squares.append(square)
+        # A non-finite gradient (or one whose square overflows) never steps its parameter nor its
+        # moments; the step's norm is then not finite and the trainer stops the run (divergence.py).
+        # One device sync per parameter: the price of deciding before the step inside backward.
+        if bool(torch.isfinite(square)):
+            self._by_param[param].step()
         param.grad = None
 
     def step(self, closure=None):

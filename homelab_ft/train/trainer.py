@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import shlex
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,17 @@ from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo
 from homelab_ft.store.rundir import init_run_dir
-from homelab_ft.train import build, evaluate, optim, preference, preflight, samples, steps, stopping
+from homelab_ft.train import (
+    build,
+    divergence,
+    evaluate,
+    optim,
+    preference,
+    preflight,
+    samples,
+    steps,
+    stopping,
+)
 from homelab_ft.train.loss import batch_loss_sum
 from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
@@ -124,6 +135,7 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     dpo = recipe.objective == "dpo"
     collate_fn, step_fn = (collate_pairs, dpo_step) if dpo else (collate, train_step)
     loop_start = time.perf_counter()
+    skipped = 0  # non-finite steps dropped so far (train.skip_nonfinite_steps)
     for step in range(s.start_step + 1, s.max_steps + 1):
         t0 = time.perf_counter()
         micro_batches = [
@@ -132,9 +144,12 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
         ]
         result = step_fn(s, micro_batches)
         elapsed = time.perf_counter() - t0
-        losses.append(result.loss)
         last = step == s.max_steps
-        if step % cfg.log_every == 0 or last:
+        if result.nonfinite:
+            skipped = _skip_or_stop(s, result, step=step, skipped=skipped, progress=progress)
+        else:
+            losses.append(result.loss)
+        if not result.nonfinite and (step % cfg.log_every == 0 or last):
             s.logger.log(result.row(step=step, seconds=elapsed, epoch=s.sampler.epoch,
                                     time_s=time.perf_counter() - loop_start))
         progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.read_tokens / elapsed:.0f}", refresh=False,
@@ -175,8 +190,31 @@ def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
     return eval_loss
 
 
+def _skip_or_stop(s: Session, result: StepResult, *, step: int, skipped: int, progress) -> int:
+    """A step that was not applied (divergence.py): skipped while train.skip_nonfinite_steps allows
+    (logged, and counted in metrics.jsonl), else the run stops. Every rank holds the same result."""
+    value = result.loss if result.nonfinite == "loss" else result.grad_norm
+    skipped += 1
+    s.logger.log({"step": step, "nonfinite": result.nonfinite, "skipped_nonfinite": skipped})
+    # optimizer_in_backward: the other parameters stepped inside backward; the step cannot be skipped.
+    if skipped > s.recipe.train.skip_nonfinite_steps or s.rung.optimizer_in_backward:
+        progress.close()
+        s.logger.close()
+        raise divergence.stop(s.recipe, env=s.env, rung=s.rung, step=step, what=result.nonfinite, value=str(value),
+                              skipped=skipped - 1, fp16=divergence.has_fp16(s.model, s.recipe))
+    if s.env.is_main:
+        progress.write(f"step {step}: non-finite {result.nonfinite} ({value}); skipped it, {skipped} of "
+                       f"train.skip_nonfinite_steps={s.recipe.train.skip_nonfinite_steps}")
+    return skipped
+
+
 def _save(s: Session, *, step: int) -> None:
-    """A checkpoint of the model, the optimizer and where the schedule and the data order stand."""
+    """A checkpoint of the model, the optimizer and where the schedule and the data order stand;
+    never of weights that are not finite (a finite update can still overflow them: the run stops)."""
+    if not divergence.check_weights(s.model, s.env):
+        s.logger.close()
+        raise divergence.stop(s.recipe, env=s.env, rung=s.rung, step=step, what="weights", value="after a finite update",
+                              skipped=0, fp16=divergence.has_fp16(s.model, s.recipe))
     state = checkpoint.TrainerState(
         step=step,
         scheduler=s.scheduler.state_dict(),
@@ -218,6 +256,8 @@ class StepResult:
     """Tokens the model read (tokens/s counts these)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The objective's other per-step means (dpo: preference.METRICS but the loss); empty for sft."""
+    nonfinite: str | None = None
+    """"loss" or "gradient norm" when that was not finite and the step was not applied (divergence.py)."""
 
     def row(self, *, step: int, seconds: float, epoch: int, time_s: float) -> dict:
         """The step's metrics.jsonl row; `seconds`: the step's wall time, its micro-batches' collation included."""
@@ -296,9 +336,11 @@ def _optimizer_step(s: Session, micro_batches: list[dict], *, backward: Callable
     summed loss times `scale` = steps.loss_scale (the data-parallel average over replicas undone,
     divided by the divisor: the mean over the whole step, however it is split over micro-batches
     and ranks) and returns this rank's sums of `names` (the loss first). Then, in this order: the
-    gradient norm and clipping (`_clip`), the optimizer step, the schedule's step, the gradients
-    dropped; and the sums of all ranks over the divisor. A pipeline's stages all hold their
-    replica's micro-batches, so the world's counts are divided by the stages.
+    gradient norm and clipping (`_clip`), the sums of all ranks over the divisor, the optimizer
+    step unless the loss or the norm is not finite (divergence.py: both are reduced over every
+    rank, so every rank decides the same; AdamW's moments never see the gradient), the schedule's
+    step, the gradients dropped. A pipeline's stages all hold their replica's micro-batches, so the
+    world's counts are divided by the stages.
     """
     env, rung = s.env, s.rung
     replicas, copies = (rung.data_parallel_size, rung.pipeline_stages) if rung.pipeline_enabled else (env.world_size, 1)
@@ -311,15 +353,20 @@ def _optimizer_step(s: Session, micro_batches: list[dict], *, backward: Callable
     sums = backward(steps.loss_scale(world_size=replicas, global_tokens=divisor))
     grad_norm = _clip(s)
     lr = s.scheduler.get_last_lr()[0]  # the rate this step used; the scheduler's step sets the next one
-    s.optimizer.step()
-    s.scheduler.step()
-    s.optimizer.zero_grad(set_to_none=True)
     # Reduced in float64, as comm.all_reduce_sum reduces a number: the ranks' fp32 sums add without fp32 rounding.
     summed = comm.all_reduce_sum_tensor(sums.detach().to(torch.float64).reshape(-1), env).cpu()
     means = dict(zip(names, (summed / max(divisor, 1)).tolist(), strict=True))
+    loss = means.pop("loss")
+    bad = divergence.nonfinite(loss=loss, grad_norm=grad_norm)
+    if bad is None:
+        s.optimizer.step()
+    with warnings.catch_warnings():  # torch warns of a schedule stepped without the optimizer: meant here
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        s.scheduler.step()  # a skipped step still counts: a resume rebuilds the schedule from the step
+    s.optimizer.zero_grad(set_to_none=True)
     trained = divisor if units is None else world_count(_trained_tokens)
-    return StepResult(loss=means.pop("loss"), grad_norm=grad_norm, lr=lr, trained_tokens=trained,
-                      read_tokens=world_count(steps.input_tokens), metrics=means)
+    return StepResult(loss=loss, grad_norm=grad_norm, lr=lr, trained_tokens=trained,
+                      read_tokens=world_count(steps.input_tokens), metrics=means, nonfinite=bad)
 
 
 def _trained_tokens(batch: dict) -> int:
