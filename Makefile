@@ -12,7 +12,7 @@ RECIPE ?= recipes/smollm2-lora-cpu.yaml
 RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: help install wheelhouse demo test test-gpu test-all lint plan clean $(RECIPES)
+.PHONY: help install wheelhouse demo test test-unit test-gpu test-all lint plan clean $(RECIPES)
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
@@ -86,14 +86,23 @@ wheelhouse: ## every wheel but torch into OUT=wheelhouse [PYTHON_VERSION=3.12 PL
 demo: install ## fine-tune the embedded SmolLM2 on the shipped task, export, compare before/after
 	$(PY) -m homelab_ft demo
 
-test: install ## run the test suite (CPU; distributed tests as 2-process gloo runs)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+# Two xdist workers, one thread each (2 cores): tests/distributed runs on one of them, one test at a time
+# (each is 2 ranks already; tests/conftest.py groups them), a module's shared fixtures on one worker.
+# TEST_JOBS=0 runs in this process (pdb, profiling). pytest's exit 5 (nothing collected) fails make too.
+TEST_JOBS ?= 2
+PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup --durations=15
+
+test: install ## the test suite, <= 10 min on 2 cores (CPU; distributed tests as 2-process gloo runs); 15 slowest at the end
+	$(PYTEST) tests
+
+test-unit: install ## tests/unit only, <= 90 s on 2 cores; a unit test over its CPU budget fails (tests/budget.py)
+	$(PYTEST) tests/unit
 
 test-gpu: install ## one CUDA GPU, <= 10 min: cuda tests, memory vs plan, tokens/s + MFU, bnb kernels -> runs/gpu-report.md
 	$(PY) bench/gpu_report.py --out runs
 
 test-all: install ## also the slow tests: the real SmolLM2 weights, the install paths, costly repeats of what make test covers
-	$(PY) -m pytest -q -p no:cacheprovider -m "slow or not slow" tests
+	$(PYTEST) -m "slow or not slow" tests
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check homelab_ft tests bench tools

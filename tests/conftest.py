@@ -23,3 +23,42 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from tiny import make_llama
 
     return make_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+# The per-test CPU budget of tests/unit (tests/budget.py): its hooks, registered as this conftest's.
+from budget import pytest_addoption, pytest_runtest_makereport, pytest_runtest_setup  # noqa: E402, F401
+
+
+def pytest_sessionstart(session):
+    """Import what nearly every test process needs once, before the first test: torch, transformers'
+    model classes, peft and bitsandbytes cost ~10 CPU s together, and whichever test came first was
+    charged for them by tests/budget.py (xdist's first test of a worker differs run to run). The
+    xdist controller runs no tests and skips them."""
+    if getattr(session.config, "workerinput", None) is None and session.config.getoption("numprocesses", None):
+        return
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers
+
+    transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018  (lazy modules: resolved now)
+
+
+PROCESS_GROUP_RUNS = "procs"
+"""The xdist group of tests/distributed, whose tests start multi-process runs (torchrun, namespaces, doctor):
+each already takes both cores with its 2 ranks (and some measure links and timeouts), so they run
+one after another on one worker while the other worker runs the single-process tests."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for `pytest -n 2 --dist loadgroup`: the multi-process tests together, and every test
+    using a module-scoped fixture with the rest of its module, so that fixture is built once."""
+    here = Path(__file__).parent
+    for item in items:
+        if here / "distributed" in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP_RUNS))
+            continue
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for fixturedefs in (defs.name2fixturedefs.values() if defs else ()) for d in fixturedefs}
+        if "module" in scopes or "class" in scopes:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -56,17 +56,48 @@ def write_pair_data(path: Path, num_rows: int, *, seed: int = 0, max_q_words: in
     return path
 
 
-def plan_without_torch(*args: str) -> subprocess.CompletedProcess:
-    """`homelab-ft plan ARGS` in a fresh process that must not import torch. The first plan of a
-    config derives its shape with torch (plan/derive.py) and caches it (plan/shape_cache.py), so it
-    runs once first; planning again is what a user repeats, and what is checked."""
+_PLANS = """
+import contextlib, io, json, sys
+from homelab_ft.cli.main import main
+done = []
+for args in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(args)
+    done.append([rc, out.getvalue(), err.getvalue()])
+    assert 'torch' not in sys.modules, f'plan {args} imported torch'
+print(json.dumps(done))
+"""
+
+
+def plan_here(*args: str) -> None:
+    """`homelab-ft plan ARGS` in this process, its output dropped: it derives and caches the model's
+    shape (plan/shape_cache.py), so a fresh process planning it next reads the cache, torch-free."""
+    import contextlib
+    import io
+
+    from homelab_ft.cli.main import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        main(["plan", *args])
+
+
+def plans_without_torch(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """`homelab-ft plan ARGS` for each ARGS of `commands`, one after another in one fresh process
+    that must not import torch (none of them may). The first plan of a config derives its shape
+    with torch (plan/derive.py) and caches it (plan/shape_cache.py), so each runs once first here,
+    in the test's process, which has torch already; planning again is what a user repeats, and
+    what is checked. One interpreter for all: each fresh one cost ~2 CPU s of imports."""
     import sys
 
-    subprocess.run([sys.executable, "-m", "homelab_ft", "plan", *args], capture_output=True, cwd=REPO, timeout=600)
-    code = ("import sys; from homelab_ft.cli.main import main; rc = main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'plan imported torch'; sys.exit(rc)")
-    return subprocess.run([sys.executable, "-c", code, "plan", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=60)
+    for args in commands:
+        plan_here(*args)
+    proc = subprocess.run([sys.executable, "-c", _PLANS, json.dumps([["plan", *a] for a in commands])],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    if proc.returncode != 0:
+        raise AssertionError(f"plan without torch failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return [subprocess.CompletedProcess(["plan", *a], rc, out, err)
+            for a, (rc, out, err) in zip(commands, json.loads(proc.stdout.splitlines()[-1]), strict=True)]
 
 
 def mounted(path: Path, *mount_args: str):

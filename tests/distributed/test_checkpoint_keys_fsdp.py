@@ -17,7 +17,7 @@ import pytest
 from keys_models import save_original
 from procs import run_checked
 
-WORKER = Path(__file__).with_name("keys_worker.py")
+WORKER = Path(__file__).with_name("worker.py")
 FULL = ("mixtral", "nemotron_h", "qwen3_5", "qwen3_5_moe")
 """A per-expert MoE, a Mamba hybrid with MoE and `backbone.*`, an image-text hybrid and its MoE sibling."""
 QLORA = ("qwen3_5",)
@@ -44,10 +44,10 @@ def results(tmp_path_factory) -> dict:
     dirs = {family: save_original(tmp / family, family) for family in dict.fromkeys(FULL + QLORA)}
     # 7 experts and 321 embedding rows: uneven dim-0 shards (4 + 3, 161 + 160) on 2 ranks
     dirs["uneven"] = save_original(tmp / "uneven", "mixtral", vocab_size=321, num_local_experts=7)
-    jobs = [{"name": f"full_{f}", "recipe": _recipe(tmp, dirs[f], f"full_{f}", method="full")} for f in FULL + ("uneven",)]
-    jobs += [{"name": f"qlora_{f}", "recipe": _recipe(tmp, dirs[f], f"qlora_{f}", method="qlora")} for f in QLORA]
+    jobs = [{"kind": "keys", "name": f"full_{f}", "recipe": _recipe(tmp, dirs[f], f"full_{f}", method="full")} for f in FULL + ("uneven",)]
+    jobs += [{"kind": "keys", "name": f"qlora_{f}", "recipe": _recipe(tmp, dirs[f], f"qlora_{f}", method="qlora")} for f in QLORA]
     spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"jobs": jobs}))
+    spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
     run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                  str(WORKER), str(spec), str(tmp / "out.json")], timeout=900)
     return json.loads((tmp / "out.json").read_text())

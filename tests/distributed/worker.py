@@ -13,6 +13,7 @@ one of
   {"kind": "export_run", "name": ..., "run_dir": ..., "out": ...}
   {"kind": "ends", "name": ..., "model_dir": ...}   (which FSDP2 unit holds the embeddings and LM head)
   {"kind": "ddp_reduce", "name": ...}   (the dtype DDP all-reduces fp32 gradients in, per reduce_dtype)
+  {"kind": "keys", "name": ..., "recipe": {...}}   (shards filled from a released layout vs from_pretrained)
 """
 
 from __future__ import annotations
@@ -350,7 +351,7 @@ def run_qlora_shards(job: dict, env) -> dict:
     from transformers import LlamaForCausalLM  # noqa: F401
 
     from homelab_ft.distributed import sharded_qlora  # noqa: F401  (imported before the baseline too)
-    from homelab_ft.model import loading, quant
+    from homelab_ft.model import quant
 
     recipe = recipe_from_dict(job["recipe"], source=job["name"])
     model_dir = Path(recipe.model.path)
@@ -392,14 +393,54 @@ def run_qlora_shards(job: dict, env) -> dict:
     }
     del model
     if env.is_main:
-        ref = loading.load_model(recipe.model, model_dir, dtype=torch.float32, device=torch.device("cpu"),
-                                  quantization_config=quant.bnb_config(recipe.quant, device="cpu"))
-        quant.after_load(ref)
-        ref = loading.attach_lora(ref, recipe.lora)
-        loading.reset_adapters(ref, seed=recipe.train.seed)
         with torch.no_grad():
-            plain = ref(input_ids=ids).logits
+            plain = _one_gpu_qlora(recipe, model_dir)(input_ids=ids).logits
         result["forward_max_abs_diff"] = float((plain - sharded).abs().max())
+    return result
+
+
+def _one_gpu_qlora(recipe, model_dir: Path):
+    """The 4-bit model loaded the one-GPU way (`from_pretrained(quantization_config=...)`, uint8
+    storage) with the recipe's adapters drawn as training draws them: what a sharded QLoRA equals."""
+    from homelab_ft.model import loading, quant
+
+    ref = loading.load_model(recipe.model, model_dir, dtype=torch.float32, device=torch.device("cpu"),
+                             quantization_config=quant.bnb_config(recipe.quant, device="cpu"))
+    quant.after_load(ref)
+    ref = loading.attach_lora(ref, recipe.lora)
+    loading.reset_adapters(ref, seed=recipe.train.seed)
+    return ref
+
+
+def run_keys(job: dict, env) -> dict:
+    """The recipe's model built the way training does (`build_model`: meta-init, FSDP2, then each
+    rank fills its shards from the safetensors in their released layout): for `full`, the gathered
+    state dict and the logits against what `from_pretrained` loads from the same folder; for QLoRA,
+    the logits against the one-GPU 4-bit model (test_checkpoint_keys_fsdp.py)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    recipe = recipe_from_dict(job["recipe"], source=job["name"])
+    model_dir = Path(recipe.model.path)
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=env)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    result = {}
+    if recipe.method == "full":
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if env.is_main:
+            ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            expected = ref.state_dict()
+            result["missing"] = sorted(set(expected) - set(full))[:5]
+            result["unexpected"] = sorted(set(full) - set(expected))[:5]
+            result["unequal"] = sorted(n for n in full if n in expected and not torch.equal(full[n], expected[n]))[:5]
+            result["num_tensors"] = len(full)
+            with torch.no_grad():
+                result["logit_diff"] = float((ref(input_ids=ids).logits - logits).abs().max())
+    elif env.is_main:
+        with torch.no_grad():
+            result["logit_diff"] = float((_one_gpu_qlora(recipe, model_dir)(input_ids=ids).logits - logits).abs().max())
     return result
 
 
@@ -438,6 +479,8 @@ def main(spec_path: str, out_path: str) -> int:
             results[job["name"]] = run_ddp_reduce(env)
         elif job["kind"] == "ends":
             results[job["name"]] = run_ends(job, env)
+        elif job["kind"] == "keys":
+            results[job["name"]] = run_keys(job, env)
         elif job["kind"] == "export_run":
             results[job["name"]] = run_export_run(job)
         elif job["kind"] == "export":

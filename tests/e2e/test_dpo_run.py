@@ -7,10 +7,10 @@ import math
 import shutil
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 import torch
-import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.train.metrics import read_metrics
@@ -21,21 +21,13 @@ PAIR_KEYS = {"reward_chosen", "reward_rejected", "reward_margin", "reward_accura
 def write_recipe(tmp: Path, model_dir: Path, *, method: str = "lora", **train) -> Path:
     procs.write_pair_data(tmp / "pairs.jsonl", 32)
     procs.write_pair_data(tmp / "eval.jsonl", 8, seed=1)
-    recipe = {
-        "method": method,
-        "objective": "dpo",
-        "dpo": {"beta": 0.5},
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
-        "data": {"sources": [{"path": "pairs.jsonl"}], "eval_sources": [{"path": "eval.jsonl"}], "max_length": 96,
-                 "cache_dir": str(tmp / "cache")},
-        "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 5e-3 if method == "lora" else 1e-3,
-                  "eval_every": 3, "save_every": 3, "keep_last": 5, "device": "cpu", **train},
-        "output": {"tensorboard": True},
-    }
-    path = tmp / "dpo.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return build_recipe.write_recipe(tmp / "dpo.yaml", build_recipe.tiny_run(
+        model_dir, method=method, rows="pairs.jsonl", objective="dpo", dpo={"beta": 0.5},
+        lora={"r": 8, "alpha": 16, "dropout": 0.1},
+        data={"eval_sources": [{"path": "eval.jsonl"}], "max_length": 96, "cache_dir": str(tmp / "cache")},
+        train={"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 5e-3 if method == "lora" else 1e-3,
+               "eval_every": 3, "save_every": 3, "keep_last": 5, **train},
+        output={"tensorboard": True}))
 
 
 def train_rows(run: Path) -> dict[int, dict]:

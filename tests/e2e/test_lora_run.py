@@ -7,10 +7,10 @@ import re
 import shutil
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 import torch
-import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.train.metrics import read_metrics
@@ -24,18 +24,12 @@ def write_chat_data(path: Path, num_rows: int, *, seed: int = 0) -> Path:
 def write_recipe(tmp: Path, model_dir: Path, **train) -> Path:
     data = write_chat_data(tmp / "train.jsonl", 48)
     write_chat_data(tmp / "eval.jsonl", 8, seed=1)
-    recipe = {
-        "method": "lora",
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},
-        "data": {"sources": [{"path": data.name}], "eval_sources": [{"path": "eval.jsonl"}], "max_length": 64},
-        "train": {"max_steps": 6, "micro_batch_size": 4, "grad_accum_steps": 2, "lr": 5e-3, "warmup_steps": 2,
-                  "eval_every": 3, "save_every": 3, "keep_last": 5, "device": "cpu", **train},
-        "output": {"tensorboard": True},
-    }
-    path = tmp / "tiny.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return build_recipe.write_recipe(tmp / "tiny.yaml", build_recipe.tiny_run(
+        model_dir, rows=data.name,
+        lora={"r": 8, "alpha": 16, "dropout": 0.1}, data={"eval_sources": [{"path": "eval.jsonl"}]},
+        train={"max_steps": 6, "micro_batch_size": 4, "grad_accum_steps": 2, "lr": 5e-3, "warmup_steps": 2,
+               "eval_every": 3, "save_every": 3, "keep_last": 5, **train},
+        output={"tensorboard": True}))
 
 
 def losses(run_dir: Path) -> dict[int, float]:

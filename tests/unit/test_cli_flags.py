@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 import yaml
 
@@ -92,7 +93,9 @@ def test_data_inspect_quiet_in_a_fresh_process_draws_no_bars(tmp_path, tiny_mode
 
 
 def test_closed_pipe_ends_quietly():
-    """`homelab-ft plan r.yaml | head -1`: the reader is gone before the plan is printed."""
+    """`homelab-ft plan r.yaml | head -1`: the reader is gone before the plan is printed. (The shape
+    derived here first: the fresh process then plans from the cache, without torch's import.)"""
+    procs.plan_here(str(REPO / "recipes" / "llama-1b-full-2x24gb.yaml"))
     read_end, write_end = os.pipe()
     os.close(read_end)
     env = {**os.environ, "PYTHONPATH": str(REPO)}

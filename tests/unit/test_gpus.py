@@ -74,13 +74,13 @@ def test_the_plan_says_which_throughput_it_used_and_where_from():
     assert cpu.tflops_source.startswith("CPU: 20 GFLOPS per core")
 
 
-def test_plan_text_has_the_compute_line():
-    import subprocess
-    import sys
+def test_plan_text_has_the_compute_line(capsys):
     from pathlib import Path
 
+    from homelab_ft.cli.main import main
+
     root = Path(__file__).parent.parent.parent
-    out = subprocess.run([sys.executable, "-m", "homelab_ft", "plan", str(root / "recipes" / "llama3-8b-qlora-24gb.yaml"),
-                          "--gpus", "1x24GB"], capture_output=True, text=True, cwd=root).stdout
+    main(["plan", str(root / "recipes" / "llama3-8b-qlora-24gb.yaml"), "--gpus", "1x24GB"])
+    out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("compute "))
     assert "RTX 3090 (71 TFLOPS dense bf16) x 0.4 MFU = 28.4 TFLOPS sustained per GPU" in line

@@ -179,14 +179,15 @@ def test_workers_get_the_parents_decision(monkeypatch):
     assert received.facts == FACTS  # the model facts too: the worker reads no config.json to learn them
 
 
-def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, capsys, monkeypatch):
+def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """`homelab-ft launch`: planned and checked once, here; the nodes get the planner's rung in the
-    handoff, not pinned as overrides."""
+    handoff, not pinned as overrides. (The tiny Llama, not the embedded GGUF: converting that took
+    ~35 CPU s here, and its conversion is e2e/test_gguf_model.py's.)"""
     from homelab_ft.cli.main import main
 
     monkeypatch.chdir(tmp_path)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("method: auto\nmodel:\n  path: smollm2\ndata:\n  sources: [{path: demo:train}]\n"
+    recipe.write_text(f"method: auto\nmodel:\n  path: {tiny_model_dir}\ndata:\n  sources: [{{path: demo:train}}]\n"
                       "cluster:\n  nodes: 2\n  gpus_per_node: 1\n  device: cpu\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")

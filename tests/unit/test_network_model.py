@@ -144,18 +144,18 @@ def _recipe(tmp_path: Path) -> Path:
 
 def test_plan_takes_a_cluster_file_over_the_recipe_and_flags_over_the_file(tmp_path):
     path, recipe = _cluster_file(tmp_path), _recipe(tmp_path)
-    out = procs.plan_without_torch(str(recipe), "--cluster", str(path))
+    out, flagged, without = procs.plans_without_torch([[str(recipe), "--cluster", str(path)],
+                                                        [str(recipe), "--cluster", str(path), "--link", "10Gbit", "--json"],
+                                                        [str(recipe), "--nodes", "2"]])
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("cluster"))
     assert "2 node(s)" in line and "[cluster file cluster.yaml]" in line
     assert "0.94 Gbit/s (118 MB/s, 0.30 ms all-reduce latency, measured) between nodes" in line
     assert "comm s" in out.stdout
 
-    out = procs.plan_without_torch(str(recipe), "--cluster", str(path), "--link", "10Gbit", "--json")
-    data = json.loads(out.stdout)["cluster"]
+    data = json.loads(flagged.stdout)["cluster"]
     assert data["inter_link_gbit"] == 10 and not data["inter_link_measured"] and data["inter_latency_s"] == 0.3e-3
 
-    without = procs.plan_without_torch(str(recipe), "--nodes", "2")
     line = next(ln for ln in without.stdout.splitlines() if ln.startswith("cluster"))
     assert "10 Gbit/s Ethernet (1125 MB/s, 0.20 ms all-reduce latency, assumed) between nodes" in line
 
@@ -168,11 +168,11 @@ def test_plan_with_a_bad_cluster_file_is_one_line_exit_2(tmp_path, capsys):
     assert err.count("\n") == 1 and str(bad) in err and "cluster.nodes" in err
 
 
-def test_launch_pins_the_measured_cluster_on_every_node(tmp_path, capsys):
+def test_launch_pins_the_measured_cluster_on_every_node(tmp_path, tiny_model_dir, capsys):
     """The other nodes need not have the file: its values are on their command lines."""
     path = _cluster_file(tmp_path)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("method: auto\nmodel:\n  path: smollm2\ndata:\n  sources: [{path: demo:train}]\n")
+    recipe.write_text(f"method: auto\nmodel:\n  path: {tiny_model_dir}\ndata:\n  sources: [{{path: demo:train}}]\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
     assert main(["launch", str(recipe), "--hosts", str(hosts), "--cluster", str(path)]) == 0

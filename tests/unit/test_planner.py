@@ -298,8 +298,7 @@ def test_flag_parsing():
 def test_plan_command_fits_every_shipped_recipe_without_torch():
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert recipes
-    for recipe in recipes:
-        out = procs.plan_without_torch(str(recipe))
+    for recipe, out in zip(recipes, procs.plans_without_torch([[str(r)] for r in recipes]), strict=True):
         assert out.returncode == 0, (recipe, out.stdout[-2000:], out.stderr)
         assert "option" in out.stdout and ("chosen" in out.stdout or "nothing fits" in out.stdout), recipe
 
@@ -308,18 +307,18 @@ def test_plan_command_json_flags_and_exit_codes(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"method: auto\nmodel:\n  path: {CONFIGS / 'llama-3-8b.json'}\n"
                       "data:\n  max_length: 2048\ntrain:\n  micro_batch_size: 1\n  activation_checkpointing: true\n")
-    out = procs.plan_without_torch(str(recipe), "--gpus", "1x24GB", "--host-ram", "64GB", "--json")
-    assert out.returncode == 0, out.stderr
-    data = json.loads(out.stdout)
+    fits, none_fits, bad_flag, too_long = procs.plans_without_torch([
+        [str(recipe), "--gpus", "1x24GB", "--host-ram", "64GB", "--json"],
+        [str(recipe), "method=full", "sharding.strategy=no_shard", "--gpus", "1x24GB", "--host-ram", "64GB"],
+        [str(recipe), "--gpus", "0x24GB"],
+        [str(recipe), "data.max_length=100000", "--gpus", "1x24GB"],
+    ])
+    assert fits.returncode == 0, fits.stderr
+    data = json.loads(fits.stdout)
     assert data["chosen"]["method"] == "qlora" and data["cluster"]["device_bytes"] == 24 * GiB
-
-    out = procs.plan_without_torch(str(recipe), "method=full", "sharding.strategy=no_shard", "--gpus", "1x24GB", "--host-ram", "64GB")
-    assert out.returncode == 2 and "nothing fits" in out.stdout and "would fit" in out.stdout
-
-    out = procs.plan_without_torch(str(recipe), "--gpus", "0x24GB")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--gpus" in out.stderr
-    out = procs.plan_without_torch(str(recipe), "data.max_length=100000", "--gpus", "1x24GB")
-    assert out.returncode == 2 and "max_position_embeddings" in out.stderr
+    assert none_fits.returncode == 2 and "nothing fits" in none_fits.stdout and "would fit" in none_fits.stdout
+    assert bad_flag.returncode == 2 and bad_flag.stderr.count("\n") == 1 and "--gpus" in bad_flag.stderr
+    assert too_long.returncode == 2 and "max_position_embeddings" in too_long.stderr
 
 
 def test_optimizer_in_backward_prices_one_gradient_and_is_full_only():
