@@ -54,8 +54,8 @@ def _timed(store: dict, name: str, fn):
 
 def worker(recipe_path: str, overrides: list[str], out: str) -> None:
     """Runs inside the training process (every rank under torchrun); rank 0 writes the numbers."""
-    from homelab_ft.config import load_recipe
     from homelab_ft.plan.planner import plan_for_recipe
+    from homelab_ft.recipe.config import load_recipe
     from homelab_ft.rung import rung_for
     from homelab_ft.store import checkpoint, manifest
     from homelab_ft.train import trainer
@@ -89,8 +89,8 @@ def _median(pairs, index: int) -> float:
 
 
 def run(recipe: str, extra: list[str]) -> str:
-    from homelab_ft.config import load_recipe
     from homelab_ft.model.loading import resolve_model_dir
+    from homelab_ft.recipe.config import load_recipe
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"

@@ -56,9 +56,9 @@ def _cpu_s() -> float:
 def _session(model_dir: Path, *, compile: bool):
     import torch
 
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.model import compiling
+    from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model

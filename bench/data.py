@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from homelab_ft.config import DataConfig, SourceConfig  # noqa: E402
 from homelab_ft.data import collate, prepare_data  # noqa: E402
+from homelab_ft.recipe.config import DataConfig, SourceConfig  # noqa: E402
 
 NUM_ROWS = 10_000
 MAX_LENGTH = 1024

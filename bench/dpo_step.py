@@ -62,9 +62,9 @@ def one(tmp: Path, objective: str) -> dict:
     """Run WARMUP + STEPS steps of `objective` through the trainer's own step function."""
     import torch
 
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.data import collate, collate_pairs
     from homelab_ft.distributed import comm
+    from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import trainer
 

@@ -37,8 +37,8 @@ if kind == "safetensors":
     AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").save_pretrained(out)
 else:
     from pathlib import Path
-    from homelab_ft.export.gguf_check import verify_gguf
-    from homelab_ft.export.gguf_export import write_gguf
+    from homelab_ft.export.gguf.check import verify_gguf
+    from homelab_ft.export.gguf.export import write_gguf
     gguf_type = kind.removeprefix("gguf-").removesuffix("+check")
     path = Path(out) / f"model-{{gguf_type}}.gguf"
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -73,7 +73,7 @@ class Context:
 
 
 def _recipe(ctx: Context, method: str, train: dict):
-    from homelab_ft.config import recipe_from_dict
+    from homelab_ft.recipe.config import recipe_from_dict
 
     return recipe_from_dict({
         "method": method, "model": {"path": str(ctx.model_dir)}, "data": {"max_length": ctx.args.seq_len},
@@ -107,13 +107,13 @@ def _batch(ctx: Context) -> dict:
 
 
 def _planned_bytes(ctx: Context, recipe) -> int:
-    from homelab_ft.config import ClusterConfig
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.ladder import option_rung
-    from homelab_ft.plan.memory import estimate
     from homelab_ft.plan.planner import request_from_recipe
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.price.memory import estimate
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.recipe.config import ClusterConfig
 
     shape = model_shape(read_model_config(str(ctx.model_dir)))
     cluster = resolve_cluster(ClusterConfig(device=ctx.device), detected=detect())

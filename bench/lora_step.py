@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from tiny import make_llama  # noqa: E402
 
-from homelab_ft.config import load_recipe  # noqa: E402
 from homelab_ft.data import collate, prepare_data  # noqa: E402
 from homelab_ft.model.loading import attach_lora, load_model, load_tokenizer  # noqa: E402
+from homelab_ft.recipe.config import load_recipe  # noqa: E402
 
 SEQ = 256
 MICRO_BATCH = 4

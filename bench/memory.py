@@ -18,7 +18,7 @@ cross-entropy alone on given hidden states (the head frozen), against the planne
 
 `--family MODEL_TYPE` measures tests/families.py's tiny random model of that transformers family
 instead (its default config with tiny sizes; --hidden/--intermediate/--layers/--vocab do not apply),
-so the planner's derived shape (plan/derive.py) is checked on families it has no formula for.
+so the planner's derived shape (plan/shape/derive.py) is checked on families it has no formula for.
     .venv/bin/python bench/memory.py --device cuda --hidden 1024 --layers 4
 
 MoE (issue 21): `--moe-shape` is a scaled-down Qwen3-30B-A3B (MOE_CONFIG: 4 layers of 64 experts,
@@ -106,7 +106,7 @@ OPTIM_IN_BWD_SHAPE = ["--vocab", "4096", "--hidden", "512", "--intermediate", "1
 
 
 def _recipe(model_dir: Path, *, method: str, train: dict, args):
-    from homelab_ft.config import recipe_from_dict
+    from homelab_ft.recipe.config import recipe_from_dict
 
     return recipe_from_dict({
         "method": method,
@@ -164,7 +164,7 @@ def measure_row(name: str, model_dir: Path, args) -> dict:
     import torch
 
     from homelab_ft.distributed import comm
-    from homelab_ft.loss_chunks import chunk_rows
+    from homelab_ft.rules.loss_chunks import chunk_rows
     from homelab_ft.rung import rung_for
     from homelab_ft.train import loss, optim, steps
     from homelab_ft.train.build import build_model
@@ -240,13 +240,13 @@ def _import_libraries(model_dir: Path, *, quantized: bool) -> None:
 
 def predict_row(name: str, model_dir: Path, args):
     """The planner's Memory for the row's recipe on this machine (plan/ with the derived shape)."""
-    from homelab_ft.config import ClusterConfig
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.ladder import option_rung
-    from homelab_ft.plan.memory import estimate
     from homelab_ft.plan.planner import request_from_recipe
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.price.memory import estimate
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.recipe.config import ClusterConfig
 
     kind, train, method = ROWS[name]
     recipe = _recipe(model_dir, method=method, train=train, args=args)

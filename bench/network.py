@@ -47,7 +47,7 @@ from procs import child_env, write_chat_data  # noqa: E402
 
 from homelab_ft.cluster import clusterfile, launch  # noqa: E402
 from homelab_ft.plan import hardware  # noqa: E402
-from homelab_ft.plan.memory import GiB, estimate  # noqa: E402
+from homelab_ft.plan.price.memory import GiB, estimate  # noqa: E402
 
 WARMUP, STEPS = 1, 3
 SEQ = 256
@@ -120,11 +120,11 @@ def predict(recipe: dict, cluster_path: Path, *, tflops_per_core: float):
     """memory.estimate for the recipe on the file's cluster (a pipelined recipe: the ladder's
     price of its pipeline, stages sized as `plan` sizes them); each node has one of this machine's
     two cores (the namespaces share them), shared by its processes."""
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.locate import locate_config
     from homelab_ft.plan.ladder import option_rung, sized_price
     from homelab_ft.plan.planner import request_from_recipe
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.recipe.config import recipe_from_dict
 
     r = recipe_from_dict(recipe, overrides=clusterfile.overrides(cluster_path))
     detected = hardware.Detected(gpu_count=0, gpu_name=None, vram_bytes=None, host_ram_bytes=8 * GiB, cpu_cores=1)

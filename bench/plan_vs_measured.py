@@ -41,8 +41,8 @@ TOLERANCE = 0.02
 def measure(method: str, model_dir: Path, *, device: str, batch: int, seq_len: int, num_steps: int) -> dict:
     import torch
 
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
+    from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model
@@ -114,13 +114,13 @@ def _saved_activation_bytes(model, ids) -> int:
 
 
 def predict(method: str, recipe, model_dir: Path, *, device: str):
-    from homelab_ft.config import ClusterConfig
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.ladder import option_rung
-    from homelab_ft.plan.memory import estimate
     from homelab_ft.plan.planner import request_from_recipe
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.price.memory import estimate
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.recipe.config import ClusterConfig
 
     shape = model_shape(read_model_config(str(model_dir)))
     cluster = resolve_cluster(ClusterConfig(device=device, vram_gib=80 if device == "cuda" else None), detected=detect())

@@ -62,8 +62,8 @@ def run_rung(method: str, model_dir: Path, *, num_steps: int, batch: int, seq_le
     """In the child process: build, warm up, time `num_steps` optimizer steps, report JSON."""
     import torch
 
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
+    from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model

@@ -142,7 +142,7 @@ def _status_bytes(key: str) -> int:
 
 
 def _ends_recipe(model_dir: str, method: str):
-    from homelab_ft.config import recipe_from_dict
+    from homelab_ft.recipe.config import recipe_from_dict
 
     return recipe_from_dict({
         "method": method, "model": {"path": model_dir}, "lora": {"r": 16, "dropout": 0.0},
@@ -187,13 +187,13 @@ def ends_child(variant: str, method: str, model_dir: str) -> dict:
 
 
 def ends_planned(method: str, model_dir: str) -> int:
-    from homelab_ft.config import ClusterConfig
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.ladder import option_rung
-    from homelab_ft.plan.memory import estimate
     from homelab_ft.plan.planner import request_from_recipe
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.price.memory import estimate
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.recipe.config import ClusterConfig
 
     recipe = _ends_recipe(model_dir, method)
     request = request_from_recipe(recipe)

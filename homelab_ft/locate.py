@@ -11,7 +11,7 @@ three see the same answer because only `locate()` interprets `model.path`:
 - for planning only: a bare config.json, or a popular hub id whose config homelab-ft bundles.
 
 `locate_config` reads the config.json of any of them (for a `.gguf` file its metadata, read with
-the numpy-only `gguf` package), the one input of the planner's shapes (plan/shapes.py).
+the numpy-only `gguf` package), the one input of the planner's shapes (plan/shape/shapes.py).
 """
 
 from __future__ import annotations

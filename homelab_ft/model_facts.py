@@ -5,7 +5,7 @@ to size what it builds: whether it has fused MoE experts (a QLoRA base with them
 build and the per-block 4-bit fill; a pipeline stage does not pack them yet), its vocabulary (the
 chunked loss), its blocks (a pipeline's stages), tying and the embedding's name (the embedding
 offload rule). The planner already read all of it off the meta model it derives the shape from
-(plan/derive.py), so `ModelShape.facts` gives them as this record, cached with the shape, and the
+(plan/shape/derive.py), so `ModelShape.facts` gives them as this record, cached with the shape, and the
 plan hands it to the one-process trainer (preflight.Inputs) and to every torchrun worker
 (cluster/handoff.py): before, `build_model` read config.json up to three times and built a meta
 skeleton only to ask "is it MoE?". Torch-free and JSON, so plan/, train/ and the handoff share it.

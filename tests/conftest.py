@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The planner caches derived model shapes (plan/shape_cache.py); tests (and the processes they start)
+# The planner caches derived model shapes (plan/shape/cache.py); tests (and the processes they start)
 # write theirs into a folder of this session's, never into the user's ~/.cache.
 if "HOMELAB_FT_CACHE" not in os.environ:
     import tempfile

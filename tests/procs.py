@@ -72,7 +72,7 @@ print(json.dumps(done))
 
 def plan_here(*args: str) -> None:
     """`homelab-ft plan ARGS` in this process, its output dropped: it derives and caches the model's
-    shape (plan/shape_cache.py), so a fresh process planning it next reads the cache, torch-free."""
+    shape (plan/shape/cache.py), so a fresh process planning it next reads the cache, torch-free."""
     import contextlib
     import io
 
@@ -85,7 +85,7 @@ def plan_here(*args: str) -> None:
 def plans_without_torch(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """`homelab-ft plan ARGS` for each ARGS of `commands`, one after another in one fresh process
     that must not import torch (none of them may). The first plan of a config derives its shape
-    with torch (plan/derive.py) and caches it (plan/shape_cache.py), so each runs once first here,
+    with torch (plan/shape/derive.py) and caches it (plan/shape/cache.py), so each runs once first here,
     in the test's process, which has torch already; planning again is what a user repeats, and
     what is checked. One interpreter for all: each fresh one cost ~2 CPU s of imports."""
     import sys

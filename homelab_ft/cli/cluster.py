@@ -33,7 +33,7 @@ def launch_commands(args) -> list:
     file's values stay on every node's command line as overrides (the other nodes need not have it)."""
     from homelab_ft.cli.train import checked_handoff, planned
     from homelab_ft.cluster import launch
-    from homelab_ft.config import load_recipe
+    from homelab_ft.recipe.config import load_recipe
 
     overrides = common.with_cluster_file(args, list(args.overrides))
     recipe = load_recipe(args.recipe, overrides)
@@ -83,7 +83,8 @@ def add_doctor(sub) -> None:
 
 def cmd_doctor(args) -> int:
     """Exit 0 when every line is ok or warn, 2 when one FAILs (or a check before launch fails)."""
-    from homelab_ft.cluster import doctor, launch
+    from homelab_ft.cluster import launch
+    from homelab_ft.cluster.doctor import check as doctor
     from homelab_ft.cluster.handoff import under_torchrun
 
     if under_torchrun():
@@ -104,7 +105,7 @@ def cmd_doctor(args) -> int:
 
 
 def _doctor_rank(args) -> int:
-    from homelab_ft.cluster.doctor_rank import run_rank
+    from homelab_ft.cluster.doctor.rank import run_rank
 
     outcome = run_rank(recipe_path=args.recipe, overrides=list(args.overrides), iface=args.iface,
                        run_dir=args.run_dir, out=args.out, join_timeout_s=args.join_timeout)

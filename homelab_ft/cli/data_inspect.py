@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from homelab_ft.config import DataConfig, Recipe
 from homelab_ft.data import IGNORE_INDEX, DataReport, PreparedData, packing, prepare_for
+from homelab_ft.recipe.config import DataConfig, Recipe
 
 HISTOGRAM_BINS = 8
 BAR_WIDTH = 40

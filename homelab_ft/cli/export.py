@@ -46,9 +46,9 @@ def eval_rows(run_dir: Path) -> list[dict] | None:
     """The run's eval rows, tokenized as it trained, for the quality report of a quantized GGUF;
     None (the report then uses a few held-out prompts) when the run has none or its data cannot be
     read here (a run directory copied without its data files)."""
-    from homelab_ft.config import load_recipe
     from homelab_ft.data import prepare_for
     from homelab_ft.model import loading
+    from homelab_ft.recipe.config import load_recipe
     from homelab_ft.store.layout import RunDir
 
     try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from homelab_ft.config import ModelConfig
 from homelab_ft.model import loading
+from homelab_ft.recipe.config import ModelConfig
 
 
 def chat(model_spec: str, prompt: str, *, system: str | None, max_new_tokens: int, temperature: float) -> str:

@@ -25,10 +25,10 @@ def add_plan(sub) -> None:
 
 def cmd_plan(args) -> int:
     """Exit 0 when an option fits, 2 when nothing does (the table says what would)."""
-    from homelab_ft.config import load_recipe
     from homelab_ft.plan.hardware import cluster_overrides
     from homelab_ft.plan.planner import plan_for_recipe
     from homelab_ft.plan.report import format_plan
+    from homelab_ft.recipe.config import load_recipe
 
     flags = cluster_overrides(gpus=args.gpus, nodes=args.nodes, link=args.link, host_ram=args.host_ram)
     recipe = load_recipe(args.recipe, common.with_cluster_file(args, list(args.overrides)) + flags)
@@ -47,7 +47,7 @@ def add_recipes(sub) -> None:
 
 
 def cmd_recipes(args) -> int:
-    from homelab_ft.config import load_recipe
+    from homelab_ft.recipe.config import load_recipe
 
     files = sorted(args.folder.glob("*.yaml"))
     if not files:
@@ -70,7 +70,7 @@ def add_data(sub) -> None:
 
 def cmd_data_inspect(args) -> int:
     from homelab_ft.cli.data_inspect import inspect_recipe
-    from homelab_ft.config import load_recipe
+    from homelab_ft.recipe.config import load_recipe
 
     recipe = load_recipe(args.recipe, list(args.overrides))
     color = sys.stdout.isatty() and not args.no_color

@@ -109,7 +109,7 @@ def cmd_train(args) -> int:
     checks pass, and torchrun's workers reuse this process's plan instead of planning again."""
     from homelab_ft.cluster import handoff as handoffs
     from homelab_ft.cluster import launch
-    from homelab_ft.config import load_recipe
+    from homelab_ft.recipe.config import load_recipe
     from homelab_ft.train import preflight, trainer
 
     overrides = _train_overrides(args)
@@ -147,14 +147,14 @@ def _check_this_machine(recipe, *, plan, rung) -> None:
 
     if rung.activation_offload:
         from homelab_ft.host import available_ram_bytes
-        from homelab_ft.plan.activations import activation_offload_host_bytes
+        from homelab_ft.plan.price.activations import activation_offload_host_bytes
 
         preflight.check_activation_offload(
             rung, device_type=comm.device_type(recipe.train.device), available_bytes=available_ram_bytes(),
             offloaded_bytes=plan.cluster.gpus_per_node * activation_offload_host_bytes(
                 plan.shape, rung=rung, request=plan.request, cluster=plan.cluster))
     if plan.checkpoint_bytes:
-        from homelab_ft.plan.diskspace import space_warning
+        from homelab_ft.plan.price.diskspace import space_warning
         from homelab_ft.store.layout import RunDir
 
         note = space_warning(RunDir(recipe.run_dir).checkpoints, checkpoint_bytes=plan.checkpoint_bytes, keep_last=recipe.train.keep_last)

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from homelab_ft import bounded_yaml
-from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
+from homelab_ft.recipe import bounded_yaml
+from homelab_ft.recipe.config import ClusterConfig
 
 FORMAT = "homelab-ft-cluster/1"
 _KEYS = tuple(f.name for f in fields(ClusterConfig))

@@ -18,9 +18,9 @@ import json
 import logging
 from pathlib import Path
 
-from homelab_ft.config import DataConfig
 from homelab_ft.data.sources import resolve_files
 from homelab_ft.errors import UserError
+from homelab_ft.recipe.config import DataConfig
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ turns position ids into per-sample segments and `create_causal_mask` ands a bloc
 into the causal one, for sdpa, eager and flex attention alike, *provided* the forward call gets
 `attention_mask=None` and no KV cache (`use_cache=False`). flash_attention_2 reads the same
 position ids as varlen boundaries. `collate` therefore leaves `attention_mask` out of packed
-batches; tests/unit/test_data_packing.py checks that the packed loss equals the per-sample loss.
+batches; tests/unit/data/test_packing.py checks that the packed loss equals the per-sample loss.
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from homelab_ft.config import DataConfig
 from homelab_ft.data import packing, rows, sources, templates
 from homelab_ft.data.report import DataReport, PreparedData
 from homelab_ft.data.rows import BAD_TEMPLATE, KEPT, NO_TARGET, OK, collate
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
+from homelab_ft.recipe.config import DataConfig
 
 SIDES = ("chosen", "rejected")
 PAIR_ROWS = rows.RowKind(cache_prefix="pairs", fingerprint_tag=(b"pairs",), turn_columns=("messages", *SIDES),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from homelab_ft.config import Recipe
 from homelab_ft.data.pairs import prepare_pairs
 from homelab_ft.data.report import PreparedData
 from homelab_ft.data.sft import prepare_data
+from homelab_ft.recipe.config import Recipe
 
 
 def prepare_for(recipe: Recipe, tokenizer, *, base_dir: Path | None = None) -> PreparedData:

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from homelab_ft.config import DataConfig
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
+from homelab_ft.recipe.config import DataConfig
 
 if TYPE_CHECKING:
     import datasets

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from homelab_ft.config import DataConfig
 from homelab_ft.data import packing, rows, sources, templates
 from homelab_ft.data.report import DataReport, PreparedData
 from homelab_ft.data.rows import BAD_TEMPLATE, OK
 from homelab_ft.errors import UserError
+from homelab_ft.recipe.config import DataConfig
 
 SAMPLE_ROWS = rows.RowKind(cache_prefix="tokenized", fingerprint_tag=(), turn_columns=("messages",), sides=("",),
                            desc="tokenising")

@@ -22,10 +22,10 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from homelab_ft.config import DataConfig, SourceConfig
 from homelab_ft.data import formats
 from homelab_ft.data.report import SourceReport
 from homelab_ft.errors import UserError
+from homelab_ft.recipe.config import DataConfig, SourceConfig
 
 FILE_TYPES = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 

@@ -81,8 +81,8 @@ def pair_accuracy(model_dir: Path, *, stem: str = "pairs-eval", batch_pairs: int
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from homelab_ft.config import DataConfig, SourceConfig
     from homelab_ft.data import collate_pairs, prepare_pairs
+    from homelab_ft.recipe.config import DataConfig, SourceConfig
     from homelab_ft.train import preference
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

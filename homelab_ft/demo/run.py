@@ -98,8 +98,8 @@ def run_demo(
 
 def _demo_recipe(recipe_path: Path, overrides: tuple[str, ...], *, run_dir: Path):
     """The shipped demo recipe, writing into (and replacing) the demo's own run directory."""
-    from homelab_ft.config import load_recipe
     from homelab_ft.errors import UserError
+    from homelab_ft.recipe.config import load_recipe
 
     if not Path(recipe_path).is_file():
         raise UserError(f"the demo recipe {recipe_path} is missing; run the demo from a checkout of homelab-ft")
@@ -118,7 +118,7 @@ def _score_folder(model_dir: Path, rows: list[dict]) -> DemoScore:
 
 def _score_gguf(gguf_path: Path, rows: list[dict]) -> DemoScore:
     """What llama.cpp / Ollama users get, read back by transformers' GGUF loader."""
-    from homelab_ft.export.gguf_check import load_gguf
+    from homelab_ft.export.gguf.check import load_gguf
 
     model, tokenizer = load_gguf(gguf_path)
     return sft.score(model, tokenizer, rows)

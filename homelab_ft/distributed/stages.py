@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from homelab_ft import refusals
 from homelab_ft.errors import UserError
 from homelab_ft.model import checkpoint_keys
 from homelab_ft.model.blocks import transformer_blocks
+from homelab_ft.rules import refusals
 from homelab_ft.rung import Rung
 
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}

@@ -17,10 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
-from homelab_ft.export import gguf_arch, gguf_check, gguf_export, gguf_quality, local_runtimes, merged, target
+from homelab_ft.export import local_runtimes, merged, target
+from homelab_ft.export.gguf import arch as gguf_arch
+from homelab_ft.export.gguf import check as gguf_check
+from homelab_ft.export.gguf import export as gguf_export
+from homelab_ft.export.gguf import quality as gguf_quality
 from homelab_ft.model import loading
+from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo
@@ -278,7 +282,7 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
 def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name: str) -> float:
     """llama.cpp's LoRA GGUF, checked against PEFT's own delta for every adapted weight."""
     from homelab_ft.export import expert_adapters
-    from homelab_ft.export.gguf_adapter import check_adapter_gguf, write_adapter_gguf
+    from homelab_ft.export.gguf.adapter import check_adapter_gguf, write_adapter_gguf
 
     beyond = expert_adapters.outside_peft(ckpt / checkpoint.ADAPTER)
     if beyond:

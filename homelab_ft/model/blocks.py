@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from homelab_ft.decoder_blocks import decoder_blocks
 from homelab_ft.errors import UserError
+from homelab_ft.rules.decoder_blocks import decoder_blocks
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (also under PEFT and FSDP2), by the rule the planner uses too
-    (homelab_ft/decoder_blocks.py)."""
+    (homelab_ft/rules/decoder_blocks.py)."""
     blocks = decoder_blocks(model)
     if not blocks:
         raise UserError(

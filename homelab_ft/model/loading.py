@@ -18,9 +18,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from homelab_ft.config import LoraConfig, ModelConfig
 from homelab_ft.errors import UserError
 from homelab_ft.locate import ModelLocation, cache_root, locate
+from homelab_ft.recipe.config import LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 

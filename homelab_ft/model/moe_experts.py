@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from homelab_ft.errors import UserError
-from homelab_ft.moe_marks import is_fused_experts, projections
+from homelab_ft.rules.moe_marks import is_fused_experts, projections
 
 BLOCKSIZE = 64
 """bitsandbytes' 4-bit block size, as `Linear4bit` uses by default (QLoRA paper)."""
@@ -416,7 +416,7 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' eager experts loop (integrations/moe.py), one routed expert at a time, with
     each projection through `_project`, arranged to keep less for backward (three hidden-wide
-    tensors fewer per routed token, 8 per token for Qwen3-30B-A3B; tests/unit/test_moe_plan.py):
+    tensors fewer per routed token, 8 per token for Qwen3-30B-A3B; tests/unit/plan/test_moe_plan.py):
     - the gate/up adapter's lora_A runs once on the shared input (`_shared_up_a`), so no gathered
       hidden-wide copy per routed token is kept for A's gradient, only r-wide rows;
     - the routing weight scales the down projection's input where that keeps less

@@ -20,7 +20,7 @@ and in_features even, so a model with, say, 16 key/value features crashes on its
 `after_load` turns the repack off on every layer (`support_avx512bf16_for_cpu = False`, the flag
 `forward` checks); with it, the same layers compute through the dequantize + matmul path in
 train and eval alike, gradients match an fp32 model holding the dequantized weights exactly, any
-layer shape works, and saves are lossless. tests/unit/test_qlora.py checks all of this.
+layer shape works, and saves are lossless. tests/unit/model/test_quant.py checks all of this.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from homelab_ft.config import QuantConfig, TrainConfig
 from homelab_ft.errors import UserError
-from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
+from homelab_ft.recipe.config import QuantConfig, TrainConfig
+from homelab_ft.rules.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 
 log = logging.getLogger(__name__)
 

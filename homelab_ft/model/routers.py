@@ -1,6 +1,6 @@
 """`lora.train_router: true`: the routers of an MoE model train in full beside the adapters.
 
-Which modules are routers is homelab_ft/moe_routers.py's rule (the planner prices the same ones).
+Which modules are routers is homelab_ft/rules/moe_routers.py's rule (the planner prices the same ones).
 No LoRA goes on them (a router is [experts, hidden], 128 x 2048 on Qwen3-30B-A3B: an adapter would
 save nothing); they train as plain parameters in the adapters' dtype, as PEFT keeps adapters
 (fp32, or bf16 with `lora.dtype: compute` on a bf16 base), never below the dtype transformers
@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from homelab_ft import moe_routers
+from homelab_ft.rules import moe_routers
 
 log = logging.getLogger(__name__)
 

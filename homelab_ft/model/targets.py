@@ -1,6 +1,6 @@
 """What `lora.target_modules: all-linear` wraps on a built model, logged when LoRA is attached.
 
-The decision lives at the root (homelab_ft/lora_targets.py), where plan/ reads it too, so the plan
+The decision lives at the root (homelab_ft/rules/lora_targets.py), where plan/ reads it too, so the plan
 and the run wrap the same layers.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 
-from homelab_ft.lora_targets import ALL_LINEAR, for_config, linear_forward, lora_targets, skipped_names
+from homelab_ft.rules.lora_targets import ALL_LINEAR, for_config, linear_forward, lora_targets, skipped_names
 
 __all__ = ["ALL_LINEAR", "for_config", "linear_forward", "lora_targets", "resolve"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import LADDER, Option, choose, evaluate, option_rung, price, saver_levels
-from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.plan.shape.shapes import ModelShape
 
 MAX_MICRO_BATCH = 4096
 """Beyond this the search stops (and says `>=`): no homelab step wants more rows than that."""

@@ -15,11 +15,11 @@ import subprocess
 from dataclasses import dataclass
 
 from homelab_ft import host
-from homelab_ft.config import ClusterConfig
 from homelab_ft.errors import UserError
 from homelab_ft.plan import gpus
 from homelab_ft.plan.inputs import Cluster
-from homelab_ft.plan.memory import GiB
+from homelab_ft.plan.price.memory import GiB
+from homelab_ft.recipe.config import ClusterConfig
 
 # fp32 training matmuls on one modern x86 core: ~30 GFLOPS measured for a 1024x576x1536 matmul
 # with one thread on this project's CI machine; training reaches about two thirds of that.

@@ -11,8 +11,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from homelab_ft.config import DataConfig, LoraConfig, ModelConfig, PlannerConfig, QuantConfig, TrainConfig
-from homelab_ft.sharding_config import ShardingConfig
+from homelab_ft.recipe.config import (
+    DataConfig,
+    LoraConfig,
+    ModelConfig,
+    PlannerConfig,
+    QuantConfig,
+    ShardingConfig,
+    TrainConfig,
+)
 
 # Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
 # cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives

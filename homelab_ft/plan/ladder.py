@@ -17,13 +17,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from homelab_ft import refusals
-from homelab_ft.plan import pipeline
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.memory import Estimate, estimate, gib_text, with_paged_spill
-from homelab_ft.plan.network import OFFLOAD_BYTES_PER_S
-from homelab_ft.plan.shapes import ModelShape
-from homelab_ft.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
+from homelab_ft.plan.price import pipeline
+from homelab_ft.plan.price.memory import Estimate, estimate, gib_text, with_paged_spill
+from homelab_ft.plan.price.network import OFFLOAD_BYTES_PER_S
+from homelab_ft.plan.shape.shapes import ModelShape
+from homelab_ft.rules import refusals
+from homelab_ft.rules.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 from homelab_ft.rung import (
     FULL_SHARD,
     HYBRID_SHARD,

@@ -17,14 +17,14 @@ import functools
 import json
 from dataclasses import dataclass
 
-from homelab_ft import embedding_offload, moe_routers
 from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
-from homelab_ft.plan.diskspace import checkpoint_bytes
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import LADDER, STEP_TIME_TIE, Option, Refusal, choose, evaluate, offers, price
-from homelab_ft.plan.memory import gib_text
-from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.plan.price.diskspace import checkpoint_bytes
+from homelab_ft.plan.price.memory import gib_text
+from homelab_ft.plan.shape.shapes import ModelShape
+from homelab_ft.rules import embedding_offload, moe_routers
 from homelab_ft.rung import RungError, hybrid_refusal, requested_rung
 
 
@@ -341,7 +341,7 @@ def request_from_recipe(recipe) -> PlanRequest:
 def default_request(**sections) -> PlanRequest:
     """The request of a recipe that sets nothing but `sections` (config.py's defaults otherwise), as a
     recipe's YAML spells them: `default_request(method="lora", data={"max_length": 512})`."""
-    from homelab_ft.config import recipe_from_dict
+    from homelab_ft.recipe.config import recipe_from_dict
 
     return request_from_recipe(recipe_from_dict(sections))
 
@@ -361,7 +361,7 @@ def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str
 def recipe_shape(recipe) -> tuple[ModelShape, str]:
     """The shape of the recipe's model (cached, else derived) and where its config was read from."""
     from homelab_ft.locate import locate_config
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.shape.shapes import model_shape
 
     config, source = locate_config(recipe.model.path)
     return model_shape(config, attn_implementation=recipe.model.attn_implementation, model_path=recipe.model.path,

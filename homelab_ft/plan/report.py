@@ -5,14 +5,14 @@ formats what planner.plan decided and decides nothing.
 
 from __future__ import annotations
 
-from homelab_ft.loss_chunks import AUTO, chunk_rows
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import Option
-from homelab_ft.plan.memory import gib_text
-from homelab_ft.plan.params import host_embedding_bytes, linears_for, router_params, trainable_params
-from homelab_ft.plan.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.planner import Plan
-from homelab_ft.plan.shapes import ModelShape
+from homelab_ft.plan.price.memory import gib_text
+from homelab_ft.plan.price.params import host_embedding_bytes, linears_for, router_params, trainable_params
+from homelab_ft.plan.price.pipeline import bubble_fraction, split_text
+from homelab_ft.plan.shape.shapes import ModelShape
+from homelab_ft.rules.loss_chunks import AUTO, chunk_rows
 
 
 def link_text(c: Cluster, *, inter: bool) -> str:

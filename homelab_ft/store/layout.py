@@ -22,9 +22,9 @@ import json
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
-from homelab_ft.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.errors import UserError
 from homelab_ft.locate import json_object
+from homelab_ft.recipe.config import Recipe, dump_recipe, load_recipe
 from homelab_ft.rung import Rung, RungError
 from homelab_ft.store import manifest
 

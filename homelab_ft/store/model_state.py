@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from homelab_ft.moe_routers import router_parameters
+from homelab_ft.rules.moe_routers import router_parameters
 from homelab_ft.store import ranks
 
 NESTED_KEY = "optim.param_groups.0.lr"

@@ -6,8 +6,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from homelab_ft.config import Recipe, load_recipe
 from homelab_ft.errors import UserError
+from homelab_ft.recipe.config import Recipe, load_recipe
 from homelab_ft.store import checkpoint, runlock, staging
 from homelab_ft.store.layout import RunDir
 

@@ -9,6 +9,7 @@
     evaluate        held-out loss (SFT) and pair metrics (DPO)
     preference, reference_cache   DPO/IPO arithmetic; a full fine-tune's reference cached on disk
     offload, stopping, metrics    activations in host RAM; SIGTERM/SIGINT; metrics.jsonl, TensorBoard, plot
+divergence      the non-finite guard: a NaN/inf step never applied, the run stopped in one line (exit 3)
 host_embedding  `train.embedding_offload`: the frozen input embedding table in host RAM, looked up there
     samples         greedy replies every `train.sample_every` steps (on every rank; rank 0 logs)
 """

@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from homelab_ft import refusals
-from homelab_ft.config import Recipe
 from homelab_ft.distributed import parallelize, pipeline, sharded_loading
 from homelab_ft.errors import UserError
 from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
 from homelab_ft.model_facts import ModelFacts
+from homelab_ft.recipe.config import Recipe
+from homelab_ft.rules import refusals
 from homelab_ft.rung import Rung, RungError
 from homelab_ft.train import host_embedding
 
@@ -218,7 +218,7 @@ def _check_4bit_build(recipe: Recipe, *, rung: Rung, env, compute_dtype: torch.d
 def _stage_loss(recipe: Recipe, *, config, facts: ModelFacts):
     """The last stage's loss: loss.chunked_loss_sum of the final hidden states through the head,
     chunked as train.loss_chunk_tokens says (0, the full logits: one chunk of every position)."""
-    from homelab_ft.loss_chunks import chunk_rows
+    from homelab_ft.rules.loss_chunks import chunk_rows
     from homelab_ft.train.loss import LogitTransform, chunked_loss_sum
 
     transform = LogitTransform.from_config(config)

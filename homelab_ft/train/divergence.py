@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft.config import Recipe
 from homelab_ft.distributed import comm
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.errors import Diverged
+from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung
 from homelab_ft.store import checkpoint
 from homelab_ft.store.layout import RunDir

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from homelab_ft.config import Recipe
 from homelab_ft.data import collate, collate_pairs
 from homelab_ft.distributed import comm, parallelize
+from homelab_ft.recipe.config import Recipe
 from homelab_ft.train import preference, steps
 from homelab_ft.train.loss import batch_loss_sum
 

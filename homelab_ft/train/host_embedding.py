@@ -1,6 +1,6 @@
 """`train.embedding_offload`: the frozen input embedding table in host RAM, its lookups on the host.
 
-Whether it applies is homelab_ft/embedding_offload.py's rule, the one the planner prices with; this
+Whether it applies is homelab_ft/rules/embedding_offload.py's rule, the one the planner prices with; this
 module does it. The table (and its module's buffers, e.g. Gemma's embed_scale) moves to host
 memory; two hooks on the embedding module send the token ids to the host and the
 looked-up rows ([batch, seq, hidden]) to the GPU, the only bytes that cross PCIe (8 MiB per
@@ -21,9 +21,9 @@ import logging
 import torch
 from torch import nn
 
-from homelab_ft import embedding_offload
-from homelab_ft.config import Recipe
 from homelab_ft.model_facts import ModelFacts
+from homelab_ft.recipe.config import Recipe
+from homelab_ft.rules import embedding_offload
 from homelab_ft.rung import Rung
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
-from homelab_ft.loss_chunks import chunk_rows
+from homelab_ft.rules.loss_chunks import chunk_rows
 from homelab_ft.train import steps
 
 

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from homelab_ft.config import TrainConfig
 from homelab_ft.errors import UserError
+from homelab_ft.recipe.config import TrainConfig
 from homelab_ft.train.optim_backward import OptimizerInBackward
 
 

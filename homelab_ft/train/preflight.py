@@ -17,11 +17,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from homelab_ft.config import Recipe
 from homelab_ft.errors import UserError
 from homelab_ft.locate import locate
 from homelab_ft.model import family, loading
 from homelab_ft.model_facts import ModelFacts
+from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung
 from homelab_ft.store import rundir
 

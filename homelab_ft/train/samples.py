@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from homelab_ft.config import Recipe
 from homelab_ft.data.templates import render, resolve_template
 from homelab_ft.distributed import parallelize
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
+from homelab_ft.recipe.config import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from homelab_ft.config import TrainConfig
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
+from homelab_ft.recipe.config import TrainConfig
 
 
 def trained_tokens(labels: torch.Tensor) -> int:

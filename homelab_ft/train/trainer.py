@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from homelab_ft import logs
-from homelab_ft.config import Recipe
 from homelab_ft.data import PreparedData, collate, collate_pairs, prepare_for
 from homelab_ft.data.sampling import MicroBatchSampler
 from homelab_ft.distributed import comm, parallelize
@@ -32,6 +31,7 @@ from homelab_ft.distributed.pipeline import Pipeline
 from homelab_ft.errors import Stopped
 from homelab_ft.model import compiling, loading
 from homelab_ft.model_facts import ModelFacts
+from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.store import checkpoint, runlock
 from homelab_ft.store.layout import RunDir, RunInfo

@@ -21,15 +21,15 @@ from procs import REPO, child_env
 
 from homelab_ft.cli import main as cli
 from homelab_ft.cluster import clusterfile
-from homelab_ft.config import recipe_from_dict
 from homelab_ft.plan.planner import plan_for_recipe
+from homelab_ft.recipe.config import recipe_from_dict
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
 
 
 def _node_lines(capsys, link, tmp_path, *extra: str) -> list[str]:
     """The per-node commands `doctor --hosts` prints (the CLI in this process: a second interpreter
-    would add seconds of start-up; the checks the head makes on itself are in tests/unit/test_doctor.py)."""
+    would add seconds of start-up; the checks the head makes on itself are in tests/unit/cluster/doctor/test_doctor.py)."""
     hosts = tmp_path / "hosts"
     hosts.write_text("".join(f"{n.addr}\n" for n in link.nodes))
     capsys.readouterr()

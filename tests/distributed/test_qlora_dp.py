@@ -72,7 +72,7 @@ def test_qlora_ddp_matches_one_process(results, variant):
 
 def test_qlora_ddp_checkpoint_holds_only_the_adapter(results):
     """Checkpoints of the data-parallel run hold the adapter, not the 4-bit base (what DDP reduces
-    is checked in tests/unit/test_qlora.py)."""
+    is checked in tests/unit/model/test_quant.py)."""
     from safetensors import safe_open
 
     run = Path(results["run_dirs"]["ddp_nf4"])

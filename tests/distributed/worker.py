@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm, parallelize
 from homelab_ft.plan.planner import recipe_shape
+from homelab_ft.recipe.config import recipe_from_dict
 from homelab_ft.rung import Rung, rung_for
 from homelab_ft.train import preflight, trainer
 from homelab_ft.train.build import build_model
@@ -116,7 +116,7 @@ def run_memory(job: dict, env) -> dict:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.config import TrainConfig
+    from homelab_ft.recipe.config import TrainConfig
     from homelab_ft.train import optim
 
     def local(t):
@@ -284,9 +284,9 @@ def run_lora_hf_load(job: dict, env) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from homelab_ft.config import LoraConfig
     from homelab_ft.distributed import sharded_loading
     from homelab_ft.model import loading
+    from homelab_ft.recipe.config import LoraConfig
 
     def build():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(job["model_dir"]), dtype=torch.float32)

@@ -18,10 +18,10 @@ import torch
 import transformers  # noqa: F401
 from safetensors import safe_open
 
-from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.model import moe_experts
 from homelab_ft.plan.planner import recipe_shape
+from homelab_ft.recipe.config import recipe_from_dict
 from homelab_ft.rung import rung_for
 from homelab_ft.train.build import build_model
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.model import compiling
 from homelab_ft.plan.planner import recipe_shape
+from homelab_ft.recipe.config import recipe_from_dict
 from homelab_ft.rung import rung_for
 from homelab_ft.train import optim
 from homelab_ft.train.build import build_model

@@ -11,9 +11,9 @@ import torch
 from keys_models import save_original, saved_keys
 
 from homelab_ft.cli.main import main
-from homelab_ft.config import recipe_from_dict
 from homelab_ft.distributed import comm
 from homelab_ft.plan.planner import recipe_shape
+from homelab_ft.recipe.config import recipe_from_dict
 from homelab_ft.rung import rung_for
 from homelab_ft.train import preflight, trainer
 

@@ -6,7 +6,7 @@ logits equal base + adapter merged by PEFT in fp32; for each dense family QLoRA 
 train 2 steps and their export reloads. Rows of at most 64 tokens (the template's system turn alone
 is ~30 of the tiny tokenizer's), micro-batches of 2, no eval: ~3 s a case, ~3 min in all on 2 cores.
 
-Every case must pass: the planner derives each family's shape from transformers (plan/derive.py),
+Every case must pass: the planner derives each family's shape from transformers (plan/shape/derive.py),
 checkpoint tensors are found through transformers' key conversion (model/checkpoint_keys.py), and
 a full export writes the base's persistent buffers the checkpoint does not hold (Gemma 4's
 layer_scalar).
@@ -63,8 +63,8 @@ IDS = torch.tensor([[1, 5, 17, 40, 99, 23, 7, 64]])
 def test_lora(tmp_path, data_dir, model_type):
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.config import load_recipe
     from homelab_ft.export import merged
+    from homelab_ft.recipe.config import load_recipe
 
     model_dir, run, out = _train(tmp_path, data_dir, model_type, "lora")
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

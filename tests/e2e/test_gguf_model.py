@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from homelab_ft.config import ModelConfig
 from homelab_ft.locate import embedded_gguf_path, gguf_config, read_model_config
 from homelab_ft.model import loading
-from homelab_ft.plan.shapes import model_shape
+from homelab_ft.plan.shape.shapes import model_shape
+from homelab_ft.recipe.config import ModelConfig
 
 
 # slow (make test-all): 45 s, two GGUF conversions in a cache of its own; make test still converts the embedded GGUF once (the session cache) and loads it in every smollm2 test

@@ -102,9 +102,9 @@ def test_moe_export_merges_the_expert_adapters(tmp_path, data_dir, model_type, m
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.config import load_recipe
     from homelab_ft.export import merged
     from homelab_ft.model import moe_experts
+    from homelab_ft.recipe.config import load_recipe
 
     model_dir = save_tiny(tmp_path / "base", model_type)
     recipe = _recipe(tmp_path, data_dir, model_dir, method)
@@ -183,9 +183,9 @@ def test_train_router_trains_saves_resumes_and_exports_the_routers(tmp_path, dat
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft import moe_routers
-    from homelab_ft.config import load_recipe
     from homelab_ft.export import merged
+    from homelab_ft.recipe.config import load_recipe
+    from homelab_ft.rules import moe_routers
     from homelab_ft.store.model_state import ROUTERS
 
     base = load_file(str(moe_dir / "model.safetensors"))

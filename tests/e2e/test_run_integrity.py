@@ -182,7 +182,7 @@ def test_resume_refuses_optimisation_overrides(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("homelab-ft:") == 1 and "rows per optimizer step (train.micro_batch_size" in err, err
     # the same global batch split over two processes is a legitimate resume
-    from homelab_ft import config
+    from homelab_ft.recipe import config
     from homelab_ft.store import rundir
 
     old = config.load_recipe(copy / "recipe.yaml")

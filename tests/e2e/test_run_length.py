@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from homelab_ft.cli.main import main
-from homelab_ft.config import TrainConfig
+from homelab_ft.recipe.config import TrainConfig
 from homelab_ft.train.metrics import read_metrics
 from homelab_ft.train.optim import lr_factor
 

@@ -1,7 +1,7 @@
 """On a CUDA GPU: `train.compile` in bf16 against eager, for LoRA with activation checkpointing and a
 full fine-tune. The losses agree to bf16 precision, and the compiled step's peak
 (`torch.cuda.max_memory_allocated`) is no larger than eager's, which is what the planner assumes
-when it prices a compiled run as an eager one (plan/activations.py). Also the loss alone: the compiled
+when it prices a compiled run as an eager one (plan/price/activations.py). Also the loss alone: the compiled
 cross-entropy stores no fp32 copy or log-softmax of a chunk's logits.
 
 `make test-gpu` runs these; without CUDA they are skipped. Written without a GPU at hand.
@@ -41,10 +41,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) -> tuple[list[float], int]:
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.model import compiling
     from homelab_ft.plan.planner import recipe_shape
+    from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model

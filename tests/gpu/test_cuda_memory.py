@@ -45,14 +45,14 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_peak_matches_the_plan(model_dir, name):
-    from homelab_ft.config import ClusterConfig, recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.locate import read_model_config
     from homelab_ft.plan.hardware import detect, resolve_cluster
     from homelab_ft.plan.ladder import option_rung
-    from homelab_ft.plan.memory import estimate
     from homelab_ft.plan.planner import recipe_shape, request_from_recipe
-    from homelab_ft.plan.shapes import model_shape
+    from homelab_ft.plan.price.memory import estimate
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.recipe.config import ClusterConfig, recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model

@@ -31,9 +31,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _step(model_dir: Path, setting):
-    from homelab_ft.config import recipe_from_dict
     from homelab_ft.distributed import comm
     from homelab_ft.plan.planner import recipe_shape
+    from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model

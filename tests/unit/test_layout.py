@@ -10,6 +10,7 @@ Lazy imports inside functions count too: they are still dependencies, only defer
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "homelab_ft"
@@ -40,12 +41,17 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+ROOT_PACKAGES = {"recipe", "rules"}
+"""Folders of the shared vocabulary: the recipe's sections and the planner-runtime rules, root
+like errors.py or rung.py (torch-free, imported by every stage, importing no stage)."""
+
+
 def _stage(module: str) -> str:
     if module == "homelab_ft.__main__":  # `python -m homelab_ft`: the CLI's entry point
         return "cli"
     parts = module.split(".")
     if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
-        return parts[1]
+        return "root" if parts[1] in ROOT_PACKAGES else parts[1]
     return "root"
 
 
@@ -159,6 +165,20 @@ def test_nothing_below_the_cli_prints():
         wrong += [f"{module}:{node.lineno}" for node in ast.walk(tree)
                   if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and id(node) not in allowed]
     assert not wrong, f"print() below the CLI: {wrong}"
+
+
+def test_every_module_is_in_its_package_map():
+    """Each package's `__init__` docstring is its map: every module and sub-package in the folder is
+    named there (as a word), so a reader who opens the front door finds every room."""
+    missing = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        names += [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()]
+        missing += [f"{folder.relative_to(PACKAGE.parent)}/{n}" for n in sorted(names)
+                    if not re.search(rf"(?<![\w.]){re.escape(n)}(?![\w])", doc)]
+    assert not missing, f"modules missing from their package's __init__ docstring: {missing}"
 
 
 def test_test_modules_have_unique_names():

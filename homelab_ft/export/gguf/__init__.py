@@ -1,0 +1,11 @@
+"""GGUF for llama.cpp, Ollama and LM Studio, written with gguf-py and read back before it is done.
+
+    export    a Hugging Face folder -> one GGUF file (`write_gguf`), streamed tensor by tensor
+    arch      which llama.cpp architecture a model is written as (from transformers and gguf-py), its layouts
+    hparams   the hyperparameter keys of a GGUF file, from the model's config, as llama.cpp reads them
+    vocab     the tokenizer in GGUF: tokens, types, scores, merges, the pre-tokenizer
+    check     the written file read back (readback; and transformers' GGUF loader) and compared
+    readback  every tensor read back with gguf-py's GGUFReader
+    quality   what a lossy GGUF costs: greedy agreement and eval loss against the merged model
+    adapter   a PEFT LoRA adapter -> llama.cpp's LoRA-adapter GGUF
+"""

@@ -1,0 +1,262 @@
+"""Read a written GGUF back and compare it with its source: with gguf-py's reader for every
+architecture (gguf_readback.py), and through transformers' GGUF loader where it reads it.
+
+transformers' reader (`modeling_gguf_pytorch_utils.load_gguf_checkpoint`, behind
+`from_pretrained(..., gguf_file=...)`) is an implementation independent of our writer: it undoes
+llama.cpp's q/k permutation and Gemma's norm offset with its own code, and builds the tokenizer
+from the metadata with its own code. What it reads back is compared with the model the GGUF was
+written from: hyperparameters, tokenizer ids and chat template, every tensor bit for bit (against
+the source rounded as meant), and the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from homelab_ft.export.gguf import arch as gguf_arch
+from homelab_ft.export.gguf import readback as gguf_readback
+from homelab_ft.export.gguf.export import plan_tensors
+
+log = logging.getLogger(__name__)
+
+GGUF_BOUNDS = {"f32": 1e-5, "f16": 0.01, "bf16": 0.05, "q8_0": 0.1}
+"""Max |logit difference| between the GGUF reloaded by transformers and the model it was written
+from, per unit of the largest |logit| (flat when logits stay within +-1). Measured on SmolLM2-135M
+(logits up to ~41): f32 0, f16 0.001, bf16 0.007, q8_0 0.036 per unit; so f32 must be identical
+and the others have 3-10x margin. 4-bit rounding moves SmolLM2's logits by up to 0.6 per unit, so
+q4_0/q5_1 get no logit bound (one that cannot fail checks nothing): for them (as for every type)
+the check that counts is the exact tensor comparison in `_check_tensors`, and what the rounding
+costs is measured on the run's eval rows by gguf_quality."""
+
+PROBE_CHATS = (
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in the format ANSWER: <value>."},
+     {"role": "user", "content": "Is 2 + 2 = 4? Reply yes or no."},
+     {"role": "assistant", "content": "ANSWER: yes"},
+     {"role": "user", "content": "and 17 * 3 = 51?  (two  spaces)\nnew line, café"}],
+)
+
+
+@dataclass(frozen=True)
+class GgufCheck:
+    max_abs_diff: float
+    bound: float | None
+    """GGUF_BOUNDS[type] scaled by the largest |logit|; None for a type without a bound."""
+
+    def describe(self) -> str:
+        bound = f"bound {self.bound:.2e}" if self.bound is not None else "no logit bound for 4-bit types"
+        return f"max |logit difference| GGUF vs merged model = {self.max_abs_diff:.2e} ({bound})"
+
+
+def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
+    """Read the GGUF back and compare it with `reference_dir` (the merged model it was written from).
+
+    Always, with gguf-py's reader (gguf_readback.read_back): the architecture and hyperparameter
+    keys, every tensor present and bit for bit what was meant. Then, where transformers' GGUF
+    loader reads the architecture, through that independent reader (it undoes llama.cpp's q/k
+    permutation and Gemma's norm offset with its own code, and builds the tokenizer from the
+    metadata): the hyperparameters it reads, the tokenizer (same ids on chat-formatted prompts,
+    same chat template) and the logits on those prompts within GGUF_BOUNDS[gguf_type]. Where it
+    does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is checked the same way from a copy of
+    the tokenizer keys, and the logits of the tensors read back (gguf_readback.load_model). The
+    weights are loaded into the reference's config: transformers' GGUF reader does not read rope
+    scaling or Qwen3's head size, which llama.cpp does read from the keys written. Raises
+    RuntimeError on a mismatch.
+    """
+    import tempfile
+
+    target = gguf_arch.check_architecture(reference_dir)
+    gguf_readback.read_back(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
+    with tempfile.TemporaryDirectory(prefix="gguf-check-") as alone:
+        # Alone in its folder: beside tokenizer.json / tokenizer_config.json (a safetensors,gguf
+        # export) transformers 5.24 builds the tokenizer from those files and not from the GGUF.
+        folder, file = Path(alone), Path(gguf_path).name
+        (folder / file).symlink_to(Path(gguf_path).resolve())
+        if transformers_reads(gguf_path):
+            try:
+                return _verify(folder, file, Path(reference_dir), gguf_type=gguf_type)
+            except NotImplementedError as err:  # it reads the architecture, not this model's names (Mixtral as llama)
+                log.info("transformers' GGUF loader cannot map %s onto the model (%s); reading it with gguf-py", file, err)
+        twin = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True)
+        probes = _check_tokenizer(folder, twin.name, Path(reference_dir))
+        model = gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
+        return _compare_logits(model, Path(reference_dir), probes, gguf_type=gguf_type)
+
+
+def transformers_reads(gguf_path: Path) -> bool:
+    """Whether transformers' GGUF loader reads this file's architecture (it raises otherwise),
+    asked of a copy of the metadata without the token list, which it would parse in Python."""
+    import tempfile
+
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="gguf-arch-") as folder:
+        twin = gguf_readback.metadata_twin(gguf_path, Path(folder) / "metadata.gguf", tokenizer=False)
+        try:
+            load_gguf_checkpoint(str(twin), return_tensors=False)
+        except ValueError as err:
+            if "not supported" in str(err):
+                return False
+            raise
+    return True
+
+
+def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
+    """The prompts' ids as tensors, once the GGUF's tokenizer gives the reference's ids and template."""
+    import torch
+    from transformers import AutoTokenizer
+
+    reference_tok = AutoTokenizer.from_pretrained(reference_dir)
+    gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    if reference_tok.chat_template != gguf_tok.chat_template:
+        raise RuntimeError("GGUF check failed: the chat template in the GGUF differs from the tokenizer's")
+    probes = []
+    for chat in PROBE_CHATS:
+        text = reference_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        want, got = reference_tok(text)["input_ids"], gguf_tok(text)["input_ids"]
+        if want != got:
+            at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+            raise RuntimeError(f"GGUF check failed: the GGUF tokenizer gives other ids for a chat prompt "
+                               f"(first difference at token {at}: {want[at:at + 3]} vs {got[at:at + 3]})")
+        probes.append(torch.tensor([want]))
+    return probes
+
+
+def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    reference_config = AutoConfig.from_pretrained(reference_dir)
+    probes = _check_tokenizer(folder, file, reference_dir)
+    # transformers' own reader (and its inverse permutation / norm offset), called once for config
+    # and tensors: from_pretrained(gguf_file=...) would parse the metadata again for each.
+    model = AutoModelForCausalLM.from_config(_as_gguf_arch(reference_config), dtype=torch.float32)
+    with _memoized_name_maps():
+        parsed = load_gguf_checkpoint(str(folder / file), return_tensors=True, model_to_load=model)
+    _check_config(parsed["config"], reference_config)
+    tensors = parsed["tensors"]
+    _check_tensors(tensors, reference_dir, reference_config, gguf_type=gguf_type)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    del parsed, tensors
+    tied = {"lm_head.weight"} if reference_config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"GGUF check failed: transformers reads back missing {sorted(missing)[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]}")
+    if reference_config.tie_word_embeddings:
+        model.tie_weights()
+    return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
+
+
+def _compare_logits(model, reference_dir: Path, probes: list, *, gguf_type: str) -> GgufCheck:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    got = _logits(model, probes)
+    expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
+    diff = max(float((g - e).abs().max()) for g, e in zip(got, expected, strict=True))
+    scale = max(1.0, max(float(e.abs().max()) for e in expected))
+    bound = GGUF_BOUNDS[gguf_type] * scale if gguf_type in GGUF_BOUNDS else None
+    if bound is not None and not diff <= bound:
+        raise RuntimeError(f"GGUF check failed: {gguf_type} logits differ from the model's by {diff:.3g} > {bound:.3g}")
+    return GgufCheck(max_abs_diff=diff, bound=bound)
+
+
+def _check_config(parsed: dict, reference) -> None:
+    """The hyperparameters as transformers reads them from the metadata."""
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        want, got = getattr(reference, key), parsed.get(key)
+        if want != got:
+            raise RuntimeError(f"GGUF check failed: {key} reads back as {got}, the model has {want}")
+    if not math.isclose(parsed.get("rms_norm_eps", 0.0), reference.rms_norm_eps, rel_tol=1e-6):
+        raise RuntimeError(f"GGUF check failed: rms_norm_eps reads back as {parsed.get('rms_norm_eps')}")
+
+
+def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str) -> None:
+    """Every tensor transformers reads back must equal, bit for bit, the reference tensor rounded
+    the way we meant to store it, taken back to Hugging Face's layout with our inverse (rounding is
+    per row block, so it commutes with llama.cpp's row permutation). transformers' reader undoes
+    the layout with its own code, so a layout it does not expect shows here; experts, which it
+    returns fused under other names, are left to the logits and to gguf_readback's bit check."""
+    target = gguf_arch.check_architecture(reference_dir)
+    for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
+        if len(item.sources) != 1 or item.sources[0][1] not in tensors:
+            continue  # a tied head, rotary buffers or experts: the load_state_dict check covers them
+        name = item.sources[0][1]
+        rounded = gguf_readback.round_trip(item.load(), item.qtype).reshape(item.hf_shape)
+        want = target.from_gguf(item.gguf_name, rounded, config)
+        got = tensors[name].numpy()
+        if got.shape != want.shape or not np.array_equal(got, want):
+            raise RuntimeError(f"GGUF check failed: {name} reads back different from what was meant to be written")
+
+
+class _memoized_name_maps:
+    """transformers builds gguf's TensorNameMap once per module of the model (397 times for
+    SmolLM2: 23 of the 55 s its GGUF loader took); the map depends on (arch, layers) only."""
+
+    def __enter__(self):
+        import functools
+
+        import gguf
+
+        self.original = gguf.get_tensor_name_map
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(self.original)
+
+    def __exit__(self, *exc):
+        import gguf
+
+        gguf.get_tensor_name_map = self.original
+
+
+def _as_gguf_arch(config):
+    """Mistral as llama.cpp runs it: the Llama graph (transformers 5.24 cannot map a `mistral`
+    model onto gguf-py's names). The probes are far shorter than any sliding window."""
+    if config.model_type != "mistral":
+        return config
+    from transformers import LlamaConfig
+
+    values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "sliding_window", "architectures")}
+    return LlamaConfig(**values, architectures=["LlamaForCausalLM"])
+
+
+def _logits(model, probes) -> list:
+    import torch
+
+    model.eval()
+    with torch.no_grad():
+        out = [model(input_ids=ids).logits.float() for ids in probes]
+    del model
+    return out
+
+
+def load_gguf(path: Path):
+    """(model in fp32, tokenizer) from a GGUF file through transformers' GGUF loader, as a user
+    of `from_pretrained(folder, gguf_file=...)` gets them."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory(prefix="gguf-load-") as alone:
+        (Path(alone) / path.name).symlink_to(path.resolve())  # see verify_gguf: alone in its folder
+        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=path.name)
+        with _memoized_name_maps():
+            model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32)
+    return model, tokenizer
+
+
+def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
+    """The GGUF's model in fp32: through transformers' GGUF loader where it reads the
+    architecture, else from gguf-py's reading of the tensors (gguf_readback) into the reference's
+    config."""
+    if transformers_reads(path):
+        return load_gguf(path)[0]
+    target = gguf_arch.check_architecture(reference_dir)
+    return gguf_readback.load_model(path, reference_dir, target=target, gguf_type=gguf_type)

@@ -1,0 +1,194 @@
+"""GGUF for the families llama.cpp runs beyond the original seven: tiny random models of each
+(tests/families.py, built from transformers' own default configs) written as GGUF, read back with
+gguf-py (every tensor in place, bit for bit) and, through transformers' GGUF loader or gguf-py's
+reading, run against the merged model (f32 logits identical, q8_0 within its bound)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from families import save_tiny
+
+from homelab_ft.errors import UserError
+from homelab_ft.export.gguf import arch as gguf_arch
+from homelab_ft.export.gguf import check as gguf_check
+from homelab_ft.export.gguf import export as gguf_export
+
+WRITTEN = {
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
+    "olmo3": "olmo2",
+    "gemma": "gemma",
+    "gemma3_text": "gemma3",
+    "granite": "granite",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+}
+"""model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
+olmo2 and Mixtral as llama): none of these was written before, except gemma3_text."""
+
+NOT_BIT_EXACT = {"qwen2_moe": 1e-7}
+"""f32 logits of Qwen2-MoE read back by transformers' GGUF loader differ by 3e-8 from the merged
+model's though every tensor it returns is bit-exact (gguf_check._check_tensors and gguf_readback
+prove it): not our file. Every other family's f32 logits are identical."""
+
+
+AS_RELEASED = {
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                    "query_pre_attn_scalar": 16},
+    "qwen3_moe": {"norm_topk_prob": True},
+}
+"""What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
+(gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk by tests/families.py)
+differs: Gemma 3's 5:1 sliding pattern and query scale 1/sqrt(head_dim), Qwen3-MoE's normalised
+top-k weights (Qwen3-30B-A3B sets norm_topk_prob)."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in cache:
+            cache[model_type] = save_tiny(tmp_path_factory.mktemp(model_type), model_type,
+                                          **AS_RELEASED.get(model_type, {}))
+        return cache[model_type]
+
+    return get
+
+
+def test_the_architecture_comes_from_transformers_and_gguf_py():
+    """Spelt as gguf-py spells it, or the parent in transformers' modular source."""
+    assert gguf_arch.arch_candidates("olmo3")[0] == "olmo2"
+    assert gguf_arch.arch_candidates("mixtral")[0] == "llama"
+    assert gguf_arch.arch_candidates("gemma3_text")[0] == "gemma3"
+    assert gguf_arch.arch_candidates("qwen3_moe")[0] == "qwen3moe"
+    assert gguf_arch.arch_candidates("qwen3_5_text")[0] == "qwen35"
+    assert gguf_arch.arch_candidates("gpt_oss")[0] == "gpt-oss"
+    assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]  # llama.cpp's registration; not written
+    assert gguf_arch.arch_candidates("no_such_model") == []
+
+
+@pytest.mark.parametrize("model_type", sorted(WRITTEN))
+def test_family_reads_back_and_runs_as_the_merged_model(tiny, tmp_path, model_type):
+    from gguf import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, GGUFReader
+
+    model_dir = tiny(model_type)
+    path = tmp_path / "f32.gguf"
+    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+    reader = GGUFReader(path)
+    arch_name = reader.fields["general.architecture"].contents()
+    assert arch_name == WRITTEN[model_type]
+    arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name)
+    layers = reader.fields[f"{arch_name}.block_count"].contents()
+    allowed = {f"{TENSOR_NAMES[kind].format(bid=i)}{suffix}" for kind in MODEL_TENSORS[arch] for i in range(layers)
+               for suffix in (".weight", ".bias")}
+    names = {t.name for t in reader.tensors}
+    assert names and names <= allowed, sorted(names - allowed)  # every tensor has its place in llama.cpp's layout
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff <= NOT_BIT_EXACT.get(model_type, 0.0)
+    q8 = tmp_path / "q8_0.gguf"
+    gguf_export.write_gguf(model_dir, q8, gguf_type="q8_0", name="tiny")
+    check = gguf_check.verify_gguf(q8, model_dir, gguf_type="q8_0")
+    assert 0.0 < check.max_abs_diff <= check.bound
+
+
+def test_experts_are_stacked_as_llama_cpp_holds_them(tiny, tmp_path):
+    """transformers saves one tensor per expert; llama.cpp holds a block's experts as one 3-D tensor."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    model_dir = tiny("qwen3_moe")
+    path = tmp_path / "moe.gguf"
+    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+    reader = GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    down = tensors["blk.1.ffn_down_exps.weight"]
+    assert [int(d) for d in down.shape] == [32, 64, 4]  # gguf lists dims innermost first: 4 experts of 64 x 32
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        expert = f.get_tensor("model.layers.1.mlp.experts.2.down_proj.weight").float().numpy()
+    np.testing.assert_array_equal(np.asarray(down.data).reshape(4, 64, 32)[2], expert)
+    assert reader.fields["qwen3moe.expert_count"].contents() == 4
+    assert reader.fields["qwen3moe.expert_used_count"].contents() == 2
+
+
+def test_gemma_norms_are_found_by_running_them(tiny, tmp_path):
+    """Gemma's RMSNorm computes x * (1 + w): found by probing the module, written as 1 + w."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    target = gguf_arch.check_architecture(tiny("gemma"))
+    assert "blk.0.attn_norm.weight" in target.offset_norms and "output_norm.weight" in target.offset_norms
+    assert not gguf_arch.check_architecture(tiny("olmo2")).offset_norms  # x * w, as llama.cpp
+    path = tmp_path / "gemma.gguf"
+    gguf_export.write_gguf(tiny("gemma"), path, gguf_type="f32", name="tiny")
+    stored = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.attn_norm.weight")
+    with safe_open(str(tiny("gemma") / "model.safetensors"), framework="pt") as f:
+        weight = f.get_tensor("model.layers.0.input_layernorm.weight").float().numpy()
+    np.testing.assert_array_equal(np.asarray(stored.data), weight + np.float32(1.0))
+
+
+def test_granite_multipliers_become_llama_cpp_scales(tiny, tmp_path):
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny("granite"))
+    path = tmp_path / "granite.gguf"
+    gguf_export.write_gguf(tiny("granite"), path, gguf_type="f32", name="tiny")
+    fields = GGUFReader(path).fields
+    for key, attribute in [("granite.attention.scale", "attention_multiplier"), ("granite.embedding_scale",
+                           "embedding_multiplier"), ("granite.residual_scale", "residual_multiplier"),
+                           ("granite.logit_scale", "logits_scaling")]:
+        assert fields[key].contents() == pytest.approx(getattr(config, attribute)), key
+
+
+def test_olmo3_sliding_pattern_and_smollm3_rope_layers(tiny, tmp_path):
+    from gguf import GGUFReader
+
+    path = tmp_path / "olmo3.gguf"
+    gguf_export.write_gguf(tiny("olmo3"), path, gguf_type="f32", name="tiny")
+    fields = GGUFReader(path).fields
+    assert fields["olmo2.attention.sliding_window"].contents() == 8
+    assert fields["olmo2.attention.sliding_window_pattern"].contents() == [True, True, True, False]
+    odd = save_tiny(tmp_path / "odd", "smollm3", no_rope_layers=[1, 0, 1, 0])
+    with pytest.raises(UserError, match=r"no_rope_layers = \[1, 0, 1, 0\] but llama.cpp runs .* with \[1, 1, 1, 0\]"):
+        gguf_export.check_writable(odd)
+
+
+@pytest.mark.parametrize("model_type, key", [("qwen3_moe", "norm_topk_prob"), ("gemma3_text", "layer_types")])
+def test_a_setting_llama_cpp_fixes_otherwise_is_refused(tmp_path, model_type, key):
+    """transformers' default Qwen3-MoE config leaves the top-k weights unnormalised and the shrunk
+    Gemma 3 has a 3:1 sliding pattern: llama.cpp would run both as another model."""
+    model_dir = save_tiny(tmp_path / model_type, model_type)
+    with pytest.raises(gguf_arch.GgufUnsupported, match=f"{key} = .* but llama.cpp runs this architecture with"):
+        gguf_export.check_writable(model_dir)
+
+
+def test_a_family_llama_cpp_names_but_homelab_ft_has_not_read_is_refused(tiny):
+    with pytest.raises(gguf_arch.GgufUnsupported, match="'phimoe' cannot be written as GGUF.*runs it as 'phimoe'"):
+        gguf_export.check_writable(tiny("phimoe"))
+
+
+def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (`gemma3`, a text_config and a
+    vision tower): refused from its config alone, before any weight is read."""
+    from transformers import Gemma3Config
+
+    Gemma3Config().save_pretrained(tmp_path)
+    with pytest.raises(gguf_arch.GgufUnsupported, match="multimodal checkpoint .'gemma3' with a text_config"):
+        gguf_arch.check_architecture(tmp_path)
+
+
+def test_a_window_llama_cpp_does_not_apply_is_said(tiny, tmp_path, caplog):
+    """Mistral as llama.cpp's `llama`, which has no sliding window (as its converter does it)."""
+    import logging
+
+    from gguf import GGUFReader
+
+    path = tmp_path / "mistral.gguf"
+    with caplog.at_level(logging.WARNING):
+        gguf_export.write_gguf(tiny("mistral"), path, gguf_type="f32", name="tiny")
+    assert "no sliding window: past 8 tokens" in caplog.text
+    assert "llama.attention.sliding_window" not in GGUFReader(path).fields

@@ -1,0 +1,93 @@
+"""RUNNING.md's llama.cpp commands: every flag checked against the flags of llama.cpp's tools
+(homelab_ft/export/llama_cpp_flags.txt, read from llama.cpp's common/arg.cpp), the system-prompt
+caveat where it applies, and the base GGUF an adapter runs on."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from homelab_ft import locate
+from homelab_ft.export import local_runtimes
+from homelab_ft.export.local_runtimes import SystemTurn, unknown_llama_cpp_flags
+
+# RUNNING.md's GGUF section as export wrote it before issue 26: `-cnv` fails in current llama-cli.
+OLD_RUNNING = (
+    "llama.cpp (chat in the terminal, or an OpenAI-compatible server on port 8080):\n\n"
+    "    llama-cli -m model/model-f32.gguf -cnv\n"
+    "    llama-server -m model/model-f32.gguf --port 8080\n"
+)
+OLD_ADAPTER_RUNNING = "    llama-cli -m BASE.gguf --lora model/adapter.gguf -cnv\n"
+
+
+def test_flags_file_names_its_llama_cpp_commit_and_parses_per_tool():
+    header = local_runtimes.FLAGS_FILE.read_text()
+    assert re.search(r"commit [0-9a-f]{40}", header) and "common/arg.cpp" in header
+    flags = local_runtimes.llama_cpp_flags()
+    assert set(flags) == {"llama-cli", "llama-server", "llama-completion"}
+    for tool in flags:
+        assert {"-m", "--model", "--jinja", "--lora", "-ngl", "--temp"} <= flags[tool], tool
+    assert "-cnv" not in flags["llama-cli"] and "-cnv" in flags["llama-completion"]
+    assert "--port" in flags["llama-server"] and "--port" not in flags["llama-cli"]
+    assert "-sys" in flags["llama-cli"] and "-sys" not in flags["llama-server"]
+    assert "-p" not in flags["llama-server"]  # set_excludes({LLAMA_EXAMPLE_SERVER})
+
+
+def test_the_flag_check_fails_on_the_old_text():
+    assert unknown_llama_cpp_flags(OLD_RUNNING) == ["llama-cli: -cnv"]
+    assert unknown_llama_cpp_flags(OLD_ADAPTER_RUNNING) == ["llama-cli: -cnv"]
+    assert unknown_llama_cpp_flags("    llama-server -m x.gguf --bogus 1\n") == ["llama-server: --bogus"]
+    assert unknown_llama_cpp_flags("llama.cpp: prose about llama-cli -cnv is not a command\n") == []
+
+
+def commands(text: str) -> list[list[str]]:
+    return [shlex.split(line) for line in text.splitlines() if line.strip().startswith(local_runtimes.LLAMA_CPP_TOOLS)]
+
+
+def test_running_notes_commands_work_in_current_llama_cpp():
+    for system in (None, SystemTurn("You are a helpful AI assistant.", from_recipe=False),
+                   SystemTurn("Answer in JSON, don't explain.", from_recipe=True)):
+        text = local_runtimes.running_notes("out", gguf_name="model-q8_0.gguf", k_quant_hint=None, system=system)
+        assert unknown_llama_cpp_flags(text) == []
+        tools = {words[0]: words for words in commands(text)}
+        assert set(tools) == {"llama-cli", "llama-server", "llama-completion"}
+        assert all("--jinja" in words and words[words.index("-m") + 1] == "out/model-q8_0.gguf" for words in tools.values())
+        assert "-cnv" in tools["llama-completion"] and "-cnv" not in tools["llama-cli"]
+        if system and system.from_recipe:
+            assert tools["llama-cli"][-2:] == ["-sys", system.text] == tools["llama-completion"][-2:]
+            assert 'role "system"' in text
+        elif system:
+            assert "built-in rendering drops it" in text and system.text in text
+        else:
+            assert "-sys" not in text and "drops it" not in text
+
+
+def test_adapter_notes_name_the_shipped_gguf_for_the_embedded_base():
+    text = local_runtimes.adapter_running_notes("adapter-out", base=locate.EMBEDDED)
+    shipped = str(locate.embedded_gguf_path())
+    assert unknown_llama_cpp_flags(text) == []
+    assert all(words[words.index("-m") + 1] == shipped for words in commands(text))
+    assert f"FROM {shipped}" in text and "convert_hf_to_gguf" not in text and "BASE.gguf" not in text
+
+
+def test_adapter_notes_give_the_command_that_writes_a_folder_base(tmp_path):
+    base = tmp_path / "my-base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    text = local_runtimes.adapter_running_notes("adapter-out", base=str(base))
+    assert unknown_llama_cpp_flags(text) == []
+    assert f"python convert_hf_to_gguf.py {base} --outfile my-base-f16.gguf --outtype f16" in text
+    assert all(words[words.index("-m") + 1] == "my-base-f16.gguf" for words in commands(text))
+
+
+def test_a_gguf_base_is_its_own_file(tmp_path):
+    gguf = tmp_path / "base.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    text = local_runtimes.adapter_running_notes("a", base=str(gguf))
+    assert all(Path(words[words.index("-m") + 1]) == gguf for words in commands(text))
+
+
+def test_docs_export_commands_work_in_current_llama_cpp():
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "export.md").read_text()
+    assert len(commands(docs)) >= 3 and unknown_llama_cpp_flags(docs) == []
