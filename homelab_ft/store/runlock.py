@@ -93,13 +93,18 @@ def in_use(run_dir: Path) -> str | None:
 
 
 def check_free(run_dir: Path) -> None:
-    """Refuse (exit 2, writing nothing) when another live process holds the run directory."""
+    """Refuse (exit 2, writing nothing) when another live process holds the run directory.
+
+    The probe takes a *shared* lock: every rank of a launch checks the same directory at once
+    (a shared file system, or one machine), and two exclusive probes would refuse each other. A
+    live train's exclusive lock still blocks it; the main rank takes that lock only after every
+    rank's checks have passed a barrier (train.trainer)."""
     path = RunDir(run_dir).lock_file
     if not path.is_file():
         return
     if Path(run_dir).resolve() in _held:
         raise UserError(f"{run_dir} is in use by this process already ({holder(path)}); use another --run-dir")
-    fd = try_lock(path)
+    fd = try_lock(path, shared=True)
     if fd is None:
         raise UserError(
             f"{run_dir} is in use by a running homelab-ft train ({holder(path)}); wait for it to finish, stop it, "

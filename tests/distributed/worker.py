@@ -29,6 +29,7 @@ from homelab_ft.distributed import comm, parallelize
 from homelab_ft.plan.planner import recipe_shape
 from homelab_ft.recipe.config import recipe_from_dict
 from homelab_ft.rung import Rung, rung_for
+from homelab_ft.store import runlock
 from homelab_ft.train import preflight, trainer
 from homelab_ft.train.build import build_model
 
@@ -70,6 +71,7 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
         result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=base_dir)
     finally:
         trainer.train_step = _TRAIN_STEP
+        runlock.release(recipe.run_dir)  # as trainer.train does; a copy of this run must not look held
     if "capture_grads" in job:
         torch.save(grads, f"{job['capture_grads']}.rank{env.rank}.pt")
     return {"losses": result.losses, "eval_loss": None if result.eval_loss is None else float(result.eval_loss)}
