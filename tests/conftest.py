@@ -11,10 +11,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The planner caches derived model shapes (plan/shape/cache.py); tests (and the processes they start)
 # write theirs into a folder of this session's, never into the user's ~/.cache.
+_OWN_CACHE: str | None = None
+"""The cache folder this process made (xdist workers inherit it and leave it alone); removed at the end."""
 if "HOMELAB_FT_CACHE" not in os.environ:
     import tempfile
 
-    os.environ["HOMELAB_FT_CACHE"] = tempfile.mkdtemp(prefix="homelab-ft-test-cache-")
+    _OWN_CACHE = os.environ["HOMELAB_FT_CACHE"] = tempfile.mkdtemp(prefix="homelab-ft-test-cache-")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
