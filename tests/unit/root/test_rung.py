@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.ladder import saver_levels
-from homelab_ft.plan.planner import default_request, plan
+from homelab_ft.plan.ladder import evaluate, saver_levels
+from homelab_ft.plan.planner import default_request, plan, validate
 from homelab_ft.plan.price.memory import GiB
 from homelab_ft.plan.shape.shapes import model_shape
 from homelab_ft.recipe.config import recipe_from_dict
@@ -146,7 +146,10 @@ def test_every_planned_option_is_accepted_by_the_trainer(name):
             for option in p.options:
                 # Naming the printed option in the recipe gives exactly that rung, validated.
                 explicit = request.changed(method=option.method, sharding={"strategy": option.strategy, "cpu_offload": option.cpu_offload})
-                plan(shape, request=explicit, cluster=cluster)  # the planner's own up-front check passes
+                # The planner's own up-front checks pass, and its ladder offers the same rung again
+                # (plan() on it would add only the advice and warnings, priced above for `request`).
+                validate(shape, request=explicit, cluster=cluster)
+                assert option.rung in {o.rung for o in evaluate(shape, request=explicit, cluster=cluster)}
                 assert rung_for(_recipe_for(option, cluster, request)) == option.rung
                 checked += 1
     assert checked > 50
