@@ -1,7 +1,8 @@
 """Pipeline parallelism: this rank's stage of a Hugging Face causal LM (cut by stages.py), run by
 torch.distributed.pipelining (`PipelineStage` and its `Schedule1F1B` / `ScheduleGPipe`). No
 send/recv and no schedule is written here: torch runs the micro-batches, this module builds what
-it runs and the few collectives around a step.
+it runs and the few collectives around a step. The held-out pass runs the same schedule forward
+only (`Pipeline.forward_only`, torch's `schedule.eval`).
 
 The model is built whole on the meta device (no memory), cut to this rank's stage, allocated and
 filled from the safetensors with this stage's tensors only. The first stage holds the input
@@ -107,17 +108,30 @@ class Pipeline:
     def step(self, micro_batches: list[dict], *, scale: float, device: torch.device) -> torch.Tensor:
         """Forward and backward of the step's micro-batches through the schedule; returns this
         stage's summed (unscaled) loss: the step's on the last stage, 0 elsewhere."""
+        summed = self._run(self.schedule.step, micro_batches, scale=scale, device=device)
+        self._sum_tied_grads()
+        return summed
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[dict], *, device: torch.device) -> torch.Tensor:
+        """The micro-batches' summed loss through the schedule's forwards alone (torch's
+        `schedule.eval`: no backward, no activations kept for one): the held-out pass. The last
+        stage's sum, 0 on the others. Exactly the schedule's number of micro-batches, each of the
+        training micro-batch's rows: the stages' receive buffers are sized for those."""
+        return self._run(self.schedule.eval, micro_batches, scale=1.0, device=device)
+
+    def _run(self, run: Callable, micro_batches: list[dict], *, scale: float, device: torch.device) -> torch.Tensor:
         batch = stack(micro_batches, width=self.width, pad_token_id=self.pad_token_id)
         batch = {k: v.to(device) for k, v in batch.items()}
         ids = batch.pop("input_ids")
         self.stage_module.scale, self.stage_module.sums = scale, []
         args = (ids,) if self.first else ()
-        self.schedule.step(*args, target=batch["labels"] if self.last else None, return_outputs=False, **batch)
-        self._sum_tied_grads()
+        run(*args, target=batch["labels"] if self.last else None, return_outputs=False, **batch)
         if not self.stage_module.sums:
             return torch.zeros((), device=device)
-        # The first step also runs the stage once for PipelineStage's shape inference (measured:
-        # one more call on the first micro-batch); the schedule's own calls are the last ones.
+        # The first step, and the first after switching between step and eval, also runs the stage
+        # once for PipelineStage's shape inference (one more call on the first micro-batch); the
+        # schedule's own calls are the last ones.
         return torch.stack(self.stage_module.sums[-len(micro_batches):]).sum()
 
     def _tied_weight(self) -> nn.Parameter | None:

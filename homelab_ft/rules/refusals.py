@@ -80,13 +80,6 @@ def dora(rung: Rung, *, use_dora: bool) -> str | None:
     return None
 
 
-def held_out(rung: Rung, *, held_out: bool) -> str | None:
-    """Evaluation runs the whole model's forward, which no stage holds."""
-    if rung.pipeline_enabled and held_out:
-        return _not_pipelined(rung, "a held-out split", "data.eval_fraction=0 and no data.eval_sources")
-    return None
-
-
 def samples(rung: Rung, *, sample_every: int) -> str | None:
     """Sampling generates with the whole model, which no stage holds."""
     if rung.pipeline_enabled and sample_every:
@@ -132,7 +125,6 @@ def refusals(rung: Rung, asked, *, num_blocks: int, moe_experts: bool) -> tuple[
         objective(rung, objective=asked.objective),
         eight_bit_base(rung),
         dora(rung, use_dora=asked.lora.use_dora),
-        held_out(rung, held_out=bool(asked.data.eval_sources or asked.data.eval_fraction)),
         samples(rung, sample_every=asked.train.sample_every),
         four_bit_experts(rung, moe_experts=moe_experts),
         trained_router(rung, train_router=asked.lora.train_router),

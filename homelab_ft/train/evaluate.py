@@ -1,7 +1,8 @@
 """The held-out passes: mean loss per trained token (SFT) or per pair (DPO), all ranks together.
 
 Every rank runs the same number of forwards, because sharded forwards are collective (`_eval_batches`);
-the loop calls these every `train.eval_every` steps and after the last one.
+a pipelined rung's pass runs through its stages' schedule (`evaluate_pipeline`). The loop calls
+these every `train.eval_every` steps and after the last one.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import torch
 
 from homelab_ft.data import collate, collate_pairs
 from homelab_ft.distributed import comm, parallelize
+from homelab_ft.distributed.pipeline import Pipeline
+from homelab_ft.labels import IGNORE_INDEX
 from homelab_ft.recipe.config import Recipe
+from homelab_ft.rung import Rung
 from homelab_ft.train import preference, steps
 from homelab_ft.train.loss import batch_loss_sum
 
@@ -58,14 +62,53 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tu
     return metrics.pop("eval_loss"), metrics
 
 
-def _eval_batches(num_rows: int, *, recipe: Recipe, env):
-    """(row indices, counts) for this rank's eval forwards. Every rank runs the same number of
-    forwards (sharded forwards are collective); a rank with no batch left re-runs one of the
-    first ones and counts nothing from it."""
+@torch.no_grad()
+def evaluate_pipeline(pipeline: Pipeline, rows, *, env, rung: Rung, recipe: Recipe, pad_token_id: int) -> float:
+    """`evaluate` through a pipelined rung's stages (Pipeline.forward_only), all ranks together.
+
+    The stages of one pipeline read the same rows, so the batches are dealt to the rung's
+    data-parallel replicas, as training rows are. The schedule runs a fixed number of micro-batches
+    (train.grad_accum_steps) of train.micro_batch_size rows, the shapes its stages' buffers were
+    sized for: a short last batch is filled up with one of its rows and a short last round with
+    one of the replica's batches, their labels all IGNORE_INDEX (they run, and count nothing).
+    Every replica runs the same number of rounds; the loss is summed on the last stages.
+    """
+    pipeline.stage_module.model.eval()
+    size, per_round = recipe.train.micro_batch_size, recipe.train.grad_accum_steps
+    replicas = rung.data_parallel_size
+    batches = _batch_rows(len(rows), recipe=recipe)
+    mine = batches[env.rank % replicas::replicas]
+    most = -(-len(batches) // replicas)  # the batches of the replica dealt the most
+    rounds = -(-most // per_round)
+    loss_sum = torch.zeros((), device=env.device)
+    tokens = 0
+    for r in range(rounds):
+        micro_batches = []
+        for k in range(r * per_round, (r + 1) * per_round):
+            indices, real = (mine[k], len(mine[k])) if k < len(mine) else ((mine or batches)[0], 0)
+            mb = collate([rows[i] for i in indices + indices[:1] * (size - len(indices))], pad_token_id=pad_token_id)
+            mb["labels"][real:] = IGNORE_INDEX
+            tokens += steps.trained_tokens(mb["labels"])
+            micro_batches.append(mb)
+        loss_sum += pipeline.forward_only(micro_batches, device=env.device)
+    total_tokens = comm.all_reduce_sum(tokens if pipeline.last else 0, env)
+    return comm.all_reduce_sum(loss_sum, env) / max(total_tokens, 1)
+
+
+def _batch_rows(num_rows: int, *, recipe: Recipe) -> list[list[int]]:
+    """The held-out split cut into micro-batches of row indices, in order, at most train.eval_max_batches."""
     size = recipe.train.micro_batch_size
     batches = [list(range(i, min(i + size, num_rows))) for i in range(0, num_rows, size)]
     if recipe.train.eval_max_batches:
         batches = batches[: recipe.train.eval_max_batches]
+    return batches
+
+
+def _eval_batches(num_rows: int, *, recipe: Recipe, env):
+    """(row indices, counts) for this rank's eval forwards. Every rank runs the same number of
+    forwards (sharded forwards are collective); a rank with no batch left re-runs one of the
+    first ones and counts nothing from it."""
+    batches = _batch_rows(num_rows, recipe=recipe)
     for r in range(-(-len(batches) // env.world_size)):
         index = r * env.world_size + env.rank
         real = index < len(batches)

@@ -183,6 +183,8 @@ def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
     kwargs = dict(env=s.env, recipe=s.recipe, pad_token_id=s.pad_token_id)
     if dpo:
         eval_loss, eval_metrics = evaluate.evaluate_pairs(s.model, s.data.eval, **kwargs)
+    elif s.pipeline is not None:
+        eval_loss, eval_metrics = evaluate.evaluate_pipeline(s.pipeline, s.data.eval, rung=s.rung, **kwargs), {}
     else:
         eval_loss, eval_metrics = evaluate.evaluate(s.model, s.data.eval, **kwargs), {}
     s.logger.log({"step": step, "eval_loss": eval_loss, **eval_metrics})

@@ -61,6 +61,7 @@ EXTRA = {
     "packed_lora": {"data": {"packing": True}},  # position_ids and no attention mask cross the stages
 }
 TWO_BY_TWO = ("full", "lora")
+EVALUATED = ("full",)  # a held-out split of 9 rows, evaluated after steps 2 and 4 (evaluate_pipeline)
 RESUMED = ("full", "tied_full", "lora")
 EXPORTED = ("full", "tied_full", "lora")
 
@@ -71,13 +72,16 @@ def results(tmp_path_factory) -> dict:
 
     tmp = tmp_path_factory.mktemp("pipeline")
     write_chat_data(tmp / "train.jsonl", 48)
+    write_chat_data(tmp / "eval.jsonl", 9, seed=1)  # not a multiple of any micro-batch or step: filler rows run
+    held_out = {"data": {"eval_sources": [{"path": str(tmp / "eval.jsonl")}]}, "train": {"eval_every": 2}}
     models = {"plain": make_llama(tmp / "plain"), "tied": make_llama(tmp / "tied", tie_word_embeddings=True),
               "deep": make_llama(tmp / "deep", num_hidden_layers=4)}
     two, one = [], []
     for name, (model, method, sharding) in CASES.items():
         grads = str(tmp / f"{name}")
         saves = {"save_every": 2} if name in RESUMED else {}
-        train, data = EXTRA.get(name, {}).get("train", {}), EXTRA.get(name, {}).get("data")
+        extra = held_out if name in EVALUATED else EXTRA.get(name, {})
+        train, data = extra.get("train", {}), extra.get("data")
         two.append({"kind": "train", "name": name, "capture_grads": grads + "-pp",
                     "recipe": _recipe(tmp, models[model], name, procs=2, method=method, sharding=sharding,
                                       train={**saves, **train}, data=data)})
@@ -87,15 +91,17 @@ def results(tmp_path_factory) -> dict:
     for name in RESUMED:
         model, method, sharding = CASES[name]
         source = {"src": two[list(CASES).index(name)]["recipe"]["output"]["dir"], "keep_step": 2}
+        data = held_out["data"] if name in EVALUATED else None  # a resume reads the data it was trained with
         two.append({"kind": "train", "name": f"{name}_resume2", "copy_run": source,
                     "recipe": _recipe(tmp, models[model], f"{name}_resume2", procs=2, method=method, sharding=sharding,
-                                      train={"resume": True})})
+                                      train={"resume": True}, data=data)})
         one.append({"kind": "train", "name": f"{name}_resume1", "copy_run": source,
                     "recipe": _recipe(tmp, models[model], f"{name}_resume1", procs=1, method=method,
-                                      train={"resume": True})})
+                                      train={"resume": True}, data=data)})
     # 2 stages x 2 data-parallel replicas (DDP over each stage's replicas) against the same references
     four = [{"kind": "train", "name": name, "capture_grads": str(tmp / f"{name}-pp4"),
-             "recipe": _recipe(tmp, models[CASES[name][0]], name, procs=4, method=CASES[name][1])} for name in TWO_BY_TWO]
+             "recipe": _recipe(tmp, models[CASES[name][0]], name, procs=4, method=CASES[name][1],
+                               **(held_out if name in EVALUATED else {}))} for name in TWO_BY_TWO]
     (tmp / "four.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": four}))
     # `homelab-ft export` of the pipelined run and of the one-process run: one merged HF folder each
     for name in EXPORTED:
@@ -146,6 +152,16 @@ def test_pipeline_matches_one_process(results, name):
     assert loss_diff < TOL, (losses, ref)
     assert grad_diff < TOL
     assert compared >= STEPS * 3
+
+
+@pytest.mark.parametrize("procs", ["two", "four"])
+def test_pipelined_held_out_loss_matches_one_process(results, procs):
+    """The held-out pass through the stages (2 stages; 2 stages x 2 replicas, the batches dealt to
+    the replicas), short batches and rounds filled with rows that count nothing, equals one
+    process's; training after it still matches (test_pipeline_matches_one_process's steps 3-4)."""
+    for name in EVALUATED:
+        got, ref = results[procs][name]["eval_loss"], results["one"][name]["eval_loss"]
+        assert ref is not None and got is not None and abs(got - ref) < TOL, (got, ref)
 
 
 def test_stages_hold_only_their_blocks(results):

@@ -38,7 +38,6 @@ CASES = {
     "objective": ({"objective": "dpo"}, "objective=dpo is not run pipelined yet; set objective: sft"),
     "eight_bit_base": ({"method": "qlora", "quant": {"bits": 8}}, "an 8-bit base is not run pipelined yet"),
     "dora": ({"method": "lora", "lora": {"use_dora": True}}, "lora.use_dora is not run pipelined yet"),
-    "held_out": ({"data": {"eval_fraction": 0.1}}, "a held-out split is not run pipelined yet"),
     "samples": ({"train": {"sample_every": 10, "sample_prompts": ["hi"]}}, "train.sample_every is not run pipelined"),
     "host_embedding": ({"method": "lora", "train": {"embedding_offload": True}},
                        "train.embedding_offload=true: a pipeline places the embeddings on its first stage"),
@@ -56,6 +55,12 @@ def test_the_plain_request_gets_pipelines():
     got = plan(_shape(), request=_request({}), cluster=TWO_NODES)
     assert any(o.rung.pipeline_enabled for o in got.options) and got.chosen.rung.pipeline_enabled
     assert not got.refused
+
+
+def test_a_held_out_split_keeps_the_pipeline():
+    """The pipelined loop evaluates through its stages (evaluate_pipeline): a held-out split turns nothing off."""
+    got = plan(_shape(), request=_request({"data": {"eval_fraction": 0.1}}), cluster=TWO_NODES)
+    assert got.chosen.rung.pipeline_enabled and not got.refused
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
@@ -118,10 +123,10 @@ def test_every_rule_is_asked_by_refusals():
     rung = Rung("qlora", "no_shard", False, procs_per_node=4, pipeline_stages=4, quant_bits=8,
                 activation_checkpointing=True, activation_offload=True, stage_blocks=(1, 1, 1, 1))
     recipe = recipe_from_dict({"objective": "dpo", "lora": {"use_dora": True, "train_router": True},
-                               "data": {"eval_fraction": 0.1},
+                               "data": {"eval_fraction": 0.1},  # no rule: a pipeline evaluates
                                "train": {"grad_accum_steps": 2, "sample_every": 1, "sample_prompts": ["hi"]}})
     found = refusals.refusals(rung, recipe, num_blocks=3, moe_experts=True)
-    assert len(found) == 10  # every rule but the embedding table's (embedding_offload: auto)
+    assert len(found) == 9  # every rule but the embedding table's (embedding_offload: auto)
     assert found[0].startswith("sharding.pipeline_stages=4 needs at least as many micro-batches")
     assert refusals.refusals(Rung("lora", "no_shard", False, procs_per_node=2, pipeline_stages=2),
                              recipe_from_dict({"train": {"grad_accum_steps": 2}}), num_blocks=4, moe_experts=True) == ()

@@ -239,8 +239,8 @@ def test_gpus_flag_per_node():
 def test_the_issue_jobs():
     """Issue 22's table: the 70B QLoRA over 1 GbE on two 24 GB machines takes a pipeline at under a
     tenth of the 2,750 s/step of FSDP + offload; the 1B full fine-tune on two 16 GB machines plans
-    faster than one machine alone once its held-out split is off (the pipelined loop runs no
-    evaluation: with it the planner does not offer the pipeline and says why, issue 31)."""
+    faster than one machine alone, held-out split and all (issue 31: the pipelined loop evaluates
+    through its stages)."""
     seventy = plan_for_recipe(load_recipe(ROOT / "recipes" / "llama-70b-qlora-2nodes-1gbe.yaml"))
     assert seventy.chosen.rung.pipeline_enabled and seventy.chosen.step_s < 275
     shipped = ROOT / "recipes" / "llama-70b-qlora-2x24gb.yaml"  # as shipped, moved onto two machines
@@ -249,10 +249,13 @@ def test_the_issue_jobs():
     tight = plan_for_recipe(load_recipe(shipped, ["planner.headroom=0.1"]))  # the recipe comment's fallback
     assert tight.chosen.label == "qlora full_shard +offload +ckpt"
     recipe = ROOT / "recipes" / "llama-1b-full-2x24gb.yaml"
-    flags = ["sharding.strategy=auto", "data.eval_sources=[]"]  # pipeline_stages: auto is the default
+    flags = ["sharding.strategy=auto"]  # the recipe names full_shard; pipeline_stages: auto is the default
     two = plan_for_recipe(load_recipe(recipe, flags + cluster_overrides(gpus="1x16GB", nodes=2, link="1Gbit")))
     one = plan_for_recipe(load_recipe(recipe, flags + cluster_overrides(gpus="1x16GB", nodes=1)))
+    assert two.request.data.eval_sources  # the recipe's held-out split stays on
     assert two.chosen.rung.pipeline_enabled and two.chosen.batch_s < one.chosen.batch_s
-    held_out = plan_for_recipe(load_recipe(recipe, flags[:1] + cluster_overrides(gpus="1x16GB", nodes=2, link="1Gbit")))
-    assert not held_out.chosen.rung.pipeline_enabled
-    assert any("a held-out split is not run pipelined yet" in r.reason for r in held_out.refused)
+    assert not two.refused
+    # as shipped (full_shard named) the plan keeps it, and its warning names the pipeline and the key
+    shipped_1b = plan_for_recipe(load_recipe(recipe, cluster_overrides(gpus="1x16GB", nodes=2, link="1Gbit")))
+    assert not shipped_1b.chosen.rung.pipeline_enabled
+    assert any("a pipeline, full pipeline 2 stages" in w and "sharding.strategy=auto" in w for w in shipped_1b.warnings)
