@@ -86,14 +86,16 @@ wheelhouse: ## every wheel but torch into OUT=wheelhouse [PYTHON_VERSION=3.12 PL
 demo: install ## fine-tune the embedded SmolLM2 on the shipped task, export, compare before/after
 	$(PY) -m homelab_ft demo
 
-# Two xdist workers, one thread each (2 cores): tests/distributed runs on one of them, one test at a time
-# (each is 2 ranks already; tests/conftest.py groups them), a module's shared fixtures on one worker.
+# Two xdist workers, one thread each (2 cores), a module's shared fixtures on one worker
+# (tests/conftest.py groups them). tests/distributed then runs in one process, one test at a time:
+# each is 2 ranks already, so beside a second worker it would run 3 processes on 2 cores.
 # TEST_JOBS=0 runs in this process (pdb, profiling). pytest's exit 5 (nothing collected) fails make too.
 TEST_JOBS ?= 2
 PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup --durations=15
+PYTEST_SERIAL = OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
 
-test: install ## the test suite, <= 10 min on 2 cores (CPU; distributed tests as 2-process gloo runs); 15 slowest at the end
-	$(PYTEST) tests
+test: install ## the test suite (CPU; distributed tests as 2-process gloo runs); 15 slowest of each part at the end
+	@rc=0; $(PYTEST) --ignore=tests/distributed tests || rc=$$?; $(PYTEST_SERIAL) tests/distributed || rc=$$?; exit $$rc
 
 test-unit: install ## tests/unit only, <= 90 s on 2 cores; a unit test over its CPU budget fails (tests/budget.py)
 	$(PYTEST) tests/unit
@@ -102,7 +104,8 @@ test-gpu: install ## one CUDA GPU, <= 10 min: cuda tests, memory vs plan, tokens
 	$(PY) bench/gpu_report.py --out runs
 
 test-all: install ## also the slow tests: the real SmolLM2 weights, the install paths, costly repeats of what make test covers
-	$(PYTEST) -m "slow or not slow" tests
+	@rc=0; $(PYTEST) -m "slow or not slow" --ignore=tests/distributed tests || rc=$$?; \
+	$(PYTEST_SERIAL) -m "slow or not slow" tests/distributed || rc=$$?; exit $$rc
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check homelab_ft tests bench tools
