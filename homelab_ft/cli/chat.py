@@ -12,8 +12,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from homelab_ft.cli.args import sampling as sampling_flags
 from homelab_ft.errors import UserError
+
+if TYPE_CHECKING:
+    from homelab_ft.cli.generate import Decoding
 
 EXIT = "/exit"
 """The line that ends an interactive chat (as EOF, Ctrl-D, does)."""
@@ -22,11 +27,7 @@ EXIT = "/exit"
 def add_chat(sub) -> None:
     p = sub.add_parser("chat", help="talk to a run's newest checkpoint (adapters applied in memory; no export)")
     p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", help="one reply to this prompt, then exit (default: a conversation on stdin, "
-                                    f"one line per turn; {EXIT} or EOF ends it)")
-    p.add_argument("--system", help="system prompt (default: the run's data.system_prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    sampling_flags(p, prompt_required=False)
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own Python code when the run's recipe asks for it")
     p.set_defaults(func=cmd_chat)
@@ -37,19 +38,20 @@ class _Talker:
     model: object
     tokenizer: object
     device: object
-    chat_template: str | None
+    decoding: Decoding
+    """The flags' decoding, with the run's own chat template when the recipe set one and no flag did."""
     system: str | None
 
 
 def cmd_chat(args) -> int:
-    from homelab_ft.cli.generate import reply, turns
+    from homelab_ft.cli.generate import Decoding, reply, turns
 
-    talker = open_run(args.run_dir, system=args.system, trust_remote_code=args.trust_remote_code)
+    decoding = Decoding.from_args(args)
+    talker = open_run(args.run_dir, system=args.system, trust_remote_code=args.trust_remote_code, decoding=decoding)
 
     def answer(prompt: str, history: tuple[dict, ...] = ()) -> str:
         return reply(talker.model, talker.tokenizer, turns(prompt, system=talker.system, history=history),
-                     device=talker.device, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                     chat_template=talker.chat_template)
+                     device=talker.device, decoding=talker.decoding)
 
     if args.prompt is not None:
         print(answer(args.prompt))
@@ -69,10 +71,14 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool) -> _Talker:
-    """The run's model with its newest intact checkpoint on top; one-line refusals otherwise."""
+def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool, decoding: Decoding) -> _Talker:
+    """The run's model with its newest intact checkpoint on top; one-line refusals otherwise, all
+    before the weights load."""
+    import dataclasses
+
     import torch
 
+    from homelab_ft.cli.generate import check_template
     from homelab_ft.data.templates import resolve_template
     from homelab_ft.model import loading
     from homelab_ft.store import checkpoint
@@ -90,6 +96,12 @@ def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool) -> _
     model_dir = Path(info.model_dir)
     if not (model_dir / "config.json").is_file():
         raise UserError(f"the run's base model folder {model_dir} (run.json) is gone; put the model back there")
+    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    # The recipe's own template only when it set one: otherwise the tokenizer's, as `generate` renders.
+    if recipe.data.chat_template and not (decoding.chat_template or decoding.raw):
+        template = resolve_template(tokenizer, recipe.data.chat_template, base_dir=layout.recipe_file.parent)
+        decoding = dataclasses.replace(decoding, chat_template=template)
+    check_template(tokenizer, decoding, model=str(run_dir))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = loading.resolve_dtype("auto", device)
     if info.rung.adapters_enabled:
@@ -101,9 +113,5 @@ def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool) -> _
 
         model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
         load_weights(ckpt, model)
-    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
-    # The recipe's own template only when it set one: otherwise the tokenizer's, as `generate` renders.
-    template = (resolve_template(tokenizer, recipe.data.chat_template, base_dir=layout.recipe_file.parent)
-                if recipe.data.chat_template else None)
-    return _Talker(model=model, tokenizer=tokenizer, device=device, chat_template=template,
+    return _Talker(model=model, tokenizer=tokenizer, device=device, decoding=decoding,
                    system=system if system is not None else recipe.data.system_prompt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from homelab_ft.cli.args import sampling as sampling_flags
 from homelab_ft.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -65,15 +66,12 @@ def eval_rows(run_dir: Path) -> list[dict] | None:
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="chat with a base or exported model (chat template applied)")
     p.add_argument("model", help="model directory, .gguf file, cached hub id, or smollm2")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--system", help="system prompt")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    sampling_flags(p, prompt_required=True)
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
-    from homelab_ft.cli.generate import chat
+    from homelab_ft.cli.generate import Decoding, chat
 
-    print(chat(args.model, args.prompt, system=args.system, max_new_tokens=args.max_new_tokens, temperature=args.temperature))
+    print(chat(args.model, args.prompt, system=args.system, decoding=Decoding.from_args(args)))
     return 0

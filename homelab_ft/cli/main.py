@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from homelab_ft import fsio
-from homelab_ft.cli.args import add_verbosity
+from homelab_ft.cli.args import Parser, add_verbosity
 from homelab_ft.errors import UserError
 from homelab_ft.torch_support import check_torch
 
@@ -103,7 +103,7 @@ def _run(argv: list[str] | None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from homelab_ft.cli import chat, cluster, export, plan, train
 
-    parser = argparse.ArgumentParser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.")
+    parser = Parser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.")
     add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (plan.add_plan, train.add_train, export.add_export, export.add_generate, train.add_demo,
