@@ -263,3 +263,20 @@ def _gguf_value(reader, name: str):
         return None
     value = field.contents()
     return value.item() if hasattr(value, "item") else value
+
+
+def config_refusal(err: Exception, config_path: Path | str) -> UserError | None:
+    """transformers' refusal of a config.json's values (a size written as a string, a value out of
+    its range: huggingface_hub's strict-dataclass validation, or the config class's own checks) as
+    one line naming the file and the field; None for an exception that is not about the config."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    if not isinstance(err, (StrictDataclassError, TypeError, ValueError, KeyError)):
+        return None
+    config_path = Path(config_path)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    why = lines[-1] if lines else type(err).__name__
+    return UserError(f"model.path: {config_path} is not a config transformers accepts: {why}; fix that value "
+                     f"(or copy the model folder again)")

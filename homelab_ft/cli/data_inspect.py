@@ -58,16 +58,15 @@ def checked_tokenizer(recipe: Recipe):
     folder that is only a config.json gets the same one-line message here as there (not the first
     line of the error transformers raises on a folder without a vocabulary)."""
     from homelab_ft.locate import locate
-    from homelab_ft.model import loading
-    from homelab_ft.train import preflight
+    from homelab_ft.model import files, loading
 
     if recipe.model.tokenizer:
-        preflight.check_tokenizer(recipe.model.tokenizer, None)
+        files.check_tokenizer(recipe.model.tokenizer, None)
         return loading.load_tokenizer(recipe.model, None)
     where = locate(recipe.model.path)
     model_dir = loading.resolve_model_dir(where)
-    preflight.check_model_files(model_dir, converted=where.is_gguf)
-    preflight.check_tokenizer(None, model_dir)
+    files.check_model_files(model_dir, converted=where.is_gguf)
+    files.check_tokenizer(None, model_dir)
     return loading.load_tokenizer(recipe.model, model_dir)
 
 

@@ -1,6 +1,7 @@
 """The model itself, knowing nothing of ranks: find, load, quantize, adapt, compile.
 
     loading    where the weights are (`resolve_model_dir`; GGUF converted once), tokenizer, model, LoRA (PEFT)
+    files      what a model folder must hold, from file headers: weights, safetensors entries, tokenizer files
     quant      bitsandbytes: the 4/8-bit config, the CPU guard, k-bit preparation, the meta-built base's
                4-bit layers FSDP2 can shard (`to_4bit_layers`), 8-bit optimizers
     moe_experts  fused MoE experts: packed 4-bit stacks, their checks and names, adapters on every expert

@@ -11,8 +11,10 @@ with a traceback from inside transformers after the run directory exists.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from homelab_ft.errors import UserError
+from homelab_ft.locate import config_refusal
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +66,14 @@ def config_of(model_dir, *, trust_remote_code: bool):
 
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as err:
+    except OSError as err:
         raise UserError(f"model.path: transformers cannot read {model_dir}/config.json: "
                         f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    except Exception as err:  # noqa: BLE001 - a config transformers refuses; anything else re-raised
+        refusal = config_refusal(err, Path(model_dir) / "config.json")
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def check(config, *, attn_implementation: str, activation_checkpointing: bool, sharded: bool) -> None:

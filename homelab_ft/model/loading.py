@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from homelab_ft.errors import UserError
-from homelab_ft.locate import ModelLocation, cache_root, locate
+from homelab_ft.locate import ModelLocation, cache_root, config_refusal, locate
 from homelab_ft.recipe.config import LoraConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -144,8 +144,15 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):
     source = model_cfg.tokenizer or model_dir
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_cfg.trust_remote_code)
-    except (OSError, ValueError, TypeError) as err:
-        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - files the user gave: a damaged tokenizer.json fails in many ways
+        from huggingface_hub.errors import StrictDataclassError
+
+        if isinstance(err, StrictDataclassError):  # the tokenizer reads config.json too
+            raise config_refusal(err, Path(source) / "config.json") from None
+        log.debug("tokenizer load failed", exc_info=True)
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise UserError(f"model.tokenizer: cannot load a tokenizer from {source} ({type(err).__name__}: {first}); "
+                        "copy its tokenizer files again, or set model.tokenizer to a folder that has them") from None
     if tokenizer.pad_token_id is None:
         # Padding positions carry no loss and are masked from attention, so any id works; eos is
         # the common choice and keeps the vocabulary (and the exported model) unchanged.
@@ -169,8 +176,9 @@ def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quanti
     attention implementation `model.attn_implementation` resolves to for this family (family.py)."""
     from transformers import AutoModelForCausalLM
 
-    from homelab_ft.model import family
+    from homelab_ft.model import family, files
 
+    files.check_model_files(Path(model_dir))  # headers only: a damaged folder is one line, not a traceback
     config = family.config_of(model_dir, trust_remote_code=model_cfg.trust_remote_code)
     kwargs = dict(
         dtype=dtype,

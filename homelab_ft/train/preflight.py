@@ -4,7 +4,7 @@
 the run directory exists, so a typo, a half-copied model folder or a refused combination costs
 nothing: the user gets one line naming the path or key and the fix, exit 2, and the next attempt is
 not met with "already holds a run". Where a cheap check exists it is used instead of loading:
-safetensors and GGUF headers against the file sizes, tokenizer files by name, LoRA targets against
+safetensors and GGUF headers against the file sizes and tokenizer files by name (model/files.py), LoRA targets against
 a meta-device skeleton of the architecture (no weights, ~1 s even for 70B).
 """
 
@@ -13,13 +13,12 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from homelab_ft.errors import UserError
 from homelab_ft.locate import locate
-from homelab_ft.model import family, loading
+from homelab_ft.model import family, files, loading
 from homelab_ft.model_facts import ModelFacts
 from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung
@@ -27,11 +26,6 @@ from homelab_ft.store import rundir
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model")
-"""Any one of these holds a vocabulary (fast tokenizers, SentencePiece, BPE/WordPiece, tiktoken)."""
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-_REFETCH = "copy the folder again (a partial download or copy is the usual cause)"
 
 
 @dataclass(frozen=True)
@@ -58,8 +52,8 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
     resume_from = rundir.check_run_dir(recipe)
     where = locate(recipe.model.path)
     model_dir = loading.resolve_model_dir(where)  # converts a GGUF once; a damaged one is refused
-    check_model_files(model_dir, converted=where.is_gguf)
-    check_tokenizer(recipe.model.tokenizer, model_dir)
+    files.check_model_files(model_dir, converted=where.is_gguf)
+    files.check_tokenizer(recipe.model.tokenizer, model_dir)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     family.check(family.config_of(model_dir, trust_remote_code=recipe.model.trust_remote_code),
                  attn_implementation=recipe.model.attn_implementation,
@@ -118,99 +112,6 @@ def check_activation_offload(rung: Rung, *, device_type: str, offloaded_bytes: i
         raise UserError(f"train.activation_offload: the checkpointed block inputs need {offloaded_bytes / 2**30:.1f} GiB "
                         f"of host RAM on this node, but only {available_bytes / 2**30:.1f} GiB is available; set "
                         "train.activation_offload=false (checkpointing alone), or lower micro_batch_size/max_length")
-
-
-def check_model_files(model_dir: Path, *, converted: bool = False) -> None:
-    """Weights are present and every safetensors file is as long as its header says."""
-    where = "the converted GGUF in " if converted else ""
-    for index_name in WEIGHT_INDEXES:
-        index = model_dir / index_name
-        if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-            except (json.JSONDecodeError, KeyError, AttributeError, UnicodeDecodeError):
-                raise UserError(f"model.path: {index} is not a valid weight index; {_REFETCH}") from None
-            for shard in shards:
-                path = model_dir / shard
-                if not path.is_file():
-                    raise UserError(f"model.path: {path} is missing ({index.name} lists it); {_REFETCH}")
-                if path.suffix == ".safetensors":
-                    check_safetensors(path)
-            return
-    for name in WEIGHT_FILES:
-        path = model_dir / name
-        if path.is_file():
-            if path.suffix == ".safetensors":
-                check_safetensors(path)
-            return
-    raise UserError(
-        f"model.path: {where}{model_dir} has config.json but no weights (model.safetensors or "
-        f"model.safetensors.index.json with its shards); {_REFETCH}"
-    )
-
-
-def check_safetensors(path: Path) -> None:
-    """Read only the header: 8 bytes of length, the JSON index, and compare the largest tensor end
-    offset with the file size. A truncated file fails here in microseconds instead of halfway
-    through loading (or, worse, inside safetensors' mmap with a traceback)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise UserError(f"model.path: {path} is truncated ({size} bytes, not even a header); {_REFETCH}")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8 or header_len > 100_000_000:
-            raise UserError(f"model.path: {path} is truncated or not safetensors (header of {header_len:,} bytes "
-                            f"in a {size:,}-byte file); {_REFETCH}")
-        try:
-            header = json.loads(fh.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"model.path: {path} has a damaged safetensors header; {_REFETCH}") from None
-    tensors = {key: entry for key, entry in header.items() if key != "__metadata__"}
-    _check_tensor_entries(path, tensors)
-    ends = [entry["data_offsets"][1] for entry in tensors.values()]
-    needed = 8 + header_len + max(ends, default=0)
-    if needed > size:
-        raise UserError(f"model.path: {path} is truncated ({size:,} of {needed:,} bytes); {_REFETCH}")
-
-
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
-                "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-"""Bytes per element of safetensors' dtypes (its format spec); a dtype not listed is not size-checked."""
-
-
-def _check_tensor_entries(path: Path, tensors: dict) -> None:
-    """Each header entry's byte range holds exactly shape x dtype bytes: a header that lies about a
-    size would otherwise fail inside safetensors' loader with a traceback, after the run directory
-    was made."""
-    for key, entry in tensors.items():
-        try:
-            start, end = (int(v) for v in entry["data_offsets"])
-            count = 1
-            for dim in entry["shape"]:
-                count *= int(dim)
-            width = _DTYPE_BYTES.get(entry["dtype"])
-        except (TypeError, KeyError, ValueError):
-            raise UserError(f"model.path: {path} has a damaged safetensors header (entry {key!r}); {_REFETCH}") from None
-        if start < 0 or end < start or (width is not None and end - start != count * width):
-            raise UserError(f"model.path: {path} has a damaged safetensors header: {key!r} is {entry['dtype']} "
-                            f"{list(entry['shape'])} but spans {end - start:,} bytes; {_REFETCH}")
-
-
-def check_tokenizer(tokenizer_spec: str | None, model_dir: Path) -> None:
-    """A vocabulary file is where the tokenizer will be loaded from (model.tokenizer, else the model)."""
-    if tokenizer_spec is None:
-        folder, field = model_dir, "model.path"
-    else:
-        where = locate(tokenizer_spec, field="model.tokenizer")
-        if where.is_gguf:
-            return  # the tokenizer is inside the GGUF; the converted folder is checked with the model
-        folder, field = (where.path if where.path.is_dir() else where.path.parent), "model.tokenizer"
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(
-            f"{field}: {folder} has no tokenizer ({' or '.join(TOKENIZER_FILES[:2])}); copy the tokenizer files "
-            "from the original model into it, or set model.tokenizer to a folder that has them"
-        )
 
 
 def check_lora_targets(model_dir: Path, recipe: Recipe) -> None:

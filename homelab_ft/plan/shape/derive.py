@@ -20,6 +20,7 @@ import copy
 import logging
 
 from homelab_ft.errors import UserError
+from homelab_ft.locate import config_refusal
 from homelab_ft.plan.shape.types import BlockShape, Linear, ModelShape
 from homelab_ft.rules.decoder_blocks import decoder_blocks as shared_decoder_blocks
 from homelab_ft.rules.moe_marks import is_fused_experts, projections
@@ -84,13 +85,21 @@ def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_co
     import transformers
 
     model_type = config.get("model_type")
-    if trust_remote_code and model_path:
-        hf_config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    elif model_type in transformers.CONFIG_MAPPING:
-        config_class = transformers.CONFIG_MAPPING[model_type]
-        # config.json stores inf/nan as {"__float__": "Infinity"}; from_pretrained decodes them this way
-        hf_config = config_class.from_dict(config_class._decode_special_floats(config))
-    else:
+    try:
+        if trust_remote_code and model_path:
+            hf_config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        elif model_type in transformers.CONFIG_MAPPING:
+            config_class = transformers.CONFIG_MAPPING[model_type]
+            # config.json stores inf/nan as {"__float__": "Infinity"}; from_pretrained decodes them this way
+            hf_config = config_class.from_dict(config_class._decode_special_floats(config))
+        else:
+            hf_config = None
+    except Exception as err:  # noqa: BLE001 - a config transformers refuses; anything else re-raised
+        refusal = config_refusal(err, model_path or "config.json")
+        if refusal is None:
+            raise
+        raise refusal from None
+    if hf_config is None:
         raise UserError(
             f"config.json: model_type {model_type!r} is unknown to the installed transformers "
             f"{transformers.__version__}: upgrade it (pip install -U transformers), or for a model that ships its "
