@@ -140,19 +140,20 @@ def cmd_train(args) -> int:
 
 
 def _check_this_machine(recipe, *, plan, rung) -> None:
-    """What only the machine that runs every rank can check: host RAM for offloaded activations
-    (refused when short), and disk space for the checkpoints (a warning)."""
+    """What only the machine that runs every rank can check: host RAM for offloaded activations and
+    a host-side embedding table (refused when short), and disk space for the checkpoints (a warning)."""
     from homelab_ft.distributed import comm
+    from homelab_ft.host import available_ram_bytes
+    from homelab_ft.plan.price.activations import activation_offload_host_bytes
+    from homelab_ft.plan.price.params import host_embedding_bytes
     from homelab_ft.train import preflight
 
-    if rung.activation_offload:
-        from homelab_ft.host import available_ram_bytes
-        from homelab_ft.plan.price.activations import activation_offload_host_bytes
-
-        preflight.check_activation_offload(
-            rung, device_type=comm.device_type(recipe.train.device), available_bytes=available_ram_bytes(),
-            offloaded_bytes=plan.cluster.gpus_per_node * activation_offload_host_bytes(
-                plan.shape, rung=rung, request=plan.request, cluster=plan.cluster))
+    ranks, priced = plan.cluster.gpus_per_node, dict(rung=rung, request=plan.request, cluster=plan.cluster)
+    offloaded = ranks * activation_offload_host_bytes(plan.shape, **priced) if rung.activation_offload else 0
+    table = ranks * host_embedding_bytes(plan.shape, **priced)
+    if offloaded or table:
+        preflight.check_host_ram(device_type=comm.device_type(recipe.train.device), available_bytes=available_ram_bytes(),
+                                 offloaded_bytes=offloaded, table_bytes=table)
     if plan.checkpoint_bytes:
         from homelab_ft.plan.price.diskspace import space_warning
         from homelab_ft.store.layout import RunDir

@@ -102,16 +102,23 @@ def check_attention(implementation: str, *, device_type: str) -> None:
                         "installed (pip install flash-attn --no-build-isolation); or use sdpa (the default)")
 
 
-def check_activation_offload(rung: Rung, *, device_type: str, offloaded_bytes: int, available_bytes: int) -> None:
-    """Activation offload needs host RAM for the block inputs of every local rank (the planner's
-    `offloaded_activation_bytes`); refuse it when this machine has not that much available now,
-    instead of letting the kernel's OOM killer end the run mid-step. On the CPU it is a no-op."""
-    if not rung.activation_offload or device_type != "cuda" or not available_bytes:
+def check_host_ram(*, device_type: str, available_bytes: int, offloaded_bytes: int = 0,
+                   table_bytes: int = 0) -> None:
+    """What the run keeps in host RAM for its GPUs, over every local rank (the planner's figures):
+    the checkpointed block inputs of activation offload (`offloaded_bytes`) and the input embedding
+    table of train.embedding_offload (`table_bytes`). Refused when this machine has not that much
+    available now, instead of letting the kernel's OOM killer end the run mid-step; the line names
+    each part and its switch. On the CPU nothing is offloaded."""
+    if device_type != "cuda" or not available_bytes or offloaded_bytes + table_bytes <= available_bytes:
         return
-    if offloaded_bytes > available_bytes:
-        raise UserError(f"train.activation_offload: the checkpointed block inputs need {offloaded_bytes / 2**30:.1f} GiB "
-                        f"of host RAM on this node, but only {available_bytes / 2**30:.1f} GiB is available; set "
-                        "train.activation_offload=false (checkpointing alone), or lower micro_batch_size/max_length")
+    parts = [f"{what} {nbytes / 2**30:.1f} GiB" for what, nbytes in
+             (("the checkpointed block inputs (train.activation_offload)", offloaded_bytes),
+              ("the input embedding table (train.embedding_offload)", table_bytes)) if nbytes]
+    fixes = [fix for fix, nbytes in (("train.activation_offload=false", offloaded_bytes),
+                                     ("train.embedding_offload=false", table_bytes)) if nbytes]
+    raise UserError(f"host RAM: the run keeps {' + '.join(parts)} in host RAM on this node, but only "
+                    f"{available_bytes / 2**30:.1f} GiB is available; set {' or '.join(fixes)}, free host memory, "
+                    "or lower micro_batch_size/max_length")
 
 
 def check_lora_targets(model_dir: Path, recipe: Recipe) -> None:

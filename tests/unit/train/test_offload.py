@@ -3,6 +3,8 @@ with it is the same training."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from homelab_ft.recipe.config import recipe_from_dict
 from homelab_ft.rung import rung_for
 from homelab_ft.train import loss
 from homelab_ft.train.offload import MIN_OFFLOAD_BYTES, activations_on_host
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _llama():
@@ -63,14 +67,41 @@ def test_offload_needs_checkpointing():
     assert rung_for(recipe_from_dict({"method": "lora", "train": {"activation_offload": True}})).activation_checkpointing
 
 
-def test_activation_offload_without_host_ram_to_spare_is_refused():
+def test_host_ram_the_run_keeps_is_checked_against_what_is_available():
+    """Activation offload's block inputs and a host-side embedding table (train.embedding_offload),
+    over the node's ranks: refused in one line naming each part and its switch when short."""
     from homelab_ft.errors import UserError
-    from homelab_ft.rung import Rung
-    from homelab_ft.train.preflight import check_activation_offload
+    from homelab_ft.train.preflight import check_host_ram
 
-    rung = Rung("lora", "no_shard", False, activation_checkpointing=True, activation_offload=True)
-    with pytest.raises(UserError, match="need 3.0 GiB of host RAM on this node, but only 1.0 GiB is available; set "
+    with pytest.raises(UserError, match=r"keeps the checkpointed block inputs \(train.activation_offload\) 3.0 GiB in "
+                                        "host RAM on this node, but only 1.0 GiB is available; set "
                                         "train.activation_offload=false"):
-        check_activation_offload(rung, device_type="cuda", offloaded_bytes=3 * 2**30, available_bytes=2**30)
-    check_activation_offload(rung, device_type="cuda", offloaded_bytes=2**30, available_bytes=3 * 2**30)
-    check_activation_offload(rung, device_type="cpu", offloaded_bytes=3 * 2**30, available_bytes=2**30)  # nothing offloads
+        check_host_ram(device_type="cuda", offloaded_bytes=3 * 2**30, available_bytes=2**30)
+    with pytest.raises(UserError, match=r"3.0 GiB \+ the input embedding table \(train.embedding_offload\) 1.0 GiB .* "
+                                        "only 3.5 GiB is available; set train.activation_offload=false or "
+                                        "train.embedding_offload=false"):
+        check_host_ram(device_type="cuda", offloaded_bytes=3 * 2**30, table_bytes=2**30, available_bytes=int(3.5 * 2**30))
+    check_host_ram(device_type="cuda", offloaded_bytes=2**30, table_bytes=2**30, available_bytes=3 * 2**30)
+    check_host_ram(device_type="cpu", offloaded_bytes=3 * 2**30, available_bytes=2**30)  # nothing offloads
+
+
+def test_train_checks_the_host_embedding_table_before_launching(monkeypatch):
+    """`train` asks check_host_ram with the plan's table (Qwen2.5-7B LoRA on one 24 GB GPU keeps its
+    1.0 GiB input embedding table in host RAM under embedding_offload: auto)."""
+    from homelab_ft import host
+    from homelab_ft.cli import train
+    from homelab_ft.distributed import comm
+    from homelab_ft.errors import UserError
+    from homelab_ft.plan.planner import plan_for_recipe
+    from homelab_ft.recipe.config import recipe_from_dict
+
+    recipe = recipe_from_dict({"method": "lora", "model": {"path": str(CONFIGS / "qwen2.5-7b.json")},
+                               "train": {"device": "cuda"}, "cluster": {"gpus_per_node": 1, "vram_gib": 24,
+                                                                        "host_ram_gib": 64}})
+    plan = plan_for_recipe(recipe)
+    monkeypatch.setattr(comm, "device_type", lambda name: "cuda")  # this machine has no GPU; the check is the same
+    monkeypatch.setattr(host, "available_ram_bytes", lambda: 2**29)
+    with pytest.raises(UserError, match=r"the input embedding table \(train.embedding_offload\) 1.0 GiB"):
+        train._check_this_machine(recipe, plan=plan, rung=plan.chosen.rung)
+    monkeypatch.setattr(host, "available_ram_bytes", lambda: 8 * 2**30)
+    train._check_this_machine(recipe, plan=plan, rung=plan.chosen.rung)
