@@ -111,6 +111,7 @@ def export_run(
     request = _check_request(formats, adapter_only=adapter_only, dtype=dtype, gguf_type=gguf_type)
     target.check_out(out_dir)
     info, recipe = _open_run(run_dir, request, trust_remote_code=trust_remote_code)
+    target.check_not_the_base(out_dir, Path(info.model_dir))
     model_dir = loading.resolve_model_dir(recipe.model.path) if request.gguf_name else None
     request, no_gguf = _without_unwritable_gguf(request, model_dir)
     with checkpoint.reading(run_dir) as ckpt:

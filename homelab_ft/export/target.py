@@ -55,6 +55,22 @@ def check_out(out: Path) -> None:
                     _refuse(out, relation="holds", path=path, found=found)
 
 
+def check_not_the_base(out: Path, model_dir: Path) -> None:
+    """Refuse an `--out` that is, lies inside or holds the run's base model folder (run.json's
+    model_dir): the export would be mixed with the base's files, and an --overwrite would delete
+    the base the run was trained from and every later export needs."""
+    resolved, base = Path(out).resolve(), Path(model_dir).resolve()
+    if resolved == base or base in resolved.parents:
+        relation = "is" if resolved == base else "is inside"
+    elif resolved in base.parents:
+        relation = "holds"
+    else:
+        return
+    raise UserError(f"--out {out} {relation} the run's base model folder {base} (run.json's model_dir); export never "
+                    f"writes into or over it, with or without --overwrite: choose an --out outside it, e.g. "
+                    f"{base.parent / (base.name + '-finetuned')}")
+
+
 def _what(path: Path) -> tuple[str, str] | None:
     """("checkpoint" | "run directory", the file that says so), or None."""
     if marker := checkpoint_marker(path):

@@ -98,6 +98,19 @@ def test_out_over_a_run_is_refused(trained, tmp_path, capsys, where, overwrite):
     assert not (copy / "export").exists() and not _leftovers(out)
 
 
+@pytest.mark.parametrize("where", ["base", "inside"])
+@pytest.mark.parametrize("overwrite", [False, True], ids=["", "overwrite"])
+def test_out_into_the_base_model_folder_is_refused(trained, capsys, where, overwrite):
+    """The run's base (run.json's model_dir) is never written into, nor deleted by --overwrite."""
+    recipe, run = trained
+    base = Path(yaml.safe_load(recipe.read_text())["model"]["path"])
+    before = _snapshot(base)
+    out = base if where == "base" else base / "merged"
+    err = _one_line(capsys, main(["export", str(run), "--out", str(out), *(["--overwrite"] if overwrite else [])]))
+    assert f"--out {out} {'is' if where == 'base' else 'is inside'} the run's base model folder {base}" in err, err
+    assert _snapshot(base) == before and not (base / "merged").exists() and not _leftovers(out)
+
+
 def test_out_that_is_a_file_is_refused(trained, tmp_path, capsys):
     _, run = trained
     out = tmp_path / "model.bin"

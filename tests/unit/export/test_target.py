@@ -30,6 +30,18 @@ def test_out_refusals_name_the_run_and_the_fix(tmp_path):
         assert f"e.g. {tmp_path / 'runs' / 'mine-export'}" in line and len(line.splitlines()) == 1
 
 
+def test_the_base_model_folder_is_never_an_out(tmp_path):
+    base = tmp_path / "models" / "llama"
+    base.mkdir(parents=True)
+    for out, relation in ((base, "is"), (base / "merged", "is inside"), (tmp_path / "models", "holds")):
+        with pytest.raises(UserError) as err:
+            target.check_not_the_base(out, base)
+        line = str(err.value)
+        assert f"--out {out} {relation} the run's base model folder {base.resolve()}" in line, line
+        assert f"e.g. {(tmp_path / 'models' / 'llama-finetuned').resolve()}" in line and len(line.splitlines()) == 1
+    target.check_not_the_base(tmp_path / "models" / "llama-finetuned", base)  # beside it is fine
+
+
 def test_a_checkpoint_copied_out_of_its_run_is_refused_too(tmp_path):
     ckpt = tmp_path / "saved"
     ckpt.mkdir()
