@@ -331,16 +331,24 @@ def run_workers(recipe, recipe_path: str, train_args: list[str], *, handoff: Han
     return run_supervised(argv, env=env)
 
 
+def read_hosts(hostfile: Path, *, nodes: int, port: int) -> list[Host]:
+    """The hostfile's hosts, checked against the recipe's cluster.nodes and the port: what `launch`
+    reads first, before it plans or checks anything costlier."""
+    path = Path(hostfile)
+    if not path.is_file():
+        raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
+    hosts = parse_hostfile(fsio.read_text(path, what="hostfile"), source=str(path))
+    _check_hosts_and_port(hosts, nodes=nodes, port=port)
+    return hosts
+
+
 def launch_commands(
     hostfile: Path, recipe_path: str, train_args: list[str], *, handoff: Handoff, port: int, iface: str | None,
     workdir: str | None = None, join_timeout_s: int = 300, num_threads: int | None = None,
 ) -> list[NodeCommand]:
     """`homelab-ft launch`: each node's command, all carrying the one `handoff` planned and checked
     where `launch` ran; the job's shape (nodes x processes per node) is the handoff's rung."""
-    path = Path(hostfile)
-    if not path.is_file():
-        raise UserError(f"hostfile {path} not found; write one host per line, the head node first")
-    hosts = parse_hostfile(fsio.read_text(path, what="hostfile"), source=str(path))
+    hosts = read_hosts(hostfile, nodes=handoff.rung.nodes, port=port)
     return node_commands(
         hosts, recipe_path, train_args,
         nodes=handoff.rung.nodes,
