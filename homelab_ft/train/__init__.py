@@ -4,7 +4,7 @@
     build           `build_for`: the model for a rung by three builders (whole load; meta then fill; pipeline stage)
     preflight       every input checked before anything is created (`check_inputs`)
     steps           shared arithmetic: trained tokens, the loss normalised once over them
-    loss            the chunked LM-head loss (no full-vocabulary logits)
+    loss            the chunked LM-head loss and completion log-probs (no full-vocabulary logits)
     optim, optim_backward   the optimizer and LR schedule; the optimizer step inside backward
     evaluate        held-out loss (SFT) and pair metrics (DPO)
     preference, reference_cache   DPO/IPO arithmetic; a full fine-tune's reference cached on disk
