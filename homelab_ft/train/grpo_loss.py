@@ -30,13 +30,10 @@ ranks, all accumulation micro-batches), as `steps.loss_scale` does for SFT.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+from homelab_ft.recipe.config import GRPO_LOSS_TYPES, SCALE_REWARDS, GrpoConfig
+
 STD_EPS = 1e-4
 """Added to the reward std before dividing (TRL's constant): a group whose rewards are all equal gets
 advantages of 0 instead of 0 / 0."""
@@ -76,31 +73,6 @@ def _nanstd(x: torch.Tensor, *, dim: int) -> torch.Tensor:
     return var.sqrt().squeeze(dim)
 
 
-@dataclass(frozen=True)
-class GrpoLoss:
-    """The policy loss's settings (the recipe's `grpo:` section, TRL's names and defaults)."""
-
-    loss_type: str = "dapo"
-    epsilon: float = 0.2
-    """Lower clip bound: the ratio is kept above 1 - epsilon."""
-    epsilon_high: float | None = None
-    """Upper clip bound (1 + epsilon_high); None: epsilon, symmetric as PPO. DAPO uses 0.28."""
-    beta: float = 0.0
-    """Weight of the per-token k3 KL to the reference model; 0 needs no reference log-probs."""
-    importance_sampling_level: str = "token"
-
-    def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r}: one of {LOSS_TYPES}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: "
-                             f"one of {IMPORTANCE_SAMPLING_LEVELS}")
-
-    @property
-    def epsilon_upper(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-
 def loss_normaliser(loss_type: str, *, num_tokens: int, num_sequences: int, max_completion_length: int,
                     num_micro_batches: int, world_size: int) -> float:
     """What each micro-batch's loss from `policy_loss` is divided by, so that the gradient summed over
@@ -118,11 +90,11 @@ def loss_normaliser(loss_type: str, *, num_tokens: int, num_sequences: int, max_
         return max(num_sequences * max_completion_length, 1) / world_size
     if loss_type in ("grpo", "bnpo"):
         return float(num_micro_batches)
-    raise ValueError(f"loss_type={loss_type!r}: one of {LOSS_TYPES}")
+    raise ValueError(f"loss_type={loss_type!r}: one of {GRPO_LOSS_TYPES}")
 
 
 def policy_loss(logps: torch.Tensor, *, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                mask: torch.Tensor, advantages: torch.Tensor, settings: GrpoLoss,
+                mask: torch.Tensor, advantages: torch.Tensor, settings: GrpoConfig,
                 normaliser: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch, and its metrics (TRL's names, detached, means over this
     micro-batch's completion tokens; over its completions for sequence-level ratios).
@@ -131,7 +103,8 @@ def policy_loss(logps: torch.Tensor, *, old_logps: torch.Tensor | None, ref_logp
     from `loss.completion_logprobs`; `mask` 1 on real completion tokens), `advantages` [B].
     `old_logps` None (num_iterations == 1: the batch was sampled by these very weights) is
     `logps.detach()`: every ratio is 1 and the gradient is the plain policy gradient. `ref_logps` is
-    needed when `settings.beta` > 0. `normaliser` comes from `loss_normaliser`: 1 for one
+    needed when `settings.beta` > 0; `settings` is the recipe's `grpo` section (loss_type, epsilon,
+    epsilon_high, beta, importance_sampling_level). `normaliser` comes from `loss_normaliser`: 1 for one
     micro-batch of "grpo"/"bnpo", its completion tokens for "dapo", B x max_completion_length
     for "dr_grpo".
     """

@@ -28,7 +28,6 @@ import hashlib
 import importlib
 import importlib.util
 import math
-import numbers
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,21 +52,14 @@ class Reward:
 
 def resolve_rewards(entries: Sequence[str | Mapping], *, weights: Sequence[float] | None,
                     recipe_dir: Path, key: str = "grpo.reward_funcs") -> list[Reward]:
-    """Every entry of `grpo.reward_funcs` as a `Reward`; `weights` None weighs each 1.0 (TRL's default)."""
-    if not entries:
-        raise UserError(f"{key} is empty; name at least one reward function (e.g. exact_answer)")
-    if weights is None:
-        weights = [1.0] * len(entries)
-    elif len(weights) != len(entries):
-        raise UserError(f"grpo.reward_weights has {len(weights)} weights for {len(entries)} {key.split('.')[-1]}; "
-                        "give one per function, or none for 1.0 each")
-    out = []
-    for i, (entry, weight) in enumerate(zip(entries, weights, strict=True)):
-        if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-            raise UserError(f"grpo.reward_weights[{i}] is {weight!r}; a finite number")
-        out.append(Reward(name=_spelling(entry), func=resolve(entry, recipe_dir=recipe_dir, where=f"{key}[{i}]"),
-                          weight=float(weight)))
-    return out
+    """Every entry of `grpo.reward_funcs` as a `Reward`; `weights` None weighs each 1.0 (TRL's default).
+    The recipe checked the counts (config.check_grpo) and that every weight is finite."""
+    weights = [1.0] * len(entries) if weights is None else weights
+    if len(weights) != len(entries):
+        raise ValueError(f"{len(weights)} weights for {len(entries)} reward functions")
+    return [Reward(name=_spelling(entry), func=resolve(entry, recipe_dir=recipe_dir, where=f"{key}[{i}]"),
+                   weight=float(weight))
+            for i, (entry, weight) in enumerate(zip(entries, weights, strict=True))]
 
 
 def resolve(entry: str | Mapping, *, recipe_dir: Path, where: str = "grpo.reward_funcs") -> RewardFunc:
