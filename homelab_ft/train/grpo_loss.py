@@ -44,10 +44,11 @@ def advantages(rewards: torch.Tensor, *, num_generations: int, scale_rewards: st
     `num_generations`, the completions of one prompt consecutive, as TRL samples them).
 
     The group's mean is subtracted; `scale_rewards` then divides by the group's std ("group",
-    GRPO), by the std of the whole batch ("batch", as TRL cites from the PPO Lite paper, arXiv:2508.08221:
-    a group whose rewards barely differ is not blown up to unit variance), or by nothing ("none", Dr. GRPO). A NaN reward
-    (every reward function returned None for the row: `rewards.weighted_sum`) is left out of the
-    means and stds and its advantage is 0, TRL's rule. Stds are Bessel-corrected (torch.std's).
+    GRPO), by the std of the whole batch ("batch", which TRL cites from the PPO Lite paper,
+    arXiv:2508.08221: a group whose rewards barely differ is not blown up to unit variance), or by
+    nothing ("none", Dr. GRPO). A NaN reward (every reward function returned None for the row:
+    `rewards.weighted_sum`) is left out of the means and stds and its advantage is 0, TRL's rule.
+    Stds are Bessel-corrected (torch.std's).
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: one of {SCALE_REWARDS}")
@@ -122,7 +123,7 @@ def policy_loss(logps: torch.Tensor, *, old_logps: torch.Tensor | None, ref_logp
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference model's log-probs (ref_logps)")
         delta = ref_logps - logps
-        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
+        kl = torch.exp(delta) - delta - 1  # k3 (Schulman 2020): >= 0, low variance
         per_token = per_token + settings.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     summed = (per_token * mask).sum(-1)  # a [B, 1] sequence-level loss counts once per token, as in TRL
