@@ -35,14 +35,17 @@ def add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def planned(recipe, *, cluster_file: str | None):
+def planned(recipe, *, cluster_file: str | None, base_dir: Path):
     """(plan, rung), decided once for `train` and `launch`: the planner's chosen option carries its
     rung; a named method the planner expects not to fit is tried anyway with the recipe's own rung
     (`rung_for`, which validates it). A refused combination stops here, with its fix; with `auto`
-    and nothing fitting, the plan goes to stderr to say what would."""
+    and nothing fitting, the plan goes to stderr to say what would. An objective the trainer cannot
+    run yet is refused first (`preflight.check_objective_built`; `base_dir` is the recipe's folder)."""
     from homelab_ft.plan import planner, report
     from homelab_ft.rung import pipelined, rung_for
+    from homelab_ft.train import preflight
 
+    preflight.check_objective_built(recipe, base_dir=base_dir)
     plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file)
     if plan.chosen is not None:  # a pipeline the recipe names explicitly is run as named
         return plan, pipelined(plan.chosen.rung, recipe.sharding)
@@ -123,7 +126,7 @@ def cmd_train(args) -> int:
         trainer.train(recipe, plan=received.plan, rung=received.rung,
                       inputs=preflight.inputs_in_worker(recipe, received), base_dir=base_dir, resume_command=again)
         return 0
-    plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args))
+    plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args), base_dir=base_dir)
     if handoffs.under_torchrun():
         # torchrun started by hand, without a handoff: every rank checks its own inputs.
         trainer.train(recipe, plan=plan.to_dict(), rung=rung, base_dir=base_dir, resume_command=again)

@@ -19,6 +19,7 @@ from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
 from homelab_ft.recipe.bounds import (
+    MAX_INT64,
     Fraction,
     LearningRate,
     NonNegative,
@@ -327,6 +328,67 @@ class DpoConfig:
     """Weight of a negative log-likelihood term on the chosen answer, per token (RPO, Pang et al. 2024)."""
 
 
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+"""train/grpo_loss.py's aggregations of the per-token loss, TRL 1.16's names (its cispo, sapo,
+luspo and vespo are not built)."""
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+RewardEntry = str | dict[str, dict[str, Any]]
+"""A built-in's name, `file.py:function`, `module:function`, or `{built-in: {parameters}}` (train/rewards.py)."""
+
+
+@dataclass(frozen=True, config=_STRICT)
+class GrpoConfig:
+    """`objective: grpo` (issue 33): sample `num_generations` completions per prompt, score them with
+    the reward functions, and push up those better than their group. Names and defaults are TRL
+    1.16's GRPOConfig, so a TRL recipe's values mean the same here (train/grpo_loss.py cites the papers)."""
+
+    num_generations: Annotated[int, Field(ge=2, le=MAX_INT64)] = 8
+    """Completions sampled per prompt: the group whose mean reward is each one's baseline (2 at least:
+    one completion has nothing to be compared with)."""
+    max_completion_length: PositiveInt = 512
+    """Tokens generated per completion at most; also Dr. GRPO's constant (`loss_type: dr_grpo`).
+    512 is TRL 1.16's default (trl/trainer/grpo_config.py; earlier TRL releases had 256)."""
+    temperature: Positive = 1.0
+    """Sampling temperature; the log-probs of the loss are taken at the same temperature."""
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 samples from all."""
+    beta: NonNegative = 0.0
+    """Weight of the per-token KL to the reference model (k3 estimator); 0 (TRL's default since Dr. GRPO
+    and DAPO found it unneeded) loads no reference."""
+    epsilon: Fraction = 0.2
+    """Lower clip bound of the ratio, 1 - epsilon (PPO's clip range)."""
+    epsilon_high: Positive | None = None
+    """Upper clip bound, 1 + epsilon_high (DAPO's clip-higher uses 0.28); default: `epsilon`."""
+    scale_rewards: Literal[SCALE_REWARDS] = "group"
+    """What the advantage (reward minus its group's mean) is divided by: the group's reward std
+    (`group`, GRPO), the batch's (`batch`), or nothing (`none`, Dr. GRPO)."""
+    num_iterations: PositiveInt = 1
+    """Optimizer steps on each sampled batch (GRPO's mu); above 1 the ratios to the sampling policy
+    move away from 1 and the clipping starts to act."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at `max_completion_length` (no end-of-sequence token) out of the loss
+    (DAPO's overlong filtering)."""
+    loss_type: Literal[GRPO_LOSS_TYPES] = "dapo"
+    """How per-token losses are averaged: `grpo` (per completion, then over completions), `dr_grpo`
+    (sum / (completions x max_completion_length)), `dapo` (sum / completion tokens of the whole step,
+    TRL's default), `bnpo` (sum / completion tokens of the micro-batch)."""
+    importance_sampling_level: Literal[IMPORTANCE_SAMPLING_LEVELS] = "token"
+    """`token`: one ratio per token (GRPO); `sequence`: one per completion, the exp of its mean
+    log-ratio (GSPO)."""
+    reward_funcs: tuple[RewardEntry, ...] = ()
+    """The reward functions (train/rewards.py): `exact_answer`, `regex_match: {pattern: ...}`,
+    `rewards.py:my_reward` (a file beside the recipe), `my_package.rewards:my_reward`; TRL's signature
+    `f(prompts, completions, completion_ids, **columns) -> list[float | None]`."""
+    reward_weights: tuple[float, ...] | None = None
+    """One weight per reward function; default 1.0 each."""
+
+    @property
+    def epsilon_upper(self) -> float:
+        """The upper clip bound's epsilon: `epsilon_high`, or `epsilon` when unset."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
 Strategy = Literal[("auto", *STRATEGIES)]
 
 
@@ -364,10 +426,12 @@ class Recipe:
     name: str = "run"
     method: Method = "auto"
     """`auto` lets the planner walk the ladder: qlora, then lora, then full sharded training."""
-    objective: Literal["sft", "dpo"] = "sft"
+    objective: Literal["sft", "dpo", "grpo"] = "sft"
     """`sft`: learn the answers; `dpo`: learn which of two answers is preferred (needs preference
-    rows and a reference model: the base with adapters off, or cached log-probabilities for full)."""
+    rows and a reference model: the base with adapters off, or cached log-probabilities for full);
+    `grpo`: learn from rewards of sampled completions (the `grpo` section; its loop is not built yet)."""
     dpo: DpoConfig = Field(default_factory=DpoConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     quant: QuantConfig = Field(default_factory=QuantConfig)
@@ -434,10 +498,24 @@ def check_objective(recipe: Recipe, *, source: str = "recipe") -> None:
             raise UserError(f"{source}: objective=dpo compares the answers of a pair, not the prompt they share; "
                             "set data.train_on_inputs=false (dpo.sft_weight adds a loss on the chosen answer)")
     else:
+        if recipe.objective == "grpo":
+            check_grpo(recipe.grpo, source=source)
         for where, src in sources:
             if src.format == "preference":
                 raise UserError(f"{source}: {where}.format=preference holds pairs for preference tuning; "
                                 "set objective: dpo, or use an SFT format")
+
+
+def check_grpo(grpo: GrpoConfig, *, source: str = "recipe") -> None:
+    """What `objective: grpo` needs of its section beyond each field's type: a reward to learn from,
+    and one weight per reward function. Whether each function imports is preflight's check
+    (train/rewards.py), which knows the recipe's folder."""
+    if not grpo.reward_funcs:
+        raise UserError(f"{source}: objective=grpo learns from rewards; name at least one in grpo.reward_funcs "
+                        "(e.g. [exact_answer], or rewards.py:my_reward for a function in a file beside the recipe)")
+    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
+        raise UserError(f"{source}: grpo.reward_weights has {len(grpo.reward_weights)} weights for "
+                        f"{len(grpo.reward_funcs)} grpo.reward_funcs; give one per function, or none for 1.0 each")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

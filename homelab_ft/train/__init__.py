@@ -4,10 +4,12 @@
     build           `build_for`: the model for a rung by three builders (whole load; meta then fill; pipeline stage)
     preflight       every input checked before anything is created (`check_inputs`)
     steps           shared arithmetic: trained tokens, the loss normalised once over them
-    loss            the chunked LM-head loss (no full-vocabulary logits)
+    loss            the chunked LM-head loss and completion log-probs (no full-vocabulary logits)
     optim, optim_backward   the optimizer and LR schedule; the optimizer step inside backward
     evaluate        held-out loss (SFT) and pair metrics (DPO)
     preference, reference_cache   DPO/IPO arithmetic; a full fine-tune's reference cached on disk
+    grpo_loss       GRPO advantages and the clipped policy loss (grpo, dr_grpo, dapo, bnpo; GSPO ratios; k3 KL)
+    rewards, reward_builtins   GRPO's reward functions (TRL's signature) resolved from the recipe and checked; the built-ins
     offload, stopping, metrics    activations in host RAM; SIGTERM/SIGINT; metrics.jsonl, TensorBoard, plot
 divergence      the non-finite guard: a NaN/inf step never applied, the run stopped in one line (exit 3)
 host_embedding  `train.embedding_offload`: the frozen input embedding table in host RAM, looked up there

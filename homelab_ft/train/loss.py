@@ -37,6 +37,10 @@ read from the config of the decoder the model runs, `text_config` included), and
 model against what its own forward returns for the head's output on one position per row
 (`check_transform`), so a transform the config keys do not describe refuses the run instead of
 training another loss.
+
+GRPO needs no summed loss but each completion token's log-probability (`completion_logprobs`): the
+same hook, the same chunks and the same recompute, each chunk's logits reduced to one number per
+token (the picked logit minus the log-sum-exp) before the next chunk's exist.
 """
 
 from __future__ import annotations
@@ -70,6 +74,19 @@ def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk
     labels = batch["labels"].to(device)
     if chunk_tokens == 0:
         return steps.next_token_loss_sum(model(**inputs, use_cache=False).logits, labels)
+
+    def compute(hidden, head, transform, rows):
+        return chunked_loss_sum(hidden, labels, head=head, chunk_tokens=rows, transform=transform, compiled=compiled)
+
+    return from_final_hidden(model, inputs, chunk_tokens=chunk_tokens, compute=compute)
+
+
+def from_final_hidden(model: nn.Module, inputs: dict, *, chunk_tokens: int | str, compute):
+    """Run `model` on `inputs` and return `compute(hidden, head, transform, rows)`, called on the final
+    hidden states from inside the model's forward in place of the head's whole output (the module
+    docstring says why from inside): `head` is the output embedding module, `transform` what the
+    model does to the head's output, `rows` the chunk size loss_chunks.chunk_rows makes of `chunk_tokens`.
+    The head itself runs on one position per row, and what the model returns for it checks the transform."""
     lm = causal_lm(model)
     head = lm.get_output_embeddings()
     if head is None:
@@ -84,8 +101,7 @@ def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk
         hidden = args[0] if args else kwargs["input"]
         state["busy"] = True
         try:
-            state["loss"] = chunked_loss_sum(hidden, labels, head=module, chunk_tokens=rows,
-                                             transform=transform, compiled=compiled)
+            state["value"] = compute(hidden, module, transform, rows)
         finally:
             state["busy"] = False
         probe = hidden[..., :1, :]  # the model's own head and transform run on one position per row
@@ -101,13 +117,13 @@ def batch_loss_sum(model: nn.Module, batch: dict, *, device: torch.device, chunk
     finally:
         for handle in handles:
             handle.remove()
-    if "loss" not in state:
+    if "value" not in state:
         raise RuntimeError(f"{type(lm).__name__}'s forward never called its output embeddings; "
                            "set train.loss_chunk_tokens=0 for this model")
     if lm not in _CHECKED:
         check_transform(transform, head_output=state["head_output"], logits=logits.detach(), model_name=type(lm).__name__)
         _CHECKED.add(lm)
-    return state["loss"]
+    return state["value"]
 
 
 _CHECKED: weakref.WeakSet = weakref.WeakSet()
@@ -155,11 +171,7 @@ def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, *, head: nn.Mod
     keep = (targets != IGNORE_INDEX).nonzero().squeeze(1)
     rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, keep)
     targets = targets.index_select(0, keep)
-    # A head with trainable weights (LoRA on lm_head over a frozen trunk) needs the recompute even
-    # when the hidden states need no gradient; without it every chunk's logits would wait for backward.
-    # A single chunk does not (loss_chunks.recomputes): its logits peak at backward's start either way.
-    recompute = (torch.is_grad_enabled() and rows.size(0) > chunk_tokens
-                 and (rows.requires_grad or any(p.requires_grad for p in head.parameters())))
+    recompute = _recomputes(rows, head=head, chunk_tokens=chunk_tokens)
     total = None
     for start in range(0, max(rows.size(0), 1), chunk_tokens):
         x, y = rows[start:start + chunk_tokens], targets[start:start + chunk_tokens]
@@ -169,6 +181,77 @@ def chunked_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, *, head: nn.Mod
             part = _chunk_loss(x, y, head, transform, loss_fn)
         total = part if total is None else total + part
     return total
+
+
+def completion_logprobs(model: nn.Module, batch: dict, *, device: torch.device, chunk_tokens: int | str,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """The log-probability of each completion token under `model` ([B, C], fp32; 0 where
+    `completion_mask` is 0), for GRPO's ratios and KL (grpo_loss.policy_loss), with the head in
+    chunks as the loss runs it: no [B, C, vocab] logits.
+
+    `batch` holds `input_ids` and `attention_mask` [B, S] with the completions in the last C
+    positions (prompts left-padded, TRL's layout), and `completion_mask` [B, C]. The logits are
+    divided by `temperature` before the softmax, as TRL does, so the log-probs are those of the
+    distribution the completions were sampled from. `chunk_tokens=0` runs the model's full logits
+    and a log-softmax, the reference the chunked path is tested against.
+    """
+    inputs = {k: v.to(device) for k, v in batch.items() if k != "completion_mask"}
+    mask = batch["completion_mask"].to(device)
+    width = mask.size(1)
+    targets = inputs["input_ids"][:, -width:]
+    if chunk_tokens == 0:
+        logits = model(**inputs, use_cache=False).logits[:, -width - 1:-1].float() / temperature
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return torch.where(mask.bool(), picked, torch.zeros_like(picked))
+
+    def compute(hidden, head, transform, rows):
+        return chunked_logprobs(hidden, targets, mask, head=head, chunk_tokens=rows, transform=transform,
+                                temperature=temperature)
+
+    return from_final_hidden(model, inputs, chunk_tokens=chunk_tokens, compute=compute)
+
+
+def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, *, head: nn.Module,
+                     chunk_tokens: int, transform: LogitTransform | None = None,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(head(hidden) / temperature) at `targets` ([B, C], the last C tokens of each row),
+    `chunk_tokens` rows at a time, for the positions where `mask` is 1; 0 elsewhere.
+
+    Position t of `hidden` [B, S, H] predicts token t + 1, so target c is read from position
+    S - C - 1 + c; only the masked-in rows are gathered (padding after an early end of sequence
+    needs no logits). Each chunk is recomputed in backward under the same rule as `chunked_loss_sum`.
+    """
+    transform = transform or LogitTransform()
+    batch, seq, width = hidden.size(0), hidden.size(1), targets.size(1)
+    keep = mask.reshape(-1).nonzero().squeeze(1)
+    position = (keep // width) * seq + (seq - width - 1) + keep % width
+    rows = hidden.reshape(-1, hidden.size(-1)).index_select(0, position)
+    picked = targets.reshape(-1).index_select(0, keep)
+    recompute = _recomputes(rows, head=head, chunk_tokens=chunk_tokens)
+    parts = []
+    for start in range(0, max(rows.size(0), 1), chunk_tokens):
+        x, y = rows[start:start + chunk_tokens], picked[start:start + chunk_tokens]
+        if recompute:
+            parts.append(checkpoint(_chunk_logprobs, x, y, head, transform, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(x, y, head, transform, temperature))
+    values = torch.cat(parts)
+    return values.new_zeros(batch * width).index_copy(0, keep, values).view(batch, width)
+
+
+def _chunk_logprobs(x: torch.Tensor, y: torch.Tensor, head: nn.Module, transform: LogitTransform,
+                    temperature: float) -> torch.Tensor:
+    logits = transform(head.forward(x)).float() / temperature  # `head.forward`: see _chunk_loss
+    return logits.gather(-1, y.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _recomputes(rows: torch.Tensor, *, head: nn.Module, chunk_tokens: int) -> bool:
+    """Whether each chunk runs under checkpoint. A head with trainable weights (LoRA on lm_head over a
+    frozen trunk) needs the recompute even when the hidden states need no gradient; without it every
+    chunk's logits would wait for backward. A single chunk does not (loss_chunks.recomputes): its
+    logits peak at backward's start either way."""
+    return (torch.is_grad_enabled() and rows.size(0) > chunk_tokens
+            and (rows.requires_grad or any(p.requires_grad for p in head.parameters())))
 
 
 def _chunk_loss(x: torch.Tensor, y: torch.Tensor, head: nn.Module, transform: LogitTransform,
