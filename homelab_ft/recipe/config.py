@@ -349,17 +349,17 @@ class GrpoConfig:
     max_completion_length: PositiveInt = 512
     """Tokens generated per completion at most; also Dr. GRPO's constant (`loss_type: dr_grpo`).
     512 is TRL 1.16's default (trl/trainer/grpo_config.py; earlier TRL releases had 256)."""
-    temperature: Positive = 1.0
-    """Sampling temperature; the log-probs of the loss are taken at the same temperature."""
+    temperature: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    """Sampling temperature, in (0, 100]; the log-probs of the loss are taken at the same temperature."""
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p; 1.0 samples from all."""
     beta: NonNegative = 0.0
     """Weight of the per-token KL to the reference model (k3 estimator); 0 (TRL's default since Dr. GRPO
     and DAPO found it unneeded) loads no reference."""
-    epsilon: Fraction = 0.2
-    """Lower clip bound of the ratio, 1 - epsilon (PPO's clip range)."""
-    epsilon_high: Positive | None = None
-    """Upper clip bound, 1 + epsilon_high (DAPO's clip-higher uses 0.28); default: `epsilon`."""
+    epsilon: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
+    """Lower clip bound of the ratio, 1 - epsilon (PPO's clip range), in (0, 1): 0 would pin every ratio to 1."""
+    epsilon_high: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    """Upper clip bound, 1 + epsilon_high, in (0, 10] (DAPO's clip-higher uses 0.28); default: `epsilon`."""
     scale_rewards: Literal[SCALE_REWARDS] = "group"
     """What the advantage (reward minus its group's mean) is divided by: the group's reward std
     (`group`, GRPO), the batch's (`batch`), or nothing (`none`, Dr. GRPO)."""

@@ -20,14 +20,14 @@ ACCEPTED = {
     **{(f, "zero"): _ZERO_IS_OFF for f in (
         "train.warmup_steps", "train.eval_every", "train.sample_every", "train.save_every", "train.loss_chunk_tokens", "train.skip_nonfinite_steps",
         "train.weight_decay", "train.max_grad_norm", "train.min_lr_ratio", "dpo.label_smoothing", "dpo.sft_weight",
-        "lora.dropout", "data.eval_fraction", "planner.headroom")},
+        "lora.dropout", "data.eval_fraction", "planner.headroom", "grpo.beta")},
     ("train.seed", "zero"): "0 is a seed every RNG takes",
     ("train.betas[0]", "zero"): "AdamW takes beta1 = 0 (no momentum: RMSprop-like)",
     ("train.betas[1]", "zero"): "AdamW takes beta2 = 0 (the second moment is the last gradient squared)",
     ("cluster.inter_latency_ms", "zero"): "a latency of 0 is an ideal link the planner can price",
     ("cluster.intra_latency_ms", "zero"): "a latency of 0 is an ideal link the planner can price",
     **{(f, "huge"): _HUGE_IS_A_CHOICE for f in (
-        "lora.alpha", "dpo.beta", "data.sources[].weight", "data.eval_sources[].weight", "train.num_epochs",
+        "lora.alpha", "dpo.beta", "grpo.beta", "data.sources[].weight", "data.eval_sources[].weight", "train.num_epochs",
         "train.weight_decay", "train.max_grad_norm", "dpo.sft_weight", "cluster.vram_gib", "cluster.host_ram_gib",
         "cluster.inter_link_gbit", "cluster.gpu_tflops", "cluster.inter_latency_ms", "cluster.intra_link_gbit",
         "cluster.intra_latency_ms")},
@@ -102,7 +102,7 @@ FIELDS = list(numeric_fields())
 
 def test_the_walk_finds_the_fields():
     names = {name for name, _, _ in FIELDS}
-    assert {"train.lr", "train.seed", "train.betas[0]", "lora.alpha", "dpo.beta", "data.sources[].weight",
+    assert {"train.lr", "train.seed", "train.betas[0]", "lora.alpha", "dpo.beta", "grpo.beta", "data.sources[].weight",
             "quant.bits", "cluster.nodes"} <= names
     assert {name for name, _ in ACCEPTED} <= names  # the table names no field that does not exist
 
