@@ -105,10 +105,35 @@ def create(final: Path) -> Staging:
     return Staging(final=final, root=root)
 
 
+OLDER_PATTERN = ".{name}.tmp-????????"
+"""What exports before the staging folders above left when killed: `tempfile.mkdtemp(prefix=".OUT.tmp-")`
+beside OUT (8 random characters), with no marker in it."""
+_EXPORT_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt", ".model", ".gguf", ".md")
+"""The files an export writes (weights, configs, tokenizer files, chat template, GGUF, its notes)."""
+
+
+def _older_export(root: Path) -> bool:
+    """A folder of OLDER_PATTERN's name that proves it is an unfinished export of ours: a model's
+    config (config.json or adapter_config.json) at its top, and nothing but the files an export
+    writes (`Modelfile` included), no sub-folder. A user's folder of that name holding anything
+    else is left alone."""
+    if not ((root / "config.json").is_file() or (root / "adapter_config.json").is_file()):
+        return False
+    return all(p.is_file() and not p.is_symlink() and (p.suffix in _EXPORT_SUFFIXES or p.name == "Modelfile")
+               for p in root.iterdir())
+
+
 def sweep(final: Path) -> int:
     """Remove the staging folders a killed export into `final` left (the caller holds `final`'s
-    lock, so none is in use); one line each, with the bytes freed. Returns the bytes freed."""
+    lock, so none is in use), older versions' too; one line each, with the bytes freed. Returns
+    the bytes freed."""
     freed = 0
+    for root in sorted(final.parent.glob(OLDER_PATTERN.format(name=final.name))):
+        if root.is_dir() and not root.is_symlink() and _older_export(root):
+            size = tree_bytes(root)
+            shutil.rmtree(root, ignore_errors=True)
+            freed += size
+            log.warning("removed %s, an unfinished export an older homelab-ft left (%s bytes freed)", root, f"{size:,}")
     for root in sorted(final.parent.glob(_pattern(final))):
         if not root.is_dir() or root.is_symlink():
             continue
@@ -127,7 +152,8 @@ def sweep(final: Path) -> int:
 def sweep_if_free(final: Path) -> int:
     """`sweep` for a command that writes `final` without exporting (train's run directory): only
     while no export holds `final`'s lock."""
-    if not final.parent.is_dir() or not any(final.parent.glob(_pattern(final))):
+    if not final.parent.is_dir() or not any(
+            (*final.parent.glob(_pattern(final)), *final.parent.glob(OLDER_PATTERN.format(name=final.name)))):
         return 0
     try:
         with locked(final):

@@ -89,6 +89,30 @@ def test_sweep_removes_only_our_staging_folders(tmp_path, caplog):
     assert f"removed {killed.root}" in caplog.text and "bytes freed" in caplog.text
 
 
+def test_sweep_removes_an_older_versions_unfinished_export_only_with_proof(tmp_path, caplog):
+    """Before the marked staging folders, a killed export left `.OUT.tmp-XXXXXXXX` (mkdtemp): swept
+    when it holds a model's config and only the files an export writes, kept otherwise."""
+    out = tmp_path / "out"
+    older = tmp_path / ".out.tmp-a1b2c3d4"
+    older.mkdir()
+    (older / "config.json").write_text("{}")
+    (older / "model.safetensors").write_bytes(b"\0" * 4000)
+    (older / "tokenizer.json").write_text("{}")
+    notes = tmp_path / ".out.tmp-notes123"  # the name, but a user's folder: no model config
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    mixed = tmp_path / ".out.tmp-mixed123"  # a config, but also a file no export writes
+    mixed.mkdir()
+    (mixed / "config.json").write_text("{}")
+    (mixed / "thesis.docx").write_text("keep me")
+    with caplog.at_level(logging.WARNING), staging.locked(out):
+        freed = staging.sweep(out)
+    assert freed >= 4000 and not older.exists()
+    assert (notes / "todo.txt").read_text() == "keep me" and (mixed / "thesis.docx").read_text() == "keep me"
+    assert f"removed {older}, an unfinished export an older homelab-ft left" in caplog.text
+    assert staging.sweep_if_free(out) == 0  # nothing of ours left
+
+
 def test_a_previous_out_caught_between_the_two_renames_goes_back(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
