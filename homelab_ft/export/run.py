@@ -23,7 +23,7 @@ from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
 from homelab_ft.export.gguf import export as gguf_export
 from homelab_ft.export.gguf import quality as gguf_quality
-from homelab_ft.model import loading
+from homelab_ft.model import files, loading
 from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung
 from homelab_ft.store import checkpoint, runlock
@@ -140,6 +140,7 @@ def _export(source: _Source, request: _Request, out: target.Target, *, overwrite
         raise UserError(f"{out_dir} already exists and holds something else; pass --overwrite or another --out")
 
     model_dir = model_dir or loading.resolve_model_dir(source.recipe.model.path)
+    files.check_model_files(model_dir)  # the merge streams the base's safetensors: a damaged one is one line here
     tmp = out.begin()
     record, quality = _write_export(tmp, source=source, request=request, model_dir=model_dir, name=out_dir.name,
                                     hint=hint, eval_rows=eval_rows)

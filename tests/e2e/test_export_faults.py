@@ -111,6 +111,33 @@ def test_out_into_the_base_model_folder_is_refused(trained, capsys, where, overw
     assert _snapshot(base) == before and not (base / "merged").exists() and not _leftovers(out)
 
 
+def test_a_damaged_base_model_is_one_line_before_anything_is_written(trained, tmp_path, capsys):
+    """The merge streams the base's safetensors: a damaged header there (here a JSON list) is refused
+    by model/files.py before the staging folder exists, not a traceback from safetensors."""
+    import json
+    import struct
+
+    recipe, run = trained
+    base = Path(yaml.safe_load(recipe.read_text())["model"]["path"])
+    copy, damaged = _copy(run, tmp_path / "run"), tmp_path / "base"
+    shutil.copytree(base, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", 7) + b"[1,2,3]" + weights.read_bytes()[8:])
+    for name, key in (("run.json", None), ("recipe.yaml", "model")):
+        path = copy / name
+        body = json.loads(path.read_text()) if key is None else yaml.safe_load(path.read_text())
+        if key is None:
+            body["model_dir"] = str(damaged)
+            path.write_text(json.dumps(body))
+        else:
+            body[key]["path"] = str(damaged)
+            path.write_text(yaml.safe_dump(body))
+    out = tmp_path / "out"
+    err = _one_line(capsys, main(["export", str(copy), "--out", str(out)]))
+    assert f"{weights} has a damaged safetensors header (a JSON list" in err, err
+    assert not out.exists() and not _leftovers(out)
+
+
 def test_out_that_is_a_file_is_refused(trained, tmp_path, capsys):
     _, run = trained
     out = tmp_path / "model.bin"
