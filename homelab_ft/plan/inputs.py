@@ -139,6 +139,16 @@ class PlanRequest:
         return dataclasses.replace(self, **new)
 
     @property
+    def pricing_key(self) -> str:
+        """The request as pricing reads it, as text (ladder.sized_price keeps prices under it): all
+        but `method`, `sharding.strategy` and `sharding.cpu_offload`, which an option's `Rung`
+        decides and pricing reads from the rung (tests/unit/plan/test_inputs.py checks that it
+        does). Text because the sections hold lists and so do not hash; their reprs are exact."""
+        sharding = {f.name: getattr(self.sharding, f.name) for f in dataclasses.fields(self.sharding)
+                    if f.name not in ("strategy", "cpu_offload")}
+        return repr((self.objective, self.model, self.lora, self.quant, self.data, self.train, sharding, self.planner))
+
+    @property
     def rows_per_micro_batch(self) -> int:
         """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
         return self.train.micro_batch_size * (2 if self.objective == "dpo" else 1)

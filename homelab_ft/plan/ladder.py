@@ -169,10 +169,34 @@ def price(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clust
     return sized_price(shape, rung=rung, request=request, cluster=cluster)[:3]
 
 
+PRICED_KEPT = 4096
+"""How many priced options `sized_price` keeps (oldest dropped first): a plan with its advice and
+limits prices a few hundred; test_rung's grid re-prices each plan's options once per option."""
+_priced: dict[tuple, tuple[Estimate, bool, str, Rung]] = {}
+
+
 def sized_price(shape: ModelShape, *, rung: Rung, request: PlanRequest,
                 cluster: Cluster) -> tuple[Estimate, bool, str, Rung]:
     """`price`, and the rung priced: a pipeline's with its blocks per stage sized to each GPU
-    (pipeline.sized) unless the recipe gave them. A pipeline's budget is its tightest stage's."""
+    (pipeline.sized) unless the recipe gave them. A pipeline's budget is its tightest stage's.
+
+    Kept per (shape, rung, cluster, request.pricing_key): pricing is pure, and the same option is
+    priced again by every `evaluate` of a request that differs only in what the rung decides
+    (method, sharding.strategy, sharding.cpu_offload: `what_would_fit`'s method and offload
+    changes, `afford.for_rung`, a recipe naming a printed option). Everything here is frozen, so
+    callers share the result."""
+    key = (shape, rung, cluster, request.pricing_key)
+    priced = _priced.get(key)
+    if priced is None:
+        priced = _priced[key] = _sized_price(shape, rung=rung, request=request, cluster=cluster)
+        if len(_priced) > PRICED_KEPT:
+            del _priced[next(iter(_priced))]
+    return priced
+
+
+def _sized_price(shape: ModelShape, *, rung: Rung, request: PlanRequest,
+                 cluster: Cluster) -> tuple[Estimate, bool, str, Rung]:
+    """`sized_price` without its memory."""
     budget = int(cluster.device_bytes * (1 - request.planner.headroom))
     host_budget = int(cluster.host_ram_bytes * (1 - request.planner.headroom))
     if rung.pipeline_enabled:

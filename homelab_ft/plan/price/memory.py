@@ -257,8 +257,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     sizes = _sizes(shape, method, request, cluster)
     act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
     table_host = host_embedding_bytes(shape, rung=rung, request=request, cluster=cluster)
-    device, resident = _device_memory(shape, sizes, rung=rung, request=request, cluster=cluster, act_host=act_host)
-    device = dataclasses.replace(device, weights=device.weights - table_host)
+    device, resident = _device_memory(shape, sizes, rung=rung, request=request, cluster=cluster, act_host=act_host,
+                                      table_host=table_host)
     offloaded = resident if cpu_offload else 0
     loading = loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
                              sharded=shards > 1 or cpu_offload)
@@ -298,8 +298,10 @@ def sync_deferred(shape: ModelShape, *, rung: Rung, trainable: int) -> bool:
 
 
 def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: PlanRequest, cluster: Cluster,
-                   act_host: int) -> tuple[Memory, float]:
-    """(peak bytes on one device by item, the model state a rank holds, on the device or offloaded)."""
+                   act_host: int, table_host: int) -> tuple[Memory, float]:
+    """(peak bytes on one device by item, the model state a rank holds, on the device or offloaded).
+    `table_host`: the embedding table's bytes kept in host RAM, which the device's weights do not hold
+    (taken off here rather than by replacing the Memory after: one dataclass built per estimate)."""
     method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
     trainable, state_bytes, act_bytes = sizes.trainable, sizes.state_bytes, sizes.act_bytes
     # A sharded 4-bit base splits (and offloads) the packed bytes; its constants and one expert's
@@ -321,7 +323,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
-        weights=int(kept if cpu_offload else weights),
+        weights=int(kept if cpu_offload else weights) - table_host,
         gradients=int(0 if cpu_offload else gradients),
         optimizer=int(0 if cpu_offload else optimizer),
         activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0),

@@ -9,6 +9,7 @@ gradients and optimizer state against real runs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
@@ -33,6 +34,7 @@ def qlora_compute_bytes(request: PlanRequest, cluster: Cluster) -> int:
     return 2 if request.quant.compute_dtype == "bfloat16" else 4
 
 
+@functools.cache
 def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, double_quant: bool) -> int:
     """Bytes of one bitsandbytes-quantized nn.Linear weight, quantization constants included.
 
@@ -41,6 +43,9 @@ def quantized_linear_bytes(in_features: int, out_features: int, *, bits: int, do
     blocks of 256 with fp32 second-level absmax plus one fp32 offset; and the QuantState's own
     codes (`quant_code_bytes`).
     8-bit (LLM.int8, Linear8bitLt): one byte per value plus an fp32 scale per output row (SCB).
+
+    Cached: a function of four ints, asked for every linear of every block in each option's
+    estimate (~600k times in test_rung's grid), for a model's handful of distinct shapes.
     """
     n = in_features * out_features
     if bits == 8:

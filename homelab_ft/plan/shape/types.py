@@ -10,11 +10,18 @@ version), so planning a model seen before imports no torch. The config itself co
 wherever the model lives: locate.locate_config. shapes.model_shape is the front door.
 
 `ModelShape.facts` is the little of the shape that building the model asks (homelab_ft/model_facts.py).
+
+The sums over blocks and linears (`params`, `total_params` ...) are `functools.cached_property`:
+the planner reads them in every option's estimate, hundreds of thousands of times for one plan
+with advice, and a frozen shape never changes. The cached value sits in the instance's __dict__
+(these dataclasses have no __slots__), which equality, hashing, `dataclasses.replace` and
+`to_dict` never read: they go by the fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from homelab_ft.model_facts import ModelFacts
@@ -79,24 +86,24 @@ class BlockShape:
     """Names of the linear layers that share one input the frozen block does not keep (q/k/v_proj,
     gate/up_proj): what a LoRA adapter's lora_A saves once per group it targets."""
 
-    @property
+    @functools.cached_property
     def params(self) -> int:
         return sum(lin.params for lin in self.linears) + self.other_params + self.expert_params
 
-    @property
+    @functools.cached_property
     def active_params(self) -> int:
         return self.params - self.expert_params + self.active_expert_params
 
-    @property
+    @functools.cached_property
     def expert_weight_params(self) -> int:
         """The weights of `expert_stacks` (biases and unmarked stacks not included)."""
         return sum(e * i * o for e, i, o in self.expert_stacks)
 
-    @property
+    @functools.cached_property
     def linear_weight_params(self) -> int:
         return sum(lin.weight_params for lin in self.linears)
 
-    @property
+    @functools.cached_property
     def routed_experts(self) -> int:
         """Experts each token is routed to (top-k), from what derive.py counted: active expert
         parameters are top-k / experts of them."""
@@ -143,40 +150,40 @@ class ModelShape:
     def final_norm_params(self) -> int:
         return self.other_root_params
 
-    @property
+    @functools.cached_property
     def root_params(self) -> int:
         """Parameters outside the decoder blocks: embeddings, final norm, LM head."""
         return self.embedding_params + self.other_root_params + self.lm_head_params
 
-    @property
+    @functools.cached_property
     def block_params(self) -> int:
         return sum(b.num_blocks * b.params for b in self.blocks)
 
-    @property
+    @functools.cached_property
     def total_params(self) -> int:
         return self.root_params + self.block_params
 
-    @property
+    @functools.cached_property
     def active_params(self) -> int:
         """Parameters one token passes through (== total_params for dense models)."""
         return self.root_params + sum(b.num_blocks * b.active_params for b in self.blocks)
 
-    @property
+    @functools.cached_property
     def max_block_params(self) -> int:
         """The largest block: what FSDP gathers at once."""
         return max(b.params for b in self.blocks)
 
-    @property
+    @functools.cached_property
     def expert_weight_params(self) -> int:
         """The weights of every block's `expert_stacks` (biases and unmarked stacks not included)."""
         return sum(b.num_blocks * b.expert_weight_params for b in self.blocks)
 
-    @property
+    @functools.cached_property
     def linear_weight_params(self) -> int:
         """Weights of the blocks' nn.Linear layers: what 4-bit/8-bit quantization replaces."""
         return sum(b.num_blocks * b.linear_weight_params for b in self.blocks)
 
-    @property
+    @functools.cached_property
     def is_moe(self) -> bool:
         return any(b.expert_params for b in self.blocks)
 

@@ -59,3 +59,23 @@ def test_a_deferred_sync_sends_the_gradients_once_per_step():
     grads = LLAMA_1B.total_params * request.reduce_bytes
     assert every.sent_bytes - once.sent_bytes == pytest.approx(3 * grads / 2, abs=2)
     assert every.grads_s > once.grads_s
+
+
+def test_pricing_reads_the_rung_for_what_the_key_leaves_out():
+    """ladder.sized_price keeps prices under request.pricing_key, which leaves out method,
+    sharding.strategy and sharding.cpu_offload: every option priced fresh (ladder._sized_price) is
+    the same under any of them, and a key changes with everything else pricing reads."""
+    from homelab_ft.plan.ladder import _sized_price, offers
+
+    request = default_request(data={"max_length": 512})
+    variants = [request.changed(method=m, sharding={"strategy": s, "cpu_offload": off})
+                for m, s, off in [("full", "full_shard", True), ("qlora", "no_shard", False), ("lora", "shard_grad_op", True)]]
+    assert {v.pricing_key for v in variants} == {request.pricing_key}
+    options = offers(LLAMA_1B, request=request, cluster=TWO_NODES)[0]
+    assert len(options) > 10
+    for option in options:
+        fresh = _sized_price(LLAMA_1B, rung=option.rung, request=request, cluster=TWO_NODES)
+        for variant in variants:
+            assert _sized_price(LLAMA_1B, rung=option.rung, request=variant, cluster=TWO_NODES) == fresh
+    assert request.changed(sharding={"reduce_dtype": "bfloat16"}).pricing_key != request.pricing_key
+    assert request.changed(data={"max_length": 256}).pricing_key != request.pricing_key
