@@ -8,7 +8,7 @@ from pathlib import Path
 
 from homelab_ft.errors import UserError
 from homelab_ft.recipe.config import Recipe, load_recipe
-from homelab_ft.store import checkpoint, runlock, staging
+from homelab_ft.store import checkpoint, manifest, runlock, staging
 from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,28 @@ def check_before_launch(recipe: Recipe) -> None:
             check_resume_overrides(old, recipe, saved=saved)
         return
     if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
-        raise UserError(
-            f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
-            "--overwrite, or choose another with --run-dir"
-        )
+        raise UserError(f"output directory {run_dir} already holds a run; {_resume_offer(run_dir, recipe)}choose another "
+                        "--run-dir, or pass --overwrite to delete this run and its checkpoints and start anew")
+
+
+def _resume_offer(run_dir: Path, recipe: Recipe) -> str:
+    """`resume it with --resume, ` when there is a checkpoint to resume from, with the overrides that
+    restore what it was trained with when this recipe changes any (checkpoint.built_from); else nothing.
+    Its hashes are not checked here (a resume does, and falls back to an older intact one)."""
+    newest = checkpoint.latest(run_dir)
+    if newest is None:
+        return ""
+    try:
+        recorded = checkpoint.read_state(newest).built_from
+    except manifest.DamagedCheckpoint:
+        return ""
+    if recorded is None:  # an older checkpoint: what it was trained with is not known
+        return "resume it with --resume, "
+    here = checkpoint.built_from(recipe, method=recipe.method)
+    if recipe.method == "auto":  # the planner decides it; the recorded one is the rung's
+        here.pop("method")
+    restore = " ".join(checkpoint.override(key, old) for key, old, _ in checkpoint.changed_keys(recorded, here))
+    return f"resume it with --resume{' ' + restore if restore else ''}, "
 
 
 def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:
