@@ -149,3 +149,21 @@ def test_generate_applies_the_chat_template(tiny_model_dir, capsys, monkeypatch)
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir).decode(seen["input_ids"][0])
     assert prompt.endswith("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
     assert 1 <= seen["new_tokens"] <= 4
+
+
+def test_exported_files_get_the_folder_mode(tmp_path, tiny_model_dir, umask_027):
+    """Issue 39.4: every file of a checkpoint's adapter, of the merged export (DoRA: merged in memory
+    and written by save_pretrained) and of the adapter-only export has the mode a new file gets
+    (0o640 under umask 027), never safetensors' own 600."""
+    from tiny import file_modes
+
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=write_chat_data(tmp_path / "train.jsonl", 8).name, train={"max_steps": 1}))
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run), "lora.use_dora=true"]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    for folder, weights in ((run / "checkpoints" / "step_000001" / "adapter", "adapter_model.safetensors"),
+                            (tmp_path / "merged", "model.safetensors"), (tmp_path / "adapter", "adapter_model.safetensors")):
+        modes = file_modes(folder)
+        assert weights in modes and set(modes.values()) == {umask_027}, (folder.name, modes)
