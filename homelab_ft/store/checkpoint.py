@@ -102,21 +102,45 @@ def refusal(path: Path, *, recorded: TrainerState, model_fingerprint: str, setti
     """Why a checkpoint cannot be loaded into this model, naming each changed key with its old and
     new value and, only when the checkpoint says what it was trained with, the overrides that
     restore it; starting anew is offered as another --run-dir, or --overwrite said to delete the run."""
-    anew = ("or start a new run with another --run-dir (--overwrite starts one here, deleting this run and "
-            "its checkpoints)")
     if recorded.built_from is None:
         return (f"{path} was written for another model or method ({recorded.model_fingerprint}, here "
                 f"{model_fingerprint}); it predates recording the settings it was trained with, so compare this "
-                f"resume's model.*, lora.* and quant.* values with that run's and resume with those, {anew}")
+                f"resume's model.*, lora.* and quant.* values with that run's and resume with those, {_ANEW}")
     changes = changed_keys(recorded.built_from, settings)
     if not changes:
         return (f"{path} was written for another model ({recorded.model_fingerprint}, here {model_fingerprint}) "
                 "although the recipe's method, model.*, lora.* and quant.* values are the ones it was trained with: "
-                f"the model at model.path changed since; point model.path at the model it was trained on, {anew}")
+                f"the model at model.path changed since; point model.path at the model it was trained on, {_ANEW}")
+    return _changed(path, changes)
+
+
+_ANEW = "or start a new run with another --run-dir (--overwrite starts one here, deleting this run and its checkpoints)"
+
+TENSOR_KEYS = ("method", "objective", "model.path")
+"""Recorded keys whose change always means other trained tensors (another model, method or objective);
+with adapters also ADAPTER_KEYS (another rank, other wrapped layers, DoRA's magnitudes, routers)."""
+ADAPTER_KEYS = ("lora.r", "lora.target_modules", "lora.use_dora", "lora.train_router")
+
+
+def check_settings(path: Path, *, settings: dict, adapters: bool) -> None:
+    """Refuse, before anything is built or written, a resume from `path` whose recorded settings
+    differ from `settings` (this run's `built_from`) in a key that shapes the trained tensors; the
+    load's fingerprint check stays the last word (a checkpoint without recorded settings, a changed
+    model folder)."""
+    recorded = read_state(path).built_from
+    if recorded is None:
+        return
+    shaping = TENSOR_KEYS + (ADAPTER_KEYS if adapters else ())
+    changes = changed_keys(recorded, settings)
+    if any(key in shaping for key, _, _ in changes):
+        raise UserError(_changed(path, changes))
+
+
+def _changed(path: Path, changes: list[tuple[str, object, object]]) -> str:
     said = ", ".join(f"{key}: {spelled(old)} -> {spelled(new)}" for key, old, new in changes)
     restore = " ".join(override(key, old) for key, old, _ in changes)
     return (f"{path} was trained with other settings than this resume's ({said}), so its tensors do not fit "
-            f"this model; to continue it, resume with {restore}, {anew}")
+            f"this model; to continue it, resume with {restore}, {_ANEW}")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

@@ -49,3 +49,22 @@ def test_older_trainer_state_files_still_read(tmp_path):
     (tmp_path / "trainer_state.json").write_text('{"step": 1, "scheduler": {}, "sampler": {}, '
                                                  '"model_fingerprint": "x", "world_size": 1}')
     assert checkpoint.read_state(tmp_path).built_from is None
+
+
+def test_the_early_check_refuses_only_keys_that_shape_the_tensors(tmp_path):
+    """Before anything is built: lora.r refused for an adapter run; lora.dropout (same tensors) and,
+    for a full fine-tune, lora.r pass on to the load's fingerprint check."""
+    import json
+
+    import pytest
+
+    from homelab_ft.errors import UserError
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    state = _state(_settings(tmp_path, "lora.r=4"))
+    (ck / "trainer_state.json").write_text(json.dumps(state.__dict__))
+    with pytest.raises(UserError, match=r"\(lora\.r: 4 -> 16\).*resume with lora\.r=4,"):
+        checkpoint.check_settings(ck, settings=_settings(tmp_path), adapters=True)
+    checkpoint.check_settings(ck, settings=_settings(tmp_path, "lora.r=4", "lora.dropout=0.2"), adapters=True)
+    checkpoint.check_settings(ck, settings=_settings(tmp_path), adapters=False)
