@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -138,7 +139,7 @@ def check_settings(path: Path, *, settings: dict, adapters: bool) -> None:
 
 def _changed(path: Path, changes: list[tuple[str, object, object]]) -> str:
     said = ", ".join(f"{key}: {spelled(old)} -> {spelled(new)}" for key, old, new in changes)
-    restore = " ".join(override(key, old) for key, old, _ in changes)
+    restore = shlex.join(override(key, old) for key, old, _ in changes)  # as a shell reads them back
     return (f"{path} was trained with other settings than this resume's ({said}), so its tensors do not fit "
             f"this model; to continue it, resume with {restore}, {_ANEW}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import shutil
 from pathlib import Path
 
@@ -69,22 +70,29 @@ def check_before_launch(recipe: Recipe) -> None:
 
 def _resume_offer(run_dir: Path, recipe: Recipe) -> str:
     """`resume it with --resume, ` when there is a checkpoint to resume from, with the overrides that
-    restore what it was trained with when this recipe changes any (checkpoint.built_from); else nothing.
-    Its hashes are not checked here (a resume does, and falls back to an older intact one)."""
+    restore what this recipe changes of what it was trained with (checkpoint.built_from) and of what a
+    resume cannot change (FIXED_ON_RESUME, from the run's recipe.yaml); else nothing. Its hashes are
+    not checked here (a resume does, and falls back to an older intact one)."""
     newest = checkpoint.latest(run_dir)
     if newest is None:
         return ""
     try:
         recorded = checkpoint.read_state(newest).built_from
-    except manifest.DamagedCheckpoint:
+        old = load_recipe(RunDir(run_dir).recipe_file) if RunDir(run_dir).recipe_file.is_file() else None
+    except (manifest.DamagedCheckpoint, UserError):
         return ""
-    if recorded is None:  # an older checkpoint: what it was trained with is not known
-        return "resume it with --resume, "
-    here = checkpoint.built_from(recipe, method=recipe.method)
-    if recipe.method == "auto":  # the planner decides it; the recorded one is the rung's
-        here.pop("method")
-    restore = " ".join(checkpoint.override(key, old) for key, old, _ in checkpoint.changed_keys(recorded, here))
-    return f"resume it with --resume{' ' + restore if restore else ''}, "
+    restore = []
+    if recorded is not None:  # None: an older checkpoint, which does not say what it was trained with
+        here = checkpoint.built_from(recipe, method=recipe.method)
+        if recipe.method == "auto":  # the planner decides it; the recorded one is the rung's
+            here.pop("method")
+        restore += [checkpoint.override(key, before) for key, before, _ in checkpoint.changed_keys(recorded, here)]
+    for dotted in FIXED_ON_RESUME if old is not None else ():
+        section, key = dotted.split(".")
+        before, after = getattr(getattr(old, section), key), getattr(getattr(recipe, section), key)
+        if before != after:
+            restore.append(checkpoint.override(dotted, list(before) if isinstance(before, tuple) else before))
+    return f"resume it with {shlex.join(['--resume', *restore])}, "
 
 
 def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:

@@ -59,7 +59,7 @@ def test_resume_refusal_names_the_changed_key(capsys, tmp_path, tiny_model_dir):
     assert "(lora.r: 4 -> 16)" in err and "resume with lora.r=4," in err, err
     assert "--overwrite starts one here, deleting this run and its checkpoints" in err
     assert "output.overwrite=true" not in err
-    err = run_cli(capsys, "train", recipe, "--run-dir", run)
-    assert "resume it with --resume lora.r=4," in err and "--overwrite to delete this run" in err, err
+    err = run_cli(capsys, "train", recipe, "--run-dir", run, "train.lr=1e-3")  # a resume cannot change lr either
+    assert "resume it with --resume lora.r=4 train.lr=0.0002," in err and "--overwrite to delete this run" in err, err
     assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "lora.r=4", "train.max_steps=2"]) == 0
     assert (run / "checkpoints" / "step_000002").is_dir()

@@ -25,7 +25,7 @@ def test_each_changed_key_is_named_with_both_values_and_restored(tmp_path):
     new = _settings(tmp_path)
     said = checkpoint.refusal(Path("ck"), recorded=_state(old), model_fingerprint="lora:m:200", settings=new)
     assert '(lora.r: 4 -> 16, lora.target_modules: ["q_proj", "v_proj"] -> all-linear, lora.use_dora: true -> false)' in said
-    assert 'resume with lora.r=4 lora.target_modules=["q_proj", "v_proj"] lora.use_dora=true,' in said
+    assert """resume with lora.r=4 'lora.target_modules=["q_proj", "v_proj"]' lora.use_dora=true,""" in said
     assert "deleting this run and its checkpoints" in said and "output.overwrite=true" not in said
     # the overrides offered are ones the recipe reader takes back to the recorded values
     restore = ["lora.r=4", 'lora.target_modules=["q_proj", "v_proj"]', "lora.use_dora=true"]
