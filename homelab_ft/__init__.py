@@ -22,7 +22,7 @@ The shared vocabulary, torch-free and imported by every stage:
     model_facts    what the builder asks of a model (blocks, experts, vocab, tying), answered once by the planner
     locate         where a model lives (local folder, GGUF, embedded, HF cache) and its config
     errors, logs   `UserError` (one line, exit 2); the CLI's logging and the rank-zero filter
-    fsio           file-system failures as one line naming the path and the fix
+    fsio           file-system failures as one line naming the path and the fix; written files' mode
     host, labels   this machine's RAM; `IGNORE_INDEX`
     torch_support  the oldest torch homelab-ft runs on, checked from torch's metadata at start-up
 """

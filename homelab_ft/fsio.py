@@ -6,11 +6,14 @@ should be), the user needs the path and the fix, not a traceback from wherever t
 happened. `describe` turns an OSError into that line; the CLI's one handler (cli/main.py) uses it
 for every command, and readers of text the user wrote (`read_text`) name the file when it is
 not UTF-8. Our own files (run.json, trainer_state.json) go through `locate.json_object`.
+`as_folder_files` gives a written file the mode its folder's other files get (safetensors' writer
+creates its files readable by their owner only).
 """
 
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 from homelab_ft.errors import UserError
@@ -51,3 +54,22 @@ def read_text(path: Path, *, what: str) -> str:
     except UnicodeDecodeError as err:
         raise UserError(f"{what} {path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset "
                         f"{err.start:,}); save it as UTF-8") from None
+
+
+def new_file_mode() -> int:
+    """The mode `open()` gives a new file here: 0o666 less the process's umask (0o644 under the usual 022)."""
+    mask = os.umask(0o022)  # the one portable way to read the umask is to set it, and set it back at once
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def as_folder_files(*paths: Path) -> None:
+    """Give each file the mode a file `open()` creates beside it gets (`new_file_mode`).
+
+    safetensors 0.8's `save_file` (and `save_pretrained`, which calls it) creates its file with mode
+    600 whatever the umask, so `model.safetensors` was readable by its owner alone while config.json
+    beside it was 644: an Ollama service account or a container's user could not read the export. Every writer of files meant for others (exports, a checkpoint's adapter)
+    calls this after writing."""
+    mode = new_file_mode()
+    for path in paths:
+        os.chmod(path, mode)

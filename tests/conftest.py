@@ -34,6 +34,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture
+def umask_027():
+    """The process's umask set to 027 for one test (neither the usual 022 nor safetensors' own 600
+    gives its 640); returns the mode a new file gets, 0o640."""
+    old = os.umask(0o027)
+    try:
+        yield 0o640
+    finally:
+        os.umask(old)
+
+
 # The per-test CPU budget of tests/unit (tests/budget.py): its hooks, registered as this conftest's.
 from budget import pytest_addoption, pytest_runtest_makereport, pytest_runtest_setup  # noqa: E402, F401
 

@@ -95,3 +95,8 @@ def make_llama(
     )
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def file_modes(folder: Path) -> dict[str, int]:
+    """Every file under `folder`, relative name -> permission bits."""
+    return {str(p.relative_to(folder)): p.stat().st_mode & 0o777 for p in sorted(folder.rglob("*")) if p.is_file()}

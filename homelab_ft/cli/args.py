@@ -32,6 +32,15 @@ def overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value", help="recipe overrides, e.g. train.lr=1e-4")
 
 
+def run_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", help="run directory (default: runs/<recipe name>; the same as output.dir=DIR)")
+
+
+def with_run_dir(args, overrides: list[str]) -> list[str]:
+    """The overrides with `--run-dir` as the `output.dir` it stands for (last: the flag wins)."""
+    return [*overrides, f"output.dir={args.run_dir}"] if args.run_dir else overrides
+
+
 def cluster_file(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", type=Path, metavar="FILE",
                    help="cluster file written by `homelab-ft doctor`: its measured values replace the recipe's "

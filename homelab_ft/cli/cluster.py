@@ -19,6 +19,7 @@ def add_launch(sub) -> None:
     p.add_argument("recipe")
     common.overrides(p)
     p.add_argument("--hosts", type=Path, required=True, help="hostfile: one host per line, the head node first")
+    common.run_dir(p)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="rendezvous TCP port on the head node")
     p.add_argument("--iface", help="network interface to use (sets NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME)")
     p.add_argument("--workdir", help="directory of this checkout on every node (default: the current one)")
@@ -30,12 +31,13 @@ def add_launch(sub) -> None:
 
 def launch_commands(args) -> list:
     """Each node's command for `launch`: the recipe planned and its inputs checked here, once; the
-    file's values stay on every node's command line as overrides (the other nodes need not have it)."""
+    file's values and `--run-dir` (as `output.dir=`) stay on every node's command line as overrides
+    (the other nodes need not have the file)."""
     from homelab_ft.cli.train import checked_handoff, planned
     from homelab_ft.cluster import launch
     from homelab_ft.recipe.config import load_recipe
 
-    overrides = common.with_cluster_file(args, list(args.overrides))
+    overrides = common.with_run_dir(args, common.with_cluster_file(args, list(args.overrides)))
     recipe = load_recipe(args.recipe, overrides)
     launch.read_hosts(args.hosts, nodes=recipe.cluster.nodes, port=args.port)  # before planning: it is cheap
     plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args), base_dir=Path(args.recipe).resolve().parent)

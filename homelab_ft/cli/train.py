@@ -23,7 +23,7 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", help="train a recipe")
     p.add_argument("recipe", type=Path)
     common.overrides(p)
-    p.add_argument("--run-dir", help="run directory (default: runs/<recipe name>)")
+    common.run_dir(p)
     resume = p.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint (refused when there is none)")
     resume.add_argument("--resume-or-start", action="store_true",
@@ -75,9 +75,7 @@ def checked_handoff(recipe, *, plan, rung):
 def _train_overrides(args) -> list[str]:
     """The recipe's overrides with the flags that stand for some; torchrun's workers get them as
     plain overrides (the --cluster file's values too: they need not read the file)."""
-    overrides = common.with_cluster_file(args, list(args.overrides))
-    if args.run_dir:
-        overrides.append(f"output.dir={args.run_dir}")
+    overrides = common.with_run_dir(args, common.with_cluster_file(args, list(args.overrides)))
     if args.resume:
         overrides.append("train.resume=true")
     if args.resume_or_start:
@@ -102,7 +100,7 @@ def resume_command(args, *, run_dir: Path, nodes: int = 1) -> str:
     kept = [o for o in args.overrides if not o.startswith(_SAID_AS_FLAGS)]
     if nodes > 1:
         return shlex.join(["homelab-ft", "launch", "--hosts", "HOSTFILE", str(args.recipe), *kept,
-                           "train.resume=true", f"output.dir={run_dir}"])
+                           "train.resume=true", "--run-dir", str(run_dir)])
     cluster = ["--cluster", str(args.cluster)] if args.cluster else []
     return shlex.join(["homelab-ft", "train", str(args.recipe), *kept, *cluster, "--resume", "--run-dir", str(run_dir)])
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.model import checkpoint_keys
 
@@ -121,6 +122,7 @@ def consolidate_to_hf(
         saved = keys.as_saved({**{n: buffers[MODEL_PREFIX + n] for n in names}, **base})
         out = {n: _cast(t, dtype).contiguous() for n, t in saved.items()}
         save_file(out, str(out_dir / file_name), metadata={"format": "pt"})
+        fsio.as_folder_files(out_dir / file_name)
         max_diff = max(max_diff, _read_back_diff(out_dir / file_name, saved))
         for n, t in out.items():
             weight_map[n] = file_name
@@ -244,7 +246,7 @@ def _copy_model_files(base_dir: Path, out_dir: Path, *, dtype: torch.dtype) -> N
     """Config, generation config, tokenizer and chat template from the base; weights excluded."""
     for path in base_dir.iterdir():
         if path.is_file() and not path.name.endswith(_WEIGHT_FILES) and path.name != _INDEX:
-            shutil.copy2(path, out_dir / path.name)
+            shutil.copyfile(path, out_dir / path.name)  # a new file: the mode of its folder, not the base's
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")

@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.export import expert_adapters
 from homelab_ft.model import checkpoint_keys
@@ -161,6 +162,7 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
                 weight_map[key] = name
                 total += tensor.numel() * tensor.element_size()
         save_file(tensors, str(out / name), metadata={"format": "pt"})
+        fsio.as_folder_files(out / name)
         del tensors  # one base file in memory at a time
         log.debug("merged %s", name)
     if merged != expected:

@@ -12,6 +12,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.export import expert_adapters, merge
 from homelab_ft.model import loading
@@ -128,6 +129,7 @@ def write_merged_in_memory(ckpt: Path, model_dir: Path, recipe, out: Path, *, dt
     merged.config.use_cache = True
     # 5 GB shards: the size the Hub and llama.cpp's converter handle comfortably.
     merged.save_pretrained(out, max_shard_size="5GB")
+    fsio.as_folder_files(*Path(out).glob("*.safetensors"))
     tokenizer.save_pretrained(out)
     del merged, peft_model  # one copy of the weights in memory at a time
     gc.collect()

@@ -135,11 +135,13 @@ class DataConfig:
     system_prompt: str | None = None
     """Inserted as the system turn of every sample that has none."""
     drop_system_prompt: bool = False
+    """Remove every system turn from the rows (before `system_prompt`, which then adds nothing)."""
     chat_template: str | None = None
     """A Jinja chat template (inline, a path to a file, or `chatml`) that replaces the tokenizer's own."""
     bad_rows: Literal["fail", "skip"] = "fail"
     """`skip`: malformed rows are counted and left out instead of stopping the run."""
     shuffle: bool = True
+    """Shuffle the training rows each epoch (seeded by train.seed); false: file order."""
     cache_dir: str | None = None
     """Where tokenised data is cached; default: the `datasets` cache."""
 
@@ -204,6 +206,8 @@ class TrainConfig:
     eval_every: NonNegInt = 0
     """Evaluate on the held-out split every N steps (0: only at the end, if there is a split)."""
     eval_max_batches: PositiveInt | None = None
+    """Evaluate on at most this many micro-batches of the held-out split, from its start (a
+    shorter, cheaper evaluation); default: the whole split."""
     sample_every: NonNegInt = 0
     """Every N optimizer steps, greedy replies to `sample_prompts` go to metrics.jsonl (rows with
     `samples`), TensorBoard (text) and the progress output (train/samples.py); 0: off."""
@@ -226,6 +230,7 @@ class TrainConfig:
     """On SIGTERM or SIGINT (Ctrl-C, `docker stop`, a scheduler's preemption), finish the step in
     progress, write a checkpoint of it, and exit 143 / 130 with the line that resumes the run."""
     log_every: PositiveInt = 1
+    """Write a metrics.jsonl row (and TensorBoard point) every N steps; the last step always."""
     resume: bool | Literal["auto"] = False
     """Continue from the newest complete checkpoint in the run directory (`true` refuses to start
     when there is none; `auto` starts a new run then)."""

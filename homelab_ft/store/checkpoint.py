@@ -19,10 +19,12 @@ A save that fails (a full disk) removes its temporary folder and keeps the previ
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import warnings
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from homelab_ft.errors import UserError
+from homelab_ft.recipe.config import Recipe
 from homelab_ft.store import dcp_metadata, manifest, model_state, ranks, runlock, staging
 from homelab_ft.store.layout import STATE_FILE, RunDir
 
@@ -62,6 +65,83 @@ class TrainerState:
     data_fingerprint: dict | None = None
     """The data the run read (data/fingerprint.py): a resume after it changed is refused.
     These two are None in checkpoints written before they were recorded."""
+    built_from: dict | None = None
+    """The recipe values the trained tensors were built from (`built_from`: dotted key -> value), so
+    a resume that cannot load them says which key changed and from what; None in older checkpoints."""
+
+
+BUILT_FROM_SECTIONS = ("model", "lora", "quant")
+"""The sections whose values shape (or may shape) the trained tensors, with the rung's method and
+the objective: a resume refused for another model names what differs among them."""
+
+
+def built_from(recipe: Recipe, *, method: str) -> dict:
+    """What a checkpoint records of the recipe it trained with: the method that ran (the rung's, not
+    `auto`), the objective and every key of BUILT_FROM_SECTIONS, as dotted key -> JSON value."""
+    values: dict = {"method": method, "objective": recipe.objective}
+    for section in BUILT_FROM_SECTIONS:
+        for key, value in dataclasses.asdict(getattr(recipe, section)).items():
+            values[f"{section}.{key}"] = list(value) if isinstance(value, tuple) else value
+    return values
+
+
+def changed_keys(old: dict, new: dict) -> list[tuple[str, object, object]]:
+    """(key, old value, new value) for every key both record and that differs, in the order recorded."""
+    return [(key, old[key], new[key]) for key in old if key in new and old[key] != new[key]]
+
+
+def spelled(value) -> str:
+    """A value as a recipe override spells it (YAML: lists, booleans and null in JSON's form)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def override(key: str, value) -> str:
+    return f"{key}={spelled(value)}"
+
+
+def refusal(path: Path, *, recorded: TrainerState, model_fingerprint: str, settings: dict) -> str:
+    """Why a checkpoint cannot be loaded into this model, naming each changed key with its old and
+    new value and, only when the checkpoint says what it was trained with, the overrides that
+    restore it; starting anew is offered as another --run-dir, or --overwrite said to delete the run."""
+    if recorded.built_from is None:
+        return (f"{path} was written for another model or method ({recorded.model_fingerprint}, here "
+                f"{model_fingerprint}); it predates recording the settings it was trained with, so compare this "
+                f"resume's model.*, lora.* and quant.* values with that run's and resume with those, {_ANEW}")
+    changes = changed_keys(recorded.built_from, settings)
+    if not changes:
+        return (f"{path} was written for another model ({recorded.model_fingerprint}, here {model_fingerprint}) "
+                "although the recipe's method, model.*, lora.* and quant.* values are the ones it was trained with: "
+                f"the model at model.path changed since; point model.path at the model it was trained on, {_ANEW}")
+    return _changed(path, changes)
+
+
+_ANEW = "or start a new run with another --run-dir (--overwrite starts one here, deleting this run and its checkpoints)"
+
+TENSOR_KEYS = ("method", "objective", "model.path")
+"""Recorded keys whose change always means other trained tensors (another model, method or objective);
+with adapters also ADAPTER_KEYS (another rank, other wrapped layers, DoRA's magnitudes, routers)."""
+ADAPTER_KEYS = ("lora.r", "lora.target_modules", "lora.use_dora", "lora.train_router")
+
+
+def check_settings(path: Path, *, settings: dict, adapters: bool) -> None:
+    """Refuse, before anything is built or written, a resume from `path` whose recorded settings
+    differ from `settings` (this run's `built_from`) in a key that shapes the trained tensors; the
+    load's fingerprint check stays the last word (a checkpoint without recorded settings, a changed
+    model folder)."""
+    recorded = read_state(path).built_from
+    if recorded is None:
+        return
+    shaping = TENSOR_KEYS + (ADAPTER_KEYS if adapters else ())
+    changes = changed_keys(recorded, settings)
+    if any(key in shaping for key, _, _ in changes):
+        raise UserError(_changed(path, changes))
+
+
+def _changed(path: Path, changes: list[tuple[str, object, object]]) -> str:
+    said = ", ".join(f"{key}: {spelled(old)} -> {spelled(new)}" for key, old, new in changes)
+    restore = shlex.join(override(key, old) for key, old, _ in changes)  # as a shell reads them back
+    return (f"{path} was trained with other settings than this resume's ({said}), so its tensors do not fit "
+            f"this model; to continue it, resume with {restore}, {_ANEW}")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -141,7 +221,7 @@ def _newest_intact(run_dir: Path, *, verbose: bool, hold: bool) -> tuple[Path | 
     if damaged:
         raise UserError(
             f"no intact checkpoint in {checkpoints_dir(run_dir)}: {'; '.join(damaged)}; "
-            "restore it from a backup, or start again with --overwrite"
+            "restore it from a backup, or start again with --overwrite (which deletes this run and its checkpoints)"
         )
     return None, None
 
@@ -286,15 +366,12 @@ def _sum_over_ranks(value: int) -> int:
     return sum(ranks.all_gather(value))
 
 
-def load(path: Path, *, model, optimizer, model_fingerprint: str) -> TrainerState:
+def load(path: Path, *, model, optimizer, model_fingerprint: str, settings: dict) -> TrainerState:
     """Restore model, optimizer and this rank's RNG from `path` (verified by `newest_intact`);
-    returns the trainer state."""
+    returns the trainer state. `settings` is this run's `built_from`, named in a refusal."""
     state = read_state(path)
     if state.model_fingerprint != model_fingerprint:
-        raise UserError(
-            f"{path} was written for another model or method ({state.model_fingerprint}), "
-            f"not {model_fingerprint}; use a new output.dir or set output.overwrite=true"
-        )
+        raise UserError(refusal(path, recorded=state, model_fingerprint=model_fingerprint, settings=settings))
     # The model's tensors are loaded in place (each rank its own shards, resharded by DCP when the
     # number of ranks changed); a trainable tensor missing from the checkpoint fails the load.
     reader = dcp_metadata.SafeFileSystemReader(path / "state")

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+from homelab_ft import fsio
 from homelab_ft.rules.moe_routers import router_parameters
 from homelab_ft.store import ranks
 
@@ -96,3 +97,4 @@ def save_adapter(model, out_dir: Path) -> None:
     if routers:
         save_file({k: v.contiguous() for k, v in routers.items()}, out_dir / ROUTERS)
     inner.peft_config["default"].save_pretrained(out_dir)
+    fsio.as_folder_files(*(p for p in out_dir.iterdir() if p.suffix == ".safetensors"))  # what export copies

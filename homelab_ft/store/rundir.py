@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import shutil
 from pathlib import Path
 
 from homelab_ft.errors import UserError
 from homelab_ft.recipe.config import Recipe, load_recipe
-from homelab_ft.store import checkpoint, runlock, staging
+from homelab_ft.store import checkpoint, manifest, runlock, staging
 from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,35 @@ def check_before_launch(recipe: Recipe) -> None:
             check_resume_overrides(old, recipe, saved=saved)
         return
     if run_dir.exists() and any(run_dir.iterdir()) and not recipe.output.overwrite:
-        raise UserError(
-            f"output directory {run_dir} already holds a run; resume it with --resume, replace it with "
-            "--overwrite, or choose another with --run-dir"
-        )
+        raise UserError(f"output directory {run_dir} already holds a run; {_resume_offer(run_dir, recipe)}choose another "
+                        "--run-dir, or pass --overwrite to delete this run and its checkpoints and start anew")
+
+
+def _resume_offer(run_dir: Path, recipe: Recipe) -> str:
+    """`resume it with --resume, ` when there is a checkpoint to resume from, with the overrides that
+    restore what this recipe changes of what it was trained with (checkpoint.built_from) and of what a
+    resume cannot change (FIXED_ON_RESUME, from the run's recipe.yaml); else nothing. Its hashes are
+    not checked here (a resume does, and falls back to an older intact one)."""
+    newest = checkpoint.latest(run_dir)
+    if newest is None:
+        return ""
+    try:
+        recorded = checkpoint.read_state(newest).built_from
+        old = load_recipe(RunDir(run_dir).recipe_file) if RunDir(run_dir).recipe_file.is_file() else None
+    except (manifest.DamagedCheckpoint, UserError):
+        return ""
+    restore = []
+    if recorded is not None:  # None: an older checkpoint, which does not say what it was trained with
+        here = checkpoint.built_from(recipe, method=recipe.method)
+        if recipe.method == "auto":  # the planner decides it; the recorded one is the rung's
+            here.pop("method")
+        restore += [checkpoint.override(key, before) for key, before, _ in checkpoint.changed_keys(recorded, here)]
+    for dotted in FIXED_ON_RESUME if old is not None else ():
+        section, key = dotted.split(".")
+        before, after = getattr(getattr(old, section), key), getattr(getattr(recipe, section), key)
+        if before != after:
+            restore.append(checkpoint.override(dotted, list(before) if isinstance(before, tuple) else before))
+    return f"resume it with {shlex.join(['--resume', *restore])}, "
 
 
 def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:

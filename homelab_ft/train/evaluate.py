@@ -2,7 +2,8 @@
 
 Every rank runs the same number of forwards, because sharded forwards are collective (`_eval_batches`);
 a pipelined rung's pass runs through its stages' schedule (`evaluate_pipeline`). The loop calls
-these every `train.eval_every` steps and after the last one.
+these every `train.eval_every` steps and after the last one, with a progress bar (`progress`: what
+makes one of a given total, the trainer's tqdm; one tick per forward) so a long pass is not silent.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from homelab_ft.train.loss import batch_loss_sum
 
 
 @torch.no_grad()
-def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
+def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=None) -> float:
     """Mean loss per trained token over the held-out split, all ranks together.
 
     Every rank runs the same number of forward passes (sharded forwards are collective); a rank
@@ -29,7 +30,7 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
     model.eval()
     loss_sum = torch.zeros((), device=env.device)
     tokens = 0
-    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
+    for indices, real in _shown(list(_eval_batches(len(rows), recipe=recipe, env=env)), progress):
         mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
         summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
                                 compiled=recipe.train.compile)
@@ -42,13 +43,13 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> float:
 
 
 @torch.no_grad()
-def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tuple[float, dict]:
+def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=None) -> tuple[float, dict]:
     """Mean DPO loss per held-out pair and the means of the other preference.METRICS (`eval_` keys),
     all ranks together, with evaluate's batch schedule (every rank runs the same forwards)."""
     model.eval()
     sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
     pairs = 0
-    for indices, real in _eval_batches(len(rows), recipe=recipe, env=env):
+    for indices, real in _shown(list(_eval_batches(len(rows), recipe=recipe, env=env)), progress):
         mb = collate_pairs([rows[i] for i in indices], pad_token_id=pad_token_id)
         reference = preference.reference_logps(model, mb, env.device)
         policy, num_tokens = preference.policy_logps(model, mb, env.device)
@@ -63,7 +64,8 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int) -> tu
 
 
 @torch.no_grad()
-def evaluate_pipeline(pipeline: Pipeline, rows, *, env, rung: Rung, recipe: Recipe, pad_token_id: int) -> float:
+def evaluate_pipeline(pipeline: Pipeline, rows, *, env, rung: Rung, recipe: Recipe, pad_token_id: int,
+                      progress=None) -> float:
     """`evaluate` through a pipelined rung's stages (Pipeline.forward_only), all ranks together.
 
     The stages of one pipeline read the same rows, so the batches are dealt to the rung's
@@ -82,7 +84,7 @@ def evaluate_pipeline(pipeline: Pipeline, rows, *, env, rung: Rung, recipe: Reci
     rounds = -(-most // per_round)
     loss_sum = torch.zeros((), device=env.device)
     tokens = 0
-    for r in range(rounds):
+    for r in _shown(range(rounds), progress):
         micro_batches = []
         for k in range(r * per_round, (r + 1) * per_round):
             indices, real = (mine[k], len(mine[k])) if k < len(mine) else ((mine or batches)[0], 0)
@@ -102,6 +104,21 @@ def _batch_rows(num_rows: int, *, recipe: Recipe) -> list[list[int]]:
     if recipe.train.eval_max_batches:
         batches = batches[: recipe.train.eval_max_batches]
     return batches
+
+
+def _shown(forwards, progress):
+    """`forwards` (a list or range) under the bar `progress(total)` makes, one tick after each and
+    closed after the last; `progress` None: no bar."""
+    if progress is None:
+        yield from forwards
+        return
+    bar = progress(len(forwards))
+    try:
+        for item in forwards:
+            yield item
+            bar.update(1)
+    finally:
+        bar.close()
 
 
 def _eval_batches(num_rows: int, *, recipe: Recipe, env):

@@ -104,13 +104,14 @@ def plot_loss(metrics_path: Path, out_png: Path) -> None:
     plt.close(fig)
 
 
-def progress_bar(start: int, total: int, *, enabled: bool):
-    """tqdm on the main rank (loss, tokens/s, ETA); a silent stand-in elsewhere."""
+def progress_bar(start: int, total: int, *, enabled: bool, desc: str = "train", unit: str = "step",
+                 leave: bool = True):
+    """tqdm on the main rank (loss, tokens/s, ETA); a silent stand-in elsewhere (and under -q)."""
     if not enabled:
         return _NullProgress()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=start, desc=desc, unit=unit, dynamic_ncols=True, leave=leave)
 
 
 class _NullProgress(contextlib.nullcontext):

@@ -64,6 +64,11 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
 
         compiling.check_available(device_type=device_type)
     resume_from = rundir.check_run_dir(recipe)
+    if resume_from is not None:  # before anything is built or written (the run's recipe.yaml included)
+        from homelab_ft.store import checkpoint
+
+        checkpoint.check_settings(resume_from, settings=checkpoint.built_from(recipe, method=rung.method),
+                                  adapters=rung.adapters_enabled)
     where = locate(recipe.model.path)
     model_dir = loading.resolve_model_dir(where)  # converts a GGUF once; a damaged one is refused
     files.check_model_files(model_dir, converted=where.is_gguf)

@@ -149,3 +149,53 @@ def test_generate_applies_the_chat_template(tiny_model_dir, capsys, monkeypatch)
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir).decode(seen["input_ids"][0])
     assert prompt.endswith("<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n")
     assert 1 <= seen["new_tokens"] <= 4
+
+
+def test_exported_files_get_the_folder_mode(tmp_path, tiny_model_dir, umask_027):
+    """Issue 39.4: every file of a checkpoint's adapter, of the merged export (DoRA: merged in memory
+    and written by save_pretrained) and of the adapter-only export has the mode a new file gets
+    (0o640 under umask 027), never safetensors' own 600."""
+    from tiny import file_modes
+
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=write_chat_data(tmp_path / "train.jsonl", 8).name, train={"max_steps": 1}))
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run), "lora.use_dora=true"]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "merged")]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 0
+    for folder, weights in ((run / "checkpoints" / "step_000001" / "adapter", "adapter_model.safetensors"),
+                            (tmp_path / "merged", "model.safetensors"), (tmp_path / "adapter", "adapter_model.safetensors")):
+        modes = file_modes(folder)
+        assert weights in modes and set(modes.values()) == {umask_027}, (folder.name, modes)
+
+
+def test_the_evaluation_shows_progress_unless_quiet(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    """Issue 39.2: the final held-out pass ran at a silent 100% (29 s for the DPO recipe); it has a
+    bar of its own, ticked once per forward up to its total, and none under -q."""
+    from homelab_ft.train import metrics, trainer
+
+    made = []  # (desc, total, enabled, ticks) of every eval bar
+
+    def spy(start, total, *, enabled, **kwargs):
+        bar = metrics.progress_bar(start, total, enabled=enabled, **kwargs)
+        if kwargs.get("desc", "").startswith("eval"):
+            made.append([kwargs["desc"], total, enabled, 0])
+            update = bar.update
+
+            def counted(n, _row=made[-1]):
+                _row[3] += n
+                return update(n)
+            bar.update = counted
+        return bar
+
+    monkeypatch.setattr(trainer, "progress_bar", spy)
+    recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=1, eval_every=0, save_every=0, micro_batch_size=2,
+                          grad_accum_steps=1)
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]) == 0
+    out, err = capsys.readouterr()
+    [(desc, total, enabled, ticks)] = made
+    assert desc == "eval after step 1" and enabled and total > 1 and ticks == total
+    assert f"eval after step 1:   0%|          | 0/{total} " in err and "step 1: eval_loss" in out
+    made.clear()
+    assert main(["-q", "train", str(recipe), "--run-dir", str(tmp_path / "quiet")]) == 0
+    assert [enabled for _, _, enabled, _ in made] == [False] and "eval after step" not in capsys.readouterr().err

@@ -1,11 +1,13 @@
-"""What the docs claim holds: every Markdown table renders as a table, and `help()` of a recipe
-section shows its fields' docstrings (docs/recipes.md says it does)."""
+"""What the docs claim holds: every Markdown table renders as a table, `help()` of a recipe
+section shows its fields' docstrings (docs/recipes.md says it does), and docs/recipes.md names
+every recipe key (the README says it does)."""
 
 from __future__ import annotations
 
 import dataclasses
 import pydoc
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -94,3 +96,52 @@ def test_the_llama_1b_recipe_comment_is_the_plan():
     assert [v for v, _ in values] == [round(b / 2**30, 2) for b in planned]
     peak = sum(b for b, (_, aside) in zip(planned, values, strict=True) if not aside)
     assert peak == m.total and f"`homelab-ft plan`: {m.total / 2**30:.1f} GiB per GPU" in "\n".join(comment)
+
+
+def _section_type(annotation) -> type | None:
+    """The config dataclass a field holds (itself, or inside `list[...]`, `X | None`), else None."""
+    for arg in (annotation, *typing.get_args(annotation)):
+        if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def recipe_keys() -> list[tuple[str, str | None, str]]:
+    """(top-level field, key in its section or None, dotted key) for every key a recipe may set,
+    read off the typed dataclasses: `train.lr`, `data.sources[].path`, `name`."""
+    found = []
+    hints = typing.get_type_hints(config.Recipe)
+    for top in dataclasses.fields(config.Recipe):
+        section = _section_type(hints[top.name])
+        if section is None:
+            found.append((top.name, None, top.name))
+            continue
+        inner = typing.get_type_hints(section)
+        for field in dataclasses.fields(section):
+            nested = _section_type(inner[field.name])
+            found += ([(top.name, field.name, f"{top.name}.{field.name}")] if nested is None else
+                      [(top.name, sub.name, f"{top.name}.{field.name}[].{sub.name}") for sub in dataclasses.fields(nested)])
+    return found
+
+
+def test_docs_recipes_md_names_every_recipe_key():
+    """Issue 39.7: `train.eval_max_batches` and others were in no doc. A key counts as named when its
+    section's row of the Sections table lists it (`` `lr` `` in the `train` row; a top-level key has a
+    row of its own) or the page spells it dotted (`train.num_epochs`)."""
+    text = (REPO / "docs" / "recipes.md").read_text()
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([a-z_]+)` \|.*$", text, re.M)}
+    keys = recipe_keys()
+    assert {"train.eval_max_batches", "data.sources[].path", "name"} <= {dotted for *_, dotted in keys}
+    missing = [dotted for top, key, dotted in keys
+               if not (top in rows if key is None else
+                       f"`{key}`" in rows.get(top, "") or re.search(rf"\b{top}\.{key}\b", text))]
+    assert not missing, f"docs/recipes.md does not name {missing}"
+
+
+def test_module_paths_in_the_docs_exist():
+    """Issue 39.7: docs/multi-node.md named `homelab_ft.supervise` after it moved to homelab_ft.cluster."""
+    for path in DOCS:
+        for dotted in set(re.findall(r"\bhomelab_ft(?:\.[A-Za-z_]\w*)+", path.read_text())):
+            parts = dotted.split(".")
+            assert (REPO.joinpath(*parts).with_suffix(".py").is_file() or REPO.joinpath(*parts, "__init__.py").is_file()), \
+                f"{path.name} names {dotted}, which is no module"

@@ -79,7 +79,8 @@ def test_output_dir_with_other_run_is_left_alone(capsys, tmp_path, tiny_model_di
     (run / "notes.txt").write_text("precious")
     body = {"model": {"path": str(tiny_model_dir)}}
     err = run_cli(capsys, "train", recipe_file(tmp_path, body), "--run-dir", run)
-    assert "already holds a run" in err and "--resume" in err
+    # No checkpoint to resume from: --resume is not offered, and --overwrite is said to delete the run.
+    assert "already holds a run" in err and "--resume" not in err and "--overwrite to delete this run" in err
     assert (run / "notes.txt").read_text() == "precious"
     assert (run / "recipe.yaml").read_text() == "name: another\n"
 

@@ -34,4 +34,4 @@ def test_a_torchrun_worker_says_the_same_from_the_overrides_it_received():
 def test_a_job_of_several_nodes_continues_through_launch():
     worker = _args("r.yaml", "train.lr=1e-4", "output.dir=runs/x")
     assert resume_command(worker, run_dir=Path("runs/x"), nodes=2) == \
-        "homelab-ft launch --hosts HOSTFILE r.yaml train.lr=1e-4 train.resume=true output.dir=runs/x"
+        "homelab-ft launch --hosts HOSTFILE r.yaml train.lr=1e-4 train.resume=true --run-dir runs/x"

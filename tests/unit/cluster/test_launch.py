@@ -181,7 +181,7 @@ def test_workers_get_the_parents_decision(monkeypatch):
 
 def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """`homelab-ft launch`: planned and checked once, here; the nodes get the planner's rung in the
-    handoff, not pinned as overrides. (The tiny Llama, not the embedded GGUF: converting that took
+    handoff, not pinned as overrides, and `--run-dir` as train takes it (issue 39.6). (The tiny Llama, not the embedded GGUF: converting that took
     ~35 CPU s here, and its conversion is e2e/test_gguf_model.py's.)"""
     from homelab_ft.cli.main import main
 
@@ -191,9 +191,10 @@ def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, tiny_model
                       "cluster:\n  nodes: 2\n  gpus_per_node: 1\n  device: cpu\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
-    assert main(["launch", str(recipe), "--hosts", str(hosts)]) == 0
+    assert main(["launch", str(recipe), "--hosts", str(hosts), "--run-dir", "runs/mine"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "homelab_ft.cluster.supervise" in ln]
     assert len(lines) == 2 and not any("method=" in ln or "sharding.strategy=" in ln for ln in lines)
+    assert all(shlex.split(ln)[-1] == "output.dir=runs/mine" for ln in lines)  # every node trains into it
     words = {w.split("=", 1)[1] for ln in lines for w in shlex.split(ln) if w.startswith(f"{handoff.HANDOFF_VAR}=")}
     assert len(words) == 1
     sent = Handoff.decode(words.pop())

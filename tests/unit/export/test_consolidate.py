@@ -38,3 +38,21 @@ def test_consolidated_export_keeps_the_base_layout(tmp_path, family, shard_bytes
     assert saved_keys(tmp_path / "out") == expected  # the base's layout (a text fine-tune carries no vision tower)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
     assert all(torch.equal(reloaded[n], state[n]) for n in state)
+
+
+def test_consolidated_files_get_the_folder_mode(tmp_path, tiny_model_dir, umask_027):
+    """Issue 39.4: the weights (safetensors writes 600) and the base's files copied beside them (a
+    private config.json in the base) all get the mode a new file gets under the umask."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from tiny import file_modes
+    from transformers import AutoModelForCausalLM
+
+    base_dir = shutil.copytree(tiny_model_dir, tmp_path / "base")
+    (base_dir / "config.json").chmod(0o600)
+    state = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).state_dict()
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "step" / "state", no_dist=True)
+    consolidate.consolidate_to_hf(tmp_path / "step", base_dir, tmp_path / "out")
+    modes = file_modes(tmp_path / "out")
+    assert {"model.safetensors", "config.json"} <= set(modes) and set(modes.values()) == {umask_027}, modes

@@ -62,3 +62,13 @@ def test_merge_in_bf16_rounds_once(tmp_path, tiny_model_dir):
 def test_adapters_it_cannot_stream_are_named(tmp_path, tiny_model_dir):
     _adapter(tiny_model_dir, tmp_path / "dora", use_dora=True)
     assert "DoRA" in merge.unsupported_reason(tmp_path / "dora", tiny_model_dir)
+
+
+def test_merged_files_get_the_folder_mode(tmp_path, tiny_model_dir, umask_027):
+    """Issue 39.4: safetensors 0.8 writes mode 600; the merged weights get what the config beside them gets."""
+    from tiny import file_modes
+
+    _adapter(tiny_model_dir, tmp_path / "adapter")
+    merge.merge_files(tmp_path / "adapter", tiny_model_dir, tmp_path / "out", dtype=torch.float32)
+    modes = file_modes(tmp_path / "out")
+    assert "model.safetensors" in modes and set(modes.values()) == {umask_027}, modes
