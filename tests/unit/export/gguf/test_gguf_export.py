@@ -376,6 +376,37 @@ def test_export_of_a_family_transformers_cannot_read_back(tmp_path, capsys):
     assert not gguf_check.transformers_reads(out / "model-q8_0.gguf")
 
 
+def test_default_export_of_qwen3_moe_completes_with_its_quality_line(tmp_path, capsys):
+    """Issue 38's reproduction: the default q8_0 export of a Qwen3-MoE (hidden 64, 4 layers, 4
+    experts of 32) crashed in its quality step (ignore_mismatched_sizes) and wrote nothing."""
+    from families import save_tiny
+
+    run = make_run(tmp_path, save_tiny(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=True))
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
+    quality = json.loads((out / "homelab_ft_export.json").read_text())["gguf"]["quality"]
+    assert quality["agreement"] > 0.9 and quality["line"] in capsys.readouterr().out
+
+
+def test_a_quality_report_that_cannot_run_keeps_the_checked_export(models, tmp_path, capsys, monkeypatch):
+    """The GGUF has passed verify_gguf: a failing report is one line, never the export's end."""
+    from homelab_ft.export.gguf import quality as gguf_quality
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory left for the second model\nsecond line")
+
+    monkeypatch.setattr(gguf_quality, "load_gguf_model", broken)
+    run = make_run(tmp_path, models("llama"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
+    assert (out / "model-q8_0.gguf").is_file()
+    assert "quality" not in json.loads((out / "homelab_ft_export.json").read_text())["gguf"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "quality report" in line]
+    assert said == ["warning: the q8_0 GGUF's quality report could not be measured (RuntimeError: no memory left "
+                    "for the second model); the file passed its read-back check and is kept"]
+
+
 # ------------------------------------------------------------------------------------- adapter
 
 
