@@ -121,6 +121,38 @@ def transformers_reads(gguf_path: Path) -> bool:
     return True
 
 
+def check_window(model_dir: Path, *, target: gguf_arch.Target) -> None:
+    """A sliding window llama.cpp's graph does not apply (Mistral as `llama`) is written with a
+    warning (gguf_hparams) when the check's prompts fit in it, as Mistral 7B v0.1's 4096 tokens
+    do: the file then differs from the model only past the window. A shorter window runs another
+    model on the check's own prompts (and on most chats): GgufUnsupported, asked before anything
+    is written (export.run), not left to fail verify_gguf with a traceback."""
+    from transformers import AutoConfig
+
+    window = getattr(AutoConfig.from_pretrained(model_dir), "sliding_window", None)
+    if not window or target.layout.sliding_window:
+        return
+    longest = max(probe_lengths(model_dir))
+    if window < longest:
+        raise gguf_arch.GgufUnsupported(
+            f"{model_dir}/config.json: sliding_window = {window} is shorter than the export check's prompts "
+            f"({longest} tokens): llama.cpp runs {target.model_type} as {target.arch_name!r}, with no sliding window, "
+            f"so past {window} tokens it would run another model")
+
+
+def probe_lengths(model_dir: Path) -> list[int]:
+    """Tokens of each PROBE_CHATS prompt in `model_dir`'s tokenizer: what verify_gguf compares the
+    logits on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [len(tokenizer(text)["input_ids"]) for text in _probe_texts(tokenizer)]
+
+
+def _probe_texts(tokenizer) -> list[str]:
+    return [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in PROBE_CHATS]
+
+
 def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     """The prompts' ids as tensors, once the GGUF's tokenizer gives the reference's ids and template."""
     import torch
@@ -131,8 +163,7 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     if reference_tok.chat_template != gguf_tok.chat_template:
         raise RuntimeError("GGUF check failed: the chat template in the GGUF differs from the tokenizer's")
     probes = []
-    for chat in PROBE_CHATS:
-        text = reference_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    for text in _probe_texts(reference_tok):
         want, got = reference_tok(text)["input_ids"], gguf_tok(text)["input_ids"]
         if want != got:
             at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
@@ -238,7 +269,8 @@ class _memoized_name_maps:
 
 def _as_gguf_arch(config):
     """Mistral as llama.cpp runs it: the Llama graph (transformers 5.24 cannot map a `mistral`
-    model onto gguf-py's names). The probes are far shorter than any sliding window."""
+    model onto gguf-py's names), with no sliding window; a window shorter than the probes is
+    refused before anything is written (check_window)."""
     if config.model_type != "mistral":
         return config
     from transformers import LlamaConfig

@@ -407,6 +407,23 @@ def test_a_quality_report_that_cannot_run_keeps_the_checked_export(models, tmp_p
                     "for the second model); the file passed its read-back check and is kept"]
 
 
+def test_a_mistral_window_shorter_than_the_checks_prompts_is_refused_in_one_line(tmp_path, capsys):
+    """llama.cpp runs Mistral as `llama`, with no sliding window: an 8-token window then differs on
+    the check's own prompts. Refused before anything is written (it ended in the check's traceback),
+    the safetensors asked beside it still delivered."""
+    from families import save_tiny
+
+    run = make_run(tmp_path, save_tiny(tmp_path / "mistral", "mistral"))  # sliding_window 8
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "sliding_window = 8 is shorter than the export check's prompts" in errors[0], errors[0]
+    assert (out / "model.safetensors").is_file() and not list(out.glob("*.gguf"))
+
+
 # ------------------------------------------------------------------------------------- adapter
 
 
