@@ -61,7 +61,7 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
     loader reads the architecture, through that independent reader (it undoes llama.cpp's q/k
     permutation and Gemma's norm offset with its own code, and builds the tokenizer from the
     metadata): the hyperparameters it reads, the tokenizer (same ids on chat-formatted prompts,
-    same chat template) and the logits on those prompts within GGUF_BOUNDS[gguf_type]. Where it
+    same chat template and end-of-sequence token) and the logits on those prompts within GGUF_BOUNDS[gguf_type]. Where it
     does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is checked the same way from a copy of
     the tokenizer keys, and the logits of the tensors read back (gguf_readback.load_model). The
     weights are loaded into the reference's config: transformers' GGUF reader does not read rope
@@ -162,6 +162,9 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     if reference_tok.chat_template != gguf_tok.chat_template:
         raise RuntimeError("GGUF check failed: the chat template in the GGUF differs from the tokenizer's")
+    if reference_tok.eos_token_id != gguf_tok.eos_token_id:  # the token a reply stops at (llama.cpp, Ollama)
+        raise RuntimeError(f"GGUF check failed: the GGUF's end-of-sequence token is {gguf_tok.eos_token!r}, the "
+                           f"tokenizer's {reference_tok.eos_token!r}")
     probes = []
     for text in _probe_texts(reference_tok):
         want, got = reference_tok(text)["input_ids"], gguf_tok(text)["input_ids"]

@@ -181,6 +181,19 @@ def test_tokenizer_metadata_gives_the_same_ids_and_chat_template(models, tmp_pat
     assert loaded(text)["input_ids"] == reference(text)["input_ids"]
 
 
+def test_files_beside_the_gguf_that_name_another_end_of_sequence_token_fail_the_check(models, tmp_path):
+    """A safetensors,gguf export is checked against the tokenizer files written beside the GGUF:
+    one whose replies stop at another token than the GGUF's is refused, not written."""
+    import shutil
+
+    model_dir = shutil.copytree(models("llama"), tmp_path / "m")
+    path = write(model_dir, tmp_path / "out", "f32")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|endoftext|>"}))
+    with pytest.raises(RuntimeError, match="end-of-sequence token is '<.im_end.>', the tokenizer's '<.endoftext.>'"):
+        gguf_check.verify_gguf(path, model_dir, gguf_type="f32")
+
+
 def make_sentencepiece_llama(out_dir: Path) -> Path:
     """A Llama-2-style model: a SentencePiece BPE (byte fallback, ChatML control symbols)
     trained on tests/tiny.py's corpus, saved as tokenizer.model + tokenizer.json."""
@@ -297,6 +310,23 @@ def test_export_gguf_only_and_both(models, tmp_path, capsys):
     base = AutoModelForCausalLM.from_pretrained(models("llama"))
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, base.model.layers[0].self_attn.q_proj.weight)
     assert not list(tmp_path.glob(".*tmp-*"))
+
+
+def test_generate_reads_the_gguf_of_a_safetensors_and_gguf_export(models, tmp_path, capsys, monkeypatch):
+    """Issue 39 point 1: `export RUN --out X --format safetensors,gguf && generate X/model-q8_0.gguf
+    --prompt Hi` ended in "chat_template is not set": the GGUF's conversion read the tokenizer.json
+    beside it. The files beside the GGUF say what the GGUF says (verify_gguf: template, eos)."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
+    run = make_run(tmp_path, models("llama"))
+    out = tmp_path / "X"
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out / "model-q8_0.gguf"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+    beside = AutoTokenizer.from_pretrained(out)
+    converted = AutoTokenizer.from_pretrained(next(p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()))
+    assert converted.chat_template == beside.chat_template and converted.eos_token == beside.eos_token == "<|im_end|>"
 
 
 def test_k_quant_writes_f16_and_prints_the_llama_quantize_command(models, tmp_path, capsys):
