@@ -171,8 +171,9 @@ def _check_request(formats: str, *, adapter_only: bool, dtype: str, gguf_type: s
 
 def _without_unwritable_gguf(request: _Request, model_dir: Path | None) -> tuple[_Request, UserError | None]:
     """The request less its GGUF when homelab-ft cannot write this model as one (decided from the
-    base's config, tensor names and, for a window llama.cpp drops, tokenizer, before anything is written), and the refusal to give once the
-    safetensors export is written: what was asked beside the GGUF is still delivered."""
+    base's config, tensor names and, for a window llama.cpp drops, tokenizer, before anything is
+    written), and the refusal to give once the safetensors export is written: what was asked
+    beside the GGUF is still delivered."""
     if model_dir is None:
         return request, None
     try:

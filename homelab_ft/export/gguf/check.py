@@ -61,10 +61,10 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
     loader reads the architecture, through that independent reader (it undoes llama.cpp's q/k
     permutation and Gemma's norm offset with its own code, and builds the tokenizer from the
     metadata): the hyperparameters it reads, the tokenizer (same ids on chat-formatted prompts,
-    same chat template and end-of-sequence token) and the logits on those prompts within GGUF_BOUNDS[gguf_type]. Where it
-    does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is checked the same way from a copy of
-    the tokenizer keys, and the logits of the tensors read back (gguf_readback.load_model). The
-    weights are loaded into the reference's config: transformers' GGUF reader does not read rope
+    same chat template and end-of-sequence token) and the logits on those prompts within
+    GGUF_BOUNDS[gguf_type]. Where it does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is
+    checked the same way from a copy of the tokenizer keys, and the logits of the tensors read back
+    (gguf_readback.load_model). The weights are loaded into the reference's config: transformers' GGUF reader does not read rope
     scaling or Qwen3's head size, which llama.cpp does read from the keys written. Raises
     RuntimeError on a mismatch.
     """
