@@ -173,12 +173,13 @@ def _check_request(formats: str, *, adapter_only: bool, dtype: str, gguf_type: s
 
 def _without_unwritable_gguf(request: _Request, model_dir: Path | None) -> tuple[_Request, UserError | None]:
     """The request less its GGUF when homelab-ft cannot write this model as one (decided from the
-    base's config and tensor names, before anything is written), and the refusal to give once the
-    safetensors export is written: what was asked beside the GGUF is still delivered."""
+    base's config, tensor names and, for a window llama.cpp drops, tokenizer, before anything is
+    written), and the refusal to give once the safetensors export is written: what was asked
+    beside the GGUF is still delivered."""
     if model_dir is None:
         return request, None
     try:
-        gguf_export.check_writable(model_dir)
+        gguf_check.check_window(model_dir, target=gguf_export.check_writable(model_dir))
     except gguf_arch.GgufUnsupported as err:
         return replace(request, formats=("safetensors",), gguf_type=None, k_quant=None), err
     return request, None
@@ -231,7 +232,7 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
                                system_prompt=recipe.data.system_prompt, k_quant=request.k_quant)
         record["gguf"] = {"file": request.gguf_name, "type": request.gguf_type, "max_abs_diff": check.max_abs_diff,
                           "bound": check.bound}
-        quality = gguf_quality.measure(tmp / request.gguf_name, hf_dir, gguf_type=request.gguf_type, rows=eval_rows)
+        quality = _measure_quality(tmp / request.gguf_name, hf_dir, gguf_type=request.gguf_type, rows=eval_rows)
         if quality:
             record["gguf"]["quality"] = quality.as_dict()
         system = local_runtimes.trained_system_turn(hf_dir, system_prompt=recipe.data.system_prompt)
@@ -245,6 +246,20 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
                              k_quant_hint=hint, system=system)
     return record, quality
+
+
+def _measure_quality(gguf_path: Path, hf_dir: Path, *, gguf_type: str,
+                     rows: Callable[[], list[dict] | None] | None) -> gguf_quality.GgufQuality | None:
+    """gguf_quality's report, or None with one line said when it cannot be measured here: the GGUF
+    has already passed verify_gguf (every tensor bit for bit, logits within its bound), so a report
+    that fails never discards that export."""
+    try:
+        return gguf_quality.measure(gguf_path, hf_dir, gguf_type=gguf_type, rows=rows)
+    except Exception as err:  # noqa: BLE001 - any failure of the extra report; the file itself is checked
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        log.warning("the %s GGUF's quality report could not be measured (%s: %s); the file passed its read-back "
+                    "check and is kept", gguf_type, type(err).__name__, first)
+        return None
 
 
 def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: Path, name: str) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -64,11 +65,12 @@ def convert_gguf(gguf_path: Path) -> Path:
     The copy is fp32 safetensors, 4 bytes per parameter whatever the GGUF's type (538 MB for the
     embedded 98 MB SmolLM2-135M, ~32 GB for an 8B), so the user is told where it goes and how big
     before it is written, and a disk without room for it is refused first. The directory is written
-    under a temporary name and renamed when complete, so an interrupted conversion is redone rather
-    than half-loaded.
+    under a temporary name, checked (the tokenizer saved gives the GGUF's chat template and
+    end-of-sequence token), recorded (CONVERSION_RECORD) and renamed when complete; a folder whose
+    record is missing or disagrees with its files is converted again, never reused.
     """
     out = cache_root() / "models" / f"{gguf_path.stem}-{gguf_content_key(gguf_path)}"
-    if (out / "config.json").is_file():
+    if _intact(out):
         log.info("%s: reusing its fp32 copy in %s (%s), converted on an earlier run", gguf_path.name, out,
                  format_size(sum(f.stat().st_size for f in out.iterdir() if f.is_file())))
         return out
@@ -78,17 +80,45 @@ def convert_gguf(gguf_path: Path) -> Path:
 
     # Parsing the header and tensor index takes seconds for a large file, so only a file about to
     # be converted is checked: a damaged one is refused in one line, before anything is written.
-    num_bytes = FP32_BYTES * sum(int(t.n_elements) for t in read_gguf(gguf_path).tensors)
+    reader = read_gguf(gguf_path)
+    num_bytes = FP32_BYTES * sum(int(t.n_elements) for t in reader.tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_free_space(out.parent, num_bytes=num_bytes, gguf_path=gguf_path)
     # Several processes (torchrun ranks, two runs) may ask at once: one converts, the rest wait.
     with FileLock(str(out) + ".lock"):
-        if not (out / "config.json").is_file():
+        if not _intact(out):
+            if out.exists():
+                log.info("%s: the copy in %s is incomplete or was never checked (made by an older homelab-ft); "
+                         "converting it again", gguf_path.name, out)
             log.info("%s: dequantizing to an fp32 Hugging Face copy of %s in %s (GGUF blocks can be neither "
                      "trained nor saved); written once, the next run with this file reuses it",
                      gguf_path.name, format_size(num_bytes), out)
-            _convert(gguf_path, out)
+            _convert(gguf_path, out, expected=_gguf_tokenizer_facts(reader))
     return out
+
+
+CONVERSION_RECORD = "homelab_ft_conversion.json"
+"""Written last into a converted folder: each file's size, and the tokenizer facts checked. Issue
+39 found a conversion whose tokenizer had lost the GGUF's chat template reused on every run."""
+
+
+def _intact(out: Path) -> bool:
+    """Whether `out` is a conversion this code completed and checked, its files as it wrote them."""
+    try:
+        files = json.loads((out / CONVERSION_RECORD).read_text())["files"]
+        return bool(files) and all((out / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _gguf_tokenizer_facts(reader) -> dict:
+    """The chat template and end-of-sequence id the GGUF's own metadata holds (None where absent)."""
+    def value(name: str):
+        field = reader.fields.get(name)
+        return None if field is None else field.contents()
+
+    eos = value("tokenizer.ggml.eos_token_id")
+    return {"chat_template": value("tokenizer.chat_template"), "eos_token_id": None if eos is None else int(eos)}
 
 
 FP32_BYTES = 4
@@ -109,20 +139,25 @@ def format_size(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.1f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def _convert(gguf_path: Path, out: Path, *, expected: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        # dequantize=True leaves a plain dense model with no GGUF quantizer attached; with the
-        # quantizer, transformers refuses both save_pretrained and training.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent,
-            gguf_file=gguf_path.name,
-            quantization_config=GgufConfig(dequantize=True),
-            dtype=torch.float32,
-        )
+        with tempfile.TemporaryDirectory(prefix="gguf-alone-") as alone:
+            # Alone in its folder: beside an export's tokenizer.json (--format safetensors,gguf)
+            # transformers 5.24 builds the tokenizer from that file, without the GGUF's chat
+            # template and special tokens (issue 39: generate then had no chat template).
+            (Path(alone) / gguf_path.name).symlink_to(gguf_path.resolve())
+            tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_path.name)
+            # dequantize=True leaves a plain dense model with no GGUF quantizer attached; with the
+            # quantizer, transformers refuses both save_pretrained and training.
+            model = AutoModelForCausalLM.from_pretrained(
+                alone,
+                gguf_file=gguf_path.name,
+                quantization_config=GgufConfig(dequantize=True),
+                dtype=torch.float32,
+            )
     except (ValueError, KeyError, OSError, RuntimeError) as err:
         raise UserError(f"model.path: transformers cannot read {gguf_path} ({type(err).__name__}: "
                         f"{str(err).splitlines()[0][:160] if str(err) else ''}); give a GGUF of a supported "
@@ -131,11 +166,27 @@ def _convert(gguf_path: Path, out: Path) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out, ignore_errors=True)  # an incomplete earlier attempt without config.json
+        _check_saved_tokenizer(tmp, expected, gguf_path=gguf_path)
+        files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+        (tmp / CONVERSION_RECORD).write_text(json.dumps({"source": gguf_path.name, "files": files, **expected}))
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete or unchecked earlier attempt
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_saved_tokenizer(folder: Path, expected: dict, *, gguf_path: Path) -> None:
+    """The tokenizer as a run will load it from the converted folder says what the GGUF says."""
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(folder)
+    if saved.chat_template != expected["chat_template"]:
+        raise UserError(f"model.path: converting {gguf_path} lost its chat template (transformers read the "
+                        "tokenizer without it); give the original Hugging Face folder instead")
+    if expected["eos_token_id"] is not None and saved.eos_token_id != expected["eos_token_id"]:
+        raise UserError(f"model.path: converting {gguf_path} gave end-of-sequence id {saved.eos_token_id}, the GGUF "
+                        f"says {expected['eos_token_id']}; give the original Hugging Face folder instead")
 
 
 def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):

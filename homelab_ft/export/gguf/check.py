@@ -61,31 +61,46 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
     loader reads the architecture, through that independent reader (it undoes llama.cpp's q/k
     permutation and Gemma's norm offset with its own code, and builds the tokenizer from the
     metadata): the hyperparameters it reads, the tokenizer (same ids on chat-formatted prompts,
-    same chat template) and the logits on those prompts within GGUF_BOUNDS[gguf_type]. Where it
-    does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is checked the same way from a copy of
-    the tokenizer keys, and the logits of the tensors read back (gguf_readback.load_model). The
-    weights are loaded into the reference's config: transformers' GGUF reader does not read rope
+    same chat template and end-of-sequence token) and the logits on those prompts within
+    GGUF_BOUNDS[gguf_type]. Where it does not (SmolLM3, OLMo 2/3, Gemma 1), the tokenizer is
+    checked the same way from a copy of the tokenizer keys, and the logits of the tensors read back
+    (gguf_readback.load_model). The weights are loaded into the reference's config: transformers' GGUF reader does not read rope
     scaling or Qwen3's head size, which llama.cpp does read from the keys written. Raises
     RuntimeError on a mismatch.
     """
     import tempfile
 
+    reference_dir = Path(reference_dir)
     target = gguf_arch.check_architecture(reference_dir)
     gguf_readback.read_back(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
+    reads = transformers_reads(gguf_path)
     with tempfile.TemporaryDirectory(prefix="gguf-check-") as alone:
         # Alone in its folder: beside tokenizer.json / tokenizer_config.json (a safetensors,gguf
         # export) transformers 5.24 builds the tokenizer from those files and not from the GGUF.
         folder, file = Path(alone), Path(gguf_path).name
         (folder / file).symlink_to(Path(gguf_path).resolve())
-        if transformers_reads(gguf_path):
-            try:
-                return _verify(folder, file, Path(reference_dir), gguf_type=gguf_type)
-            except NotImplementedError as err:  # it reads the architecture, not this model's names (Mixtral as llama)
-                log.info("transformers' GGUF loader cannot map %s onto the model (%s); reading it with gguf-py", file, err)
-        twin = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True)
-        probes = _check_tokenizer(folder, twin.name, Path(reference_dir))
+        if not reads:
+            file = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True).name
+        probes = _check_tokenizer(folder, file, reference_dir)
+    model = _transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=True) if reads else None
+    if model is None:
         model = gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
-        return _compare_logits(model, Path(reference_dir), probes, gguf_type=gguf_type)
+    return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
+
+
+def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
+    """The GGUF's model in fp32, loaded as verify_gguf loads it: into the reference's own config
+    (as llama.cpp runs it, `_as_gguf_arch`), through transformers' GGUF loader where it reads the
+    architecture and this model's names, else from gguf-py's reading of the tensors. Never from a
+    config rebuilt out of the GGUF's metadata: transformers 5.24 reads that incompletely (no
+    expert sizes, head_dim or query_pre_attn_scalar; Mixtral as a dense Llama), which ran another
+    model than the file holds (issue 38)."""
+    reference_dir = Path(reference_dir)
+    model = _transformers_model(path, reference_dir, gguf_type=gguf_type, check=False) if transformers_reads(path) else None
+    if model is None:
+        target = gguf_arch.check_architecture(reference_dir)
+        model = gguf_readback.load_model(path, reference_dir, target=target, gguf_type=gguf_type)
+    return model
 
 
 def transformers_reads(gguf_path: Path) -> bool:
@@ -106,6 +121,38 @@ def transformers_reads(gguf_path: Path) -> bool:
     return True
 
 
+def check_window(model_dir: Path, *, target: gguf_arch.Target) -> None:
+    """A sliding window llama.cpp's graph does not apply (Mistral as `llama`) is written with a
+    warning (gguf_hparams) when the check's prompts fit in it, as Mistral 7B v0.1's 4096 tokens
+    do: the file then differs from the model only past the window. A shorter window runs another
+    model on the check's own prompts (and on most chats): GgufUnsupported, asked before anything
+    is written (export.run), not left to fail verify_gguf with a traceback."""
+    from transformers import AutoConfig
+
+    window = getattr(AutoConfig.from_pretrained(model_dir), "sliding_window", None)
+    if not window or target.layout.sliding_window:
+        return
+    longest = max(probe_lengths(model_dir))
+    if window < longest:
+        raise gguf_arch.GgufUnsupported(
+            f"{model_dir}/config.json: sliding_window = {window} is shorter than the export check's prompts "
+            f"({longest} tokens): llama.cpp runs {target.model_type} as {target.arch_name!r}, with no sliding window, "
+            f"so past {window} tokens it would run another model")
+
+
+def probe_lengths(model_dir: Path) -> list[int]:
+    """Tokens of each PROBE_CHATS prompt in `model_dir`'s tokenizer: what verify_gguf compares the
+    logits on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [len(tokenizer(text)["input_ids"]) for text in _probe_texts(tokenizer)]
+
+
+def _probe_texts(tokenizer) -> list[str]:
+    return [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in PROBE_CHATS]
+
+
 def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     """The prompts' ids as tensors, once the GGUF's tokenizer gives the reference's ids and template."""
     import torch
@@ -115,9 +162,11 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     gguf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     if reference_tok.chat_template != gguf_tok.chat_template:
         raise RuntimeError("GGUF check failed: the chat template in the GGUF differs from the tokenizer's")
+    if reference_tok.eos_token_id != gguf_tok.eos_token_id:  # the token a reply stops at (llama.cpp, Ollama)
+        raise RuntimeError(f"GGUF check failed: the GGUF's end-of-sequence token is {gguf_tok.eos_token!r}, the "
+                           f"tokenizer's {reference_tok.eos_token!r}")
     probes = []
-    for chat in PROBE_CHATS:
-        text = reference_tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    for text in _probe_texts(reference_tok):
         want, got = reference_tok(text)["input_ids"], gguf_tok(text)["input_ids"]
         if want != got:
             at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
@@ -127,21 +176,28 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     return probes
 
 
-def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> GgufCheck:
+def _transformers_model(path: Path, reference_dir: Path, *, gguf_type: str, check: bool):
+    """The tensors as transformers' own GGUF reader returns them (its inverse permutation and norm
+    offset), loaded into the reference's config; with `check`, the hyperparameters it reads and
+    every tensor it returns compared with what was meant first. None where it reads the
+    architecture but cannot map this model's names onto it (Mixtral as llama)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     reference_config = AutoConfig.from_pretrained(reference_dir)
-    probes = _check_tokenizer(folder, file, reference_dir)
-    # transformers' own reader (and its inverse permutation / norm offset), called once for config
-    # and tensors: from_pretrained(gguf_file=...) would parse the metadata again for each.
     model = AutoModelForCausalLM.from_config(_as_gguf_arch(reference_config), dtype=torch.float32)
-    with _memoized_name_maps():
-        parsed = load_gguf_checkpoint(str(folder / file), return_tensors=True, model_to_load=model)
-    _check_config(parsed["config"], reference_config)
-    tensors = parsed["tensors"]
-    _check_tensors(tensors, reference_dir, reference_config, gguf_type=gguf_type)
+    try:
+        # called once for config and tensors: from_pretrained(gguf_file=...) parses the metadata again for each
+        with _memoized_name_maps():
+            parsed = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)
+    except NotImplementedError as err:
+        log.info("transformers' GGUF loader cannot map %s onto the model (%s); reading it with gguf-py", path, err)
+        return None
+    tensors = parsed.pop("tensors")
+    if check:
+        _check_config(parsed["config"], reference_config)
+        _check_tensors(tensors, reference_dir, reference_config, gguf_type=gguf_type)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     del parsed, tensors
     tied = {"lm_head.weight"} if reference_config.tie_word_embeddings else set()
@@ -150,7 +206,7 @@ def _verify(folder: Path, file: str, reference_dir: Path, *, gguf_type: str) -> 
                            f"unexpected {sorted(unexpected)[:3]}")
     if reference_config.tie_word_embeddings:
         model.tie_weights()
-    return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
+    return model
 
 
 def _compare_logits(model, reference_dir: Path, probes: list, *, gguf_type: str) -> GgufCheck:
@@ -216,7 +272,8 @@ class _memoized_name_maps:
 
 def _as_gguf_arch(config):
     """Mistral as llama.cpp runs it: the Llama graph (transformers 5.24 cannot map a `mistral`
-    model onto gguf-py's names). The probes are far shorter than any sliding window."""
+    model onto gguf-py's names), with no sliding window; a window shorter than the probes is
+    refused before anything is written (check_window)."""
     if config.model_type != "mistral":
         return config
     from transformers import LlamaConfig
@@ -250,13 +307,3 @@ def load_gguf(path: Path):
         with _memoized_name_maps():
             model = AutoModelForCausalLM.from_pretrained(alone, gguf_file=path.name, dtype=torch.float32)
     return model, tokenizer
-
-
-def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
-    """The GGUF's model in fp32: through transformers' GGUF loader where it reads the
-    architecture, else from gguf-py's reading of the tensors (gguf_readback) into the reference's
-    config."""
-    if transformers_reads(path):
-        return load_gguf(path)[0]
-    target = gguf_arch.check_architecture(reference_dir)
-    return gguf_readback.load_model(path, reference_dir, target=target, gguf_type=gguf_type)

@@ -2,8 +2,9 @@
 
 A logit bound cannot judge 4-bit weights (SmolLM2's logits move by up to 0.6 per unit, see
 gguf_check.GGUF_BOUNDS), and "max |logit difference|" does not tell a user what they lose. So after
-a quantized GGUF is written, the GGUF (read back as gguf_check does: through transformers' GGUF
-loader where it reads the architecture, else with gguf-py) and the merged safetensors model it came from are run on the same rows: how often
+a quantized GGUF is written, the GGUF (loaded as gguf_check.verify_gguf loads it: its tensors, read
+by transformers' GGUF loader where it reads the architecture, else by gguf-py, in the merged model's
+own config) and the merged safetensors model it came from are run on the same rows: how often
 their greedy next tokens agree on the trained tokens, and the eval loss of each. Issue 26 measured
 what this predicts: the demo's q4_0 answers 32/48 where the merged model answers 41/48, in
 llama.cpp and in transformers alike.

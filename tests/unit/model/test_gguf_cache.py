@@ -66,3 +66,31 @@ def test_a_disk_without_room_is_refused_before_anything_is_written(tiny_gguf, mo
     assert "HOMELAB_FT_CACHE" in message and "\n" not in message
     models = Path(loading.cache_root()) / "models"
     assert not [p for p in models.iterdir() if p.is_dir()]
+
+
+def test_the_tokenizer_comes_from_the_gguf_even_beside_an_exports_tokenizer_files(tiny_gguf, tiny_model_dir):
+    """`export --format safetensors,gguf` writes tokenizer.json beside the GGUF; transformers then
+    built the tokenizer from that file, without the GGUF's chat template and end-of-sequence token
+    (issue 39: `generate OUT/model-q8_0.gguf` ended in "chat_template is not set")."""
+    from transformers import AutoTokenizer
+
+    shutil.copy(tiny_model_dir / "tokenizer.json", tiny_gguf.parent / "tokenizer.json")
+    out = loading.convert_gguf(tiny_gguf)
+    tokenizer, reference = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.chat_template == reference.chat_template and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_copy_that_is_incomplete_or_unchecked_is_converted_again(tiny_gguf, capsys):
+    """Only a folder whose record (written last) matches its files is reused: not one killed
+    mid-write, nor one an older homelab-ft left (no record) with a broken tokenizer."""
+    logs.configure(logs.NORMAL)
+    out = loading.convert_gguf(tiny_gguf)
+    (out / loading.CONVERSION_RECORD).unlink()
+    (out / "chat_template.jinja").unlink()  # what the old conversion left: a tokenizer without its template
+    assert loading.convert_gguf(tiny_gguf) == out
+    assert "incomplete or was never checked" in capsys.readouterr().out
+    assert (out / "chat_template.jinja").is_file() and (out / loading.CONVERSION_RECORD).is_file()
+    with open(out / "model.safetensors", "r+b") as fh:
+        fh.truncate(100)  # a damaged copy: its size no longer what the record says
+    loading.convert_gguf(tiny_gguf)
+    assert "converting it again" in capsys.readouterr().out and fp32_weight_bytes(out) > 0

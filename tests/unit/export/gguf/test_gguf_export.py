@@ -181,6 +181,19 @@ def test_tokenizer_metadata_gives_the_same_ids_and_chat_template(models, tmp_pat
     assert loaded(text)["input_ids"] == reference(text)["input_ids"]
 
 
+def test_files_beside_the_gguf_that_name_another_end_of_sequence_token_fail_the_check(models, tmp_path):
+    """A safetensors,gguf export is checked against the tokenizer files written beside the GGUF:
+    one whose replies stop at another token than the GGUF's is refused, not written."""
+    import shutil
+
+    model_dir = shutil.copytree(models("llama"), tmp_path / "m")
+    path = write(model_dir, tmp_path / "out", "f32")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config | {"eos_token": "<|endoftext|>"}))
+    with pytest.raises(RuntimeError, match="end-of-sequence token is '<.im_end.>', the tokenizer's '<.endoftext.>'"):
+        gguf_check.verify_gguf(path, model_dir, gguf_type="f32")
+
+
 def make_sentencepiece_llama(out_dir: Path) -> Path:
     """A Llama-2-style model: a SentencePiece BPE (byte fallback, ChatML control symbols)
     trained on tests/tiny.py's corpus, saved as tokenizer.model + tokenizer.json."""
@@ -299,6 +312,23 @@ def test_export_gguf_only_and_both(models, tmp_path, capsys):
     assert not list(tmp_path.glob(".*tmp-*"))
 
 
+def test_generate_reads_the_gguf_of_a_safetensors_and_gguf_export(models, tmp_path, capsys, monkeypatch):
+    """Issue 39 point 1: `export RUN --out X --format safetensors,gguf && generate X/model-q8_0.gguf
+    --prompt Hi` ended in "chat_template is not set": the GGUF's conversion read the tokenizer.json
+    beside it. The files beside the GGUF say what the GGUF says (verify_gguf: template, eos)."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
+    run = make_run(tmp_path, models("llama"))
+    out = tmp_path / "X"
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(out / "model-q8_0.gguf"), "--prompt", "Hi", "--max-new-tokens", "3"]) == 0
+    beside = AutoTokenizer.from_pretrained(out)
+    converted = AutoTokenizer.from_pretrained(next(p for p in (tmp_path / "cache" / "models").iterdir() if p.is_dir()))
+    assert converted.chat_template == beside.chat_template and converted.eos_token == beside.eos_token == "<|im_end|>"
+
+
 def test_k_quant_writes_f16_and_prints_the_llama_quantize_command(models, tmp_path, capsys):
     run = make_run(tmp_path, models("qwen2-tied"))
     out = tmp_path / "out"
@@ -374,6 +404,54 @@ def test_export_of_a_family_transformers_cannot_read_back(tmp_path, capsys):
     assert 0 < meta["gguf"]["max_abs_diff"] <= meta["gguf"]["bound"]
     assert meta["gguf"]["quality"]["rows_from"] == "held-out prompts" and meta["gguf"]["quality"]["agreement"] > 0.9
     assert not gguf_check.transformers_reads(out / "model-q8_0.gguf")
+
+
+def test_default_export_of_qwen3_moe_completes_with_its_quality_line(tmp_path, capsys):
+    """Issue 38's reproduction: the default q8_0 export of a Qwen3-MoE (hidden 64, 4 layers, 4
+    experts of 32) crashed in its quality step (ignore_mismatched_sizes) and wrote nothing."""
+    from families import save_tiny
+
+    run = make_run(tmp_path, save_tiny(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=True))
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
+    quality = json.loads((out / "homelab_ft_export.json").read_text())["gguf"]["quality"]
+    assert quality["agreement"] > 0.9 and quality["line"] in capsys.readouterr().out
+
+
+def test_a_quality_report_that_cannot_run_keeps_the_checked_export(models, tmp_path, capsys, monkeypatch):
+    """The GGUF has passed verify_gguf: a failing report is one line, never the export's end."""
+    from homelab_ft.export.gguf import quality as gguf_quality
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory left for the second model\nsecond line")
+
+    monkeypatch.setattr(gguf_quality, "load_gguf_model", broken)
+    run = make_run(tmp_path, models("llama"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
+    assert (out / "model-q8_0.gguf").is_file()
+    assert "quality" not in json.loads((out / "homelab_ft_export.json").read_text())["gguf"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "quality report" in line]
+    assert said == ["warning: the q8_0 GGUF's quality report could not be measured (RuntimeError: no memory left "
+                    "for the second model); the file passed its read-back check and is kept"]
+
+
+def test_a_mistral_window_shorter_than_the_checks_prompts_is_refused_in_one_line(tmp_path, capsys):
+    """llama.cpp runs Mistral as `llama`, with no sliding window: an 8-token window then differs on
+    the check's own prompts. Refused before anything is written (it ended in the check's traceback),
+    the safetensors asked beside it still delivered."""
+    from families import save_tiny
+
+    run = make_run(tmp_path, save_tiny(tmp_path / "mistral", "mistral"))  # sliding_window 8
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "sliding_window = 8 is shorter than the export check's prompts" in errors[0], errors[0]
+    assert (out / "model.safetensors").is_file() and not list(out.glob("*.gguf"))
 
 
 # ------------------------------------------------------------------------------------- adapter
