@@ -36,7 +36,7 @@ def activation_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, act
     and only the running block's input is back on the device.
     """
     tokens = request.data.max_length * request.rows_per_micro_batch
-    per_block = _block_activation_bytes(shape, rung.method, request, act_bytes)
+    per_block = _block_activation_bytes(shape, rung, request, act_bytes)
     if rung.activation_checkpointing and offloaded:
         per_token = shape.hidden_size * act_bytes + max(per_block)
     elif rung.activation_checkpointing:
@@ -51,17 +51,17 @@ def recomputed_block_bytes(shape: ModelShape, *, rung: Rung, request: PlanReques
     it exists only once backward has reached the blocks, after the loss has freed its logits."""
     if not rung.activation_checkpointing:
         return 0
-    return request.data.max_length * request.rows_per_micro_batch * max(_block_activation_bytes(shape, rung.method, request,
+    return request.data.max_length * request.rows_per_micro_batch * max(_block_activation_bytes(shape, rung, request,
                                                                                                  act_bytes))
 
 
-def _block_activation_bytes(shape: ModelShape, method: str, request: PlanRequest, act_bytes: int) -> list[int]:
+def _block_activation_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, act_bytes: int) -> list[int]:
     """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
-        nbytes = block.saved_bytes_per_token(act_bytes, request.data.max_length, frozen=method != "full")
-        if method != "full":
-            nbytes += _adapter_bytes(block, request, act_bytes) + expert_loop_bytes(block, method, request, act_bytes)
+        nbytes = block.saved_bytes_per_token(act_bytes, request.data.max_length, frozen=rung.adapters_enabled)
+        if rung.adapters_enabled:
+            nbytes += _adapter_bytes(block, request, act_bytes) + expert_loop_bytes(block, rung, request, act_bytes)
         per_block.append(round(nbytes))
     return per_block
 
@@ -89,7 +89,7 @@ INDEX_BYTES = 8
 """An int64 index element: what both loops keep per routed token to route gradients back."""
 
 
-def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_bytes: int) -> float:
+def expert_loop_bytes(block: BlockShape, rung: Rung, request: PlanRequest, act_bytes: int) -> float:
     """Bytes per token that model/moe_experts' expert loop keeps beyond the frozen block saved.py
     measured, which runs transformers' own `grouped_mm` experts (what a full fine-tune runs); it
     can be negative (the loop keeps less).
@@ -113,12 +113,12 @@ def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_
     (bench/memory.py --moe-shape: a 64-expert top-8 qwen3_moe's step was 43% over a plan that
     left the loop out, before the loop kept less.)
     """
-    looped = (method == "qlora" and request.quant.bits == 4) or "all-linear" in request.lora.targets
+    looped = (rung.quantized_enabled and request.quant.bits == 4) or "all-linear" in request.lora.targets
     if not block.expert_stacks or not looped:
         return 0.0
     adapters = "all-linear" in request.lora.targets
     hidden, (inner, out) = block.expert_stacks[0][1], block.expert_stacks[-1][1:]
-    lora = _expert_adapter_dtype_bytes(method, request, act_bytes)
+    lora = _expert_adapter_dtype_bytes(rung, request, act_bytes)
     mask = 1 if request.lora.dropout > 0 else 0
     reads_inner = adapters and not mask and lora == act_bytes
     scale_input = inner <= out or reads_inner
@@ -131,12 +131,12 @@ def expert_loop_bytes(block: BlockShape, method: str, request: PlanRequest, act_
     return per_token + block.routed_experts * per_routed
 
 
-def _expert_adapter_dtype_bytes(method: str, request: PlanRequest, act_bytes: int) -> int:
+def _expert_adapter_dtype_bytes(rung: Rung, request: PlanRequest, act_bytes: int) -> int:
     """Bytes per element of moe_experts' adapters (params.adapter_bytes): fp32, or with
     lora.dtype=compute bf16 on a bf16 base. `act_bytes` 2 under `auto` means a GPU's bf16."""
     if request.lora.dtype != "compute":
         return 4
-    name = request.quant.compute_dtype if method == "qlora" else request.model.dtype
+    name = request.quant.compute_dtype if rung.quantized_enabled else request.model.dtype
     return 2 if name == "bfloat16" or (name == "auto" and act_bytes == 2) else 4
 
 
@@ -145,9 +145,9 @@ def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_byte
     return request.data.max_length * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
-def activation_dtype_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
+def activation_dtype_bytes(rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes per activation element: the weights' dtype, or for QLoRA the 4-bit base's compute dtype."""
-    return qlora_compute_bytes(request, cluster) if method == "qlora" else weight_bytes(request, cluster)
+    return qlora_compute_bytes(request, cluster) if rung.quantized_enabled else weight_bytes(request, cluster)
 
 
 def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
@@ -155,7 +155,7 @@ def activation_offload_host_bytes(shape: ModelShape, *, rung: Rung, request: Pla
     offload from); preflight refuses a run whose node has not that much RAM available."""
     if not (rung.activation_offload and rung.activation_checkpointing and cluster.device == "cuda"):
         return 0
-    return offloaded_activation_bytes(shape, request, activation_dtype_bytes(rung.method, request, cluster))
+    return offloaded_activation_bytes(shape, request, activation_dtype_bytes(rung, request, cluster))
 
 
 # train.compile (compiling.py) is priced as eager, on purpose. Its fused kernels only free

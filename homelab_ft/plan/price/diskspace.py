@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.price.memory import Estimate
 from homelab_ft.plan.price.params import optimizer_bytes_per_param, weight_bytes
 
+if TYPE_CHECKING:
+    from homelab_ft.plan.ladder import Option
 
-def checkpoint_bytes(option: Estimate, *, request: PlanRequest, cluster: Cluster) -> int:
+
+def checkpoint_bytes(option: Option, *, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes of one checkpoint on disk, all ranks' files together (pure)."""
-    if option.method == "full":
+    if not option.rung.adapters_enabled:
         param_bytes, adapter_copy = weight_bytes(request, cluster), 0
     else:
         param_bytes, adapter_copy = 4, 4  # PEFT keeps adapters in fp32 (memory.estimate)

@@ -8,18 +8,19 @@ from __future__ import annotations
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.price.params import one_process_loading_bytes, sharded_qlora_loading_bytes
 from homelab_ft.plan.shape.shapes import ModelShape
+from homelab_ft.rung import Rung
 
 # Host RAM a CUDA training process keeps besides tensors (CUDA runtime, kernels, python heap).
 CUDA_HOST_PROCESS_BYTES = 2 * 1024**3
 
 
-def loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
+def loading_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster, *, base_bytes: int,
                    sharded: bool) -> int:
     """Host RAM of a sharded load on node 0: LoRA/full take rank 0's whole copy; QLoRA fills its
     shards tensor by tensor, on every local rank. Unsharded loads: `one_process_load_host_bytes`."""
     if not sharded:
         return 0
-    if method == "qlora":
+    if rung.quantized_enabled:
         return cluster.gpus_per_node * sharded_qlora_loading_bytes(shape, request, cluster)
     return base_bytes
 
@@ -36,10 +37,10 @@ def host_bytes(*, device_total: int, offloaded: int, loading: int, cluster: Clus
     return per_node * (CUDA_HOST_PROCESS_BYTES + offloaded) + loading
 
 
-def one_process_load_host_bytes(shape: ModelShape, *, held_on_cpu: int, method: str, request: PlanRequest,
+def one_process_load_host_bytes(shape: ModelShape, *, held_on_cpu: int, rung: Rung, request: PlanRequest,
                                  cluster: Cluster) -> int:
     """Host RAM on node 0 while unsharded processes load: each process (on a CPU 'device' its
     overhead and weights, `held_on_cpu`) and its load's temporaries (params.one_process_loading_bytes), freed before training
     adds its own (activation offload, a host embedding table): the host peak is the larger."""
     held = held_on_cpu if cluster.device == "cpu" else CUDA_HOST_PROCESS_BYTES
-    return cluster.gpus_per_node * (held + one_process_loading_bytes(shape, method, request, cluster))
+    return cluster.gpus_per_node * (held + one_process_loading_bytes(shape, rung, request, cluster))

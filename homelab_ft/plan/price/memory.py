@@ -232,18 +232,18 @@ class _Sizes:
     """Per trainable parameter: its gradient's, and each AdamW moment's."""
 
 
-def _sizes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> _Sizes:
+def _sizes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> _Sizes:
     w_bytes = weight_bytes(request, cluster)
     # activations, and the unquantized ends (embeddings, norms, head), are in the compute dtype
-    act_bytes = activation_dtype_bytes(method, request, cluster)
-    base_bytes, block_bytes = base_weight_bytes(shape, method, request, cluster)
-    if method == "full":
+    act_bytes = activation_dtype_bytes(rung, request, cluster)
+    base_bytes, block_bytes = base_weight_bytes(shape, rung, request, cluster)
+    if not rung.adapters_enabled:
         trainable, state_bytes = shape.total_params, w_bytes
     else:
         # PEFT creates adapters in fp32 even on a 16-bit base (get_peft_model's
         # autocast_adapter_dtype=True), so their gradients and AdamW states are fp32 too, unless
         # lora.dtype=compute keeps them in bf16 (modeling.attach_lora).
-        trainable, state_bytes = trainable_params(shape, request), adapter_bytes(method, request, cluster)
+        trainable, state_bytes = trainable_params(shape, request), adapter_bytes(rung, request, cluster)
         # a trained router is the base's own weight, held in the adapters' dtype instead of the compute dtype
         base_bytes += trainable * state_bytes - router_params(shape, request) * act_bytes
     return _Sizes(w_bytes=w_bytes, act_bytes=act_bytes, base_bytes=base_bytes, block_bytes=block_bytes,
@@ -253,31 +253,31 @@ def _sizes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluste
 def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> Estimate:
     """Peak memory per device, host RAM, traffic and time per step for one option: the `rung` the
     trainer would run (rung.py), whose properties say how parameters are spread."""
-    method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
-    sizes = _sizes(shape, method, request, cluster)
+    cpu_offload, shards = rung.cpu_offload, rung.shard_size
+    sizes = _sizes(shape, rung, request, cluster)
     act_host = activation_offload_host_bytes(shape, rung=rung, request=request, cluster=cluster)
     table_host = host_embedding_bytes(shape, rung=rung, request=request, cluster=cluster)
     device, resident = _device_memory(shape, sizes, rung=rung, request=request, cluster=cluster, act_host=act_host,
                                       table_host=table_host)
     offloaded = resident if cpu_offload else 0
-    loading = loading_bytes(shape, method, request, cluster, base_bytes=sizes.base_bytes,
+    loading = loading_bytes(shape, rung, request, cluster, base_bytes=sizes.base_bytes,
                              sharded=shards > 1 or cpu_offload)
     host = host_bytes(device_total=device.total, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
     if shards == 1 and not cpu_offload:
-        host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, method=method, request=request, cluster=cluster))
+        host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, rung=rung, request=request, cluster=cluster))
     compute = compute_s(shape, rung=rung, request=request, cluster=cluster)
     comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
                          root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
                          sync_deferred=sync_deferred(shape, rung=rung, trainable=sizes.trainable))
     offload = offload_s(sizes.base_bytes / shards, sizes.trainable / shards, sizes.w_bytes, request) if cpu_offload else 0.0
     return Estimate(
-        method=method, strategy=rung.strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
+        method=rung.method, strategy=rung.strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
         trainable_params=sizes.trainable, comm_bytes=comm.sent_bytes, comm_s=comm.seconds,
         comm_hidden_s=comm.hidden_s(compute), compute_s=compute,
         # each micro-batch's block inputs go to the host in forward and come back in backward
         offload_s=offload + (2 * act_host + _looked_up_bytes(shape, request, sizes, on=table_host > 0))
         * request.train.grad_accum_steps / OFFLOAD_BYTES_PER_S,
-        prepass_s_per_pair=prepass_s_per_pair(shape, method, request, cluster), spilled_bytes=0,
+        prepass_s_per_pair=prepass_s_per_pair(shape, rung, request, cluster), spilled_bytes=0,
         bubble_s=0.0, stages=(),
     )
 
@@ -302,11 +302,11 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     """(peak bytes on one device by item, the model state a rank holds, on the device or offloaded).
     `table_host`: the embedding table's bytes kept in host RAM, which the device's weights do not hold
     (taken off here rather than by replacing the Memory after: one dataclass built per estimate)."""
-    method, cpu_offload, shards = rung.method, rung.cpu_offload, rung.shard_size
+    cpu_offload, shards = rung.cpu_offload, rung.shard_size
     trainable, state_bytes, act_bytes = sizes.trainable, sizes.state_bytes, sizes.act_bytes
     # A sharded 4-bit base splits (and offloads) the packed bytes; its constants and one expert's
     # scratch stay whole on every rank's device (params.device_kept_bytes).
-    kept = device_kept_bytes(shape, method, request, cluster)
+    kept = device_kept_bytes(shape, rung, request, cluster)
     sharded = (sizes.base_bytes - (quant_state_bytes(shape, request) if rung.quantized_enabled else 0)) / shards
     weights = sharded + kept
     gradients = trainable * state_bytes / shards
@@ -320,7 +320,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # unit's post-backward right after the loss, a tied head's in the root unit until backward
     # ends); a tied head's is the embedding's. Adapters' are negligible.
     head_grads = 0 if rung.adapters_enabled else shape.vocab_size * shape.hidden_size * state_bytes
-    step_temp = step_temporary_bytes(shape, method, request, cluster, trainable=trainable, state_bytes=state_bytes,
+    step_temp = step_temporary_bytes(shape, rung, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
     device = Memory(
         weights=int(kept if cpu_offload else weights) - table_host,
@@ -332,7 +332,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
         gathered=int(_gathered_bytes(shape, sizes, rung=rung, request=request)),
         context=CUDA_CONTEXT_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         fragmentation=CUDA_FRAGMENTATION_BYTES if cluster.device == "cuda" else 0,
-        pageable=int(0 if cpu_offload else pageable_optimizer_bytes(shape, method, request, cluster) / shards),
+        pageable=int(0 if cpu_offload else pageable_optimizer_bytes(shape, rung, request, cluster) / shards),
         gradients_in_backward=int(gradients if request.train.grad_accum_steps > 1 and not cpu_offload and not in_backward else 0)
         + (head_grads if shards > 1 or cpu_offload or request.train.grad_accum_steps == 1 else 0),
         step_temporary=int(0 if cpu_offload else step_temp),
@@ -361,14 +361,14 @@ def _gathered_bytes(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pl
     return gathered_end_params(shape) * sizes.act_bytes + 2 * sizes.block_bytes + block_grads
 
 
-def step_temporary_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster, *,
+def step_temporary_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster, *,
                           trainable: int, state_bytes: int, in_backward: bool) -> int:
     """The optimizer step's temporaries before sharding: with the step in backward, one parameter
     at a time (the LM head's while activations live); else the whole step over the trainable set."""
     if in_backward:
         return optimizer_step_bytes(request, cluster, params=largest_param(shape), largest=largest_param(shape),
                                     state_bytes=state_bytes)
-    if method == "full":
+    if not rung.adapters_enabled:
         largest = largest_param(shape)
     else:
         largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in targeted_linears(b, request)) \

@@ -251,9 +251,9 @@ def matmul_params(shape: ModelShape) -> int:
     return shape.active_params - shape.embedding_params + shape.vocab_size * shape.hidden_size * shape.tie_word_embeddings
 
 
-def prepass_s_per_pair(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> float:
+def prepass_s_per_pair(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> float:
     """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
-    if request.objective != "dpo" or method != "full":
+    if request.objective != "dpo" or rung.adapters_enabled:
         return 0.0
     return 2 * matmul_params(shape) * 2 * request.data.max_length / (cluster.tflops * 1e12 * cluster.world_size)
 

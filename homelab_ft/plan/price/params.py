@@ -69,12 +69,12 @@ def quant_code_bytes(*, double_quant: bool) -> int:
     return 4 * (FOUR_BIT_CODE_VALUES + DYNAMIC_CODE_VALUES * double_quant)
 
 
-def adapter_bytes(method: str, request: PlanRequest, cluster: Cluster) -> int:
+def adapter_bytes(rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes per adapter parameter: fp32, or with lora.dtype=compute bf16 when the base computes in
     bf16 (fp16 bases keep fp32 adapters)."""
     if request.lora.dtype != "compute":
         return 4
-    name = request.quant.compute_dtype if method == "qlora" else request.model.dtype
+    name = request.quant.compute_dtype if rung.quantized_enabled else request.model.dtype
     bf16 = name == "bfloat16" or (name == "auto" and cluster.device == "cuda")
     return 2 if bf16 else 4
 
@@ -110,23 +110,23 @@ def expert_scratch_bytes(shape: ModelShape, request: PlanRequest, cluster: Clust
     return qlora_compute_bytes(request, cluster) * max((i * o for b in shape.blocks for _, i, o in b.expert_stacks), default=0)
 
 
-def device_kept_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
+def device_kept_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes of a 4-bit base that stay whole on every rank's device on every rung, sharded or not,
     CPU-offloaded or not: the quantisation constants (`quant_state_bytes`: not parameters, so
     FSDP2's CPUOffloadPolicy leaves them on the GPU) and one expert's dequantized scratch."""
-    if method != "qlora":
+    if not rung.quantized_enabled:
         return 0
     return quant_state_bytes(shape, request) + expert_scratch_bytes(shape, request, cluster)
 
 
-def one_process_loading_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
+def one_process_loading_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Host RAM one unsharded process holds while it loads: a 4-bit base with fused MoE experts
     takes the meta build and the per-block fill (train/build.py, sharded_experts.py), so it holds
     what a sharded 4-bit rank holds (`sharded_qlora_loading_bytes`: one projection's stacked experts
     as read, ~1.6 GB on Qwen3-30B-A3B); every other one-process load streams safetensors from the
     page cache (`from_pretrained`)."""
     has_experts = any(b.expert_stacks for b in shape.blocks)
-    if method != "qlora" or request.quant.bits != 4 or not has_experts:
+    if not rung.quantized_enabled or request.quant.bits != 4 or not has_experts:
         return 0
     return sharded_qlora_loading_bytes(shape, request, cluster)
 
@@ -184,7 +184,7 @@ def trainable_params(shape: ModelShape, request: PlanRequest) -> int:
     return adapter_params(shape, request) + router_params(shape, request)
 
 
-def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
+def base_weight_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> tuple[int, int]:
     """(total bytes, the largest block's bytes FSDP2 all-gathers) of the unsharded base weights;
     a 4-bit block gathers its parameters only, not the constants every rank already keeps.
 
@@ -195,7 +195,7 @@ def base_weight_bytes(shape: ModelShape, method: str, request: PlanRequest, clus
     keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast). The one expert the matmul dequantizes
     at a time is not a weight FSDP2 shards: `expert_scratch_bytes`.
     """
-    if method != "qlora":
+    if not rung.quantized_enabled:
         per_param = weight_bytes(request, cluster)
         return shape.total_params * per_param, shape.max_block_params * per_param
     other = qlora_compute_bytes(request, cluster)
@@ -264,7 +264,7 @@ def optimizer_step_bytes(request: PlanRequest, cluster: Cluster, *, params: int,
 PAGED_MIN_NUMEL = 100_000
 
 
-def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanRequest, cluster: Cluster) -> int:
+def pageable_optimizer_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Optimizer state that paged_adamw_8bit allocates in CUDA unified memory (0 otherwise).
 
     The driver migrates such pages to host RAM when the GPU is oversubscribed and back when the
@@ -276,7 +276,7 @@ def pageable_optimizer_bytes(shape: ModelShape, method: str, request: PlanReques
     if request.train.optimizer != "paged_adamw_8bit" or cluster.device != "cuda":
         return 0
     per_param = optimizer_bytes_per_param(request, 0)
-    if method == "full":
+    if not rung.adapters_enabled:
         big = shape.embedding_params + shape.vocab_size * shape.hidden_size * (not shape.tie_word_embeddings)
         for block in shape.blocks:
             linears = sum(n for lin in block.linears if (n := lin.in_features * lin.out_features) >= PAGED_MIN_NUMEL)

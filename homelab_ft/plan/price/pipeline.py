@@ -71,10 +71,10 @@ def in_flight(schedule: str, *, stages: int, stage_index: int, micro_batches: in
     return min(stages - stage_index, micro_batches)
 
 
-def p2p_bytes(shape: ModelShape, *, method: str, request: PlanRequest, cluster: Cluster) -> int:
+def p2p_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes one stage boundary carries per micro-batch and direction: the hidden states
     [rows, seq, hidden] in the activation dtype forward, and their gradient (same shape) back."""
-    act = activation_dtype_bytes(method, request, cluster)
+    act = activation_dtype_bytes(rung, request, cluster)
     return request.rows_per_micro_batch * request.data.max_length * shape.hidden_size * act
 
 
@@ -121,18 +121,18 @@ class _PerBlock:
 
 
 def _per_block(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> _PerBlock:
-    method, layers = rung.method, shape.num_layers
-    act = activation_dtype_bytes(method, request, cluster)
-    base_total, _ = base_weight_bytes(shape, method, request, cluster)
-    if method == "full":
+    layers = shape.num_layers
+    act = activation_dtype_bytes(rung, request, cluster)
+    base_total, _ = base_weight_bytes(shape, rung, request, cluster)
+    if not rung.adapters_enabled:
         trainable, state = shape.total_params, weight_bytes(request, cluster)
         block_trainable = shape.block_params / layers
     else:
-        trainable, state = adapter_params(shape, request), adapter_bytes(method, request, cluster)
+        trainable, state = adapter_params(shape, request), adapter_bytes(rung, request, cluster)
         block_trainable = trainable / layers
     recomputed = recomputed_block_bytes(shape, rung=rung, request=request, act_bytes=act)
     kept = activation_bytes(shape, rung=rung, request=request, act_bytes=act) - recomputed
-    pageable = pageable_optimizer_bytes(shape, method, request, cluster) / max(1, trainable)
+    pageable = pageable_optimizer_bytes(shape, rung, request, cluster) / max(1, trainable)
     return _PerBlock(act_bytes=act, base_bytes=(base_total - shape.root_params * act) / layers,
                      trainable=block_trainable, state_bytes=state,
                      kept_bytes=kept / layers, recomputed=recomputed, pageable_per_trainable=pageable)
@@ -160,7 +160,7 @@ def stage_memory(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster
     micro = request.train.grad_accum_steps
     flying = in_flight(rung.pipeline_schedule, stages=stages, stage_index=stage_index, micro_batches=micro)
     head_grads = shape.vocab_size * shape.hidden_size * per.state_bytes if full and last else 0
-    step_temp = step_temporary_bytes(shape, rung.method, request, cluster, trainable=int(trainable),
+    step_temp = step_temporary_bytes(shape, rung, request, cluster, trainable=int(trainable),
                                      state_bytes=per.state_bytes, in_backward=False) if trainable else 0
     cuda = cluster.device == "cuda"
     return Memory(
@@ -294,7 +294,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
                           num_blocks=binding.num_blocks)
     slowest = max(s.compute_s for s in stages)
     per_micro = slowest / micro
-    boundary = p2p_bytes(shape, method=rung.method, request=request, cluster=cluster)
+    boundary = p2p_bytes(shape, rung=rung, request=request, cluster=cluster)
     transfer = max((_transfer_s(boundary, rung=rung, cluster=cluster, inter=nodes[i] != nodes[i + 1])
                     for i in range(stages_n - 1)), default=0.0)
     p2p_total = 2 * micro * transfer

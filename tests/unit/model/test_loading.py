@@ -54,6 +54,7 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     from homelab_ft.plan.planner import default_request
     from homelab_ft.plan.price.params import adapter_bytes
     from homelab_ft.recipe.config import TrainConfig
+    from homelab_ft.rung import Rung
     from homelab_ft.train import optim
 
     cfg = ModelConfig(path=str(tiny_model_dir))
@@ -69,7 +70,7 @@ def test_adapter_dtype(tiny_model_dir, lora_dtype, base, want):
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[base]
     request = default_request(method="lora", model={"dtype": name}, lora={"dtype": lora_dtype})
     cluster = Cluster(device="cuda", nodes=1, gpus_per_node=1, device_bytes=1, host_ram_bytes=1)
-    assert adapter_bytes("lora", request, cluster) == torch.empty((), dtype=want).element_size()
+    assert adapter_bytes(Rung("lora", "no_shard", False), request, cluster) == torch.empty((), dtype=want).element_size()
 
 
 def test_unknown_target_module_is_a_user_error(tiny_model_dir):

@@ -59,8 +59,8 @@ def test_planner_prices_4bit_experts_and_expert_adapters_as_built(model_type):
         moe_experts.quantize(module)
         packed += moe_experts.packed_bytes(module)
     without = dataclasses.replace(shape, blocks=tuple(dataclasses.replace(b, expert_stacks=()) for b in shape.blocks))
-    with_experts, _ = params.base_weight_bytes(shape, "qlora", request, CPU)
-    plain, _ = params.base_weight_bytes(without, "qlora", request, CPU)
+    with_experts, _ = params.base_weight_bytes(shape, Rung("qlora", "no_shard", False), request, CPU)
+    plain, _ = params.base_weight_bytes(without, Rung("qlora", "no_shard", False), request, CPU)
     other = params.qlora_compute_bytes(request, CPU)
     expert_weights = sum(b.num_blocks * b.expert_weight_params for b in shape.blocks)
     codes = sum(b.num_blocks * e for b in shape.blocks for e, _, _ in b.expert_stacks) * params.quant_code_bytes(
@@ -128,7 +128,7 @@ def test_planned_activations_equal_what_the_expert_loop_saves(model_type, method
     torch.manual_seed(0)
     real = saved._saved_by_block(model, decoder_blocks(model), seq)
     request = default_request(method=method, lora={"r": 4, "dropout": dropout, "target_modules": lora_targets}, data={"max_length": seq}, train={"micro_batch_size": 1, "activation_checkpointing": False}, quant={"bits": 4})
-    planned = activations._block_activation_bytes(shape, method, request, 4)
+    planned = activations._block_activation_bytes(shape, Rung(method, "no_shard", False), request, 4)
     for block, per_token in zip(shape.blocks, planned, strict=True):
         measured = real.get(block.first_layer, 0) / seq
         experts_dropped = 0
@@ -139,7 +139,7 @@ def test_planned_activations_equal_what_the_expert_loop_saves(model_type, method
             inputs = sum(lin.in_features for lin in params.targeted_linears(block, request))
             measured -= 3 * (inputs + experts_dropped)
         assert abs(measured - per_token) <= 0.02 * per_token, (block.kind, measured, per_token)
-        loop = measured - (per_token - activations.expert_loop_bytes(block, method, request, 4))
+        loop = measured - (per_token - activations.expert_loop_bytes(block, Rung(method, "no_shard", False), request, 4))
         if block.expert_stacks and not dropout:
             inner = block.expert_stacks[-1][1]
             assert loop <= (block.expert_stacks[0][1] + block.routed_experts * (inner + 3 * 4)) * 4, (block.kind, loop)

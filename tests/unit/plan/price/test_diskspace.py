@@ -8,12 +8,13 @@ from collections import namedtuple
 from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.planner import default_request
 from homelab_ft.plan.price import diskspace
+from homelab_ft.rung import Rung
 from homelab_ft.store.layout import RunDir
 
 
 def _option(method: str, trainable: int):
-    Option = namedtuple("Option", "method trainable_params")
-    return Option(method, trainable)
+    Option = namedtuple("Option", "rung trainable_params")
+    return Option(Rung(method, "no_shard", False), trainable)
 
 
 def test_checkpoint_bytes_per_trainable_parameter():

@@ -143,7 +143,7 @@ def test_one_process_moe_qlora_host_peak_holds_the_load(built):
     dense = max(_nbytes(t) for name, t in reads.items() if name not in packed)
     # the largest read: one projection's stacked experts held twice (the converter stacks gate and up),
     # or a dense tensor beside its fp32 copy
-    loading = params.one_process_loading_bytes(shape, "qlora", REQUEST, _cluster(1))
+    loading = params.one_process_loading_bytes(shape, Rung("qlora", "no_shard", False), REQUEST, _cluster(1))
     assert loading == max(2 * stack, dense * (1 + 4 // 2))
     assert loading >= peak["temporaries"]  # what the fill itself held at once
     for gpus in (1, 2):  # DDP: every local rank loads its own copy

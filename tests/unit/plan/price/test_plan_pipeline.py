@@ -97,7 +97,7 @@ def test_in_flight_and_bubble():
 
 
 def test_p2p_bytes_and_their_time_on_the_link():
-    assert pipeline.p2p_bytes(TINY, method="full", request=TINY_REQUEST, cluster=gpus()) == 2 * 32 * 64 * 2
+    assert pipeline.p2p_bytes(TINY, rung=Rung("full", "no_shard", False), request=TINY_REQUEST, cluster=gpus()) == 2 * 32 * 64 * 2
     cluster = dataclasses.replace(gpus(), tflops=1e-4)  # a stage's work outlasts a transfer
     est = pipeline.estimate(TINY, rung=tiny_rung(), request=TINY_REQUEST, cluster=cluster)
     assert est.comm_bytes == 2 * 4 * 2 * 32 * 64 * 2  # forward and back, 4 micro-batches, one boundary

@@ -18,6 +18,7 @@ import pytest
 from homelab_ft.errors import UserError
 from homelab_ft.locate import locate_config, read_model_config
 from homelab_ft.plan.shape.shapes import model_shape
+from homelab_ft.rung import Rung
 
 ROOT = Path(__file__).resolve().parents[4]
 CONFIGS = ROOT / "tests" / "configs"
@@ -143,7 +144,7 @@ def test_lora_pricing_equals_a_real_peft_forward(model_type):
     seq = 128
     real = saved._saved_by_block(base, decoder_blocks(base), seq)
     request = default_request(method="lora", lora={"r": 8, "dropout": 0.0, "target_modules": ("all-linear",)}, data={"max_length": seq}, train={"micro_batch_size": 1, "activation_checkpointing": False})
-    planned = activations._block_activation_bytes(shape, "lora", request, 4)
+    planned = activations._block_activation_bytes(shape, Rung("lora", "no_shard", False), request, 4)
     assert model is not None
     for block, per_token in zip(shape.blocks, planned, strict=True):
         measured = real.get(block.first_layer, 0) / seq
