@@ -250,23 +250,38 @@ def implied_checkpointing(checkpointing: bool | str, *, activation_offload: bool
     return checkpointing
 
 
-def requested_rung(method: str, *, strategy: str, cpu_offload: bool, nodes: int, procs_per_node: int,
-                   optimizer: str, optimizer_in_backward: bool, quant_bits: int,
-                   activation_checkpointing: bool | str, activation_offload: bool | str) -> Rung:
+def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_per_node: int, train, quant, sharding,
+          activation_checkpointing: bool, activation_offload: bool, pipeline_stages: int = 1) -> Rung:
+    """The one place a rung's fields are read off the recipe: `train`, `quant` and `sharding` are its
+    sections (recipe.config's dataclasses, which the planner's PlanRequest holds too), the choices
+    the ladder or `requested_rung` made are the arguments. A new knob of what runs is a Rung field
+    and a line here. A pipeline the recipe names keeps its stage split; one the planner picks is
+    sized to each GPU by the pricing (plan/price/pipeline.py)."""
+    named = pipeline_stages > 1 and pipeline_stages == sharding.pipeline_stages
+    return Rung(method=method, strategy=strategy, cpu_offload=cpu_offload, nodes=nodes, procs_per_node=procs_per_node,
+                optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward, quant_bits=quant.bits,
+                activation_checkpointing=activation_checkpointing, activation_offload=activation_offload,
+                pipeline_stages=pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()) if named else (),
+                pipeline_schedule=sharding.pipeline_schedule)
+
+
+def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant, sharding) -> Rung:
     """The rung a request names when no plan fills its `auto`s (the planner refuses a fully named
     rung with it before pricing anything; `train` runs it when the planner chose nothing): `auto`
     method is LoRA (a full fine-tune when the optimizer steps in backward, which only it takes),
-    `auto` strategy is `default_strategy`, `auto` savers are off unless offload brings checkpointing."""
+    `auto` strategy is `default_strategy`, `auto` savers are off unless offload brings checkpointing.
+    `train`, `quant`, `sharding`: the recipe's sections, as `build` reads them."""
     world_size = nodes * procs_per_node
     if method == "auto":
-        method = "full" if optimizer_in_backward else "lora"
+        method = "full" if train.optimizer_in_backward else "lora"
+    strategy = sharding.strategy
     if strategy == "auto":
         strategy = default_strategy(method, world_size=world_size)
-    checkpointing = implied_checkpointing(activation_checkpointing, activation_offload=activation_offload) is True
-    return Rung(method=method, strategy=effective_strategy(strategy, world_size=world_size, cpu_offload=cpu_offload),
-                cpu_offload=cpu_offload, nodes=nodes, procs_per_node=procs_per_node, optimizer=optimizer,
-                optimizer_in_backward=optimizer_in_backward, quant_bits=quant_bits,
-                activation_checkpointing=checkpointing, activation_offload=activation_offload is True)
+    checkpointing = implied_checkpointing(train.activation_checkpointing, activation_offload=train.activation_offload)
+    return build(method, effective_strategy(strategy, world_size=world_size, cpu_offload=sharding.cpu_offload),
+                 sharding.cpu_offload, nodes=nodes, procs_per_node=procs_per_node, train=train, quant=quant,
+                 sharding=sharding, activation_checkpointing=checkpointing is True,
+                 activation_offload=train.activation_offload is True)
 
 
 def rung_for(recipe) -> Rung:
@@ -274,12 +289,8 @@ def rung_for(recipe) -> Rung:
     `plan.chosen.rung`, decided once by the planner): the recipe's explicit choices, validated, and
     `requested_rung`'s defaults for what it leaves `auto`. Used where the planner chose nothing for
     a named method, and by tests and benchmarks that build a model for a recipe directly."""
-    train = recipe.train
-    return pipelined(requested_rung(recipe.method, strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
-                          nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
-                          optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward,
-                          quant_bits=recipe.quant.bits, activation_checkpointing=train.activation_checkpointing,
-                          activation_offload=train.activation_offload), recipe.sharding)
+    return pipelined(requested_rung(recipe.method, nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
+                                    train=recipe.train, quant=recipe.quant, sharding=recipe.sharding), recipe.sharding)
 
 
 def pipelined(rung: Rung, sharding) -> Rung:

@@ -32,6 +32,7 @@ from homelab_ft.rung import (
     SHARD_GRAD_OP,
     Rung,
     RungError,
+    build,
     implied_checkpointing,
 )
 
@@ -76,13 +77,9 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
     for `price` to size to each GPU. Whether the trainer runs it for this recipe and model is
     `refusals.refusals` (`offers` asks it of every option)."""
     checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
-    named = stages > 1 and stages == request.sharding.pipeline_stages
-    return Rung(method=method, strategy=strategy, cpu_offload=offload, nodes=cluster.nodes,
-                procs_per_node=cluster.gpus_per_node, optimizer=request.train.optimizer,
-                optimizer_in_backward=request.train.optimizer_in_backward, quant_bits=request.quant.bits,
-                activation_checkpointing=checkpointing, activation_offload=act_offload,
-                pipeline_stages=stages, stage_blocks=(request.sharding.stage_blocks or ()) if named else (),
-                pipeline_schedule=request.sharding.pipeline_schedule)
+    return build(method, strategy, offload, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
+                 train=request.train, quant=request.quant, sharding=request.sharding,
+                 activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages)
 
 
 def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:

@@ -144,11 +144,8 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
         )
     if request.method != "auto" and request.sharding.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
-        requested_rung(request.method, strategy=request.sharding.strategy, cpu_offload=request.sharding.cpu_offload,
-                       nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node, optimizer=request.train.optimizer,
-                       optimizer_in_backward=request.train.optimizer_in_backward, quant_bits=request.quant.bits,
-                       activation_checkpointing=request.train.activation_checkpointing,
-                       activation_offload=request.train.activation_offload)
+        requested_rung(request.method, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
+                       train=request.train, quant=request.quant, sharding=request.sharding)
     elif why := hybrid_refusal(request.sharding.strategy, nodes=cluster.nodes):
         raise RungError(why)
     if request.train.embedding_offload is True:
