@@ -92,9 +92,8 @@ def _prompt(text: str) -> str:
 
 def sampling(p: argparse.ArgumentParser, *, prompt_required: bool) -> None:
     """The flags `generate` and `chat` share, checked as they are parsed, before any model loads."""
-    p.add_argument("--prompt", required=prompt_required, type=_prompt, **({} if prompt_required else {
-        "help": "one reply to this prompt, then exit (default: a conversation on stdin, one line per turn; "
-                "/exit or EOF ends it)"}))
+    conversation = "one reply to this prompt, then exit (default: a conversation on stdin, one line per turn; /exit or EOF ends it)"
+    p.add_argument("--prompt", required=prompt_required, type=_prompt, help=None if prompt_required else conversation)
     p.add_argument("--system", help="system prompt" + ("" if prompt_required else " (default: the run's data.system_prompt)"))
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="at most N tokens (>= 1)")
     p.add_argument("--temperature", type=_float_in(0.0, 100.0, low_open=False, what="give 0 (greedy) to 100"),

@@ -39,10 +39,10 @@ def launch_commands(args) -> list:
 
     overrides = common.with_run_dir(args, common.with_cluster_file(args, list(args.overrides)))
     recipe = load_recipe(args.recipe, overrides)
-    launch.read_hosts(args.hosts, nodes=recipe.cluster.nodes, port=args.port)  # before planning: it is cheap
+    hosts = launch.read_hosts(args.hosts, nodes=recipe.cluster.nodes, port=args.port)  # before planning: it is cheap
     plan, rung = planned(recipe, cluster_file=common.cluster_file_name(args), base_dir=Path(args.recipe).resolve().parent)
     handoff, _ = checked_handoff(recipe, plan=plan, rung=rung)
-    return launch.launch_commands(args.hosts, args.recipe, overrides, handoff=handoff, port=args.port,
+    return launch.launch_commands(hosts, args.recipe, overrides, handoff=handoff, port=args.port,
                                   iface=args.iface, workdir=args.workdir, join_timeout_s=args.join_timeout,
                                   num_threads=recipe.train.num_threads)
 

@@ -343,12 +343,12 @@ def read_hosts(hostfile: Path, *, nodes: int, port: int) -> list[Host]:
 
 
 def launch_commands(
-    hostfile: Path, recipe_path: str, train_args: list[str], *, handoff: Handoff, port: int, iface: str | None,
+    hosts: list[Host], recipe_path: str, train_args: list[str], *, handoff: Handoff, port: int, iface: str | None,
     workdir: str | None = None, join_timeout_s: int = 300, num_threads: int | None = None,
 ) -> list[NodeCommand]:
     """`homelab-ft launch`: each node's command, all carrying the one `handoff` planned and checked
-    where `launch` ran; the job's shape (nodes x processes per node) is the handoff's rung."""
-    hosts = read_hosts(hostfile, nodes=handoff.rung.nodes, port=port)
+    where `launch` ran; the job's shape (nodes x processes per node) is the handoff's rung. `hosts`:
+    `read_hosts`' (the command reads the hostfile first, before planning)."""
     return node_commands(
         hosts, recipe_path, train_args,
         nodes=handoff.rung.nodes,

@@ -130,10 +130,7 @@ def sweep(final: Path) -> int:
     freed = 0
     for root in sorted(final.parent.glob(OLDER_PATTERN.format(name=final.name))):
         if root.is_dir() and not root.is_symlink() and _older_export(root):
-            size = tree_bytes(root)
-            shutil.rmtree(root, ignore_errors=True)
-            freed += size
-            log.warning("removed %s, an unfinished export an older homelab-ft left (%s bytes freed)", root, f"{size:,}")
+            freed += _remove(root, who="an older homelab-ft")
     for root in sorted(final.parent.glob(_pattern(final))):
         if not root.is_dir() or root.is_symlink():
             continue
@@ -142,11 +139,16 @@ def sweep(final: Path) -> int:
                 root.rmdir()  # empty: killed between mkdir and the marker; anything else is not ours
             continue
         _restore(final, root)
-        size = tree_bytes(root)
-        shutil.rmtree(root, ignore_errors=True)
-        freed += size
-        log.warning("removed %s, an unfinished export a killed homelab-ft left (%s bytes freed)", root, f"{size:,}")
+        freed += _remove(root, who="a killed homelab-ft")
     return freed
+
+
+def _remove(root: Path, *, who: str) -> int:
+    """Delete one leftover staging folder, said in one line with its bytes; returns them."""
+    size = tree_bytes(root)
+    shutil.rmtree(root, ignore_errors=True)
+    log.warning("removed %s, an unfinished export %s left (%s bytes freed)", root, who, f"{size:,}")
+    return size
 
 
 def sweep_if_free(final: Path) -> int:

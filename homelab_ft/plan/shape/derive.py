@@ -85,25 +85,24 @@ def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_co
     import transformers
 
     model_type = config.get("model_type")
+    remote = bool(trust_remote_code and model_path)
+    if not remote and model_type not in transformers.CONFIG_MAPPING:
+        raise UserError(
+            f"config.json: model_type {model_type!r} is unknown to the installed transformers "
+            f"{transformers.__version__}: upgrade it (pip install -U transformers), or for a model that ships its "
+            f"own modeling code set model.trust_remote_code=true")
     try:
-        if trust_remote_code and model_path:
+        if remote:
             hf_config = transformers.AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        elif model_type in transformers.CONFIG_MAPPING:
+        else:
             config_class = transformers.CONFIG_MAPPING[model_type]
             # config.json stores inf/nan as {"__float__": "Infinity"}; from_pretrained decodes them this way
             hf_config = config_class.from_dict(config_class._decode_special_floats(config))
-        else:
-            hf_config = None
     except Exception as err:  # noqa: BLE001 - a config transformers refuses; anything else re-raised
         refusal = config_refusal(err, model_path or "config.json")
         if refusal is None:
             raise
         raise refusal from None
-    if hf_config is None:
-        raise UserError(
-            f"config.json: model_type {model_type!r} is unknown to the installed transformers "
-            f"{transformers.__version__}: upgrade it (pip install -U transformers), or for a model that ships its "
-            f"own modeling code set model.trust_remote_code=true")
     text = hf_config.get_text_config(decoder=True)
     if text is hf_config:
         return hf_config, ()

@@ -99,7 +99,8 @@ def test_every_node_gets_the_same_handoff_and_no_rung_overrides(tmp_path):
     rung = Rung("lora", "no_shard", False, nodes=2, procs_per_node=3)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("10.0.0.1\n10.0.0.2\n")
-    commands = launch.launch_commands(hostfile, "r.yaml", ["train.lr=1e-4"], handoff=_handoff(rung), port=29500,
+    hosts = launch.read_hosts(hostfile, nodes=2, port=29500)
+    commands = launch.launch_commands(hosts, "r.yaml", ["train.lr=1e-4"], handoff=_handoff(rung), port=29500,
                                       iface=None, num_threads=2)
     assert {c.env[handoff.HANDOFF_VAR] for c in commands} == {_handoff(rung).encode()}
     for c in commands:
