@@ -118,3 +118,10 @@ def mounted(path: Path, *mount_args: str):
 def small_tmpfs(path: Path, size: str):
     """A tmpfs of `size` (mount's `size=`, e.g. 700k, 60m) at `path`: see `mounted`."""
     yield from mounted(path, "-t", "tmpfs", "-o", f"size={size}", "tmpfs")
+
+
+def step_rows(run: Path) -> dict[int, dict]:
+    """A run's training rows of metrics.jsonl by step (eval and samples rows left out)."""
+    from homelab_ft.train.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(Path(run) / "metrics.jsonl") if "loss" in r}

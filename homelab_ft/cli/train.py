@@ -39,13 +39,13 @@ def planned(recipe, *, cluster_file: str | None, base_dir: Path):
     """(plan, rung), decided once for `train` and `launch`: the planner's chosen option carries its
     rung; a named method the planner expects not to fit is tried anyway with the recipe's own rung
     (`rung_for`, which validates it). A refused combination stops here, with its fix; with `auto`
-    and nothing fitting, the plan goes to stderr to say what would. An objective the trainer cannot
-    run yet is refused first (`preflight.check_objective_built`; `base_dir` is the recipe's folder)."""
+    and nothing fitting, the plan goes to stderr to say what would. GRPO's reward functions are
+    resolved first (`preflight.check_rewards`; `base_dir` is the recipe's folder)."""
     from homelab_ft.plan import planner, report
     from homelab_ft.rung import pipelined, rung_for
     from homelab_ft.train import preflight
 
-    preflight.check_objective_built(recipe, base_dir=base_dir)
+    preflight.check_rewards(recipe, base_dir=base_dir)
     plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file)
     if plan.chosen is not None:  # a pipeline the recipe names explicitly is run as named
         return plan, pipelined(plan.chosen.rung, recipe.sharding)

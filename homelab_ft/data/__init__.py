@@ -9,6 +9,7 @@ module per step:
     templates  chat templates and the loss mask (which characters are trained)
     rows       the one cached tokenising map, the fit to max_length, the kept rows, padding
     sft        the SFT pipeline (`prepare_data`)       pairs    preference pairs (`prepare_pairs`)
+    prompts    GRPO's prompts and reward columns (`prepare_prompts`)
     packing    several samples per row                 sampling the trainer's micro-batches
     report     what was kept, cut and left out         prepare  `prepare_for`: the objective's pipeline
     fingerprint  what a run's data was, recorded in each checkpoint so `--resume` knows when it changed
@@ -19,6 +20,7 @@ does not pay for it; the trainer's `sampling.MicroBatchSampler` is torch and imp
 
 from homelab_ft.data.pairs import collate_pairs, prepare_pairs
 from homelab_ft.data.prepare import prepare_for
+from homelab_ft.data.prompts import prepare_prompts
 from homelab_ft.data.report import DataReport, PreparedData, SourceReport
 from homelab_ft.data.rows import collate
 from homelab_ft.data.sft import prepare_data
@@ -34,4 +36,5 @@ __all__ = [
     "prepare_data",
     "prepare_for",
     "prepare_pairs",
+    "prepare_prompts",
 ]

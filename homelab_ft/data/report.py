@@ -56,13 +56,24 @@ class DataReport:
     """True when every tokenised split came from the cache instead of being tokenised again."""
     pairs: bool = False
     """Preference pairs (objective: dpo): samples are pairs, tokens and lengths count both answers' rows."""
+    prompts: bool = False
+    """Prompts (objective: grpo, prompts.py): samples are prompts, their tokens the prompts' (no loss yet)."""
+
+    @property
+    def unit(self) -> str:
+        """What one training row is: a sample (sft), a pair (dpo) or a prompt (grpo)."""
+        return "pair" if self.pairs else "prompt" if self.prompts else "sample"
 
     def summary(self) -> str:
         """One line for the training log: what was kept, cut and left out."""
         skipped = sum(s.num_rows_skipped for s in self.sources + self.eval_sources)
+        if self.prompts:  # GRPO's rows carry no loss until their completions are sampled
+            return (f"data: {self.num_train_samples} training prompts ({self.num_train_tokens:,} tokens), "
+                    f"{self.num_eval_samples} eval; truncated {self.num_truncated} (their first tokens), dropped "
+                    f"{self.num_dropped_overlong} too long, skipped {skipped} bad rows")
         packed = f"; packed into {self.num_train_rows} rows, {self.non_pad_fraction:.1%} non-pad" if self.packed else ""
         return (
-            f"data: {self.num_train_samples} training {'pairs' if self.pairs else 'samples'} ({self.num_train_tokens:,} tokens, "
+            f"data: {self.num_train_samples} training {self.unit}s ({self.num_train_tokens:,} tokens, "
             f"{self.num_trained_tokens:,} with loss), {self.num_eval_samples} eval; truncated {self.num_truncated}, "
             f"dropped {self.num_dropped_overlong} too long and {self.num_dropped_no_target} with nothing to learn, "
             f"skipped {skipped} bad rows{packed}{' (tokenised data from the cache)' if self.cache_hit else ''}"

@@ -51,8 +51,8 @@ def read_and_mix(data_cfg: DataConfig, *, seed: int, base_dir: Path | None, pair
                                                                     base_dir=base_dir, pairs=pairs)
         held_out = []
         if not data_cfg.eval_sources and data_cfg.eval_fraction > 0:
-            samples, held_out = _hold_out(samples, fraction=data_cfg.eval_fraction, rng=random.Random(f"{seed}:eval:{i}"))
-        used = _weighted(samples, weight=src.weight, rng=random.Random(f"{seed}:weight:{i}"))
+            samples, held_out = hold_out(samples, fraction=data_cfg.eval_fraction, rng=random.Random(f"{seed}:eval:{i}"))
+        used = weighted(samples, weight=src.weight, rng=random.Random(f"{seed}:weight:{i}"))
         train_parts += used
         eval_parts += held_out
         train_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(used), first_error))
@@ -322,13 +322,13 @@ def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Pa
     return samples, fmt, num_rows, skipped, (first_error[0] if first_error else None)
 
 
-def _hold_out(samples: list[dict], *, fraction: float, rng: random.Random):
+def hold_out(samples: list[dict], *, fraction: float, rng: random.Random):
     """Split off round(n * fraction) samples at random positions; both parts keep file order."""
     held = set(rng.sample(range(len(samples)), round(len(samples) * fraction)))
     return [s for i, s in enumerate(samples) if i not in held], [s for i, s in enumerate(samples) if i in held]
 
 
-def _weighted(samples: list[dict], *, weight: float, rng: random.Random) -> list[dict]:
+def weighted(samples: list[dict], *, weight: float, rng: random.Random) -> list[dict]:
     """`weight` copies of the source: whole repeats, then a random subset for the fraction."""
     whole, part = divmod(round(len(samples) * weight), len(samples))
     return samples * whole + rng.sample(samples, part)

@@ -1,8 +1,9 @@
 """The `make demo` tasks: the SFT task (sft.py: its data, scorer and measured run), the DPO pairs
-made from it (dpo.py), and the run that scores, trains, exports and scores again (run.py:
+made from it (dpo.py), GRPO's small sums and their held-out reward (grpo.py), and the run that scores, trains, exports and scores again (run.py:
 `run_demo`, what `homelab-ft demo` calls).
 
 `python -m homelab_ft.demo.sft --write-dataset` and `python -m homelab_ft.demo.dpo --write-dataset`
-regenerate the shipped data; `python -m homelab_ft.demo.dpo --score DIR` scores a model folder.
+(and `demo.grpo`) regenerate the shipped data; `python -m homelab_ft.demo.dpo --score DIR` (and
+`demo.grpo`) scores a model folder.
 Nothing is imported here, so that running sft.py or dpo.py as `__main__` finds them unimported.
 """

@@ -387,6 +387,9 @@ class GrpoConfig:
     `f(prompts, completions, completion_ids, **columns) -> list[float | None]`."""
     reward_weights: tuple[float, ...] | None = None
     """One weight per reward function; default 1.0 each."""
+    log_completions_every: NonNegInt = 10
+    """Write the first prompt's group of completions, with their rewards, to metrics.jsonl (a `samples`
+    row) every this many steps and at the last; 0: never."""
 
     @property
     def epsilon_upper(self) -> float:
@@ -434,7 +437,7 @@ class Recipe:
     objective: Literal["sft", "dpo", "grpo"] = "sft"
     """`sft`: learn the answers; `dpo`: learn which of two answers is preferred (needs preference
     rows and a reference model: the base with adapters off, or cached log-probabilities for full);
-    `grpo`: learn from rewards of sampled completions (the `grpo` section; its loop is not built yet)."""
+    `grpo`: learn from rewards of sampled completions (the `grpo` section; docs/grpo.md)."""
     dpo: DpoConfig = Field(default_factory=DpoConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -10,8 +10,9 @@
     preference, reference_cache   DPO/IPO arithmetic; a full fine-tune's reference cached on disk
     grpo_loss       GRPO advantages and the clipped policy loss (grpo, dr_grpo, dapo, bnpo; GSPO ratios; k3 KL)
     rewards, reward_builtins   GRPO's reward functions (TRL's signature) resolved from the recipe and checked; the built-ins
+    grpo, rollout   GRPO's side of a step (sample, score, advantages, metrics, held-out reward); the colocated rollout engine
     offload, stopping, metrics    activations in host RAM; SIGTERM/SIGINT; metrics.jsonl, TensorBoard, plot
-divergence      the non-finite guard: a NaN/inf step never applied, the run stopped in one line (exit 3)
-host_embedding  `train.embedding_offload`: the frozen input embedding table in host RAM, looked up there
+    divergence      the non-finite guard: a NaN/inf step never applied, the run stopped in one line (exit 3)
+    host_embedding  `train.embedding_offload`: the frozen input embedding table in host RAM, looked up there
     samples         greedy replies every `train.sample_every` steps (on every rank; rank 0 logs)
 """

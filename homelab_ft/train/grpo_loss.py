@@ -39,7 +39,8 @@ STD_EPS = 1e-4
 advantages of 0 instead of 0 / 0."""
 
 
-def advantages(rewards: torch.Tensor, *, num_generations: int, scale_rewards: str) -> torch.Tensor:
+def advantages(rewards: torch.Tensor, *, num_generations: int, scale_rewards: str,
+               batch_std: torch.Tensor | None = None) -> torch.Tensor:
     """Each completion's advantage from the rewards of a batch of whole groups ([N], N a multiple of
     `num_generations`, the completions of one prompt consecutive, as TRL samples them).
 
@@ -48,7 +49,8 @@ def advantages(rewards: torch.Tensor, *, num_generations: int, scale_rewards: st
     arXiv:2508.08221: a group whose rewards barely differ is not blown up to unit variance), or by
     nothing ("none", Dr. GRPO). A NaN reward (every reward function returned None for the row:
     `rewards.weighted_sum`) is left out of the means and stds and its advantage is 0, TRL's rule.
-    Stds are Bessel-corrected (torch.std's).
+    Stds are Bessel-corrected (torch.std's). `batch_std`: the "batch" std when the batch is larger
+    than `rewards` (every micro-batch of the step on every rank: grpo._batch_std); default theirs.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: one of {SCALE_REWARDS}")
@@ -59,7 +61,7 @@ def advantages(rewards: torch.Tensor, *, num_generations: int, scale_rewards: st
     if scale_rewards == "group":
         std = _nanstd(grouped, dim=1).repeat_interleave(num_generations)
     elif scale_rewards == "batch":
-        std = _nanstd(rewards, dim=0).expand_as(rewards)
+        std = (_nanstd(rewards, dim=0) if batch_std is None else batch_std.to(rewards.dtype)).expand_as(rewards)
     else:
         std = None
     out = centred if std is None else centred / (std + STD_EPS)

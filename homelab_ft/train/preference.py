@@ -27,6 +27,8 @@ tokens, so 2 ranks give the gradient of 1 process on the whole batch.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -125,15 +127,24 @@ def reference_logps(model, batch: dict, device) -> torch.Tensor:
     """
     if "reference_logps" in batch:
         return batch["reference_logps"].to(device)
+    with adapters_off(model, why="objective dpo without adapters needs cached reference log-probabilities") as peft:
+        logits = peft(**model_inputs(batch, device), use_cache=False).logits
+    return sequence_logps(logits, batch["labels"])[0]
+
+
+@contextlib.contextmanager
+def adapters_off(model, *, why: str):
+    """The reference model of LoRA and QLoRA: the PeftModel inside `model` with its adapters disabled,
+    in eval mode (no dropout on the reference), its mode restored after. `why`: the error for a model
+    without adapters, which has no such reference (callers refuse that before the run)."""
     peft = peft_model(model)
     if peft is None:
-        raise RuntimeError("objective dpo without adapters needs cached reference log-probabilities")
+        raise RuntimeError(why)
     was_training = peft.training
     peft.eval()
     try:
         with peft.disable_adapter():
-            logits = peft(**model_inputs(batch, device), use_cache=False).logits
-        return sequence_logps(logits, batch["labels"])[0]
+            yield peft
     finally:
         peft.train(was_training)
 

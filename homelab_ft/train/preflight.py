@@ -38,18 +38,15 @@ class Inputs:
     """What the plan read off the model (its shape's `facts`): what the builder asks."""
 
 
-def check_objective_built(recipe: Recipe, *, base_dir: Path) -> None:
-    """Refuse an objective whose loop is not built yet, before planning: `objective: grpo` (issue 33)
-    has its losses and rewards but not its generation and steps. Its reward functions are resolved
-    first (each names a built-in, a file beside the recipe in `base_dir`, or a module), so a name
-    that does not import is the line the user sees, as it will be once the loop exists."""
+def check_rewards(recipe: Recipe, *, base_dir: Path) -> None:
+    """`objective: grpo`: every reward function resolves (a built-in, a file beside the recipe in
+    `base_dir`, or a module) before planning, so a name that does not import is one line and no run
+    directory exists yet (train/rewards.py)."""
     if recipe.objective != "grpo":
         return
     from homelab_ft.train import rewards
 
     rewards.resolve_rewards(recipe.grpo.reward_funcs, weights=recipe.grpo.reward_weights, recipe_dir=base_dir)
-    raise UserError("objective=grpo: the GRPO training loop (sampling completions, scoring them, its steps) is not "
-                    "built yet (issue 33); the recipe and its reward functions check out. Use objective: sft or dpo")
 
 
 def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: str) -> Inputs:

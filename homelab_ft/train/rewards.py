@@ -48,6 +48,9 @@ class Reward:
     """As the recipe spells it (`rewards.py:exact_answer`): what every message about it says."""
     func: RewardFunc
     weight: float = 1.0
+    label: str = ""
+    """Its name in metrics (`rewards/<label>/mean`): the function's own name, as TRL logs it, made
+    unique within the run (`exact_answer`, `exact_answer_2`); `resolve_rewards` sets it."""
 
 
 def resolve_rewards(entries: Sequence[str | Mapping], *, weights: Sequence[float] | None,
@@ -57,9 +60,14 @@ def resolve_rewards(entries: Sequence[str | Mapping], *, weights: Sequence[float
     weights = [1.0] * len(entries) if weights is None else weights
     if len(weights) != len(entries):
         raise ValueError(f"{len(weights)} weights for {len(entries)} reward functions")
-    return [Reward(name=_spelling(entry), func=resolve(entry, recipe_dir=recipe_dir, where=f"{key}[{i}]"),
-                   weight=float(weight))
-            for i, (entry, weight) in enumerate(zip(entries, weights, strict=True))]
+    out, seen = [], {}
+    for i, (entry, weight) in enumerate(zip(entries, weights, strict=True)):
+        func = resolve(entry, recipe_dir=recipe_dir, where=f"{key}[{i}]")
+        label = str(getattr(func, "__name__", None) or type(func).__name__)
+        seen[label] = seen.get(label, 0) + 1
+        out.append(Reward(name=_spelling(entry), func=func, weight=float(weight),
+                          label=label if seen[label] == 1 else f"{label}_{seen[label]}"))
+    return out
 
 
 def resolve(entry: str | Mapping, *, recipe_dir: Path, where: str = "grpo.reward_funcs") -> RewardFunc:
@@ -120,7 +128,9 @@ def _built(entry: Mapping, *, where: str) -> RewardFunc:
         raise UserError(f"{where}: the parameters of {name} are a mapping, as `{name}: {{...}}`")
     try:
         return factory(**params)
-    except (TypeError, ValueError) as e:
+    except TypeError as e:  # a parameter it does not take, or one missing: say which it takes
+        raise UserError(f"{where}: {_one_line(e)}; it is {factory.__doc__.splitlines()[0]}") from e
+    except ValueError as e:
         raise UserError(f"{where}: {_one_line(e)}") from e
 
 

@@ -149,6 +149,9 @@ def held_out_prompts(rows, tokenizer, *, limit: int = NUM_EVAL_PROMPTS) -> tuple
     preference pair; the first sample of a packed row). Rows whose every token is trained give none."""
     if rows is None:
         return ()
+    if "prompt_ids" in rows.column_names:  # GRPO's prompt rows (data/prompts.py): the prompt is the row
+        return tuple(Prompt(text=tokenizer.decode(ids, skip_special_tokens=True).strip(), ids=tuple(ids))
+                     for ids in rows[:limit]["prompt_ids"])
     side = "" if "input_ids" in rows.column_names else "chosen_"
     prompts = []
     for i in range(len(rows)):

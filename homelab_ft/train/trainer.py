@@ -4,14 +4,15 @@
 model for the chosen rung (build.py) and its optimizer (optim.py), then the loop (draw
 micro-batches, step, log, evaluate (evaluate.py), checkpoint). A step is one skeleton
 (`_optimizer_step`: the step's divisor, clip, optimizer and schedule steps, the reduced sums) around
-its objective's forwards and backwards (`train_step`, `pipeline_step`, `dpo_step`), and reports a
-`StepResult`. Sharding is applied to the model before the loop and the loop does not care whether
+its objective's forwards and backwards (`train_step`, `pipeline_step`, `dpo_step`, `grpo_step`, whose
+rollouts are grpo.py's), and reports a `StepResult`. Sharding is applied to the model before the loop and the loop does not care whether
 it is there: the only places it shows are the global token count and the gradient-sync switch
 during accumulation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shlex
 import time
@@ -28,7 +29,7 @@ from homelab_ft.data.sampling import MicroBatchSampler
 from homelab_ft.distributed import comm, parallelize
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.distributed.pipeline import Pipeline
-from homelab_ft.errors import Stopped
+from homelab_ft.errors import Stopped, UserError
 from homelab_ft.model import compiling, loading
 from homelab_ft.model_facts import ModelFacts
 from homelab_ft.recipe.config import Recipe
@@ -40,6 +41,7 @@ from homelab_ft.train import (
     build,
     divergence,
     evaluate,
+    grpo,
     optim,
     preference,
     preflight,
@@ -47,7 +49,8 @@ from homelab_ft.train import (
     steps,
     stopping,
 )
-from homelab_ft.train.loss import batch_loss_sum
+from homelab_ft.train.grpo_loss import policy_loss
+from homelab_ft.train.loss import batch_loss_sum, completion_logprobs
 from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
 
@@ -60,6 +63,8 @@ class TrainResult:
     step: int
     losses: list[float]
     eval_loss: float | None
+    eval_reward: float | None = None
+    """objective: grpo: the last held-out reward (grpo.held_out_reward), with the one before step 1 in metrics.jsonl."""
 
 
 def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
@@ -124,6 +129,8 @@ class Session:
     start_step: int
     max_steps: int
     """The run's optimizer steps (steps.total_steps)."""
+    grpo: grpo.Grpo | None = None
+    """objective: grpo: the rollout engine, the rewards and the batch being trained on (grpo.py)."""
 
 
 def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
@@ -131,20 +138,31 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
     cfg = recipe.train
     losses: list[float] = []
-    eval_loss = None
+    eval_loss = eval_reward = None
     progress = progress_bar(s.start_step, s.max_steps, enabled=env.is_main and logs.info_enabled())
-    # objective: dpo swaps the batch builder, the step and the evaluation; the loop stays one loop.
+    # objective: dpo and grpo swap the batch builder, the step and the evaluation; the loop stays one loop.
     dpo = recipe.objective == "dpo"
     collate_fn, step_fn = (collate_pairs, dpo_step) if dpo else (collate, train_step)
+    if s.grpo is not None:
+        collate_fn = _prompt_rows
+        if s.data.eval is not None and s.start_step == 0:  # the held-out reward before any update: the baseline
+            eval_reward = _evaluate(s, step=0, dpo=False, progress=progress)
     loop_start = time.perf_counter()
     skipped = 0  # non-finite steps dropped so far (train.skip_nonfinite_steps)
     for step in range(s.start_step + 1, s.max_steps + 1):
         t0 = time.perf_counter()
-        micro_batches = [
-            collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
-            for _ in range(cfg.grad_accum_steps)
-        ]
-        result = step_fn(s, micro_batches)
+
+        def draw() -> list:
+            return [collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
+                    for _ in range(cfg.grad_accum_steps)]
+
+        # GRPO draws prompts only when it samples a new batch (every grpo.num_iterations steps)
+        try:
+            result = grpo_step(s, draw, step=step) if s.grpo is not None else step_fn(s, draw())
+        except UserError:  # a reward function that failed: its line below the bar, not after it
+            progress.close()
+            s.logger.close()
+            raise
         elapsed = time.perf_counter() - t0
         last = step == s.max_steps
         if result.nonfinite:
@@ -154,11 +172,16 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
         if not result.nonfinite and (step % cfg.log_every == 0 or last):
             s.logger.log(result.row(step=step, seconds=elapsed, epoch=s.sampler.epoch,
                                     time_s=time.perf_counter() - loop_start))
+        if s.grpo is not None and s.grpo.due_to_show(step, last=last):
+            s.logger.log_samples(step, s.grpo.shown)
         progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.read_tokens / elapsed:.0f}", refresh=False,
-                             **preference.progress_fields(result.metrics))
+                             **preference.progress_fields(result.metrics), **grpo.progress_fields(result.metrics))
         progress.update(1)
         if s.data.eval is not None and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
-            eval_loss = _evaluate(s, step=step, dpo=dpo, progress=progress)
+            if s.grpo is not None:
+                eval_reward = _evaluate(s, step=step, dpo=False, progress=progress)
+            else:
+                eval_loss = _evaluate(s, step=step, dpo=dpo, progress=progress)
         if s.samples.due(step):
             s.samples.run(s.model, step=step, env=env, logger=s.logger, progress=progress)
         # Every rank learns whether any rank was asked to stop, so all stop after the same step.
@@ -177,7 +200,8 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
         plot_loss(layout.metrics_file, layout.loss_plot)
         log.info("run directory: %s (%s, %s, %s/)", recipe.run_dir, layout.metrics_file.name, layout.loss_plot.name,
                  layout.checkpoints.name)
-    return TrainResult(run_dir=recipe.run_dir, step=s.max_steps, losses=losses, eval_loss=eval_loss)
+    return TrainResult(run_dir=recipe.run_dir, step=s.max_steps, losses=losses, eval_loss=eval_loss,
+                       eval_reward=eval_reward)
 
 
 def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
@@ -189,6 +213,15 @@ def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
     def bar(total: int):
         return progress_bar(0, total, enabled=shown, desc=f"eval after step {step}", unit="batch", leave=False)
 
+    if s.grpo is not None:  # the mean reward of greedy completions, not a loss
+        cfg = s.recipe.train
+        # as many prompts per generate as a training rollout has completions: the same memory, fewer passes
+        metrics = grpo.held_out_reward(s.grpo, s.model, s.data.eval, env=s.env,
+                                       batch_size=cfg.micro_batch_size * s.recipe.grpo.num_generations,
+                                       max_batches=cfg.eval_max_batches, progress=bar)
+        s.logger.log({"step": step, **metrics})
+        progress.write(f"step {step}: eval_reward {metrics['eval_reward']:.4f}")
+        return metrics["eval_reward"]
     kwargs = dict(env=s.env, recipe=s.recipe, pad_token_id=s.pad_token_id, progress=bar)
     if dpo:
         eval_loss, eval_metrics = evaluate.evaluate_pairs(s.model, s.data.eval, **kwargs)
@@ -339,6 +372,48 @@ def dpo_step(s: Session, micro_batches: list[dict]) -> StepResult:
     return _optimizer_step(s, micro_batches, backward=backward, units=preference.num_pairs, names=preference.METRICS)
 
 
+def grpo_step(s: Session, draw: Callable[[], list], *, step: int) -> StepResult:
+    """One optimizer step of GRPO (objective: grpo): a new batch of rollouts when one is due
+    (grpo.Grpo.roll, with `draw()`'s prompt micro-batches), then per micro-batch the completions'
+    log-probs (the chunked head: no [B, T, vocab] logits), the reference's when grpo.beta > 0, and
+    the backward of grpo_loss.policy_loss scaled by world_size / (the step's `grpo.units` on all
+    ranks). Its metrics are the policy's (clip ratios, KL) and the rollout's (grpo.Grpo.stats)."""
+    g, env, model, settings = s.grpo, s.env, s.model, s.recipe.grpo
+    if g.due(step):
+        g.roll(model, draw(), step=step, env=env)
+    names = grpo.loss_names(settings)
+    count = grpo.units(settings)
+    chunk, temperature = s.recipe.train.loss_chunk_tokens, settings.temperature
+
+    def backward(scale: float) -> torch.Tensor:
+        sums = torch.zeros(len(names), dtype=torch.float64)
+        for i, b in enumerate(g.batches):
+            batch = b.batch
+            reference = (grpo.reference_logps(model, batch, device=env.device, chunk_tokens=chunk, temperature=temperature)
+                         if settings.beta else None)
+            with parallelize.accumulation_sync(model, last_micro_batch=i == len(g.batches) - 1):
+                with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
+                    logps = completion_logprobs(model, batch, device=env.device, chunk_tokens=chunk, temperature=temperature)
+                old = None if b.old_logps is None else b.old_logps.to(env.device)
+                loss, metrics = policy_loss(logps, old_logps=old, ref_logps=reference, mask=batch["completion_mask"].to(env.device),
+                                            advantages=b.advantages.to(env.device), settings=settings, normaliser=1.0)
+                (loss * scale).backward()
+            weight = count(batch)
+            sums += torch.stack([loss.detach().double().cpu(), *(metrics[n].double().cpu() * weight for n in names[1:])])
+        return sums
+
+    start = time.perf_counter()
+    result = _optimizer_step(s, [b.batch for b in g.batches], backward=backward, units=count, names=names)
+    seconds = time.perf_counter() - start
+    return dataclasses.replace(result, metrics={**result.metrics, **g.stats,
+                                                "training_tokens_per_s": result.read_tokens / max(seconds, 1e-9)})
+
+
+def _prompt_rows(rows: list[dict], *, pad_token_id: int) -> list[dict]:
+    """GRPO's micro-batch before sampling: the prompt rows themselves (rollout.py pads them)."""
+    return rows
+
+
 def _optimizer_step(s: Session, micro_batches: list[dict], *, backward: Callable[[float], torch.Tensor],
                     units: Callable[[dict], int] | None = None, names: tuple[str, ...] = ("loss",)) -> StepResult:
     """What every step shares, around its objective's `backward(scale)`.
@@ -382,6 +457,8 @@ def _optimizer_step(s: Session, micro_batches: list[dict], *, backward: Callable
 
 
 def _trained_tokens(batch: dict) -> int:
+    if "completion_mask" in batch:  # a GRPO rollout: its completion tokens carry the loss
+        return int(batch["completion_mask"].sum())
     return steps.trained_tokens(batch["labels"])
 
 
@@ -437,7 +514,7 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
                                 dtype=loading.resolve_dtype(recipe.model.dtype, env.device))
     trainable, total = pipe.count_params() if pipe else loading.count_params(model)  # the whole model's
     optimizer = optim.build_optimizer(model, cfg)
-    fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + (":dpo" if recipe.objective == "dpo" else "")
+    fingerprint = f"{rung.method}:{recipe.model.path}:{total}" + ("" if recipe.objective == "sft" else f":{recipe.objective}")
     settings = checkpoint.built_from(recipe, method=rung.method)
     if env.is_main:
         _write_run_info(recipe.run_dir, rung=rung, plan=plan, model_dir=model_dir, world_size=env.world_size, total=total)
@@ -457,10 +534,11 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
              len(data.train), start + 1, max_steps,
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
+    rollouts = grpo.for_run(recipe, tokenizer, env=env, base_dir=base_dir) if recipe.objective == "grpo" else None
     return Session(recipe=recipe, rung=rung, env=env, model=model, pipeline=pipe, optimizer=optimizer,
                    scheduler=scheduler, data=data, sampler=sampler, pad_token_id=tokenizer.pad_token_id,
                    samples=sampled, logger=logger, fingerprint=fingerprint, built_from=settings, data_fingerprint=data_print,
-                   start_step=start, max_steps=max_steps)
+                   start_step=start, max_steps=max_steps, grpo=rollouts)
 
 
 def _prepare_process(env: DistEnv, *, rung: Rung, num_threads: int | None) -> None:

@@ -30,16 +30,12 @@ def write_recipe(tmp: Path, model_dir: Path, *, method: str = "lora", **train) -
         output={"tensorboard": True}))
 
 
-def train_rows(run: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
-
-
 def test_lora_dpo_train_resume_export(tmp_path, tiny_model_dir, capsys):
     recipe = write_recipe(tmp_path, tiny_model_dir)
     run = tmp_path / "run"
     assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
     assert "32 training pairs" in capsys.readouterr().out
-    rows = train_rows(run)
+    rows = procs.step_rows(run)
     assert sorted(rows) == [1, 2, 3, 4, 5, 6]
     assert PAIR_KEYS <= set(rows[1])
     # LoRA's B starts at 0: the policy is the reference, every margin 0, the loss ln 2 exactly
@@ -58,7 +54,7 @@ def test_lora_dpo_train_resume_export(tmp_path, tiny_model_dir, capsys):
     # crash after step 3, resume: the same losses and rewards
     shutil.rmtree(run / "checkpoints" / "step_000006")
     assert main(["train", str(recipe), "--run-dir", str(run), "--resume"]) == 0
-    resumed = train_rows(run)
+    resumed = procs.step_rows(run)
     for step in (4, 5, 6):
         assert resumed[step]["loss"] == pytest.approx(rows[step]["loss"], abs=1e-6), step
         assert resumed[step]["reward_margin"] == pytest.approx(rows[step]["reward_margin"], abs=1e-6), step
@@ -80,13 +76,13 @@ def test_full_dpo_uses_a_cached_reference(tmp_path, tiny_model_dir, caplog):
     assert main(["train", str(recipe), "--run-dir", str(first), "output.tensorboard=false"]) == 0
     cached = list((tmp_path / "cache").glob("reference-*.safetensors"))
     assert len(cached) == 1
-    a = train_rows(first)
+    a = procs.step_rows(first)
     assert a[1]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # the pre-pass scored the starting weights
     assert a[3]["loss"] < a[1]["loss"]
     stamp = cached[0].stat().st_mtime_ns
     assert main(["train", str(recipe), "--run-dir", str(second), "output.tensorboard=false"]) == 0
     assert cached[0].stat().st_mtime_ns == stamp  # read, not scored again
-    b = train_rows(second)
+    b = procs.step_rows(second)
     for step in a:
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], abs=1e-6)
 
@@ -107,7 +103,7 @@ def test_qlora_dpo_reference_is_the_4bit_base(tmp_path, tiny_model_dir):
     recipe = write_recipe(tmp_path, tiny_model_dir, method="qlora", max_steps=4, eval_every=2, save_every=0)
     run = tmp_path / "qlora"
     assert main(["train", str(recipe), "--run-dir", str(run), "output.tensorboard=false", "train.lr=1e-2"]) == 0
-    rows = train_rows(run)
+    rows = procs.step_rows(run)
     assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert rows[4]["loss"] < rows[1]["loss"] and rows[4]["reward_margin"] > 0
 
@@ -135,6 +131,6 @@ def test_dpo_on_cuda_in_bf16(tmp_path, tiny_model_dir, method):
     run = tmp_path / method
     assert main(["train", str(recipe), "--run-dir", str(run), "train.device=cuda", "model.dtype=bfloat16",
                  "output.tensorboard=false"]) == 0
-    rows = train_rows(run)
+    rows = procs.step_rows(run)
     assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-2)
     assert all(math.isfinite(r["reward_margin"]) for r in rows.values())

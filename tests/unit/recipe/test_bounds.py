@@ -20,7 +20,8 @@ ACCEPTED = {
     **{(f, "zero"): _ZERO_IS_OFF for f in (
         "train.warmup_steps", "train.eval_every", "train.sample_every", "train.save_every", "train.loss_chunk_tokens", "train.skip_nonfinite_steps",
         "train.weight_decay", "train.max_grad_norm", "train.min_lr_ratio", "dpo.label_smoothing", "dpo.sft_weight",
-        "lora.dropout", "data.eval_fraction", "planner.headroom", "grpo.beta")},
+        "lora.dropout", "data.eval_fraction", "planner.headroom", "grpo.beta",
+        "grpo.log_completions_every")},
     ("train.seed", "zero"): "0 is a seed every RNG takes",
     ("train.betas[0]", "zero"): "AdamW takes beta1 = 0 (no momentum: RMSprop-like)",
     ("train.betas[1]", "zero"): "AdamW takes beta2 = 0 (the second moment is the last gradient squared)",
