@@ -132,8 +132,17 @@ def grpo_lines(p: Plan) -> list[str]:
             f"{g.max_completion_length} tokens: rollout KV cache {gib_text(x.kv_cache_bytes)} GiB; peak "
             f"{gib_text(m.generation_peak)} GiB generating vs {gib_text(m.training_peak)} GiB training ({binds} binds); "
             f"~{x.generation_s:.1f} s generation{scoring} + ~{o.training_s:.1f} s training per step "
-            f"(a batch sampled every {g.num_iterations} step{'s' * (g.num_iterations != 1)}; decode at "
-            f"{p.cluster.memory_bandwidth / 1e9:.0f} GB/s)"]
+            f"(a batch sampled every {g.num_iterations} step{'s' * (g.num_iterations != 1)}; a decode step "
+            f"{x.decode_step_s * 1000:.0f} ms, bound by {_bound_text(x.decode_bound, p.cluster)})"]
+
+
+def _bound_text(bound: str, c: Cluster) -> str:
+    """What sets a decode step's time (Rollout.decode_bound), in words."""
+    if bound == "memory":
+        return f"reading weights and KV cache at {c.memory_bandwidth / 1e9:.0f} GB/s"
+    if bound == "compute":
+        return f"compute at {c.tflops:.3g} TFLOPS"
+    return "the host launching eager generate's ops"
 
 
 def refused_lines(p: Plan) -> list[str]:

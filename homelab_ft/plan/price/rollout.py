@@ -35,6 +35,17 @@ takes its one-row gemv kernel only for a single token (A.numel() == A.shape[-1])
 dequantizes the whole weight to the compute dtype first (dequantize_4bit) and runs a 16-bit matmul,
 writing and reading back 2 bytes per parameter."""
 
+# Eager `generate` launches every op of every block from Python, one decode step after another: the
+# host's time per block is a floor under a decode step however fast the device. GPU: gpt-fast's
+# eager baseline ("Accelerating Generative AI with PyTorch II: GPT, Fast", PyTorch blog 2023) decodes
+# Llama-7B at 25.5 tokens/s on an A100, 39 ms for 32 blocks, bound by that overhead (its kernels
+# need ~7 ms). CPU: bench/decode_overhead.py, 0.37-0.40 ms per block (a Qwen3 shrunk to hidden 64,
+# 8 rows, one thread, two runs on this project's 2-core machine), PEFT's LoRA on every linear
+# 0.71-0.79 ms: x 1.8-2.2, taken as 2 for adapters on either device (QLoRA's dequantizing adds
+# launches not measured).
+DECODE_HOST_S_PER_BLOCK = {"cuda": 39e-3 / 32, "cpu": 0.4e-3}
+ADAPTER_HOST_FACTOR = 2.0
+
 
 @dataclass(frozen=True)
 class Rollout:
@@ -48,6 +59,10 @@ class Rollout:
     """The sampling policy's no-grad forward per optimizer step (num_iterations > 1), / num_iterations."""
     reference_s: float
     """The reference's no-grad forward per optimizer step (beta > 0)."""
+    decode_step_s: float
+    """One decode step over the micro-batch's rows."""
+    decode_bound: str
+    """What sets `decode_step_s`: `memory` (the bytes read), `compute` (the FLOPs) or `host` (launching the ops)."""
 
     @property
     def seconds(self) -> float:
@@ -97,7 +112,8 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
     (network.compute_s's forward), QLoRA's dequantizing at QLORA_SLOWDOWN. A decode step over the
     rows is bound by the larger of its FLOPs and the bytes it reads at the memory's bandwidth
     (Cluster.memory_bandwidth): every weight but the embedding lookup (a quantized base's packed
-    bytes plus DEQUANT_BYTES_PER_PARAM), and the KV cache at its mean length over the decode."""
+    bytes plus DEQUANT_BYTES_PER_PARAM), and the KV cache at its mean length over the decode; and
+    never faster than the host launches its ops (DECODE_HOST_S_PER_BLOCK)."""
     if request.objective != "grpo":
         return None
     grpo, rows, prompt = request.grpo, request.rows_per_micro_batch, request.data.max_length
@@ -111,7 +127,11 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
         weights_read += (shape.linear_weight_params + shape.expert_weight_params * (request.quant.bits == 4)) \
             * DEQUANT_BYTES_PER_PARAM
     kv_read = rows * (prompt + new / 2) * shape.kv_elements_per_token * act_bytes
-    decode_s = max((weights_read + kv_read) / cluster.memory_bandwidth, 2 * params * rows / flops_per_s)
+    host_s = shape.num_layers * DECODE_HOST_S_PER_BLOCK[cluster.device] * (ADAPTER_HOST_FACTOR if rung.adapters_enabled else 1)
+    bounds = {"memory": (weights_read + kv_read) / cluster.memory_bandwidth, "compute": 2 * params * rows / flops_per_s,
+              "host": host_s}
+    bound = max(bounds, key=bounds.get)
+    decode_s = bounds[bound]
     fetch_s = weight_fetch_s(rung=rung, cluster=cluster, base_bytes=base_bytes)
     # with reshard_after_forward every forward gathers the blocks again; SHARD_GRAD_OP keeps them
     # gathered from the first no-grad forward on (nothing runs backward to reshard them)
@@ -124,6 +144,7 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
         generation_s=accum * per_micro_batch / grpo.num_iterations,
         old_logprob_s=accum * scoring_s / grpo.num_iterations if grpo.num_iterations > 1 else 0.0,
         reference_s=accum * scoring_s if grpo.beta > 0 else 0.0,
+        decode_step_s=decode_s, decode_bound=bound,
     )
 
 

@@ -16,7 +16,12 @@ from homelab_ft.plan.inputs import HOST_MEMORY_BYTES_PER_S, Cluster
 from homelab_ft.plan.ladder import option_rung
 from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.price.memory import GiB, estimate
-from homelab_ft.plan.price.rollout import DEQUANT_BYTES_PER_PARAM, kv_cache_bytes
+from homelab_ft.plan.price.rollout import (
+    ADAPTER_HOST_FACTOR,
+    DECODE_HOST_S_PER_BLOCK,
+    DEQUANT_BYTES_PER_PARAM,
+    kv_cache_bytes,
+)
 from homelab_ft.plan.report import format_plan
 from homelab_ft.plan.shape.shapes import model_shape
 from homelab_ft.recipe.config import ClusterConfig
@@ -120,14 +125,28 @@ def test_a_decode_step_reads_the_weights_at_the_memory_bandwidth():
     """Memory-bound decode: twice the bandwidth halves the decode; a 4-bit base reads its dequantized copy too."""
     s = _shape("qwen3-8b")
     request = grpo(num_generations=2, max_completion_length=1024)
-    slow, fast = (priced(s, request, dataclasses.replace(ONE_GPU, memory_bytes_per_s=bw)) for bw in (500e9, 1000e9))
+    slow, fast = (priced(s, request, dataclasses.replace(ONE_GPU, memory_bytes_per_s=bw)) for bw in (50e9, 100e9))
     prefill = 2 * (s.active_params - s.embedding_params) * 2 * 256 / 40e12 * 1.3  # QLoRA's slowdown
     assert (slow.rollout.generation_s - prefill) == pytest.approx(2 * (fast.rollout.generation_s - prefill), rel=1e-6)
-    lora = priced(s, request.changed(method="lora"))
+    assert slow.rollout.decode_bound == fast.rollout.decode_bound == "memory"
+    lora = priced(s, request.changed(method="lora"), dataclasses.replace(ONE_GPU, memory_bytes_per_s=100e9))
     decode_q = (fast.rollout.generation_s - prefill) / 1024
     decode_l = (lora.rollout.generation_s - prefill / 1.3) / 1024
     # QLoRA reads ~0.56 B of packed weight + DEQUANT_BYTES_PER_PARAM per linear weight against LoRA's 2 B
     assert decode_q > decode_l * (DEQUANT_BYTES_PER_PARAM + 0.5) / 2 * 0.9
+
+
+def test_the_host_launching_the_ops_is_a_floor():
+    """A device far faster than eager generate can feed it decodes at the host's pace (DECODE_HOST_S_PER_BLOCK)."""
+    s = _shape("qwen3-8b")
+    request = grpo(method="lora", num_generations=2, max_completion_length=1024, num_iterations=1)
+    fast = dataclasses.replace(ONE_GPU, memory_bytes_per_s=1e15, tflops=1e6)
+    est = priced(s, request, fast)
+    prefill = 2 * (s.active_params - s.embedding_params) * 2 * 256 / 1e18
+    floor = 36 * DECODE_HOST_S_PER_BLOCK["cuda"] * ADAPTER_HOST_FACTOR
+    assert est.rollout.generation_s == pytest.approx(prefill + 1024 * floor)
+    assert est.rollout.decode_bound == "host" and est.rollout.decode_step_s == pytest.approx(floor)
+    assert "bound by the host launching eager generate's ops" in format_plan(plan(s, request=request, cluster=fast))
 
 
 def test_beta_needs_the_adapters():
