@@ -239,6 +239,12 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
         accum = r.train.grad_accum_steps * r.train.micro_batch_size
         change(f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
                train={"micro_batch_size": 1, "grad_accum_steps": accum})
+    if r.objective == "grpo":  # fewer or shorter rollouts: a smaller KV cache and fewer training rows
+        if r.grpo.num_generations >= 4:
+            change(f"grpo.num_generations={r.grpo.num_generations // 2}", grpo={"num_generations": r.grpo.num_generations // 2})
+        if r.grpo.max_completion_length >= 256:
+            change(f"grpo.max_completion_length={r.grpo.max_completion_length // 2}",
+                   grpo={"max_completion_length": r.grpo.max_completion_length // 2})
     seq = r.data.max_length // 2
     while seq >= 128:
         change(f"data.max_length={seq}", data={"max_length": seq})

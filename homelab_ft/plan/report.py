@@ -193,7 +193,9 @@ def format_plan(p: Plan) -> str:
             f"{gib_text(o.budget_bytes):>7} {gib_text(o.host_bytes):>5} {gib_text(o.comm_bytes):>8}Gi {o.comm_s:>7.2f} {o.step_s:>7.2f}  {verdict}"
         )
     lines.append("  (GiB per device; host: GiB on node 0; comm s: seconds of collectives per step; "
-                 "step s: compute + the communication it does not hide + offload)")
+                 "step s: compute + the communication it does not hide + offload"
+                 + (" + GRPO's generation and no-grad forwards; total: the larger of generation's and training's peaks)"
+                    if r.objective == "grpo" else ")"))
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")

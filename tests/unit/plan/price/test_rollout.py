@@ -189,6 +189,13 @@ def test_the_plan_shows_both_phases():
     assert "grpo" not in sft["request"] and "memory_bytes_per_s" not in sft["cluster"]
 
 
+def test_what_would_fit_offers_fewer_or_shorter_rollouts():
+    small = dataclasses.replace(ONE_GPU, device_bytes=10 * GiB)
+    got = plan(_shape("qwen3-8b"), request=grpo(num_generations=16, max_completion_length=2048), cluster=small)
+    assert got.chosen is None
+    assert [t.split(":")[0] for t in got.suggestions[:2]] == ["grpo.num_generations=8", "grpo.max_completion_length=1024"]
+
+
 def test_a_prompt_and_its_completion_fit_the_model():
     from homelab_ft.errors import UserError
 
