@@ -14,7 +14,8 @@ The modules, in the order a plan is made:
   shape/       what the model is: `shapes.model_shape` from the cache (`cache`) or derived from the meta
                model (`derive`, `saved`); `types` holds it, and its `facts` (model_facts.ModelFacts)
   price/       what one option costs: `params`, `activations`, `memory` (`estimate`), `host_ram`,
-               `network` (seconds per step), `pipeline` (per-stage memory, p2p, bubble), `diskspace`
+               `network` (seconds per step), `rollout` (GRPO's generation), `pipeline` (per-stage memory,
+               p2p, bubble), `diskspace`
   ladder       every option priced and judged against the headroom, what the trainer refuses left out
                with its reason (rules/refusals.py), and the rule that picks one
   planner      the plan: the choice, what would fit when nothing does, the warnings

@@ -113,7 +113,7 @@ def next_rung(method: str) -> str | None:
 
 def _limits(label: str, fits: Callable[..., bool], *, shape: ModelShape, request: PlanRequest) -> Afford:
     batch = largest(lambda n: fits(train={"micro_batch_size": n}), low=1, high=MAX_MICRO_BATCH)
-    top = shape.max_position_embeddings
+    top = shape.max_position_embeddings - request.completion_tokens  # GRPO: the prompt leaves room for the completion
     seq = largest(lambda n: fits(data={"max_length": n}), low=min(SEQ_STEP, top), high=top, step=SEQ_STEP)
     return Afford(label=label, micro_batch_size=batch, seq_len=seq, micro_batch_capped=batch == MAX_MICRO_BATCH,
                   seq_capped=seq == top)

@@ -120,26 +120,31 @@ class Throughput:
     """Sustained training TFLOPS the step time is priced with (peak x MFU)."""
     source: str
     """One line for the plan: which peak, from where, and the sustained figure it gives."""
+    bandwidth_bytes_per_s: float = 0.0
+    """Memory bandwidth (the table's line for the card, or for one it cannot name the card priced in
+    its place), what a decode step streams the weights at (plan/price/rollout.py)."""
 
 
 def throughput(name: str | None, *, vram_bytes: int, measured_tflops: float | None = None) -> Throughput:
     """The sustained TFLOPS of one GPU and where the figure came from: a measured matmul first
     (`doctor` writes `cluster.gpu_tflops`), else the table, else the slowest card of that memory."""
     label = name or "an unnamed GPU"
+    gpu = lookup(name)
+    bandwidth = (gpu or slowest_with(vram_bytes)).bandwidth_gbs * 1e9
 
     def sustained(peak: float) -> str:
         return f"x {MFU:g} MFU = {peak * MFU:.3g} TFLOPS sustained per GPU"
 
     if measured_tflops is not None:
         return Throughput(measured_tflops * MFU, f"{label}: {measured_tflops:g} TFLOPS bf16 matmul measured by "
-                                                 f"doctor (cluster.gpu_tflops) {sustained(measured_tflops)}")
-    gpu = lookup(name)
+                                                 f"doctor (cluster.gpu_tflops) {sustained(measured_tflops)}", bandwidth)
     if gpu is not None:
         return Throughput(gpu.tflops * MFU, f"{label}: {gpu.tflops:g} TFLOPS dense bf16, {gpu.bandwidth_gbs} GB/s "
-                                            f"(GPU table: {gpu.key}, {gpu.source} specifications) {sustained(gpu.tflops)}")
+                                            f"(GPU table: {gpu.key}, {gpu.source} specifications) {sustained(gpu.tflops)}",
+                          bandwidth)
     slow = slowest_with(vram_bytes)
     why = f"{name!r} is not in the GPU table" if name else "no GPU model given"
     return Throughput(slow.tflops * MFU, f"{label}: {why}, so priced as the table's slowest card with "
                                          f">= {vram_bytes / 2**30:.0f} GiB, {slow.key} ({slow.tflops:g} TFLOPS dense bf16) "
                                          f"{sustained(slow.tflops)}; name it with cluster.gpu_name, or measure it "
-                                         "with `homelab-ft doctor`")
+                                         "with `homelab-ft doctor`", bandwidth)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from homelab_ft import host
 from homelab_ft.errors import UserError
 from homelab_ft.plan import gpus
-from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.inputs import HOST_MEMORY_BYTES_PER_S, Cluster
 from homelab_ft.plan.price.memory import GiB
 from homelab_ft.recipe.config import ClusterConfig
 
@@ -93,6 +93,7 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
             device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
             device_bytes=host // cfg.gpus_per_node, host_ram_bytes=host, intra_link=cfg.intra_link,
             inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cores,
+            memory_bytes_per_s=HOST_MEMORY_BYTES_PER_S / cfg.gpus_per_node,
             tflops_source=f"CPU: {CPU_TFLOPS_PER_CORE * 1000:g} GFLOPS per core (hardware.CPU_TFLOPS_PER_CORE) x {cores:g} "
                           f"core(s) per process = {CPU_TFLOPS_PER_CORE * cores:.3g} TFLOPS sustained per process", source=source, **links,
         )
@@ -112,7 +113,8 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
     return Cluster(
         device="cuda", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node, device_bytes=vram,
         host_ram_bytes=host, intra_link=cfg.intra_link, inter_link_gbit=cfg.inter_link_gbit,
-        tflops=speed.tflops, tflops_source=speed.source, source=source, **links,
+        tflops=speed.tflops, tflops_source=speed.source, memory_bytes_per_s=speed.bandwidth_bytes_per_s,
+        source=source, **links,
         node_device_bytes=per_node if len(set(per_node)) > 1 else (),
     )
 

@@ -11,8 +11,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from homelab_ft.plan import gpus
 from homelab_ft.recipe.config import (
     DataConfig,
+    GrpoConfig,
     LoraConfig,
     ModelConfig,
     PlannerConfig,
@@ -34,6 +36,10 @@ ETHERNET_EFFICIENCY = 0.9
 # (nccl-tests); NVLink ~10 us. CPU/gloo on one machine: 0.38 ms measured here (2 processes over
 # loopback TCP on a loaded 2-core machine, 200 tiny all-reduces).
 LATENCY_S = {"ethernet": 0.2e-3, "pcie": 0.02e-3, "nvlink": 0.01e-3, "cpu": 0.38e-3}
+# Host memory bandwidth a CPU process's decode streams its weights at: dual-channel DDR4-3200 peaks
+# at 51 GB/s and STREAM's triad reaches ~20 GB/s of it on a desktop (the figure network.py's
+# CPU_ADAM_PARAMS_PER_S assumes); the processes of one node share it.
+HOST_MEMORY_BYTES_PER_S = 20e9
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,10 @@ class Cluster:
     """Sustained training throughput per device in TFLOPS (peak x utilisation; gpus.throughput)."""
     tflops_source: str = ""
     """Which peak `tflops` comes from and where (gpus.throughput), shown in the plan."""
+    memory_bytes_per_s: float | None = None
+    """Memory bandwidth per device, what a decode step streams the weights and KV cache at
+    (gpus.throughput: the GPU table's; on `cpu` HOST_MEMORY_BYTES_PER_S shared by the node's
+    processes); None: `memory_bandwidth`'s fallback."""
     source: str = "recipe"
     """Where the description came from (recipe, flags, detected, a cluster file), shown in the plan."""
     inter_link_measured: bool = False
@@ -76,6 +86,17 @@ class Cluster:
     def node_bytes(self, node: int) -> int:
         """Memory per device on `node` (what a pipeline stage placed there may use)."""
         return self.node_device_bytes[node] if self.node_device_bytes else self.device_bytes
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Bytes per second a device reads its memory at: `memory_bytes_per_s`, else the host's share per
+        process on `cpu`, else the GPU table's slowest card with this much memory (as gpus.throughput
+        prices an unnamed GPU)."""
+        if self.memory_bytes_per_s is not None:
+            return self.memory_bytes_per_s
+        if self.device == "cpu":
+            return HOST_MEMORY_BYTES_PER_S / self.gpus_per_node
+        return gpus.slowest_with(self.device_bytes).bandwidth_gbs * 1e9
 
     @property
     def intra_kind(self) -> str:
@@ -121,8 +142,9 @@ class PlanRequest:
 
     method: str
     """`auto` or one of rung.METHODS (config.Recipe.method)."""
-    objective: Literal["sft", "dpo"]
-    """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch."""
+    objective: Literal["sft", "dpo", "grpo"]
+    """`dpo`: every micro-batch row is a pair, run as a chosen and a rejected sequence in one batch;
+    `grpo`: every row is a prompt, sampled `grpo.num_generations` times (price/rollout.py)."""
     model: ModelConfig
     lora: LoraConfig
     quant: QuantConfig
@@ -130,6 +152,8 @@ class PlanRequest:
     train: TrainConfig
     sharding: ShardingConfig
     planner: PlannerConfig
+    grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
+    """The recipe's `grpo` section, read when `objective` is grpo."""
 
     def changed(self, **sections) -> PlanRequest:
         """This request with recipe keys changed, a section's as a dict (validated by its dataclass):
@@ -146,12 +170,32 @@ class PlanRequest:
         does). Text because the sections hold lists and so do not hash; their reprs are exact."""
         sharding = {f.name: getattr(self.sharding, f.name) for f in dataclasses.fields(self.sharding)
                     if f.name not in ("strategy", "cpu_offload")}
-        return repr((self.objective, self.model, self.lora, self.quant, self.data, self.train, sharding, self.planner))
+        return repr((self.objective, self.model, self.lora, self.quant, self.data, self.train, sharding, self.planner,
+                     self.grpo))
 
     @property
     def rows_per_micro_batch(self) -> int:
-        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows."""
+        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows; GRPO
+        samples each of `train.micro_batch_size` prompts `grpo.num_generations` times."""
+        if self.objective == "grpo":
+            return self.train.micro_batch_size * self.grpo.num_generations
         return self.train.micro_batch_size * (2 if self.objective == "dpo" else 1)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens a GRPO rollout appends to its prompt at most (grpo.max_completion_length); 0 otherwise."""
+        return self.grpo.max_completion_length if self.objective == "grpo" else 0
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of one training sequence, what every activation and logit is priced at: data.max_length,
+        and for GRPO the prompt (capped at data.max_length, left-padded) plus its completion."""
+        return self.data.max_length + self.completion_tokens
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        """Tokens one training forward carries: rows_per_micro_batch x sequence_tokens."""
+        return self.sequence_tokens * self.rows_per_micro_batch
 
     @property
     def reduce_bytes(self) -> int:
@@ -160,7 +204,8 @@ class PlanRequest:
 
     @property
     def chunked_loss(self) -> bool:
-        """The SFT loss runs in chunks (loss.py) unless turned off; DPO's log-probabilities do not yet."""
+        """The SFT loss runs in chunks (loss.py) unless turned off, and so do GRPO's per-token log-probs
+        (loss.completion_logprobs, from the same chunks); DPO's log-probabilities do not yet."""
         return self.train.loss_chunk_tokens != 0 and self.objective != "dpo"
 
     @property

@@ -311,8 +311,10 @@ def _verdict(shape: ModelShape, est: Estimate, *, budget: int, host_budget: int,
     if total > budget:
         biggest = max(("activations", "logits", "weights", "gathered", "optimizer", "gradients"),
                       key=lambda k: getattr(est.memory, k))
-        return False, (f"{name}: {gib_text(total)} GiB per {device} > {limit} "
-                       f"(largest: {biggest} {gib_text(getattr(est.memory, biggest))} GiB)")
+        largest = f"largest: {biggest} {gib_text(getattr(est.memory, biggest))} GiB"
+        if est.rollout and est.memory.generation_peak > est.memory.training_peak:
+            largest = f"generating; its KV cache {gib_text(est.rollout.kv_cache_bytes)} GiB"
+        return False, f"{name}: {gib_text(total)} GiB per {device} > {limit} ({largest})"
     if cluster.device == "cuda" and est.host_bytes > host_budget:
         return False, (f"{name}: host RAM {gib_text(est.host_bytes)} GiB per node > "
                        f"{gib_text(cluster.host_ram_bytes)} GiB - {request.planner.headroom:.0%} headroom")

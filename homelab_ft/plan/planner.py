@@ -70,13 +70,26 @@ class Plan:
         return tuple(found)
 
     def to_dict(self) -> dict:
+        grpo = self.request.objective == "grpo"
+
         def option(o: Option | None):
             if o is None:
                 return None
             data = dataclasses.asdict(o)
             data["memory"]["total"] = o.memory.total
             data["step_s"] = o.step_s
+            if grpo:
+                data["memory"].update(training_peak=o.memory.training_peak, generation_peak=o.memory.generation_peak)
+                data["rollout"]["seconds"] = o.rollout.seconds
+                data["training_s"] = o.training_s
+            else:
+                _drop(data, "rollout", "memory.generation")
             return data
+
+        request, cluster = dataclasses.asdict(self.request), dataclasses.asdict(self.cluster)
+        if not grpo:
+            _drop(request, "grpo")
+            _drop(cluster, "memory_bytes_per_s")
 
         return {
             "model": self.model,
@@ -85,8 +98,8 @@ class Plan:
             "facts": self.shape.facts.to_dict(),
             "total_params": self.shape.total_params,
             "active_params": self.shape.active_params,
-            "cluster": dataclasses.asdict(self.cluster),
-            "request": dataclasses.asdict(self.request),
+            "cluster": cluster,
+            "request": request,
             "fits": self.fits,
             "chosen": option(self.chosen),
             "checkpoint_bytes": self.checkpoint_bytes,
@@ -102,6 +115,17 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
 
+def _drop(data: dict, *dotted: str) -> None:
+    """Take out what only GRPO's pricing reads (the grpo section, the rollout, the memory bandwidth),
+    so an SFT or DPO plan's JSON reads as it did before GRPO was priced (issue 33)."""
+    for key in dotted:
+        *parents, leaf = key.split(".")
+        inner = data
+        for parent in parents:
+            inner = inner[parent]
+        del inner[leaf]
+
+
 # --------------------------------------------------------------------------------------------
 # the plan
 
@@ -112,6 +136,7 @@ def plan(shape: ModelShape, *, request: PlanRequest, cluster: Cluster, model: st
     check_router_request(shape, request=request, model=f"{model} ({shape.model_type}, {config_source or 'its config'})")
     options, refused = offers(shape, request=request, cluster=cluster)
     _refuse_named_pipeline(options, refused, request=request)
+    _refuse_named_method(options, refused, request=request)
     chosen = choose(options, request=request)
     closest, suggestions = None, ()
     if chosen is None:
@@ -136,7 +161,21 @@ def _refuse_named_pipeline(options: tuple[Option, ...], refused: tuple[Refusal, 
         raise RungError(named[0].reason)
 
 
+def _refuse_named_method(options: tuple[Option, ...], refused: tuple[Refusal, ...], *, request: PlanRequest) -> None:
+    """A method the recipe names whose every option the trainer refuses (a full fine-tune of GRPO with
+    grpo.beta > 0) is refused with the trainer's reason, as a named pipeline is."""
+    if request.method == "auto" or any(o.method == request.method for o in options):
+        return
+    named = [r for r in refused if r.label.split(" ")[0] == request.method]
+    if named:
+        raise RungError(named[0].reason)
+
+
 def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> None:
+    if request.completion_tokens and request.sequence_tokens > shape.max_position_embeddings:
+        raise UserError(
+            f"data.max_length={request.data.max_length} + grpo.max_completion_length={request.completion_tokens} "
+            f"is beyond the model's max_position_embeddings={shape.max_position_embeddings}; lower either")
     if request.data.max_length > shape.max_position_embeddings:
         raise UserError(
             f"data.max_length={request.data.max_length} is beyond the model's max_position_embeddings="
@@ -200,6 +239,12 @@ def what_would_fit(shape: ModelShape, *, request: PlanRequest, cluster: Cluster,
         accum = r.train.grad_accum_steps * r.train.micro_batch_size
         change(f"train.micro_batch_size=1 train.grad_accum_steps={accum} (same batch)",
                train={"micro_batch_size": 1, "grad_accum_steps": accum})
+    if r.objective == "grpo":  # fewer or shorter rollouts: a smaller KV cache and fewer training rows
+        if r.grpo.num_generations >= 4:
+            change(f"grpo.num_generations={r.grpo.num_generations // 2}", grpo={"num_generations": r.grpo.num_generations // 2})
+        if r.grpo.max_completion_length >= 256:
+            change(f"grpo.max_completion_length={r.grpo.max_completion_length // 2}",
+                   grpo={"max_completion_length": r.grpo.max_completion_length // 2})
     seq = r.data.max_length // 2
     while seq >= 128:
         change(f"data.max_length={seq}", data={"max_length": seq})
@@ -332,7 +377,7 @@ def request_from_recipe(recipe) -> PlanRequest:
     """The planner's view of a `config.Recipe`: its own sections, as they are."""
     return PlanRequest(method=recipe.method, objective=recipe.objective, model=recipe.model, lora=recipe.lora,
                        quant=recipe.quant, data=recipe.data, train=recipe.train, sharding=recipe.sharding,
-                       planner=recipe.planner)
+                       planner=recipe.planner, grpo=recipe.grpo)
 
 
 def default_request(**sections) -> PlanRequest:

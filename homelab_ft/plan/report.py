@@ -82,7 +82,7 @@ def embedding_lines(p: Plan) -> list[str]:
     if not table:
         return []
     return [f"embed    the input embeddings ({gib_text(table)} GiB) stay in host RAM; the rows looked up go to the GPU, "
-            f"{r.data.max_length * r.rows_per_micro_batch} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)"]
+            f"{r.micro_batch_tokens} tokens x {s.hidden_size} per micro-batch (train.embedding_offload)"]
 
 
 def pipeline_lines(p: Plan) -> list[str]:
@@ -118,6 +118,33 @@ def _batches(o: Option) -> str:
     return f"{replicas} batch{'es' if replicas > 1 else ''}"
 
 
+def grpo_lines(p: Plan) -> list[str]:
+    """For a GRPO plan's chosen option: the rollout's memory and seconds beside training's
+    (plan/price/rollout.py), and which phase sets the peak."""
+    o, r = p.chosen, p.request
+    if o is None or o.rollout is None:
+        return []
+    m, g, x = o.memory, r.grpo, o.rollout
+    binds = "generation" if m.generation_peak > m.training_peak else "training"
+    scoring = (f" + {x.old_logprob_s:.1f} s old log-probs" if x.old_logprob_s else "") \
+        + (f" + {x.reference_s:.1f} s reference" if x.reference_s else "")
+    return [f"grpo     G={g.num_generations} x {r.train.micro_batch_size} prompt(s) per micro-batch, completions <= "
+            f"{g.max_completion_length} tokens: rollout KV cache {gib_text(x.kv_cache_bytes)} GiB; peak "
+            f"{gib_text(m.generation_peak)} GiB generating vs {gib_text(m.training_peak)} GiB training ({binds} binds); "
+            f"~{x.generation_s:.1f} s generation{scoring} + ~{o.training_s:.1f} s training per step "
+            f"(a batch sampled every {g.num_iterations} step{'s' * (g.num_iterations != 1)}; a decode step "
+            f"{x.decode_step_s * 1000:.0f} ms, bound by {_bound_text(x.decode_bound, p.cluster)})"]
+
+
+def _bound_text(bound: str, c: Cluster) -> str:
+    """What sets a decode step's time (Rollout.decode_bound), in words."""
+    if bound == "memory":
+        return f"reading weights and KV cache at {c.memory_bandwidth / 1e9:.0f} GB/s"
+    if bound == "compute":
+        return f"compute at {c.tflops:.3g} TFLOPS"
+    return "the host launching eager generate's ops"
+
+
 def refused_lines(p: Plan) -> list[str]:
     """The options the ladder did not offer, one line per reason with the options it keeps off:
     `not offered: qlora pipeline 2 stages, lora pipeline 2 stages: sharding.pipeline_stages=2: objective=dpo ...`."""
@@ -149,7 +176,9 @@ def format_plan(p: Plan) -> str:
         f" act_offload={str(r.train.activation_offload).lower()} emb_offload={str(r.train.embedding_offload).lower()}"
         + (" optim_in_bwd" if r.train.optimizer_in_backward else "")
         + (f" lora_dtype={r.lora.dtype}" if r.lora.dtype != "float32" else "") + f" headroom={r.planner.headroom:.0%}"
-        + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else ""),
+        + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch)" if r.objective == "dpo" else "")
+        + (f" objective=grpo ({r.rows_per_micro_batch} sequences of <= {r.data.max_length}+{r.completion_tokens} tokens "
+           "per micro-batch)" if r.objective == "grpo" else ""),
         "",
         "  option                                weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
     ]
@@ -164,7 +193,9 @@ def format_plan(p: Plan) -> str:
             f"{gib_text(o.budget_bytes):>7} {gib_text(o.host_bytes):>5} {gib_text(o.comm_bytes):>8}Gi {o.comm_s:>7.2f} {o.step_s:>7.2f}  {verdict}"
         )
     lines.append("  (GiB per device; host: GiB on node 0; comm s: seconds of collectives per step; "
-                 "step s: compute + the communication it does not hide + offload)")
+                 "step s: compute + the communication it does not hide + offload"
+                 + (" + GRPO's generation and no-grad forwards; total: the larger of generation's and training's peaks)"
+                    if r.objective == "grpo" else ")"))
     lines.append("")
     if p.chosen is not None:
         lines.append(f"chosen   {p.chosen.reason}")
@@ -172,6 +203,7 @@ def format_plan(p: Plan) -> str:
             lines.append(f"lora     {lora_text(s, r)}")
         lines += embedding_lines(p)
         lines += pipeline_lines(p)
+        lines += grpo_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")
         lines += [f"{'afford' if i == 0 else 'next':8s} {a.text(request=r)}" for i, a in enumerate(p.affordable)]
     else:

@@ -60,9 +60,20 @@ def activation_offload(rung: Rung) -> str | None:
 
 
 def objective(rung: Rung, *, objective: str) -> str | None:
-    """The pipelined step is the SFT loss on the last stage; DPO's pairs and reference are not."""
-    if rung.pipeline_enabled and objective == "dpo":
-        return _not_pipelined(rung, "objective=dpo", "objective: sft")
+    """The pipelined step is the SFT loss on the last stage; DPO's pairs and reference are not, nor
+    GRPO's generation (which needs the whole model on one process)."""
+    if rung.pipeline_enabled and objective in ("dpo", "grpo"):
+        return _not_pipelined(rung, f"objective={objective}", "objective: sft")
+    return None
+
+
+def grpo_reference(rung: Rung, *, objective: str, beta: float) -> str | None:
+    """GRPO's KL term scores each completion under the reference: an adapter rung's is the same model
+    with its adapters disabled; a full fine-tune would need a second copy, which the trainer does not
+    build."""
+    if objective == "grpo" and beta > 0 and not rung.adapters_enabled:
+        return ("objective=grpo with grpo.beta > 0 needs a reference model, which a full fine-tune would hold as a "
+                "second copy; use method: lora or qlora, or grpo.beta=0")
     return None
 
 
@@ -123,6 +134,7 @@ def refusals(rung: Rung, asked, *, num_blocks: int, moe_experts: bool) -> tuple[
         blocks(rung, num_blocks=num_blocks),
         activation_offload(rung),
         objective(rung, objective=asked.objective),
+        grpo_reference(rung, objective=asked.objective, beta=asked.grpo.beta),
         eight_bit_base(rung),
         dora(rung, use_dora=asked.lora.use_dora),
         samples(rung, sample_every=asked.train.sample_every),

@@ -35,7 +35,7 @@ def activation_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, act
     during its backward; with activation offload (`offloaded`) those block inputs wait in host RAM
     and only the running block's input is back on the device.
     """
-    tokens = request.data.max_length * request.rows_per_micro_batch
+    tokens = request.micro_batch_tokens
     per_block = _block_activation_bytes(shape, rung, request, act_bytes)
     if rung.activation_checkpointing and offloaded:
         per_token = shape.hidden_size * act_bytes + max(per_block)
@@ -51,15 +51,14 @@ def recomputed_block_bytes(shape: ModelShape, *, rung: Rung, request: PlanReques
     it exists only once backward has reached the blocks, after the loss has freed its logits."""
     if not rung.activation_checkpointing:
         return 0
-    return request.data.max_length * request.rows_per_micro_batch * max(_block_activation_bytes(shape, rung, request,
-                                                                                                 act_bytes))
+    return request.micro_batch_tokens * max(_block_activation_bytes(shape, rung, request, act_bytes))
 
 
 def _block_activation_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, act_bytes: int) -> list[int]:
     """Bytes per token that autograd keeps for each block kind (see activation_bytes)."""
     per_block = []
     for block in shape.blocks:
-        nbytes = block.saved_bytes_per_token(act_bytes, request.data.max_length, frozen=rung.adapters_enabled)
+        nbytes = block.saved_bytes_per_token(act_bytes, request.sequence_tokens, frozen=rung.adapters_enabled)
         if rung.adapters_enabled:
             nbytes += _adapter_bytes(block, request, act_bytes) + expert_loop_bytes(block, rung, request, act_bytes)
         per_block.append(round(nbytes))
@@ -142,7 +141,7 @@ def _expert_adapter_dtype_bytes(rung: Rung, request: PlanRequest, act_bytes: int
 
 def offloaded_activation_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
     """Host bytes per rank of activation offload: every block's input, and the final norm's."""
-    return request.data.max_length * request.rows_per_micro_batch * (shape.num_layers + 1) * shape.hidden_size * act_bytes
+    return request.micro_batch_tokens * (shape.num_layers + 1) * shape.hidden_size * act_bytes
 
 
 def activation_dtype_bytes(rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
@@ -176,7 +175,7 @@ def logits_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int
     (2 x tokens x hidden). DPO's answer log-probabilities (preference.sequence_logps) take the
     full logits of twice the rows (the chunked loss does not serve them yet); the reference's
     no-grad forward runs before the policy's and leaves only one number per row behind."""
-    tokens = request.data.max_length * request.rows_per_micro_batch
+    tokens = request.micro_batch_tokens
     per_entry = act_bytes + (4 if act_bytes != 4 else 0) + 4 + 4 + (4 if shape.logit_softcapping else 0)
     if not request.chunked_loss:
         return tokens * shape.vocab_size * per_entry

@@ -51,6 +51,7 @@ from homelab_ft.plan.price.params import (
     trainable_params,
     weight_bytes,
 )
+from homelab_ft.plan.price.rollout import Rollout, generation_bytes, rollout
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
 
@@ -108,6 +109,9 @@ class Memory:
     step_in_backward: bool = False
     """train.optimizer_in_backward: the step's temporaries appear inside backward, one parameter at
     a time, after the loss has freed its logits."""
+    generation: int = 0
+    """GRPO: bytes held while `generate` samples the rollouts (rollout.generation_bytes: what stays
+    resident, the KV cache, the prefill's or a decode step's transients); 0 without generation."""
 
     @property
     def overhead(self) -> int:
@@ -131,10 +135,21 @@ class Memory:
         return self.model_state + (0 if self.step_in_backward else self.step_temporary)
 
     @property
+    def training_peak(self) -> int:
+        """The training phases' peak: the larger of forward/backward and the optimizer step, with overhead."""
+        return max(self.forward_backward, self.optimizer_step) + self.overhead
+
+    @property
+    def generation_peak(self) -> int:
+        """GRPO's generation phase's peak, with overhead; 0 without generation."""
+        return self.generation + self.overhead if self.generation else 0
+
+    @property
     def total(self) -> int:
         """The peak is the larger phase, not the sum of all items: by the time every gradient
-        exists, backward has freed the activations and logits they were computed from."""
-        return max(self.forward_backward, self.optimizer_step) + self.overhead
+        exists, backward has freed the activations and logits they were computed from; GRPO's
+        generation runs before the micro-batch's forward, its KV cache freed before training."""
+        return max(self.training_peak, self.generation_peak)
 
 
 @dataclass(frozen=True)
@@ -168,12 +183,19 @@ class Estimate:
     stages: tuple[Stage, ...]
     """A pipeline's stages, first to last (plan/price/pipeline.py); () without one. `memory` is then the
     stage nearest its GPU's budget."""
+    rollout: Rollout | None
+    """GRPO's generation and no-grad forwards (plan/price/rollout.py); None for SFT and DPO."""
 
     @property
-    def step_s(self) -> float:
+    def training_s(self) -> float:
         """Compute plus the communication that compute does not hide (see network.communication);
         offload copies and the CPU optimizer step are not overlapped, nor a pipeline's bubble."""
         return self.compute_s + self.bubble_s + self.comm_s - self.comm_hidden_s + self.offload_s
+
+    @property
+    def step_s(self) -> float:
+        """`training_s`, and GRPO's rollout before it (generation and the no-grad forwards)."""
+        return self.training_s + (self.rollout.seconds if self.rollout else 0.0)
 
 
 @dataclass(frozen=True)
@@ -279,6 +301,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         * request.train.grad_accum_steps / OFFLOAD_BYTES_PER_S,
         prepass_s_per_pair=prepass_s_per_pair(shape, rung, request, cluster), spilled_bytes=0,
         bubble_s=0.0, stages=(),
+        rollout=rollout(shape, rung=rung, request=request, cluster=cluster, act_bytes=sizes.act_bytes,
+                        base_bytes=sizes.base_bytes),
     )
 
 
@@ -287,7 +311,7 @@ def _looked_up_bytes(shape: ModelShape, request: PlanRequest, sizes: _Sizes, *, 
     hidden, once per forward (DPO runs the reference's too). Their gradient is never sent back: the
     frozen table needs none, and the copy is the leaf activation checkpointing marks."""
     forwards = 2 if request.objective == "dpo" else 1
-    return on * forwards * request.data.max_length * request.rows_per_micro_batch * shape.hidden_size * sizes.act_bytes
+    return on * forwards * request.micro_batch_tokens * shape.hidden_size * sizes.act_bytes
 
 
 def sync_deferred(shape: ModelShape, *, rung: Rung, trainable: int) -> bool:
@@ -322,14 +346,16 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     head_grads = 0 if rung.adapters_enabled else shape.vocab_size * shape.hidden_size * state_bytes
     step_temp = step_temporary_bytes(shape, rung, request, cluster, trainable=trainable, state_bytes=state_bytes,
                                       in_backward=in_backward) // shards
+    held = dict(weights=int(kept if cpu_offload else weights) - table_host, gradients=int(0 if cpu_offload else gradients),
+                optimizer=int(0 if cpu_offload else optimizer), gathered=int(_gathered_bytes(shape, sizes, rung=rung, request=request)))
+    # GRPO generates each micro-batch's rollouts between the previous one's backward and its own
+    # forward: the earlier micro-batches' gradients are summed by then
+    resident = held["weights"] + held["optimizer"] + held["gathered"] + held["gradients"] * (request.train.grad_accum_steps > 1)
     device = Memory(
-        weights=int(kept if cpu_offload else weights) - table_host,
-        gradients=int(0 if cpu_offload else gradients),
-        optimizer=int(0 if cpu_offload else optimizer),
+        **held,
         activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0),
         recomputed=recomputed_block_bytes(shape, rung=rung, request=request, act_bytes=act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
-        gathered=int(_gathered_bytes(shape, sizes, rung=rung, request=request)),
         context=CUDA_CONTEXT_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,
         fragmentation=CUDA_FRAGMENTATION_BYTES if cluster.device == "cuda" else 0,
         pageable=int(0 if cpu_offload else pageable_optimizer_bytes(shape, rung, request, cluster) / shards),
@@ -339,6 +365,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
         step_in_backward=in_backward,
         gradients_at_recompute=int(gradients_at_recompute(shape, rung=rung, request=request, in_backward=in_backward)
                                    * state_bytes / shards),
+        generation=generation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, resident=resident),
     )
     return device, sharded + gradients + optimizer
 

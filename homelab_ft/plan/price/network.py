@@ -235,12 +235,12 @@ def compute_s(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: C
     head (more than one chunk: loss_chunks.recomputes, every token counted as trained). Params are the matmul ones a token passes through (blocks' active parameters and the LM
     head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
     < 10% for these models."""
-    tokens = request.data.max_length * request.rows_per_micro_batch * request.train.grad_accum_steps
+    tokens = request.micro_batch_tokens * request.train.grad_accum_steps
     factor = (4 if rung.adapters_enabled else 6) + (2 if rung.activation_checkpointing else 0)
     if request.objective == "dpo" and rung.adapters_enabled:
         factor += 2  # the reference: one more forward with the adapters disabled
     flops = factor * matmul_params(shape) * tokens
-    micro_tokens = request.data.max_length * request.rows_per_micro_batch
+    micro_tokens = request.micro_batch_tokens
     if request.chunked_loss and recomputes(request.train.loss_chunk_tokens, vocab_size=shape.vocab_size, tokens=micro_tokens):
         flops += 2 * shape.vocab_size * shape.hidden_size * tokens  # the chunked loss recomputes the head
     seconds = flops / (cluster.tflops * 1e12)

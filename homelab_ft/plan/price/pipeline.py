@@ -75,7 +75,7 @@ def p2p_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: C
     """Bytes one stage boundary carries per micro-batch and direction: the hidden states
     [rows, seq, hidden] in the activation dtype forward, and their gradient (same shape) back."""
     act = activation_dtype_bytes(rung, request, cluster)
-    return request.rows_per_micro_batch * request.data.max_length * shape.hidden_size * act
+    return request.micro_batch_tokens * shape.hidden_size * act
 
 
 def stage_nodes(rung: Rung, cluster: Cluster) -> tuple[int, ...]:
@@ -312,6 +312,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         trainable_params=trainable, comm_bytes=int(sent), comm_s=comm_s, comm_hidden_s=hidden, compute_s=slowest,
         offload_s=0.0, prepass_s_per_pair=0.0, spilled_bytes=0,
         bubble_s=slowest * (stages_n - 1) / micro, stages=tuple(stages),
+        rollout=None,  # rules/refusals.objective: GRPO does not run pipelined
     )
 
 

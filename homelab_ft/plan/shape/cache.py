@@ -23,7 +23,7 @@ from homelab_ft.plan.shape.types import ModelShape
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 12
+SCHEMA = 13
 """Bumped when derive.py or saved.py change what a cached shape holds or how it is measured."""
 
 

@@ -76,6 +76,7 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
         largest_param=max(p.numel() for p in model.parameters()),
         attn_implementation=attn_implementation,
         embedding_name=next(name for name, module in model.named_modules() if module is embed),
+        kv_elements_per_token=kv_elements_per_token(text, num_layers=len(blocks)),
     )
 
 
@@ -228,6 +229,30 @@ def _all_linear_names(model) -> set[str]:
     from homelab_ft.rules.lora_targets import wrapped_names
 
     return set(wrapped_names(model))
+
+
+def kv_elements_per_token(text, *, num_layers: int) -> int:
+    """Elements per token of the KV cache `generate` fills (transformers' DynamicCache: a key and a
+    value of num_key_value_heads x head_dim per attention layer, read from each layer's own config on
+    a heterogeneous one, Gemma 4's), summed over the layers that cache them: each attention entry of
+    `layer_types` (linear-attention and Mamba layers keep a state of fixed size instead, left out),
+    every block without `layer_types`, less the last `num_kv_shared_layers` (Gemma 3n, Gemma 4: they
+    reuse an earlier layer's cache). Sliding-window layers are counted at full length, an upper bound
+    (their cache stops growing at the window)."""
+    layer_types = getattr(text, "layer_types", None) or ()
+    shared = getattr(text, "num_kv_shared_layers", None) or 0
+    total = 0
+    for index in range(num_layers - shared):
+        kind = layer_types[index] if index < len(layer_types) else "full_attention"
+        if "attention" not in kind or "linear" in kind:
+            continue
+        layer = text.per_layer_config[index] if getattr(text, "is_heterogeneous", False) else text
+        heads = getattr(layer, "num_attention_heads", None)
+        if not heads:
+            return 0
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        total += 2 * kv_heads * (getattr(layer, "head_dim", None) or layer.hidden_size // heads)
+    return total
 
 
 def _max_positions(text) -> int:

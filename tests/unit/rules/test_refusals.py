@@ -36,6 +36,8 @@ CASES = {
     "activation_offload": ({"train": {"activation_checkpointing": True, "activation_offload": True}},
                            "train.activation_offload is not run pipelined yet"),
     "objective": ({"objective": "dpo"}, "objective=dpo is not run pipelined yet; set objective: sft"),
+    "objective_grpo": ({"objective": "grpo", "grpo": {"reward_funcs": ["exact_answer"]}},
+                       "objective=grpo is not run pipelined yet; set objective: sft"),
     "eight_bit_base": ({"method": "qlora", "quant": {"bits": 8}}, "an 8-bit base is not run pipelined yet"),
     "dora": ({"method": "lora", "lora": {"use_dora": True}}, "lora.use_dora is not run pipelined yet"),
     "samples": ({"train": {"sample_every": 10, "sample_prompts": ["hi"]}}, "train.sample_every is not run pipelined"),
