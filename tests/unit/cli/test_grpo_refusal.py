@@ -1,5 +1,5 @@
-"""objective: grpo is refused by `train` and `launch` before anything is planned or created (its
-loop is not built yet, issue 33), after its reward functions resolve: one line, exit 2."""
+"""What `train` and `launch` refuse of objective: grpo before anything is planned or created: a reward
+function that does not import, a full fine-tune with a reference (beta > 0), a pipeline: one line, exit 2."""
 
 from __future__ import annotations
 
@@ -24,14 +24,22 @@ def _recipe(tmp_path, reward_funcs) -> tuple:
     return path, run_dir
 
 
-def test_train_and_launch_refuse_the_unbuilt_loop(capsys, tmp_path):
-    (tmp_path / "rewards.py").write_text("def short(completions, **kw):\n    return [0.0] * len(completions)\n")
+def test_train_and_launch_resolve_the_rewards_first(capsys, tmp_path):
     path, run_dir = _recipe(tmp_path, ["exact_answer", "rewards.py:short"])
-    assert "objective=grpo: the GRPO training loop" in _run(capsys, "train", path)
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1\n")
-    assert "not built yet (issue 33)" in _run(capsys, "launch", "--hosts", hosts, path)
+    assert "rewards.py does not exist" in _run(capsys, "launch", "--hosts", hosts, path)
     assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_full_fine_tune_with_a_reference_and_a_pipeline_are_refused(capsys, tmp_path):
+    path, run_dir = _recipe(tmp_path, ["exact_answer"])
+    err = _run(capsys, "train", path, "method=full", "grpo.beta=0.04")
+    assert "objective=grpo with grpo.beta > 0 needs a reference model" in err and "grpo.beta=0" in err
+    err = _run(capsys, "train", path, "method=lora", "sharding.pipeline_stages=2", "cluster.gpus_per_node=2",
+               "train.device=cpu", "train.grad_accum_steps=4")
+    assert "objective=grpo" in err and "objective: sft" in err
+    assert not run_dir.exists()
 
 
 def test_a_reward_that_does_not_import_is_the_line_seen(capsys, tmp_path):
