@@ -52,8 +52,11 @@ class Rollout:
 
     @property
     def batch(self) -> dict:
-        """What `loss.completion_logprobs` reads."""
+        """What `loss.completion_logprobs` reads. The positions count only real tokens, as `generate`
+        counted them: a left-padded prompt's first token is at position 0 whatever the padding, so a
+        row's log-probs do not depend on the rows it was batched with (nor on the ranks of the job)."""
         return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                "position_ids": (self.attention_mask.cumsum(-1) - 1).clamp(min=0),
                 "completion_mask": self.completion_mask}
 
     @property
@@ -78,6 +81,15 @@ def end_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
+def left_padded(prompts: list[list[int]], *, pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one [N, P] batch padded on the left (the completion starts at
+    the same column for every row), and its attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 def _generator(model):
     return getattr(model, "module", model)  # DDP's wrapper has no generate; its module does
 
@@ -99,10 +111,8 @@ class Colocated:
         completion instead, for the held-out reward)."""
         g = self.settings.num_generations if num_generations is None else num_generations
         pad = self.tokenizer.pad_token_id
-        prompt_ids = [list(r["prompt_ids"]) for r in rows for _ in range(g)]
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=self.device)
+        ids, mask = left_padded([list(r["prompt_ids"]) for r in rows for _ in range(g)], pad_token_id=pad,
+                                device=self.device)
         ends = end_token_ids(self.tokenizer, model)
         target = _generator(model)
         sampling = {} if greedy else {"temperature": self.settings.temperature, "top_p": self.settings.top_p, "top_k": 0}
@@ -113,10 +123,11 @@ class Colocated:
             out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.settings.max_completion_length,
                                   min_new_tokens=0, do_sample=not greedy, repetition_penalty=1.0, pad_token_id=pad,
                                   eos_token_id=ends, use_cache=True, synced_gpus=self.distributed, **sampling)
-        return self._rollout(out, prompt_ids=ids, prompt_mask=mask, ends=ends, rows=rows, g=g)
+        return self.rollout(out, prompt_ids=ids, prompt_mask=mask, ends=ends, rows=rows, g=g)
 
-    def _rollout(self, out: torch.Tensor, *, prompt_ids, prompt_mask, ends: list[int], rows: list[dict],
-                 g: int) -> Rollout:
+    def rollout(self, out: torch.Tensor, *, prompt_ids, prompt_mask, ends: list[int], rows: list[dict],
+                g: int) -> Rollout:
+        """A Rollout from `generate`'s output ([N, P + c]: the left-padded prompts, then c <= C tokens)."""
         completion = out[:, prompt_ids.size(1):]  # at least one token: max_completion_length >= 1
         is_end = torch.isin(completion, torch.tensor(ends, device=completion.device))
         has_end = is_end.any(dim=1)
