@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from homelab_ft.data.prompts import decoded
+from homelab_ft.distributed import parallelize
 from homelab_ft.recipe.config import GrpoConfig
 from homelab_ft.train.samples import preserved, root_gathered
 
@@ -90,6 +91,20 @@ def left_padded(prompts: list[list[int]], *, pad_token_id: int, device) -> tuple
     return ids, mask
 
 
+def _root_initialised(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """FSDP2 sets itself up on the first forward of a sharded unit and takes that unit as the root.
+    PEFT's `generate` calls the inner model's forward, so a run whose first forward is a generation
+    (GRPO's: before any training step) would root FSDP2 at the embeddings and then refuse the real
+    root's forward ("already been lazily initialized"). One forward of the root on one token first,
+    once per model, on every rank (each forward gathers with all of them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) and not getattr(model, "_homelab_root_initialised", False):
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        parallelize.reshard(model)
+        model._homelab_root_initialised = True
+
+
 def _generator(model):
     return getattr(model, "module", model)  # DDP's wrapper has no generate; its module does
 
@@ -117,6 +132,8 @@ class Colocated:
         target = _generator(model)
         sampling = {} if greedy else {"temperature": self.settings.temperature, "top_p": self.settings.top_p, "top_k": 0}
         devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), preserved(target, device=self.device), torch.no_grad():
+            _root_initialised(target, ids[:, :1], mask[:, :1])
         with torch.random.fork_rng(devices=devices), preserved(target, device=self.device), root_gathered(target), \
                 torch.no_grad():
             torch.manual_seed(seed)

@@ -62,6 +62,8 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
         compiling.BACKEND = job["compile_backend"]
     if job.get("reset_adapters"):  # a one-process LoRA reference with the adapters a pipeline draws
         _reset_lora_adapters(recipe.train.seed)
+    if job.get("replay_rollouts"):  # GRPO's completions a function of the prompt, however it is batched
+        _replay_rollouts()
     grads: list[dict] = []
     if "capture_grads" in job:
         _capture_grads(grads)
@@ -71,13 +73,56 @@ def run_train(job: dict, env, base_dir: Path) -> dict:
         result = trainer._train(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=base_dir)
     finally:
         trainer.train_step = _TRAIN_STEP
+        _restore_rollouts()
         runlock.release(recipe.run_dir)  # as trainer.train does; a copy of this run must not look held
     if "capture_grads" in job:
         torch.save(grads, f"{job['capture_grads']}.rank{env.rank}.pt")
-    return {"losses": result.losses, "eval_loss": None if result.eval_loss is None else float(result.eval_loss)}
+    return {"losses": result.losses, "eval_loss": None if result.eval_loss is None else float(result.eval_loss),
+            "eval_reward": result.eval_reward}
 
 
 _TRAIN_STEP = trainer.train_step
+
+
+def _replay_rollouts() -> None:
+    """GRPO's engine with sampling replaced by a fixed function of each prompt and generation index
+    (its tokens and where it ends), so that one process and two ranks train on the same completions
+    whatever rows they are batched with; the layout, rewards, advantages and loss stay the real ones."""
+    from homelab_ft.train import rollout
+
+    def sample(self, model, rows, *, seed, greedy=False, num_generations=None):
+        g = self.settings.num_generations if num_generations is None else num_generations
+        prompts = [list(r["prompt_ids"]) for r in rows for _ in range(g)]
+        ids, mask = rollout.left_padded(prompts, pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        ends = rollout.end_token_ids(self.tokenizer, model)
+        width = self.settings.max_completion_length
+        tails = []
+        for i, p in enumerate(prompts):
+            key = sum(p) * 7 + (0 if greedy else i % g) * 13
+            length = 1 + key % width  # a completion of `length` tokens, the last an end token unless it fills the width
+            tokens = [10 + (key + 31 * t) % 280 for t in range(length)]
+            if length < width:
+                tokens[-1] = ends[0]
+            tails.append(tokens + [self.tokenizer.pad_token_id] * (width - length))
+        out = torch.cat([ids, torch.tensor(tails, device=self.device)], dim=1)
+        return self.rollout(out, prompt_ids=ids, prompt_mask=mask, ends=ends, rows=rows, g=g)
+
+    rollout.Colocated.sample = sample
+
+
+def _restore_rollouts() -> None:
+    from homelab_ft.train import rollout
+
+    rollout.Colocated.sample = _SAMPLE
+
+
+def _sample_method():
+    from homelab_ft.train import rollout
+
+    return rollout.Colocated.sample
+
+
+_SAMPLE = _sample_method()
 
 
 def _capture_grads(grads: list[dict]) -> None:
