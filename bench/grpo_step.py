@@ -66,9 +66,9 @@ def run_homelab(tmp: Path) -> dict:
     import torch
 
     from homelab_ft.distributed import comm
+    from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
-    from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.train import preflight, trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
