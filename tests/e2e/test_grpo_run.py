@@ -116,6 +116,17 @@ def test_every_loss_type_runs_and_learns(tmp_path, tiny_model_dir, loss_type, ex
         assert {rows[s]["completions/clipped_ratio"] == 1 for s in rows} == {True, False}  # both cases met
 
 
+def test_qlora_grpo_generates_on_the_4bit_base(tmp_path, tiny_model_dir):
+    """QLoRA: the rollouts run through the 4-bit base with the adapters live (no merge), and the
+    reference (beta > 0) is the 4-bit base with the adapters disabled: KL 0 before the first update."""
+    pytest.importorskip("bitsandbytes")
+    recipe = write_recipe(tmp_path, tiny_model_dir, method="qlora", max_steps=3, eval_every=0, save_every=0,
+                          grpo={"beta": 0.1})
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run"), "data.eval_fraction=0"]) == 0
+    rows = procs.step_rows(tmp_path / "run")
+    assert sorted(rows) == [1, 2, 3] and rows[1]["kl"] == pytest.approx(0, abs=1e-6) and rows[3]["grad_norm"] > 0
+
+
 def test_full_grpo_raises_the_reward(tmp_path, tiny_model_dir):
     """The tiny random model samples almost uniformly (max probability ~0.005 of 320 tokens), so
     LoRA's zero-initialised B moves it slowly; full fine-tuning shows the learning within 16 steps
