@@ -32,6 +32,8 @@ LOW, HIGH = 1, 20
 """Operands are drawn from LOW..HIGH."""
 REWARDS = ("numeric_answer", {"regex_match": {"pattern": r"\s*-?\d+\.?\s*", "full": True}})
 """The recipe's rewards, also what `--score` measures: the right number, and the number alone."""
+WEIGHTS = (1.0, 0.25)
+"""The recipe's reward_weights: the right number counts four times the format (the recipe says why)."""
 
 log = logging.getLogger("homelab_ft.demo.grpo")  # also when run as __main__
 
@@ -65,7 +67,7 @@ def write_dataset(out_dir: Path = sft.ASSET_DIR) -> list[Path]:
 
 
 def held_out_reward(model_dir: Path, *, batch_prompts: int = 16) -> dict[str, float]:
-    """The mean of each reward (and their sum) over greedy replies to the held-out rows, through the
+    """The mean of each reward (and their weighted sum, as the recipe weighs them) over greedy replies to the held-out rows, through the
     trainer's own engine and reward functions (train/rollout.py, train/rewards.py)."""
     import torch
 
@@ -79,7 +81,7 @@ def held_out_reward(model_dir: Path, *, batch_prompts: int = 16) -> dict[str, fl
     folder = loading.resolve_model_dir(cfg.path)
     tokenizer = loading.load_tokenizer(cfg, folder)
     model = loading.load_model(cfg, folder, dtype=torch.float32, device=torch.device("cpu"))
-    funcs = rewards.resolve_rewards(REWARDS, weights=None, recipe_dir=Path.cwd())
+    funcs = rewards.resolve_rewards(REWARDS, weights=WEIGHTS, recipe_dir=Path.cwd())
     settings = GrpoConfig(max_completion_length=24, reward_funcs=REWARDS)
     engine = Colocated(settings=settings, tokenizer=tokenizer, device=torch.device("cpu"), distributed=False)
     rows = [{"prompt_ids": prompt_ids(r["prompt"], tokenizer, tokenizer.chat_template, where="demo"),
