@@ -14,6 +14,7 @@ from typing import Literal
 from homelab_ft.plan import gpus
 from homelab_ft.recipe.config import (
     DataConfig,
+    DpoConfig,
     GrpoConfig,
     LoraConfig,
     ModelConfig,
@@ -154,6 +155,8 @@ class PlanRequest:
     planner: PlannerConfig
     grpo: GrpoConfig = dataclasses.field(default_factory=GrpoConfig)
     """The recipe's `grpo` section, read when `objective` is grpo."""
+    dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
+    """The recipe's `dpo` section, read when `objective` is dpo (its loss decides the reference)."""
 
     def changed(self, **sections) -> PlanRequest:
         """This request with recipe keys changed, a section's as a dict (validated by its dataclass):
@@ -171,7 +174,7 @@ class PlanRequest:
         sharding = {f.name: getattr(self.sharding, f.name) for f in dataclasses.fields(self.sharding)
                     if f.name not in ("strategy", "cpu_offload")}
         return repr((self.objective, self.model, self.lora, self.quant, self.data, self.train, sharding, self.planner,
-                     self.grpo))
+                     self.grpo, self.dpo))
 
     @property
     def rows_per_micro_batch(self) -> int:
@@ -180,6 +183,13 @@ class PlanRequest:
         if self.objective == "grpo":
             return self.train.micro_batch_size * self.grpo.num_generations
         return self.train.micro_batch_size * (2 if self.objective == "dpo" else 1)
+
+    @property
+    def reference_forward(self) -> bool:
+        """Preference tuning that compares with a reference model (dpo.loss sigmoid or ipo): a no-grad
+        forward per micro-batch with adapters, a cached pre-pass for a full fine-tune. ORPO and SimPO
+        need none."""
+        return self.objective == "dpo" and self.dpo.needs_reference
 
     @property
     def completion_tokens(self) -> int:

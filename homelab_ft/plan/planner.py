@@ -90,6 +90,8 @@ class Plan:
         if not grpo:
             _drop(request, "grpo")
             _drop(cluster, "memory_bytes_per_s")
+        if self.request.objective != "dpo":
+            _drop(request, "dpo")
 
         return {
             "model": self.model,
@@ -377,7 +379,7 @@ def request_from_recipe(recipe) -> PlanRequest:
     """The planner's view of a `config.Recipe`: its own sections, as they are."""
     return PlanRequest(method=recipe.method, objective=recipe.objective, model=recipe.model, lora=recipe.lora,
                        quant=recipe.quant, data=recipe.data, train=recipe.train, sharding=recipe.sharding,
-                       planner=recipe.planner, grpo=recipe.grpo)
+                       planner=recipe.planner, grpo=recipe.grpo, dpo=recipe.dpo)
 
 
 def default_request(**sections) -> PlanRequest:

@@ -319,18 +319,34 @@ class PlannerConfig:
     """Fraction of device memory kept free beyond the estimate (allocator spikes, other processes)."""
 
 
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "orpo", "simpo")
+REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+
+
 @dataclass(frozen=True, config=_STRICT)
 class DpoConfig:
     beta: Positive = 0.1
     """Strength of the pull towards the reference model (the KL weight in the DPO paper, Rafailov
     et al. 2023); 0.1 is the paper's and TRL's default."""
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    loss: Literal[PREFERENCE_LOSSES] = "sigmoid"
     """`sigmoid`: the DPO paper's -log sigmoid(beta * margin); `ipo`: (margin - 1/(2 beta))^2 from
-    Azar et al. 2023, which cannot drive the margin to infinity on deterministic preferences."""
+    Azar et al. 2023, which cannot drive the margin to infinity on deterministic preferences;
+    `orpo` (Hong et al. 2024): the chosen answer's NLL plus beta (the paper's lambda, TRL's 0.1)
+    times the odds-ratio loss, no reference model; `simpo` (Meng et al. 2024): -log sigmoid of beta
+    times the length-normalised log-probability margin minus `simpo_gamma`, no reference model (the
+    paper's setting: beta 2.0 to 2.5 with simpo_gamma / beta about 0.5; TRL's CPO defaults beta 0.1)."""
     label_smoothing: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.0
     """Probability that a pair's label is wrong (conservative DPO): the loss mixes in the flipped pair."""
     sft_weight: NonNegative = 0.0
     """Weight of a negative log-likelihood term on the chosen answer, per token (RPO, Pang et al. 2024)."""
+    simpo_gamma: NonNegative = 0.5
+    """SimPO's target reward margin gamma (`loss: simpo`; TRL's CPOConfig name and default)."""
+
+    @property
+    def needs_reference(self) -> bool:
+        """DPO and IPO compare with a reference model; ORPO and SimPO need none (no reference forward,
+        no cached pre-pass)."""
+        return self.loss not in REFERENCE_FREE_LOSSES
 
 
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
@@ -505,6 +521,9 @@ def check_objective(recipe: Recipe, *, source: str = "recipe") -> None:
         if recipe.data.train_on_inputs:
             raise UserError(f"{source}: objective=dpo compares the answers of a pair, not the prompt they share; "
                             "set data.train_on_inputs=false (dpo.sft_weight adds a loss on the chosen answer)")
+        if recipe.dpo.loss == "orpo" and recipe.dpo.label_smoothing:
+            raise UserError(f"{source}: dpo.label_smoothing is conservative DPO's; ORPO's loss has no flipped-label "
+                            "term (Hong et al. 2024): set dpo.label_smoothing=0 or another dpo.loss")
     else:
         if recipe.objective == "grpo":
             check_grpo(recipe.grpo, source=source)

@@ -51,7 +51,7 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int, progr
     pairs = 0
     for indices, real in _shown(list(_eval_batches(len(rows), recipe=recipe, env=env)), progress):
         mb = collate_pairs([rows[i] for i in indices], pad_token_id=pad_token_id)
-        reference = preference.reference_logps(model, mb, env.device)
+        reference = preference.reference_logps(model, mb, env.device) if recipe.dpo.needs_reference else None
         policy, num_tokens = preference.policy_logps(model, mb, env.device)
         _, stats = preference.pair_losses(policy, reference, num_tokens, recipe.dpo)
         if real:

@@ -8,6 +8,12 @@ h = [log pi(y_w|x) - log pi_ref(y_w|x)] - [log pi(y_l|x) - log pi_ref(y_l|x)]:
     sigmoid (DPO, Rafailov et al. 2023, eq. 7):  -log sigmoid(beta h)
     ipo (Azar et al. 2023, eq. 17):              (h - 1/(2 beta))^2
 
+Two losses need no reference (`DpoConfig.needs_reference`), and take each answer's mean
+log-probability per token instead of its sum:
+
+    orpo (Hong et al. 2024, eq. 6-7):    -mean log p(y_w) - beta log sigmoid(log odds(y_w) - log odds(y_l))
+    simpo (Meng et al. 2024, eq. 6):     -log sigmoid(beta (mean log p(y_w) - mean log p(y_l)) - gamma)
+
 Label smoothing eps treats each label as wrong with probability eps and mixes in the loss of the
 flipped pair: (1 - eps) L(h) + eps L(-h) (conservative DPO, Mitchell 2023; for IPO this moves the
 regression target to (1 - 2 eps)/(2 beta)). IPO uses summed log-probabilities as in its paper (TRL
@@ -68,18 +74,48 @@ def dpo_loss(margin: torch.Tensor, *, beta: float, loss: str, label_smoothing: f
     raise ValueError(loss)
 
 
-def pair_losses(policy: torch.Tensor, reference: torch.Tensor, num_tokens: torch.Tensor, cfg: DpoConfig
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Losses of B pairs from 2B sequence log-probabilities (chosen rows first, then rejected).
+def orpo_loss(avg_chosen: torch.Tensor, avg_rejected: torch.Tensor, *, beta: float) -> torch.Tensor:
+    """ORPO (Hong et al. 2024, eq. 6-7) per pair from the answers' mean log-probability per token:
+    the chosen answer's NLL (L_SFT) plus beta (the paper's lambda) times L_OR = -log sigmoid(log
+    odds(chosen) - log odds(rejected)), odds(y) = P(y) / (1 - P(y)) with P(y) = exp(mean log p)."""
+    def log_odds(avg):
+        return avg - torch.log1p(-torch.exp(avg))
 
-    Returns the per-pair loss (with grad) and a detached [len(METRICS)] vector of per-pair sums.
+    return -avg_chosen - beta * F.logsigmoid(log_odds(avg_chosen) - log_odds(avg_rejected))
+
+
+def simpo_loss(avg_chosen: torch.Tensor, avg_rejected: torch.Tensor, *, beta: float, gamma: float,
+               label_smoothing: float) -> torch.Tensor:
+    """SimPO (Meng et al. 2024, eq. 6) per pair: -log sigmoid(beta/|y_w| log pi(y_w|x) - beta/|y_l|
+    log pi(y_l|x) - gamma), the length-normalised margin with no reference; label smoothing mixes in
+    the flipped pair as for DPO (TRL's CPOTrainer does the same)."""
+    margin = beta * (avg_chosen - avg_rejected) - gamma
+    return -(1 - label_smoothing) * F.logsigmoid(margin) - label_smoothing * F.logsigmoid(-margin)
+
+
+def pair_losses(policy: torch.Tensor, reference: torch.Tensor | None, num_tokens: torch.Tensor, cfg: DpoConfig
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Losses of B pairs from 2B sequence log-probabilities (chosen rows first, then rejected);
+    `reference` is None for the reference-free losses (orpo, simpo: `cfg.needs_reference`).
+
+    Returns the per-pair loss (with grad) and a detached [len(METRICS)] vector of per-pair sums. The
+    rewards are beta x (policy - reference) for DPO and IPO, and beta x the mean log-probability per
+    token for ORPO and SimPO (TRL's ORPO and CPO trainers report the same).
     """
     num_pairs = policy.shape[0] // 2
-    reference = reference.to(policy.device, policy.dtype)
     chosen, rejected = policy[:num_pairs], policy[num_pairs:]
-    ratio_chosen = chosen - reference[:num_pairs]
-    ratio_rejected = rejected - reference[num_pairs:]
-    losses = dpo_loss(ratio_chosen - ratio_rejected, beta=cfg.beta, loss=cfg.loss, label_smoothing=cfg.label_smoothing)
+    if cfg.needs_reference:
+        reference = reference.to(policy.device, policy.dtype)
+        ratio_chosen = chosen - reference[:num_pairs]
+        ratio_rejected = rejected - reference[num_pairs:]
+        losses = dpo_loss(ratio_chosen - ratio_rejected, beta=cfg.beta, loss=cfg.loss,
+                          label_smoothing=cfg.label_smoothing)
+    else:
+        average = policy / num_tokens.clamp(min=1).to(policy.device, policy.dtype)
+        ratio_chosen, ratio_rejected = average[:num_pairs], average[num_pairs:]
+        losses = (orpo_loss(ratio_chosen, ratio_rejected, beta=cfg.beta) if cfg.loss == "orpo" else
+                  simpo_loss(ratio_chosen, ratio_rejected, beta=cfg.beta, gamma=cfg.simpo_gamma,
+                             label_smoothing=cfg.label_smoothing))
     if cfg.sft_weight:
         losses = losses + cfg.sft_weight * (-chosen / num_tokens[:num_pairs].clamp(min=1).to(chosen.dtype))
     with torch.no_grad():

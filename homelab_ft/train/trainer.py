@@ -351,7 +351,8 @@ def pipeline_step(s: Session, micro_batches: list[dict]) -> StepResult:
 def dpo_step(s: Session, micro_batches: list[dict]) -> StepResult:
     """One optimizer step of preference tuning (objective: dpo); the arithmetic is preference.py's.
 
-    Per micro-batch: the reference log-probabilities (no grad: the adapters disabled, or the cache),
+    Per micro-batch: the reference log-probabilities (no grad: the adapters disabled, or the cache;
+    none for the reference-free losses, ORPO and SimPO),
     then one forward of the chosen + rejected rows and the backward of the pair losses scaled by
     world_size / (pairs in the step on all ranks). Its metrics are the step's per-pair means of
     preference.METRICS (all ranks).
@@ -361,7 +362,7 @@ def dpo_step(s: Session, micro_batches: list[dict]) -> StepResult:
     def backward(scale: float) -> torch.Tensor:
         sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
         for i, mb in enumerate(micro_batches):
-            reference = preference.reference_logps(model, mb, env.device)
+            reference = preference.reference_logps(model, mb, env.device) if s.recipe.dpo.needs_reference else None
             with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
                 policy, num_tokens = preference.policy_logps(model, mb, env.device)
                 losses, stats = preference.pair_losses(policy, reference, num_tokens, s.recipe.dpo)
@@ -505,7 +506,7 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
                                   pad_token_id=tokenizer.pad_token_id)
     if cfg.compile:  # in place, once the model is built (and sharded): compiling.py says why then
         compiling.compile_blocks(model)
-    if recipe.objective == "dpo" and not rung.adapters_enabled:
+    if recipe.objective == "dpo" and recipe.dpo.needs_reference and not rung.adapters_enabled:
         # A full fine-tune's reference: scored now, with the starting weights (before a resume loads
         # a checkpoint), or read from the cache a previous run wrote.
         from homelab_ft.train.reference_cache import attach_reference

@@ -134,3 +134,23 @@ def test_dpo_on_cuda_in_bf16(tmp_path, tiny_model_dir, method):
     rows = procs.step_rows(run)
     assert rows[1]["loss"] == pytest.approx(math.log(2), abs=1e-2)
     assert all(math.isfinite(r["reward_margin"]) for r in rows.values())
+
+
+@pytest.mark.parametrize(("loss", "beta"), [("orpo", 0.5), ("simpo", 2.0)])
+def test_reference_free_losses_learn_the_preference_without_a_reference(tmp_path, tiny_model_dir, monkeypatch, loss, beta):
+    """ORPO and SimPO (dpo.loss): LoRA and full fine-tuning learn the preference and never run a
+    reference forward nor score a pre-pass (the reference cache stays empty)."""
+    from homelab_ft.train import preference
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("a reference-free loss asked for the reference")
+
+    monkeypatch.setattr(preference, "reference_logps", no_reference)
+    recipe = write_recipe(tmp_path, tiny_model_dir, max_steps=6, eval_every=6, save_every=0)
+    for method in ("lora", "full"):
+        run = tmp_path / method
+        assert main(["train", str(recipe), "--run-dir", str(run), f"method={method}", f"dpo.loss={loss}",
+                     f"dpo.beta={beta}", "output.tensorboard=false"] + (["train.lr=1e-3"] if method == "full" else [])) == 0
+        rows = procs.step_rows(run)
+        assert rows[6]["reward_margin"] > rows[1]["reward_margin"] and rows[6]["loss"] < rows[1]["loss"], (method, rows)
+    assert not list((tmp_path / "cache").glob("reference-*"))

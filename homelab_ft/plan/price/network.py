@@ -214,7 +214,7 @@ def backward_fraction(*, rung: Rung, request: PlanRequest) -> float:
     full fine-tune, 2 of 4 for adapters, plus the forward that activation checkpointing recomputes
     in backward; a DPO adapter step's reference forward is forward work."""
     adapters = rung.adapters_enabled
-    forward = 2 + (2 if request.objective == "dpo" and adapters else 0)
+    forward = 2 + (2 if request.reference_forward and adapters else 0)
     backward = (2 if adapters else 4) + (2 if rung.activation_checkpointing else 0)
     return backward / (forward + backward)
 
@@ -237,7 +237,7 @@ def compute_s(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: C
     < 10% for these models."""
     tokens = request.micro_batch_tokens * request.train.grad_accum_steps
     factor = (4 if rung.adapters_enabled else 6) + (2 if rung.activation_checkpointing else 0)
-    if request.objective == "dpo" and rung.adapters_enabled:
+    if request.reference_forward and rung.adapters_enabled:
         factor += 2  # the reference: one more forward with the adapters disabled
     flops = factor * matmul_params(shape) * tokens
     micro_tokens = request.micro_batch_tokens
@@ -253,7 +253,7 @@ def matmul_params(shape: ModelShape) -> int:
 
 def prepass_s_per_pair(shape: ModelShape, rung: Rung, request: PlanRequest, cluster: Cluster) -> float:
     """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
-    if request.objective != "dpo" or rung.adapters_enabled:
+    if not request.reference_forward or rung.adapters_enabled:
         return 0.0
     return 2 * matmul_params(shape) * 2 * request.data.max_length / (cluster.tflops * 1e12 * cluster.world_size)
 

@@ -21,7 +21,7 @@ ACCEPTED = {
         "train.warmup_steps", "train.eval_every", "train.sample_every", "train.save_every", "train.loss_chunk_tokens", "train.skip_nonfinite_steps",
         "train.weight_decay", "train.max_grad_norm", "train.min_lr_ratio", "dpo.label_smoothing", "dpo.sft_weight",
         "lora.dropout", "data.eval_fraction", "planner.headroom", "grpo.beta",
-        "grpo.log_completions_every")},
+        "grpo.log_completions_every", "dpo.simpo_gamma")},
     ("train.seed", "zero"): "0 is a seed every RNG takes",
     ("train.betas[0]", "zero"): "AdamW takes beta1 = 0 (no momentum: RMSprop-like)",
     ("train.betas[1]", "zero"): "AdamW takes beta2 = 0 (the second moment is the last gradient squared)",
@@ -29,7 +29,7 @@ ACCEPTED = {
     ("cluster.intra_latency_ms", "zero"): "a latency of 0 is an ideal link the planner can price",
     **{(f, "huge"): _HUGE_IS_A_CHOICE for f in (
         "lora.alpha", "dpo.beta", "grpo.beta", "data.sources[].weight", "data.eval_sources[].weight", "train.num_epochs",
-        "train.weight_decay", "train.max_grad_norm", "dpo.sft_weight", "cluster.vram_gib", "cluster.host_ram_gib",
+        "train.weight_decay", "train.max_grad_norm", "dpo.sft_weight", "dpo.simpo_gamma", "cluster.vram_gib", "cluster.host_ram_gib",
         "cluster.inter_link_gbit", "cluster.gpu_tflops", "cluster.inter_latency_ms", "cluster.intra_link_gbit",
         "cluster.intra_latency_ms")},
 }
