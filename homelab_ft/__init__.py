@@ -12,6 +12,7 @@ stage (docs/architecture.md says who calls what):
     store        the run directory as a type, checkpoints, manifests, locks
     export       merged safetensors, GGUF, the files local runtimes read
     cluster      launch, the handoff every worker receives, supervise, doctor
+    harness      after the run: lm-evaluation-harness on a run or a model folder, the shipped tasks
     demo         the `make demo` tasks
 
 The shared vocabulary, torch-free and imported by every stage:

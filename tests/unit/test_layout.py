@@ -24,6 +24,7 @@ ALLOWED = {
     "distributed": {"distributed", "model", "root"},
     "train": {"train", "store", "distributed", "model", "data", "root"},
     "export": {"export", "store", "model", "root"},
+    "harness": {"harness", "root"},
     "cluster": {"cluster", "plan", "distributed", "root"},
     "cli": None,  # the commands may import anything
     "demo": None,

@@ -1,0 +1,91 @@
+"""`homelab-ft eval TARGET`: lm-evaluation-harness on a run (newest checkpoint, adapters applied in
+memory as `chat` does) or on a model folder / export, offline; the scores printed, a run's written
+to RUN/eval/<task>.json, and with --baseline the base model scored too, before -> after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from homelab_ft.errors import UserError
+
+DEFAULT_TASKS = ("homelab_demo_json",)
+
+
+def add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="lm-evaluation-harness on a run (adapters applied, no merge) or a model folder")
+    p.add_argument("target", help="a run directory, a model folder (an export) or a model.path spec (smollm2)")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help="comma-separated: shipped (homelab_demo_json, homelab_demo_sums) or lm-eval tasks whose data "
+                        f"is cached (default: {','.join(DEFAULT_TASKS)})")
+    p.add_argument("--limit", type=_positive, default=None, help="at most N examples per task")
+    p.add_argument("--batch-size", type=_positive, default=8, help="examples per forward (default 8)")
+    p.add_argument("--baseline", action="store_true",
+                   help="a run only: also score its base model and print before -> after")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write <task>.json here (default: a run's eval/ folder; a model folder's scores are only printed)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
+    p.set_defaults(func=cmd_eval)
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1")
+    return value
+
+
+def cmd_eval(args) -> int:
+    from homelab_ft.harness import run
+
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not names:
+        raise UserError("--tasks names no task; e.g. --tasks homelab_demo_json")
+    target = Path(args.target)
+    is_run = (target / "run.json").is_file()
+    if args.baseline and not is_run:
+        raise UserError(f"--baseline scores a run's base model beside the run; {target} is not a run directory")
+    manager = run.check_tasks(names)
+    model, tokenizer, device, base_dir = _load(target, is_run=is_run, trust_remote_code=args.trust_remote_code)
+    kwargs = dict(manager=manager, limit=args.limit, batch_size=args.batch_size)
+    scores = run.evaluate(model, tokenizer, names, device=device, **kwargs)
+    before = None
+    if args.baseline:
+        del model
+        base, base_tok, device, _ = _load(base_dir, is_run=False, trust_remote_code=args.trust_remote_code)
+        before = run.evaluate(base, base_tok, names, device=device, **kwargs)
+    for line in run.table(scores, before):
+        print(line)
+    out = args.out or (target / "eval" if is_run else None)
+    if out is not None:
+        about = {"target": str(target), "limit": args.limit, **({"baseline": before} if before else {})}
+        for path in run.write(scores, out, about=about):
+            print(f"wrote {path}")
+    return 0
+
+
+def _load(target: Path, *, is_run: bool, trust_remote_code: bool):
+    """(model, tokenizer, device, the base model folder) of a run's newest checkpoint or a model folder."""
+    import torch
+
+    from homelab_ft.model import loading
+    from homelab_ft.recipe.config import ModelConfig
+
+    if is_run:
+        from homelab_ft.cli.chat import open_run
+        from homelab_ft.cli.generate import Decoding
+        from homelab_ft.store.layout import RunDir
+
+        talker = open_run(target, system=None, trust_remote_code=trust_remote_code, decoding=Decoding())
+        return talker.model, talker.tokenizer, talker.device, Path(RunDir(target).read_info().model_dir)
+    spec = str(target)
+    model_dir = loading.resolve_model_dir(spec)
+    cfg = ModelConfig(path=spec, trust_remote_code=trust_remote_code)
+    tokenizer = loading.load_tokenizer(cfg, model_dir)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = loading.load_model(cfg, model_dir, dtype=loading.resolve_dtype("auto", device), device=device)
+    return model, tokenizer, device, model_dir
