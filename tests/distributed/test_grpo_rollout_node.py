@@ -1,0 +1,114 @@
+"""grpo.rollout=node: a trainer and a rollout rank in one 2-process job (`homelab-ft train`, which
+starts torchrun), against the same recipe run colocated in one process.
+
+The rollout rank generates what the colocated engine would (same seeded sampling, same weights:
+the adapters are sent before a rollout whenever they changed), so the sampled completions, rewards,
+losses and the greedy held-out reward must EQUAL the one-process run's, step by step. Every sync
+sends exactly the adapters' bytes (numel x element size of the trainable tensors)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+import yaml
+from procs import REPO, child_env
+
+STEPS = 4
+REWARDS = """
+def low_share(prompts, completions, completion_ids, **columns):
+    return [sum(i < 100 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+"""
+SAME = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
+        "frac_reward_zero_std", "rewards/low_share/mean")
+
+
+def _recipe(tmp, model_dir, name: str, *, method: str, rollout: str) -> dict:
+    return {
+        "name": name, "method": method, "objective": "grpo",
+        "grpo": {"num_generations": 4, "max_completion_length": 6, "reward_funcs": ["rewards.py:low_share"],
+                 "rollout": rollout, "log_completions_every": 1},
+        "model": {"path": str(model_dir)},
+        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        "data": {"sources": [{"path": "prompts.jsonl"}], "max_length": 32, "eval_fraction": 0.2,
+                 "cache_dir": str(tmp / "cache" / name)},
+        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 2e-2, "save_every": 0,
+                  "eval_every": 2, "device": "cpu", "num_threads": 1},
+        "output": {"tensorboard": False},
+        "cluster": {"nodes": 1, "gpus_per_node": 2 if rollout == "node" else 1, "device": "cpu"},
+        "sharding": {"strategy": "no_shard"},
+    }
+
+
+def _train(tmp, body: dict) -> dict:
+    recipe = tmp / f"{body['name']}.yaml"
+    recipe.write_text(yaml.safe_dump(body))
+    run = tmp / "runs" / body["name"]
+    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run)],
+                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": [r for r in rows if "loss" in r], "evals": [r for r in rows if "eval_reward" in r],
+            "samples": [r for r in rows if "samples" in r], "run": run, "stdout": proc.stdout + proc.stderr}
+
+
+def _adapter_bytes(model_dir, method: str) -> int:
+    """The adapters' size as the trainer builds them: sum of numel x element size of the trainable tensors."""
+    import torch
+
+    from homelab_ft.recipe.config import recipe_from_dict
+    from homelab_ft.rung import rung_for
+    from homelab_ft.train.build import dtypes_for, load_whole
+    from homelab_ft.train.rollout_node import adapter_tensors
+
+    recipe = recipe_from_dict({"method": method, "model": {"path": str(model_dir)}, "lora": {"r": 4, "alpha": 8}},
+                              source="test")
+    rung, cpu = rung_for(recipe), torch.device("cpu")
+    model = load_whole(recipe, model_dir=model_dir, rung=rung, device=cpu,
+                       dtype=dtypes_for(recipe, rung=rung, device=cpu).compute)
+    return sum(t.numel() * t.element_size() for t in adapter_tensors(model))
+
+
+@pytest.fixture(scope="module", params=["lora"])
+def runs(request, tmp_path_factory, tiny_model_dir) -> dict:
+    method = request.param
+    tmp = tmp_path_factory.mktemp(f"rollnode_{method}")
+    rng = random.Random(0)
+    rows = [{"prompt": [{"role": "user", "content": " ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(1, 6)))}],
+             "answer": str(i)} for i in range(40)]
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "rewards.py").write_text(REWARDS)
+    return {"method": method, "bytes": _adapter_bytes(tiny_model_dir, method),
+            "node": _train(tmp, _recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node")),
+            "colocated": _train(tmp, _recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))}
+
+
+def test_the_rollout_rank_generates_what_the_colocated_engine_would(runs):
+    node, colo = runs["node"], runs["colocated"]
+    assert [r["step"] for r in node["steps"]] == list(range(1, STEPS + 1))
+    for a, b in zip(node["steps"], colo["steps"], strict=True):
+        for key in SAME:
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert [s["samples"] for s in node["samples"]] == [s["samples"] for s in colo["samples"]]  # the completions
+    assert [e["eval_reward"] for e in node["evals"]] == [e["eval_reward"] for e in colo["evals"]]  # greedy
+    assert len(node["evals"]) == 3 and node["steps"][-1]["grad_norm"] > 0
+
+
+def test_each_sync_sends_exactly_the_adapters(runs):
+    size = runs["bytes"]
+    rows = runs["node"]["steps"] + runs["node"]["evals"]
+    synced = [r for r in rows if r["rollout/syncs"]]
+    assert all(r["rollout/adapter_bytes"] == r["rollout/syncs"] * size for r in rows), (size, rows)
+    # the baseline eval sends the first adapters; step 1 finds them unchanged; every update is sent once after
+    assert [r["rollout/syncs"] for r in sorted(rows, key=lambda r: (r["step"], "loss" in r))] == \
+        [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert all(r["rollout/sync_s"] >= 0 for r in synced) and size > 0
+    info = json.loads((runs["node"]["run"] / "run.json").read_text())
+    assert info["world_size"] == 1  # the trainer trained as one process
+
+
+def test_colocated_runs_log_no_syncs(runs):
+    assert not any("rollout/syncs" in r for r in runs["colocated"]["steps"])
