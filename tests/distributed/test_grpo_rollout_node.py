@@ -26,7 +26,7 @@ SAME = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", 
         "frac_reward_zero_std", "rewards/low_share/mean")
 
 
-def _recipe(tmp, model_dir, name: str, *, method: str, rollout: str) -> dict:
+def recipe(tmp, model_dir, name: str, *, method: str, rollout: str) -> dict:
     return {
         "name": name, "method": method, "objective": "grpo",
         "grpo": {"num_generations": 4, "max_completion_length": 6, "reward_funcs": ["rewards.py:low_share"],
@@ -43,19 +43,33 @@ def _recipe(tmp, model_dir, name: str, *, method: str, rollout: str) -> dict:
     }
 
 
-def _train(tmp, body: dict) -> dict:
+def write_inputs(tmp):
+    """The prompts and the reward file beside the recipes; returns `tmp`."""
+    rng = random.Random(0)
+    rows = [{"prompt": [{"role": "user", "content": " ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(1, 6)))}],
+             "answer": str(i)} for i in range(40)]
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp / "rewards.py").write_text(REWARDS)
+    return tmp
+
+
+def metrics(run) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {"steps": [r for r in rows if "loss" in r], "evals": [r for r in rows if "eval_reward" in r],
+            "samples": [r for r in rows if "samples" in r], "run": run}
+
+
+def train_here(tmp, body: dict) -> dict:
     recipe = tmp / f"{body['name']}.yaml"
     recipe.write_text(yaml.safe_dump(body))
     run = tmp / "runs" / body["name"]
     proc = subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run)],
                           env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {"steps": [r for r in rows if "loss" in r], "evals": [r for r in rows if "eval_reward" in r],
-            "samples": [r for r in rows if "samples" in r], "run": run, "stdout": proc.stdout + proc.stderr}
+    return metrics(run)
 
 
-def _adapter_bytes(model_dir, method: str) -> int:
+def adapter_bytes(model_dir, method: str) -> int:
     """The adapters' size as the trainer builds them: sum of numel x element size of the trainable tensors."""
     import torch
 
@@ -72,22 +86,19 @@ def _adapter_bytes(model_dir, method: str) -> int:
     return sum(t.numel() * t.element_size() for t in adapter_tensors(model))
 
 
-@pytest.fixture(scope="module", params=["lora"])
+@pytest.fixture(scope="module", params=["lora", "qlora"])
 def runs(request, tmp_path_factory, tiny_model_dir) -> dict:
     method = request.param
-    tmp = tmp_path_factory.mktemp(f"rollnode_{method}")
-    rng = random.Random(0)
-    rows = [{"prompt": [{"role": "user", "content": " ".join(str(rng.randint(1, 99)) for _ in range(rng.randint(1, 6)))}],
-             "answer": str(i)} for i in range(40)]
-    (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp / "rewards.py").write_text(REWARDS)
-    return {"method": method, "bytes": _adapter_bytes(tiny_model_dir, method),
-            "node": _train(tmp, _recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node")),
-            "colocated": _train(tmp, _recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))}
+    if method == "qlora":  # the rollout rank's base in 4 bits, as the trainer's
+        pytest.importorskip("bitsandbytes")
+    tmp = write_inputs(tmp_path_factory.mktemp(f"rollnode_{method}"))
+    return {"method": method, "bytes": adapter_bytes(tiny_model_dir, method),
+            "node": train_here(tmp, recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node")),
+            "colocated": train_here(tmp, recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))}
 
 
-def test_the_rollout_rank_generates_what_the_colocated_engine_would(runs):
-    node, colo = runs["node"], runs["colocated"]
+def assert_same_run(node: dict, colo: dict) -> None:
+    """Step by step the same completions, rewards, losses and greedy held-out rewards."""
     assert [r["step"] for r in node["steps"]] == list(range(1, STEPS + 1))
     for a, b in zip(node["steps"], colo["steps"], strict=True):
         for key in SAME:
@@ -97,15 +108,22 @@ def test_the_rollout_rank_generates_what_the_colocated_engine_would(runs):
     assert len(node["evals"]) == 3 and node["steps"][-1]["grad_norm"] > 0
 
 
-def test_each_sync_sends_exactly_the_adapters(runs):
-    size = runs["bytes"]
-    rows = runs["node"]["steps"] + runs["node"]["evals"]
-    synced = [r for r in rows if r["rollout/syncs"]]
-    assert all(r["rollout/adapter_bytes"] == r["rollout/syncs"] * size for r in rows), (size, rows)
-    # the baseline eval sends the first adapters; step 1 finds them unchanged; every update is sent once after
+def assert_syncs(node: dict, size: int) -> None:
+    """Every sync sent exactly the adapters; the baseline eval sends the first ones, step 1 finds them
+    unchanged, and every update is sent once, before the next rollout or held-out pass."""
+    rows = node["steps"] + node["evals"]
+    assert size > 0 and all(r["rollout/adapter_bytes"] == r["rollout/syncs"] * size for r in rows), (size, rows)
     assert [r["rollout/syncs"] for r in sorted(rows, key=lambda r: (r["step"], "loss" in r))] == \
         [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
-    assert all(r["rollout/sync_s"] >= 0 for r in synced) and size > 0
+    assert all(r["rollout/sync_s"] >= 0 for r in rows)
+
+
+def test_the_rollout_rank_generates_what_the_colocated_engine_would(runs):
+    assert_same_run(runs["node"], runs["colocated"])
+
+
+def test_each_sync_sends_exactly_the_adapters(runs):
+    assert_syncs(runs["node"], runs["bytes"])
     info = json.loads((runs["node"]["run"] / "run.json").read_text())
     assert info["world_size"] == 1  # the trainer trained as one process
 
