@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -21,6 +23,10 @@ STEPS = 4
 REWARDS = """
 def low_share(prompts, completions, completion_ids, **columns):
     return [sum(i < 100 for i in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def boom(prompts, completions, completion_ids, **columns):
+    raise ValueError("no reward today")
 """
 SAME = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", "completions/clipped_ratio",
         "frac_reward_zero_std", "rewards/low_share/mean")
@@ -35,7 +41,7 @@ def recipe(tmp, model_dir, name: str, *, method: str, rollout: str) -> dict:
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         "data": {"sources": [{"path": "prompts.jsonl"}], "max_length": 32, "eval_fraction": 0.2,
                  "cache_dir": str(tmp / "cache" / name)},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 2e-2, "save_every": 0,
+        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 2e-2, "save_every": 2,
                   "eval_every": 2, "device": "cpu", "num_threads": 1},
         "output": {"tensorboard": False},
         "cluster": {"nodes": 1, "gpus_per_node": 2 if rollout == "node" else 1, "device": "cpu"},
@@ -59,14 +65,19 @@ def metrics(run) -> dict:
             "samples": [r for r in rows if "samples" in r], "run": run}
 
 
-def train_here(tmp, body: dict) -> dict:
-    recipe = tmp / f"{body['name']}.yaml"
-    recipe.write_text(yaml.safe_dump(body))
-    run = tmp / "runs" / body["name"]
-    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run)],
+def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProcess:
+    """`homelab-ft train` on `body` written beside the inputs (run directory: runs/<name>, or `run`)."""
+    path = tmp / f"{body['name']}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    run = run or tmp / "runs" / body["name"]
+    return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir", str(run), *extra],
                           env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def train_here(tmp, body: dict) -> dict:
+    proc = _command(tmp, body)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return metrics(run)
+    return metrics(tmp / "runs" / body["name"])
 
 
 def adapter_bytes(model_dir, method: str) -> int:
@@ -92,7 +103,7 @@ def runs(request, tmp_path_factory, tiny_model_dir) -> dict:
     if method == "qlora":  # the rollout rank's base in 4 bits, as the trainer's
         pytest.importorskip("bitsandbytes")
     tmp = write_inputs(tmp_path_factory.mktemp(f"rollnode_{method}"))
-    return {"method": method, "bytes": adapter_bytes(tiny_model_dir, method),
+    return {"method": method, "tmp": tmp, "model_dir": tiny_model_dir, "bytes": adapter_bytes(tiny_model_dir, method),
             "node": train_here(tmp, recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node")),
             "colocated": train_here(tmp, recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))}
 
@@ -130,3 +141,35 @@ def test_each_sync_sends_exactly_the_adapters(runs):
 
 def test_colocated_runs_log_no_syncs(runs):
     assert not any("rollout/syncs" in r for r in runs["colocated"]["steps"])
+
+
+def test_a_failing_trainer_stops_the_rollout_rank(tmp_path, tiny_model_dir):
+    """The trainer's error (a reward function that raises, in the baseline held-out pass) ends the
+    job with its one line and exit 2: the trainer sends stop in a finally, the rollout rank returns,
+    and neither waits out a timeout."""
+    tmp = write_inputs(tmp_path)
+    body = recipe(tmp, tiny_model_dir, "boom", method="lora", rollout="node")
+    body["grpo"]["reward_funcs"] = ["rewards.py:boom"]
+    start = time.monotonic()
+    proc = _command(tmp, body)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "boom" in proc.stderr and "no reward today" in proc.stderr
+    assert time.monotonic() - start < 120
+
+
+def test_a_resumed_node_run_repeats_the_uninterrupted_one(runs, tmp_path):
+    """A crash after step 2, then --resume: the trainer loads its checkpoint alone (the rollout rank
+    holds none), the first rollout sends the resumed adapters, and steps 3-4 repeat the first run's."""
+    if runs["method"] != "lora":
+        pytest.skip("one method is enough for the resume path")
+    run = tmp_path / "resumed"
+    shutil.copytree(runs["node"]["run"], run)
+    shutil.rmtree(run / "checkpoints" / "step_000004")
+    body = recipe(runs["tmp"], runs["model_dir"], "node_lora", method="lora", rollout="node")
+    proc = _command(runs["tmp"], body, "--resume", run=run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    resumed = {r["step"]: r for r in metrics(run)["steps"]}
+    first = {r["step"]: r for r in runs["node"]["steps"]}
+    for step in (3, 4):
+        assert all(resumed[step][key] == first[step][key] for key in SAME), step
+    assert resumed[3]["rollout/syncs"] == 1.0 and resumed[3]["rollout/adapter_bytes"] == runs["bytes"]
