@@ -77,6 +77,33 @@ def grpo_reference(rung: Rung, *, objective: str, beta: float) -> str | None:
     return None
 
 
+ROLLOUT_NODE_PROCESSES = 2
+"""grpo.rollout=node, version 1: one training process and one rollout rank (train/rollout_node.py)."""
+
+
+def rollout_node(rung: Rung, *, objective: str, rollout: str) -> str | None:
+    """`grpo.rollout: node` trains on rank 0 as one process and generates on the last rank, sending
+    only the adapters between them: a job of exactly two processes, adapters, no pipeline, and no
+    FSDP2 (the trainer is one process holding the whole model, which is what the planner prices for
+    a no_shard rank, so the plan's memory stays right for it)."""
+    if objective != "grpo" or rollout != "node":
+        return None
+    if rung.world_size != ROLLOUT_NODE_PROCESSES:
+        return (f"grpo.rollout=node runs one trainer and one rollout rank, but the cluster has {rung.nodes} node(s) x "
+                f"{rung.procs_per_node} process(es); set cluster.nodes=2 and cluster.gpus_per_node=1 (or "
+                "gpus_per_node=2 on one machine), or grpo.rollout=colocated")
+    if not rung.adapters_enabled:
+        return (f"grpo.rollout=node sends only the adapters to the rollout rank; method={rung.method} trains every "
+                "weight: use method: lora or qlora, or grpo.rollout=colocated")
+    if rung.pipeline_enabled:
+        return _not_pipelined(rung, "grpo.rollout=node", "grpo.rollout=colocated")
+    if rung.fsdp_enabled:
+        return (f"grpo.rollout=node trains on one process, which shards nothing: sharding.strategy={rung.strategy} "
+                "does not apply; set sharding.strategy=no_shard (or auto) and sharding.cpu_offload=false, or "
+                "grpo.rollout=colocated")
+    return None
+
+
 def eight_bit_base(rung: Rung) -> str | None:
     """A stage quantizes its blocks with the 4-bit fill of the sharded base (sharded_qlora.py)."""
     if rung.pipeline_enabled and rung.quantized_enabled and rung.quant_bits != 4:
@@ -135,6 +162,7 @@ def refusals(rung: Rung, asked, *, num_blocks: int, moe_experts: bool) -> tuple[
         activation_offload(rung),
         objective(rung, objective=asked.objective),
         grpo_reference(rung, objective=asked.objective, beta=asked.grpo.beta),
+        rollout_node(rung, objective=asked.objective, rollout=asked.grpo.rollout),
         eight_bit_base(rung),
         dora(rung, use_dora=asked.lora.use_dora),
         samples(rung, sample_every=asked.train.sample_every),

@@ -328,7 +328,7 @@ def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
     the manifest last."""
     rank = ranks.rank()
     with _single_process_ok():
-        dcp.save(payload, checkpoint_id=tmp / "state")
+        dcp.save(payload, checkpoint_id=tmp / "state", no_dist=ranks.is_alone())
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     model_state.save_adapter(model, tmp / ADAPTER)
@@ -378,7 +378,7 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str, settings: dict
     flat = model_state.NESTED_KEY not in reader.read_metadata().state_dict_metadata
     target = {"model": model_state.trainable_state(model), "optim": model_state.optimizer_state(model, optimizer, flat=flat)}
     with _single_process_ok(), torch.no_grad():
-        dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"))
+        dcp.load(target, storage_reader=dcp_metadata.SafeFileSystemReader(path / "state"), no_dist=ranks.is_alone())
     set_optimizer_state_dict(model, model_state.optimizers(optimizer), target["optim"],
                              options=StateDictOptions(flatten_optimizer_state_dict=flat))
     rng_file = path / "rng" / f"rank_{ranks.rank()}.pt"

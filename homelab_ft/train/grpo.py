@@ -31,6 +31,7 @@ from homelab_ft.train import grpo_loss, rewards
 from homelab_ft.train.loss import completion_logprobs
 from homelab_ft.train.preference import adapters_off
 from homelab_ft.train.rollout import Colocated, Rollout, seed_for
+from homelab_ft.train.rollout_node import Remote
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class Grpo:
 
     settings: GrpoConfig
     rewards: list[rewards.Reward]
-    engine: Colocated
+    engine: Colocated | Remote
     seed: int
     chunk_tokens: int | str
     batches: list[Batch] = field(default_factory=list)
@@ -127,7 +128,7 @@ class Grpo:
                            for b in batches]
         self.batches, self.drawn_at = batches, step
         self.stats = _rollout_stats(rolled, tables, totals, self.rewards, env=env, generation_s=generation_s,
-                                    num_generations=self.settings.num_generations)
+                                    num_generations=self.settings.num_generations) | self.engine.sync_stats()
         self.shown = [{"prompt": rewards.reward_builtins.text_of(p), "completion": rewards.reward_builtins.text_of(c),
                        "reward": None if math.isnan(r) else r}
                       for p, c, r in zip(rolled[0].prompts, rolled[0].completions, totals[0].tolist(), strict=True)
@@ -234,20 +235,22 @@ def held_out_reward(grpo: Grpo, model, rows, *, env, batch_size: int, max_batche
     if bar is not None:
         bar.close()
     sums = comm.all_reduce_sum_tensor(sums, env).cpu().tolist()
-    out = {"eval_reward": _mean(sums[0], sums[1])}
+    out = {"eval_reward": _mean(sums[0], sums[1]), **grpo.engine.sync_stats()}
     for k, reward in enumerate(funcs):
         out[f"eval_rewards/{reward.label}/mean"] = _mean(sums[2 + 2 * k], sums[3 + 2 * k])
     return out
 
 
-def for_run(recipe, tokenizer, *, env, base_dir) -> Grpo:
+def for_run(recipe, tokenizer, *, env, base_dir, link=None) -> Grpo:
     """The run's GRPO state: its rewards resolved (preflight resolved them already; files are not run
-    twice) and the colocated engine."""
+    twice) and the engine: colocated, or with `link` (grpo.rollout=node) the rollout rank's."""
     from pathlib import Path
 
     settings = recipe.grpo
     funcs = rewards.resolve_rewards(settings.reward_funcs, weights=settings.reward_weights,
                                     recipe_dir=Path(base_dir) if base_dir is not None else Path.cwd())
     engine = Colocated(settings=settings, tokenizer=tokenizer, device=env.device, distributed=env.distributed)
+    if link is not None:
+        engine = Remote(local=engine, link=link)
     return Grpo(settings=settings, rewards=funcs, engine=engine, seed=recipe.train.seed,
                 chunk_tokens=recipe.train.loss_chunk_tokens)

@@ -125,10 +125,23 @@ class Colocated:
         (default the recipe's), sampled at the recipe's temperature and top_p (`greedy`: the most likely
         completion instead, for the held-out reward)."""
         g = self.settings.num_generations if num_generations is None else num_generations
-        pad = self.tokenizer.pad_token_id
-        ids, mask = left_padded([list(r["prompt_ids"]) for r in rows for _ in range(g)], pad_token_id=pad,
-                                device=self.device)
+        ids, mask = self.prompts(rows, g=g)
         ends = end_token_ids(self.tokenizer, model)
+        out = self.generate(model, ids, mask, ends=ends, seed=seed, greedy=greedy)
+        return self.rollout(out, prompt_ids=ids, prompt_mask=mask, ends=ends, rows=rows, g=g)
+
+    def sync_stats(self) -> dict[str, float]:
+        """What the engine sent to generate since last asked: nothing here (rollout_node.Remote sends adapters)."""
+        return {}
+
+    def prompts(self, rows: list[dict], *, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's prompt `g` times, left-padded on this engine's device, and its attention mask."""
+        return left_padded([list(r["prompt_ids"]) for r in rows for _ in range(g)], pad_token_id=self.tokenizer.pad_token_id,
+                           device=self.device)
+
+    def generate(self, model, ids: torch.Tensor, mask: torch.Tensor, *, ends: list[int], seed: int,
+                 greedy: bool) -> torch.Tensor:
+        """`generate`'s output for left-padded prompts: seeded inside a forked RNG (module docstring)."""
         target = _generator(model)
         sampling = {} if greedy else {"temperature": self.settings.temperature, "top_p": self.settings.top_p, "top_k": 0}
         devices = [self.device] if self.device.type == "cuda" else []
@@ -137,10 +150,10 @@ class Colocated:
         with torch.random.fork_rng(devices=devices), preserved(target, device=self.device), root_gathered(target), \
                 torch.no_grad():
             torch.manual_seed(seed)
-            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.settings.max_completion_length,
-                                  min_new_tokens=0, do_sample=not greedy, repetition_penalty=1.0, pad_token_id=pad,
-                                  eos_token_id=ends, use_cache=True, synced_gpus=self.distributed, **sampling)
-        return self.rollout(out, prompt_ids=ids, prompt_mask=mask, ends=ends, rows=rows, g=g)
+            return target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.settings.max_completion_length,
+                                   min_new_tokens=0, do_sample=not greedy, repetition_penalty=1.0,
+                                   pad_token_id=self.tokenizer.pad_token_id, eos_token_id=ends, use_cache=True,
+                                   synced_gpus=self.distributed, **sampling)
 
     def rollout(self, out: torch.Tensor, *, prompt_ids, prompt_mask, ends: list[int], rows: list[dict],
                 g: int) -> Rollout:

@@ -45,6 +45,7 @@ from homelab_ft.train import (
     optim,
     preference,
     preflight,
+    rollout_node,
     samples,
     steps,
     stopping,
@@ -89,6 +90,9 @@ def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
     with stopping.StopRequest(announce=env.is_main):
         try:
+            if rollout_node.enabled(recipe):
+                return _with_rollout_node(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir,
+                                          resume_command=resume_command)
             return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir,
                           resume_command=resume_command)
         except RuntimeError:
@@ -100,6 +104,21 @@ def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
         finally:
             runlock.release(recipe.run_dir)
             comm.teardown(env)
+
+
+def _with_rollout_node(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None,
+                       inputs: preflight.Inputs | None, base_dir: Path | None, resume_command: str | None) -> TrainResult:
+    """grpo.rollout=node (rollout_node.run): the last rank serves rollouts; rank 0 trains as one process."""
+    if inputs is None:
+        inputs = preflight.check_inputs(recipe, rung=rung, facts=ModelFacts.from_dict(plan["facts"]),
+                                        device_type=env.device.type)
+
+    def alone(one_env: DistEnv, one_rung: Rung, link) -> TrainResult:
+        return _train(recipe, env=one_env, rung=one_rung, plan=plan, inputs=inputs, base_dir=base_dir,
+                      resume_command=resume_command, link=link)
+
+    result = rollout_node.run(recipe, env=env, rung=rung, inputs=inputs, train=alone)
+    return result or TrainResult(run_dir=recipe.run_dir, step=0, losses=[], eval_loss=None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,8 +153,8 @@ class Session:
 
 
 def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
-           base_dir: Path | None, resume_command: str | None = None) -> TrainResult:
-    s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir)
+           base_dir: Path | None, resume_command: str | None = None, link=None) -> TrainResult:
+    s = _setup(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir, link=link)
     cfg = recipe.train
     losses: list[float] = []
     eval_loss = eval_reward = None
@@ -475,8 +494,9 @@ def _clip(s: Session) -> float:
 
 
 def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs: preflight.Inputs | None,
-           base_dir: Path | None) -> Session:
-    """Check inputs, make the run directory, build model, optimizer and data order; resume."""
+           base_dir: Path | None, link=None) -> Session:
+    """Check inputs, make the run directory, build model, optimizer and data order; resume. `link`:
+    grpo.rollout=node's line to the rollout rank (rollout_node.py), for the GRPO engine."""
     cfg = recipe.train
     _prepare_process(env, rung=rung, num_threads=cfg.num_threads)
     # Every input is checked before the run directory is touched: a typo never costs a run. (The
@@ -535,7 +555,8 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
              rung.method, rung.strategy, f"{trainable:,}", f"{total:,}", env.world_size, env.device.type,
              len(data.train), start + 1, max_steps,
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
-    rollouts = grpo.for_run(recipe, tokenizer, env=env, base_dir=base_dir) if recipe.objective == "grpo" else None
+    rollouts = (grpo.for_run(recipe, tokenizer, env=env, base_dir=base_dir, link=link)
+                if recipe.objective == "grpo" else None)
     return Session(recipe=recipe, rung=rung, env=env, model=model, pipeline=pipe, optimizer=optimizer,
                    scheduler=scheduler, data=data, sampler=sampler, pad_token_id=tokenizer.pad_token_id,
                    samples=sampled, logger=logger, fingerprint=fingerprint, built_from=settings, data_fingerprint=data_print,

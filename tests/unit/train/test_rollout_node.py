@@ -1,0 +1,122 @@
+"""grpo.rollout=node without a process group: the refusals (one rule, asked by the planner and the
+trainer), the adapter buffers' round trip, and the trainer engine's syncs (only when the adapters
+changed, exactly their bytes) over a stand-in link."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from homelab_ft.distributed.rollout_link import empty_like_flat, flatten, unflatten_into
+from homelab_ft.errors import UserError
+from homelab_ft.plan.inputs import Cluster
+from homelab_ft.plan.planner import default_request, plan
+from homelab_ft.plan.price.memory import GiB
+from homelab_ft.plan.shape.shapes import model_shape
+from homelab_ft.recipe.config import GrpoConfig, recipe_from_dict
+from homelab_ft.rules import refusals
+from homelab_ft.rung import Rung, RungError
+from homelab_ft.train import rollout_node
+from homelab_ft.train.rollout import Colocated
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+GRPO = {"objective": "grpo", "grpo": {"reward_funcs": ["exact_answer"], "rollout": "node"}}
+
+
+def _rule(rung: Rung) -> str | None:
+    return refusals.rollout_node(rung, objective="grpo", rollout="node")
+
+
+def test_the_rule_refuses_each_layout_in_one_line():
+    assert _rule(Rung("lora", "no_shard", False, procs_per_node=2)) is None
+    assert _rule(Rung("qlora", "no_shard", False, nodes=2)) is None
+    assert "cluster.nodes=2 and cluster.gpus_per_node=1" in _rule(Rung("lora", "no_shard", False))
+    assert "cluster.nodes=2" in _rule(Rung("lora", "no_shard", False, procs_per_node=4))
+    assert "method=full trains every weight" in _rule(Rung("full", "no_shard", False, procs_per_node=2))
+    assert "grpo.rollout=node is not run pipelined yet" in _rule(
+        Rung("lora", "no_shard", False, procs_per_node=2, pipeline_stages=2))
+    assert "sharding.strategy=full_shard does not apply" in _rule(Rung("lora", "full_shard", False, procs_per_node=2))
+    for why in (refusals.rollout_node(Rung("full", "no_shard", False), objective="grpo", rollout="colocated"),
+                refusals.rollout_node(Rung("full", "no_shard", False), objective="sft", rollout="node")):
+        assert why is None
+    assert all("\n" not in _rule(r) for r in (Rung("lora", "no_shard", False), Rung("full", "no_shard", False, nodes=2)))
+
+
+def test_the_trainer_asks_the_same_rule():
+    recipe = recipe_from_dict({**GRPO, "method": "full", "cluster": {"gpus_per_node": 2}})
+    with pytest.raises(RungError, match="method=full trains every weight"):
+        rollout_node.check(recipe, rung=Rung("full", "no_shard", False, procs_per_node=2))
+
+
+def test_the_planner_offers_only_what_the_rule_allows():
+    shape = model_shape(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
+    two = Cluster(device="cuda", nodes=2, gpus_per_node=1, device_bytes=16 * GiB, host_ram_bytes=64 * GiB,
+                  inter_link_gbit=1.0, tflops=40.0)
+    got = plan(shape, request=default_request(method="lora", **GRPO), cluster=two)
+    assert got.chosen.rung.strategy == "no_shard" and not got.chosen.rung.pipeline_enabled
+    assert any("grpo.rollout=node" in r.reason for r in got.refused)
+    one = Cluster(device="cuda", nodes=1, gpus_per_node=1, device_bytes=16 * GiB, host_ram_bytes=64 * GiB)
+    with pytest.raises(UserError, match="grpo.rollout=node runs one trainer and one rollout rank"):
+        plan(shape, request=default_request(method="lora", **GRPO), cluster=one)
+
+
+def test_a_misspelt_engine_is_one_line():
+    with pytest.raises(UserError, match="grpo.rollout"):
+        recipe_from_dict({"objective": "grpo", "grpo": {"reward_funcs": ["exact_answer"], "rollout": "remote"}})
+
+
+def test_adapter_buffers_round_trip_one_per_dtype():
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g).bfloat16(), torch.randn(2, 2, generator=g),
+               torch.randn(3, 1, generator=g).bfloat16()]
+    buffers = flatten(tensors)
+    assert [(b.dtype, b.numel()) for b in buffers] == [(torch.float32, 16), (torch.bfloat16, 8)]
+    received = empty_like_flat(tensors, device=torch.device("cpu"))
+    assert [(b.dtype, b.numel()) for b in received] == [(b.dtype, b.numel()) for b in buffers]
+    for dst, src in zip(received, buffers, strict=True):
+        dst.copy_(src)
+    copies = [torch.zeros_like(t) for t in tensors]
+    unflatten_into(copies, received)
+    assert all(torch.equal(a, b) for a, b in zip(copies, tensors, strict=True))
+
+
+class _Link:
+    """Stands in for rollout_link.Link: records what was sent, answers with the prompts and one end token."""
+
+    def __init__(self):
+        self.sent: list[list[torch.Tensor] | None] = []
+
+    def request(self, ids, mask, *, seed, greedy, adapters):
+        self.sent.append(adapters)
+        return torch.cat([ids, torch.full((ids.size(0), 1), 2)], dim=1), 0.001 if adapters is not None else 0.0
+
+
+class _Tokenizer:
+    pad_token_id, eos_token_id = 0, 2
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(map(str, i)) for i in ids]
+
+
+def test_remote_sends_the_adapters_only_when_they_changed():
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)  # a frozen base weight is never sent
+    local = Colocated(settings=GrpoConfig(num_generations=2), tokenizer=_Tokenizer(), device=torch.device("cpu"),
+                      distributed=False)
+    link = _Link()
+    remote = rollout_node.Remote(local=local, link=link)
+    rows = [{"prompt": json.dumps(p), "columns": "{}", "prompt_ids": ids} for p, ids in (("a", [5, 6]), ("b", [7]))]
+    first = remote.sample(model, rows, seed=1)
+    assert first.num_completions == 4 and first.completion_ids == [[2]] * 4
+    remote.sample(model, rows, seed=2, greedy=True, num_generations=1)
+    assert remote.sync_stats() == {"rollout/adapter_bytes": 24.0, "rollout/syncs": 1.0, "rollout/sync_s": 0.001}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    remote.sample(model, rows, seed=3)
+    assert [s is not None for s in link.sent] == [True, False, True]
+    assert torch.equal(link.sent[-1][0], model.weight.reshape(-1))
+    assert remote.sync_stats()["rollout/adapter_bytes"] == model.weight.numel() * model.weight.element_size()
+    assert remote.sync_stats()["rollout/syncs"] == 0.0
