@@ -61,14 +61,19 @@ def cluster_file_name(args) -> str | None:
     return args.cluster.name if args.cluster else None
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} generates nothing; give a number of tokens >= 1")
-    return value
+def positive_int(*, below_one: str = "is below 1; give a whole number >= 1"):
+    """An argparse type: a whole number >= 1; `below_one` says what a smaller one would mean."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one >= 1") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{value} {below_one}")
+        return value
+
+    return parse
 
 
 def _float_in(low: float, high: float, *, low_open: bool, what: str):
@@ -95,7 +100,7 @@ def sampling(p: argparse.ArgumentParser, *, prompt_required: bool) -> None:
     conversation = "one reply to this prompt, then exit (default: a conversation on stdin, one line per turn; /exit or EOF ends it)"
     p.add_argument("--prompt", required=prompt_required, type=_prompt, help=None if prompt_required else conversation)
     p.add_argument("--system", help="system prompt" + ("" if prompt_required else " (default: the run's data.system_prompt)"))
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128, metavar="N", help="at most N tokens (>= 1)")
+    p.add_argument("--max-new-tokens", type=positive_int(below_one="generates nothing; give a number of tokens >= 1"), default=128, metavar="N", help="at most N tokens (>= 1)")
     p.add_argument("--temperature", type=_float_in(0.0, 100.0, low_open=False, what="give 0 (greedy) to 100"),
                    default=0.0, help="0: greedy (the default); > 0 samples")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True, what="give a probability in (0, 1]"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from homelab_ft.cli.args import positive_int
 from homelab_ft.errors import UserError
 
 DEFAULT_TASKS = ("homelab_demo_json",)
@@ -17,26 +18,14 @@ def add_eval(sub) -> None:
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
                    help="comma-separated: shipped (homelab_demo_json, homelab_demo_sums) or lm-eval tasks whose data "
                         f"is cached (default: {','.join(DEFAULT_TASKS)})")
-    p.add_argument("--limit", type=_positive, default=None, help="at most N examples per task")
-    p.add_argument("--batch-size", type=_positive, default=8, help="examples per forward (default 8)")
+    p.add_argument("--limit", type=positive_int(), default=None, help="at most N examples per task")
+    p.add_argument("--batch-size", type=positive_int(), default=8, help="examples per forward (default 8)")
     p.add_argument("--baseline", action="store_true",
                    help="a run only: also score its base model and print before -> after")
     p.add_argument("--out", type=Path, default=None,
                    help="write <task>.json here (default: a run's eval/ folder; a model folder's scores are only printed)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model's own Python code")
     p.set_defaults(func=cmd_eval)
-
-
-def _positive(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1")
-    return value
 
 
 def cmd_eval(args) -> int:
