@@ -127,13 +127,29 @@ def grpo_lines(p: Plan) -> list[str]:
     m, g, x = o.memory, r.grpo, o.rollout
     binds = "generation" if m.generation_peak > m.training_peak else "training"
     scoring = (f" + {x.old_logprob_s:.1f} s old log-probs" if x.old_logprob_s else "") \
-        + (f" + {x.reference_s:.1f} s reference" if x.reference_s else "")
+        + (f" + {x.reference_s:.1f} s reference" if x.reference_s else "") \
+        + (f" + {x.sync_s:.2f} s adapter sync" if x.node else "")
+    where = ("on the rollout node, the adapters sent each sync "
+             f"({x.adapter_bytes / 2**20:.1f} MiB, ~{x.sync_s:.2f} s on the {p.cluster.inter_link_name} link)"
+             if x.node else "on the training device")
     return [f"grpo     G={g.num_generations} x {r.train.micro_batch_size} prompt(s) per micro-batch, completions <= "
-            f"{g.max_completion_length} tokens: rollout KV cache {gib_text(x.kv_cache_bytes)} GiB; peak "
+            f"{g.max_completion_length} tokens, generated {where}: rollout KV cache {gib_text(x.kv_cache_bytes)} GiB; peak "
             f"{gib_text(m.generation_peak)} GiB generating vs {gib_text(m.training_peak)} GiB training ({binds} binds); "
             f"~{x.generation_s:.1f} s generation{scoring} + ~{o.training_s:.1f} s training per step "
             f"(a batch sampled every {g.num_iterations} step{'s' * (g.num_iterations != 1)}; a decode step "
-            f"{x.decode_step_s * 1000:.0f} ms, bound by {_bound_text(x.decode_bound, p.cluster)})"]
+            f"{x.decode_step_s * 1000:.0f} ms, bound by {_bound_text(x.decode_bound, p.cluster)})"] + _node_line(p)
+
+
+def _node_line(p: Plan) -> list[str]:
+    """What a rollout node is and costs, as far as version 1 goes (train/rollout_node.py: synchronous)."""
+    x, c = p.chosen.rollout, p.cluster
+    if x.node:
+        return ["         the rollout node generates while the trainer waits (version 1: no overlap yet), so the "
+                "step is generation + sync + training; what it buys is the trainer's GPU free of generation"]
+    if c.nodes == 2 and c.gpus_per_node == 1 and p.request.method in ("auto", "lora", "qlora"):
+        return ["         a second machine can generate instead: grpo.rollout=node (only the adapters cross the link; "
+                "`homelab-ft plan ... grpo.rollout=node` prices it)"]
+    return []
 
 
 def _bound_text(bound: str, c: Cluster) -> str:

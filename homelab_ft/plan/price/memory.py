@@ -30,6 +30,7 @@ from homelab_ft.plan.price.host_ram import (
 )
 from homelab_ft.plan.price.network import (
     OFFLOAD_BYTES_PER_S,
+    Communication,
     communication,
     compute_s,
     offload_s,
@@ -288,9 +289,12 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     if shards == 1 and not cpu_offload:
         host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, rung=rung, request=request, cluster=cluster))
     compute = compute_s(shape, rung=rung, request=request, cluster=cluster)
-    comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
-                         root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
-                         sync_deferred=sync_deferred(shape, rung=rung, trainable=sizes.trainable))
+    if request.rollout_node:  # rank 0 trains as one process: no gradient collectives (the adapters' sync is the rollout's)
+        comm = Communication(sent_bytes=0, gathers_s=0.0, grads_s=0.0, backward_window=0.0, exposed_s=0.0)
+    else:
+        comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
+                             root_bytes=shape.root_params * sizes.act_bytes, grad_bytes=sizes.state_bytes,
+                             sync_deferred=sync_deferred(shape, rung=rung, trainable=sizes.trainable))
     offload = offload_s(sizes.base_bytes / shards, sizes.trainable / shards, sizes.w_bytes, request) if cpu_offload else 0.0
     return Estimate(
         method=rung.method, strategy=rung.strategy, cpu_offload=cpu_offload, memory=device, host_bytes=host,
@@ -302,7 +306,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         prepass_s_per_pair=prepass_s_per_pair(shape, rung, request, cluster), spilled_bytes=0,
         bubble_s=0.0, stages=(),
         rollout=rollout(shape, rung=rung, request=request, cluster=cluster, act_bytes=sizes.act_bytes,
-                        base_bytes=sizes.base_bytes),
+                        base_bytes=sizes.base_bytes,
+                        adapter_bytes=sizes.trainable * sizes.state_bytes if rung.adapters_enabled else 0),
     )
 
 
@@ -351,6 +356,8 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # GRPO generates each micro-batch's rollouts between the previous one's backward and its own
     # forward: the earlier micro-batches' gradients are summed by then
     resident = held["weights"] + held["optimizer"] + held["gathered"] + held["gradients"] * (request.train.grad_accum_steps > 1)
+    if request.rollout_node:  # the rollout node's GPU: the base and the adapters, nothing of training's
+        resident = held["weights"]
     device = Memory(
         **held,
         activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0),

@@ -18,6 +18,13 @@ Memory: generation's peak (`generation_bytes`) is what stays resident between th
 optimizer state, accumulated gradients, FSDP's gathered units) plus the KV cache of the rows at
 full length and the larger of the prefill's block intermediates and a decode step's logits;
 memory.Memory.total is the larger of it and training's peak, and the plan shows both.
+
+With `grpo.rollout: node` (train/rollout_node.py, version 1: synchronous) the generation runs on the
+rollout node's GPU, which holds the base and the adapters only (no optimizer state, no gradients):
+its peak is that plus the KV cache and transients, and the trainer's is training's alone; both are
+checked against the smaller GPU (Cluster.device_bytes). The step adds the adapters' sync over the
+link between the nodes, once per sampled batch, and the trainer runs no gradient all-reduce (it is
+one process).
 """
 
 from __future__ import annotations
@@ -63,10 +70,16 @@ class Rollout:
     """One decode step over the micro-batch's rows."""
     decode_bound: str
     """What sets `decode_step_s`: `memory` (the bytes read), `compute` (the FLOPs) or `host` (launching the ops)."""
+    node: bool = False
+    """Generated on the rollout node (grpo.rollout: node), not on the training GPU."""
+    adapter_bytes: int = 0
+    """The adapters sent to the rollout node per sync (node only)."""
+    sync_s: float = 0.0
+    """Their trip over the link between the nodes, per optimizer step (node only)."""
 
     @property
     def seconds(self) -> float:
-        return self.generation_s + self.old_logprob_s + self.reference_s
+        return self.generation_s + self.old_logprob_s + self.reference_s + self.sync_s
 
 
 def kv_cache_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
@@ -104,9 +117,10 @@ def generation_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, act
 
 
 def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster, act_bytes: int,
-            base_bytes: int) -> Rollout | None:
+            base_bytes: int, adapter_bytes: int = 0) -> Rollout | None:
     """The rollout's bytes and seconds per optimizer step (module docstring); None without GRPO.
-    `base_bytes`: the whole model's weights, adapters included (memory._Sizes.base_bytes).
+    `base_bytes`: the whole model's weights, adapters included (memory._Sizes.base_bytes);
+    `adapter_bytes`: the trainable adapters' bytes, what a rollout node receives per sync.
 
     Prefill and the no-grad forwards are compute-bound: 2 FLOPs per matmul parameter and token
     (network.compute_s's forward), QLoRA's dequantizing at QLORA_SLOWDOWN. A decode step over the
@@ -139,13 +153,21 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
     prefill_s = 2 * params * rows * prompt / flops_per_s * slowdown
     per_micro_batch = prefill_s + new * decode_s + fetches * fetch_s
     scoring_s = 2 * params * request.micro_batch_tokens / flops_per_s * slowdown + fetch_s
+    node = request.rollout_node
     return Rollout(
         kv_cache_bytes=kv_cache_bytes(shape, request, act_bytes),
         generation_s=accum * per_micro_batch / grpo.num_iterations,
         old_logprob_s=accum * scoring_s / grpo.num_iterations if grpo.num_iterations > 1 else 0.0,
         reference_s=accum * scoring_s if grpo.beta > 0 else 0.0,
-        decode_step_s=decode_s, decode_bound=bound,
+        decode_step_s=decode_s, decode_bound=bound, node=node, adapter_bytes=adapter_bytes if node else 0,
+        sync_s=adapter_sync_s(adapter_bytes, cluster) / grpo.num_iterations if node else 0.0,
     )
+
+
+def adapter_sync_s(adapter_bytes: int, cluster: Cluster) -> float:
+    """One broadcast of the adapters to the rollout node: their bytes over the link between the
+    nodes (its collective bandwidth), plus a round trip's latency for the request that carries them."""
+    return adapter_bytes / cluster.inter_bytes_per_s + 4 * cluster.inter_hop_s
 
 
 def weight_fetch_s(*, rung: Rung, cluster: Cluster, base_bytes: int) -> float:

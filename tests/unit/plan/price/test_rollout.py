@@ -214,3 +214,30 @@ def test_the_cluster_carries_the_memory_bandwidth(gpu_name, device, bandwidth):
     detected = Detected(gpu_count=0, gpu_name=None, vram_bytes=None, host_ram_bytes=64 * GiB, cpu_cores=4)
     c = resolve_cluster(cfg, detected=detected)
     assert c.memory_bandwidth == bandwidth == c.memory_bytes_per_s
+
+
+TWO_NODES = dataclasses.replace(ONE_GPU, nodes=2, inter_link_gbit=1.0)
+
+
+def test_a_rollout_node_moves_generation_off_the_trainer_and_adds_the_adapters_sync():
+    """grpo.rollout=node (version 1, synchronous): the trainer is one process (no gradient
+    collectives), the rollout node's GPU holds the base and adapters only (no optimizer state), and
+    the step adds the adapters' bytes over the 1 GbE link, once per sampled batch."""
+    shape = _shape("qwen3-8b")
+    colocated = priced(shape, grpo(method="lora"), TWO_NODES)
+    node = priced(shape, grpo(method="lora", rollout="node"), TWO_NODES)
+    x = node.rollout
+    adapter = node.trainable_params * 4  # fp32 adapters
+    assert x.node and x.adapter_bytes == adapter
+    assert x.sync_s == pytest.approx(adapter / TWO_NODES.inter_bytes_per_s + 4 * TWO_NODES.inter_hop_s)
+    assert node.comm_s == 0 and colocated.comm_s > 0
+    assert node.memory.generation_peak == colocated.memory.generation_peak - colocated.memory.optimizer
+    assert node.memory.training_peak == colocated.memory.training_peak
+    assert x.generation_s == colocated.rollout.generation_s
+    assert node.step_s == pytest.approx(node.training_s + x.seconds)
+    # one sync per sampled batch: num_iterations spreads it as it does the generation
+    twice = priced(shape, grpo(method="lora", rollout="node", num_iterations=2), TWO_NODES)
+    assert twice.rollout.sync_s == pytest.approx(x.sync_s / 2)
+    text = format_plan(plan(shape, request=grpo(method="lora", rollout="node"), cluster=TWO_NODES))
+    assert "generated on the rollout node" in text and "adapter sync" in text and "no overlap yet" in text
+    assert "a second machine can generate instead: grpo.rollout=node" in format_plan(plan(shape, request=grpo(method="lora"), cluster=TWO_NODES))
