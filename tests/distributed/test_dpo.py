@@ -17,17 +17,19 @@ import pytest
 from procs import run_checked, write_pair_data
 
 WORKER = Path(__file__).with_name("worker.py")
+REFERENCE_FREE = (("orpo", "lora", "no_shard"), ("simpo", "full", "full_shard"))
+"""(dpo.loss, method, strategy) of the reference-free runs compared with one process."""
 TOL = 1e-5
 STEPS = 4
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, strategy: str = "no_shard",
-            train: dict | None = None, cache: str | None = None) -> dict:
+            train: dict | None = None, cache: str | None = None, loss: str = "sigmoid") -> dict:
     return {
         "name": name,
         "method": method,
         "objective": "dpo",
-        "dpo": {"beta": 0.5, "sft_weight": 0.1},
+        "dpo": {"beta": 0.5, "sft_weight": 0.1, "loss": loss},
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         # 6 pairs held out: every run evaluates at its last step, right before its checkpoint
@@ -51,6 +53,10 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
         "lora_fsdp": _recipe(tmp, tiny_model_dir, "lora_fsdp", procs=2, method="lora", strategy="full_shard"),
         "full_fsdp": _recipe(tmp, tiny_model_dir, "full_fsdp", procs=2, method="full", strategy="full_shard"),
     }
+    # the reference-free losses: ORPO under DDP LoRA, SimPO under FSDP2 full
+    for loss, method, strategy in REFERENCE_FREE:
+        two[f"{method}_{loss}"] = _recipe(tmp, tiny_model_dir, f"{method}_{loss}", procs=2, method=method,
+                                          strategy=strategy, loss=loss)
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
     for name in ("lora_ddp", "full_fsdp"):
         jobs.append({"kind": "train", "name": f"{name}_resume",
@@ -64,6 +70,9 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     out = json.loads((tmp / "two.out.json").read_text())
     one = [{"kind": "train", "name": f"ref_{m}", "recipe": _recipe(tmp, tiny_model_dir, f"ref_{m}", procs=1, method=m)}
            for m in ("lora", "full")]
+    one += [{"kind": "train", "name": f"ref_{m}_{loss}",
+             "recipe": _recipe(tmp, tiny_model_dir, f"ref_{m}_{loss}", procs=1, method=m, loss=loss)}
+            for loss, m, _ in REFERENCE_FREE]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
     run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
@@ -104,3 +113,12 @@ def test_eval_over_ranks_matches_one_process(results, name, ref):
 @pytest.mark.parametrize("name", ["lora_ddp", "full_fsdp"])
 def test_resume_at_step_2_gives_the_same_losses(results, name):
     assert _max_diff(results[f"{name}_resume"]["losses"], results[name]["losses"][2:]) <= TOL
+
+
+@pytest.mark.parametrize(("loss", "method"), [(loss, method) for loss, method, _ in REFERENCE_FREE])
+def test_reference_free_losses_match_one_process(results, loss, method):
+    """ORPO (DDP LoRA) and SimPO (FSDP2 full) over 2 ranks train as one process, held-out loss included."""
+    ref = results[f"ref_{method}_{loss}"]
+    assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
+    assert _max_diff(results[f"{method}_{loss}"]["losses"], ref["losses"]) <= TOL
+    assert abs(results[f"{method}_{loss}"]["eval_loss"] - ref["eval_loss"]) <= TOL

@@ -154,3 +154,15 @@ def test_reference_free_losses_learn_the_preference_without_a_reference(tmp_path
         rows = procs.step_rows(run)
         assert rows[6]["reward_margin"] > rows[1]["reward_margin"] and rows[6]["loss"] < rows[1]["loss"], (method, rows)
     assert not list((tmp_path / "cache").glob("reference-*"))
+    # a crash after step 3, then resume: the same losses (LoRA's run saved at 3 and 6)
+    run = tmp_path / "resumed"
+    common = [f"dpo.loss={loss}", f"dpo.beta={beta}", "output.tensorboard=false", "train.save_every=3"]
+    assert main(["train", str(recipe), "--run-dir", str(run), *common]) == 0
+    import shutil
+
+    whole = procs.step_rows(run)
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", *common]) == 0
+    again = procs.step_rows(run)
+    for step in (4, 5, 6):
+        assert again[step]["loss"] == pytest.approx(whole[step]["loss"], abs=1e-6), step
