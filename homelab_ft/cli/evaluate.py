@@ -29,29 +29,42 @@ def add_eval(sub) -> None:
 
 
 def cmd_eval(args) -> int:
-    from homelab_ft.harness import run
-
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not names:
         raise UserError("--tasks names no task; e.g. --tasks homelab_demo_json")
-    target = Path(args.target)
+    return score(Path(args.target), names, limit=args.limit, batch_size=args.batch_size, baseline=args.baseline,
+                 out=args.out, trust_remote_code=args.trust_remote_code)
+
+
+def after_training(recipe) -> None:
+    """The recipe's `eval` section, scored on the finished run (what `homelab-ft eval RUN` does)."""
+    if recipe.eval.tasks:
+        score(recipe.run_dir, list(recipe.eval.tasks), limit=recipe.eval.limit, batch_size=8,
+              baseline=recipe.eval.baseline, out=None, trust_remote_code=recipe.model.trust_remote_code)
+
+
+def score(target: Path, names: list[str], *, limit: int | None, batch_size: int, baseline: bool, out: Path | None,
+          trust_remote_code: bool, manager=None) -> int:
+    """Score `names` on a run or a model folder, print the table, write a run's (or `out`'s) files."""
+    from homelab_ft.harness import run
+
     is_run = (target / "run.json").is_file()
-    if args.baseline and not is_run:
+    if baseline and not is_run:
         raise UserError(f"--baseline scores a run's base model beside the run; {target} is not a run directory")
-    manager = run.check_tasks(names)
-    model, tokenizer, device, base_dir = _load(target, is_run=is_run, trust_remote_code=args.trust_remote_code)
-    kwargs = dict(manager=manager, limit=args.limit, batch_size=args.batch_size)
+    manager = manager or run.check_tasks(names)
+    model, tokenizer, device, base_dir = _load(target, is_run=is_run, trust_remote_code=trust_remote_code)
+    kwargs = dict(manager=manager, limit=limit, batch_size=batch_size)
     scores = run.evaluate(model, tokenizer, names, device=device, **kwargs)
     before = None
-    if args.baseline:
+    if baseline:
         del model
-        base, base_tok, device, _ = _load(base_dir, is_run=False, trust_remote_code=args.trust_remote_code)
+        base, base_tok, device, _ = _load(base_dir, is_run=False, trust_remote_code=trust_remote_code)
         before = run.evaluate(base, base_tok, names, device=device, **kwargs)
     for line in run.table(scores, before):
         print(line)
-    out = args.out or (target / "eval" if is_run else None)
+    out = out or (target / "eval" if is_run else None)
     if out is not None:
-        about = {"target": str(target), "limit": args.limit, **({"baseline": before} if before else {})}
+        about = {"target": str(target), "limit": limit, **({"baseline": before} if before else {})}
         for path in run.write(scores, out, about=about):
             print(f"wrote {path}")
     return 0

@@ -117,6 +117,10 @@ def cmd_train(args) -> int:
     recipe = load_recipe(args.recipe, overrides)
     base_dir = args.recipe.resolve().parent
     received = handoffs.received()
+    if recipe.eval.tasks and received is None and not handoffs.under_torchrun():
+        from homelab_ft.harness import run as harness
+
+        harness.check_tasks(list(recipe.eval.tasks))  # an unknown task stops the run before it starts
     again = resume_command(args, run_dir=recipe.run_dir, nodes=received.rung.nodes if received else 1)
     if received is not None:
         log.info("received the launching machine's rung (%s) and checked inputs; not planning, probing the "
@@ -135,9 +139,15 @@ def cmd_train(args) -> int:
         # Rows are checked (and the tokenised cache filled) here, so a bad row stops the run before
         # any worker starts.
         preflight.check_data(recipe, inputs, base_dir=base_dir)
-        return launch.run_workers(recipe, str(args.recipe), overrides + common.verbosity_flags(args), handoff=handoff)
-    trainer.train(recipe, plan=handoff.plan, rung=rung, inputs=inputs, base_dir=base_dir, resume_command=again)
-    return 0
+        code = launch.run_workers(recipe, str(args.recipe), overrides + common.verbosity_flags(args), handoff=handoff)
+    else:
+        trainer.train(recipe, plan=handoff.plan, rung=rung, inputs=inputs, base_dir=base_dir, resume_command=again)
+        code = 0
+    if code == 0:
+        from homelab_ft.cli.evaluate import after_training
+
+        after_training(recipe)  # the recipe's eval.tasks on the finished run
+    return code
 
 
 def _check_this_machine(recipe, *, plan, rung) -> None:

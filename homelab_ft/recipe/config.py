@@ -269,6 +269,20 @@ class TrainConfig:
 
 
 @dataclass(frozen=True, config=_STRICT)
+class EvalConfig:
+    """lm-evaluation-harness after the run (`homelab-ft eval`, README): scored on the
+    newest checkpoint once training ends, written to RUN/eval/<task>.json."""
+
+    tasks: tuple[str, ...] = ()
+    """Tasks to score after training: shipped (`homelab_demo_json`, `homelab_demo_sums`) or lm-eval's
+    own whose data is in the local datasets cache; checked before the run starts. Empty: none."""
+    limit: PositiveInt | None = None
+    """At most this many examples per task."""
+    baseline: bool = False
+    """Also score the base model, for a before -> after table."""
+
+
+@dataclass(frozen=True, config=_STRICT)
 class OutputConfig:
     dir: str | None = None
     """Run directory; default `runs/<recipe name>`."""
@@ -470,6 +484,7 @@ class Recipe:
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     sharding: ShardingConfig = Field(default_factory=ShardingConfig)
     planner: PlannerConfig = Field(default_factory=PlannerConfig)

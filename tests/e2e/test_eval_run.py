@@ -51,3 +51,16 @@ def test_what_eval_refuses_is_one_line(tiny_model_dir, capsys, argv, message):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("homelab-ft:")]
     assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+
+
+def test_the_recipes_eval_tasks_run_after_training_and_a_bad_one_before(tmp_path, tiny_model_dir, capsys):
+    procs.write_chat_data(tmp_path / "train.jsonl", 8)
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=tmp_path / "train.jsonl", train={"max_steps": 1},
+        eval={"tasks": ["homelab_demo_sums"], "limit": 2}))
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]) == 0
+    assert json.loads((tmp_path / "run" / "eval" / "homelab_demo_sums.json").read_text())["limit"] == 2
+    capsys.readouterr()
+    code = main(["train", str(recipe), "--run-dir", str(tmp_path / "other"), "eval.tasks=[homelab_demo_sumz]"])
+    assert code == 2 and "no task 'homelab_demo_sumz'" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
