@@ -72,12 +72,9 @@ def checked_tokenizer(recipe: Recipe):
 
 def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool) -> str:
     r = prepared.report
-    out = [f"{'source':<40} {'format':<18} {'rows':>8} {'skipped':>8} {'samples':>8}"]
-    for label, sources in (("train", r.sources), ("eval", r.eval_sources)):
-        for s in sources:
-            out.append(f"{label + ': ' + s.name:<40} {s.format:<18} {s.num_rows_read:>8} {s.num_rows_skipped:>8} {s.num_samples:>8}")
-            if s.first_error:
-                out.append(f"  first skipped row: {s.first_error}")
+    out = _source_lines(r)
+    if r.prompts:
+        return "\n".join(out + _prompt_lines(prepared, tokenizer))
     share = r.num_trained_tokens / max(r.num_train_tokens, 1)
     unit = "pairs" if r.pairs else "samples"
     out += [
@@ -99,6 +96,41 @@ def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool)
         *render_first(prepared.train[0], tokenizer, color=color),
     ]
     return "\n".join(out)
+
+
+def _source_lines(r: DataReport) -> list[str]:
+    out = [f"{'source':<40} {'format':<18} {'rows':>8} {'skipped':>8} {'samples':>8}"]
+    for label, sources in (("train", r.sources), ("eval", r.eval_sources)):
+        for s in sources:
+            out.append(f"{label + ': ' + s.name:<40} {s.format:<18} {s.num_rows_read:>8} {s.num_rows_skipped:>8} {s.num_samples:>8}")
+            if s.first_error:
+                out.append(f"  first skipped row: {s.first_error}")
+    return out
+
+
+def _prompt_lines(prepared: PreparedData, tokenizer) -> list[str]:
+    """objective: grpo: the prompts (nothing is trained until completions are sampled), their lengths,
+    and the first prompt as the model will read it with the columns its rewards receive."""
+    from homelab_ft.data.prompts import decoded
+
+    r = prepared.report
+    first = prepared.train[0]
+    _, columns = decoded(first)
+    return [
+        "",
+        f"train: {r.num_train_samples} prompts, {r.num_train_tokens} tokens (completions are sampled in training)",
+        f"eval: {r.num_eval_samples} prompts (the held-out reward: one greedy completion each)",
+        f"max_length {r.max_length} per prompt: {r.num_truncated} truncated (their first tokens), "
+        f"{r.num_dropped_overlong} dropped as too long",
+        "",
+        "tokens per prompt:",
+        *histogram(r.sample_lengths, max_length=r.max_length),
+        "",
+        "first training prompt, as the model reads it:",
+        tokenizer.decode(first["prompt_ids"]),
+        "its other columns, passed to every reward function: "
+        + (", ".join(f"{k}={v!r}" for k, v in columns.items()) or "none"),
+    ]
 
 
 def histogram(lengths, *, max_length: int) -> list[str]:

@@ -85,6 +85,17 @@ def test_lora_grpo_logs_its_rollouts_resumes_exactly_and_exports(tmp_path, tiny_
     out = tmp_path / "export"
     assert main(["export", str(run), "--out", str(out), "--format", "safetensors"]) == 0
     assert (out / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["chat", str(run), "--prompt", "say 5", "--max-new-tokens", "4"]) == 0  # a GRPO run talks as any run
+    assert capsys.readouterr().out.strip() != ""
+
+
+def test_data_inspect_shows_the_prompts_and_the_reward_columns(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir)
+    assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 18 prompts" in out and "eval: 6 prompts" in out and "tokens per prompt:" in out
+    assert "<|im_start|>assistant" in out and "passed to every reward function: answer=" in out
 
 
 @pytest.mark.parametrize(("loss_type", "extra"), [
