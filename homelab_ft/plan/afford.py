@@ -37,6 +37,12 @@ class Afford:
     """The search stopped at MAX_MICRO_BATCH, which still fits."""
     seq_capped: bool
     """The model's max_position_embeddings still fits."""
+    num_generations: int = 0
+    """GRPO: the most completions per prompt that fit at the recipe's max_completion_length (2 at
+    least: a group of one has no baseline; 0: not even 2); 0 for other objectives."""
+    completion_len: int = 0
+    """GRPO: the longest completion (a multiple of SEQ_STEP, or what the model's positions leave after
+    the prompt) that fits at the recipe's num_generations; 0 when not even SEQ_STEP tokens fit."""
 
     def text(self, *, request: PlanRequest) -> str:
         """`qlora no_shard: micro_batch <= 21 at max_length 2048; max_length <= 16384 at micro_batch 2`."""
@@ -50,7 +56,16 @@ class Afford:
             seq = f"max_length {self.seq_len} (the model's limit) fits at micro_batch {request.train.micro_batch_size}"
         else:
             seq = f"max_length <= {self.seq_len} at micro_batch {request.train.micro_batch_size}"
-        return f"{self.label}: {batch}; {seq}"
+        return f"{self.label}: {batch}; {seq}" + (self._grpo_text(request) if request.objective == "grpo" else "")
+
+    def _grpo_text(self, request: PlanRequest) -> str:
+        """`; num_generations <= 24 at max_completion_length 1024; max_completion_length <= 4096 at num_generations 8`."""
+        g = request.grpo
+        gens = (f"num_generations <= {self.num_generations}" if self.num_generations else "no group of 2 fits") \
+            + f" at max_completion_length {g.max_completion_length}"
+        length = (f"max_completion_length <= {self.completion_len}" if self.completion_len else "no completion fits") \
+            + f" at num_generations {g.num_generations}"
+        return f"; {gens}; {length}"
 
 
 def largest(fits: Callable[[int], bool], *, low: int, high: int, step: int = 1) -> int:
@@ -115,5 +130,11 @@ def _limits(label: str, fits: Callable[..., bool], *, shape: ModelShape, request
     batch = largest(lambda n: fits(train={"micro_batch_size": n}), low=1, high=MAX_MICRO_BATCH)
     top = shape.max_position_embeddings - request.completion_tokens  # GRPO: the prompt leaves room for the completion
     seq = largest(lambda n: fits(data={"max_length": n}), low=min(SEQ_STEP, top), high=top, step=SEQ_STEP)
+    gens = completion = 0
+    if request.objective == "grpo":  # how many completions per prompt, and how long, the GPU holds
+        gens = largest(lambda n: fits(grpo={"num_generations": n}), low=2, high=MAX_MICRO_BATCH)
+        room = shape.max_position_embeddings - request.data.max_length
+        completion = largest(lambda n: fits(grpo={"max_completion_length": n}), low=min(SEQ_STEP, room), high=room,
+                             step=SEQ_STEP) if room > 0 else 0
     return Afford(label=label, micro_batch_size=batch, seq_len=seq, micro_batch_capped=batch == MAX_MICRO_BATCH,
-                  seq_capped=seq == top)
+                  seq_capped=seq == top, num_generations=gens, completion_len=completion)

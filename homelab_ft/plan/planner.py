@@ -107,7 +107,7 @@ class Plan:
             "checkpoint_bytes": self.checkpoint_bytes,
             "closest": option(self.closest),
             "suggestions": list(self.suggestions),
-            "afford": [dataclasses.asdict(a) for a in self.affordable],
+            "afford": [_afford_dict(a, grpo=grpo) for a in self.affordable],
             "warnings": list(self.warnings),
             "options": [option(o) for o in self.options],
             "refused": [dataclasses.asdict(r) for r in self.refused],
@@ -115,6 +115,14 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+
+def _afford_dict(a: afford.Afford, *, grpo: bool) -> dict:
+    """An Afford as plan --json writes it: its GRPO limits only in a GRPO plan."""
+    data = dataclasses.asdict(a)
+    if not grpo:
+        _drop(data, "num_generations", "completion_len")
+    return data
 
 
 def _drop(data: dict, *dotted: str) -> None:

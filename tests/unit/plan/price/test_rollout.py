@@ -241,3 +241,24 @@ def test_a_rollout_node_moves_generation_off_the_trainer_and_adds_the_adapters_s
     text = format_plan(plan(shape, request=grpo(method="lora", rollout="node"), cluster=TWO_NODES))
     assert "generated on the rollout node" in text and "adapter sync" in text and "no overlap yet" in text
     assert "a second machine can generate instead: grpo.rollout=node" in format_plan(plan(shape, request=grpo(method="lora"), cluster=TWO_NODES))
+
+
+def test_afford_answers_how_many_generations_and_how_long_a_completion_fit():
+    shape = _shape("qwen3-8b")
+    request = grpo(method="qlora", max_completion_length=1024)
+    p = plan(shape, request=request, cluster=ONE_GPU)
+    mine = p.affordable[0]
+    assert mine.num_generations >= 2 and mine.completion_len >= 64
+
+    def fits(**grpo_section) -> bool:
+        chosen = plan(shape, request=request.changed(grpo=grpo_section), cluster=ONE_GPU).chosen
+        return chosen is not None and chosen.method == "qlora"
+
+    # at the limits the rung fits; at twice them it does not (the plan may turn on a saver the
+    # afford search holds off, so the exact edge is the option's, not the plan's)
+    assert fits(num_generations=mine.num_generations) and not fits(num_generations=2 * mine.num_generations)
+    assert fits(max_completion_length=mine.completion_len) and not fits(max_completion_length=2 * mine.completion_len)
+    text = format_plan(p)
+    assert f"num_generations <= {mine.num_generations} at max_completion_length 1024" in text
+    assert "num_generations" not in json.dumps(plan(shape, request=default_request(method="qlora"),
+                                                    cluster=ONE_GPU).to_dict()["afford"])
