@@ -41,6 +41,8 @@ class _Talker:
     decoding: Decoding
     """The flags' decoding, with the run's own chat template when the recipe set one and no flag did."""
     system: str | None
+    model_dir: Path
+    """The base model folder the run trained (run.json)."""
 
 
 def cmd_chat(args) -> int:
@@ -114,4 +116,4 @@ def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool, deco
         model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
         load_weights(ckpt, model)
     return _Talker(model=model, tokenizer=tokenizer, device=device, decoding=decoding,
-                   system=system if system is not None else recipe.data.system_prompt)
+                   system=system if system is not None else recipe.data.system_prompt, model_dir=model_dir)

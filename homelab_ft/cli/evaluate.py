@@ -47,8 +47,10 @@ def score(target: Path, names: list[str], *, limit: int | None, batch_size: int,
           trust_remote_code: bool, manager=None) -> int:
     """Score `names` on a run or a model folder, print the table, write a run's (or `out`'s) files."""
     from homelab_ft.harness import run
+    from homelab_ft.store.layout import RunDir
 
-    is_run = (target / "run.json").is_file()
+    layout = RunDir(target)
+    is_run = layout.info_file.is_file()
     if baseline and not is_run:
         raise UserError(f"--baseline scores a run's base model beside the run; {target} is not a run directory")
     manager = manager or run.check_tasks(names)
@@ -62,7 +64,7 @@ def score(target: Path, names: list[str], *, limit: int | None, batch_size: int,
         before = run.evaluate(base, base_tok, names, device=device, **kwargs)
     for line in run.table(scores, before):
         print(line)
-    out = out or (target / "eval" if is_run else None)
+    out = out or (layout.eval_dir if is_run else None)
     if out is not None:
         about = {"target": str(target), "limit": limit, **({"baseline": before} if before else {})}
         for path in run.write(scores, out, about=about):
@@ -80,10 +82,9 @@ def _load(target: Path, *, is_run: bool, trust_remote_code: bool):
     if is_run:
         from homelab_ft.cli.chat import open_run
         from homelab_ft.cli.generate import Decoding
-        from homelab_ft.store.layout import RunDir
 
         talker = open_run(target, system=None, trust_remote_code=trust_remote_code, decoding=Decoding())
-        return talker.model, talker.tokenizer, talker.device, Path(RunDir(target).read_info().model_dir)
+        return talker.model, talker.tokenizer, talker.device, talker.model_dir
     spec = str(target)
     model_dir = loading.resolve_model_dir(spec)
     cfg = ModelConfig(path=spec, trust_remote_code=trust_remote_code)

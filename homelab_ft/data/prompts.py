@@ -75,16 +75,6 @@ def prepare_prompts(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Pat
 
 def _read(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None):
     """The prompt rows of one source and (format, rows read, rows skipped, first skip message)."""
-    skipped, first_error = 0, []
-
-    def bad(file: str, number: int, message: str) -> None:
-        nonlocal skipped
-        line = f"{file}: row {number}: {message}"
-        if cfg.bad_rows == "fail":
-            raise UserError(line + "; fix the row or set data.bad_rows=skip")
-        skipped += 1
-        first_error[:1] = first_error[:1] or [line]
-
     if src.format not in ("auto", "chat", "prompt_completion"):
         raise UserError(f"{where}.format={src.format}: objective=grpo reads prompts (a `prompt` column of text or chat "
                         "messages, or chat `messages`); use format: auto")
@@ -92,10 +82,7 @@ def _read(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | No
     if unknown:
         raise UserError(f"{where}.fields: {sorted(unknown)[0]!r} is not read by objective=grpo; map `prompt` (or "
                         "`messages`) to your column, e.g. fields: {prompt: question}")
-    target = sources.resolve_files(src.path, base_dir=base_dir, where=where)
-    raw = list(sources.read_rows(target, split=src.split, where=where, on_bad=bad))
-    if not raw:
-        raise UserError(f"{where}: {src.path} has no readable rows ({skipped} skipped as malformed)")
+    raw, bad, num_rows = sources.source_rows(src, cfg, where=where, base_dir=base_dir)
     columns = set().union(*(row.keys() for _, _, row in raw))
     prompt_key, messages_key = src.fields.get("prompt", "prompt"), src.fields.get("messages", "messages")
     key = prompt_key if prompt_key in columns else messages_key if messages_key in columns else None
@@ -115,8 +102,8 @@ def _read(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | No
         rows.append({"prompt": prompt, "columns": {k: v for k, v in row.items() if k != key},
                      "origin": f"{file}: row {number}"})
     if not rows:
-        raise UserError(f"{where}: every row of {src.path} is malformed ({skipped} skipped); first: {first_error[0]}")
-    return rows, ("prompt", len(raw) + skipped, skipped, first_error[0] if first_error else None)
+        raise bad.none_left(where, src.path)
+    return rows, ("prompt", num_rows, bad.skipped, bad.first)
 
 
 def _prompt(value, *, key: str, chat: bool, system: str | None, drop_system: bool):

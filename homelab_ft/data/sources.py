@@ -277,24 +277,38 @@ def _load_hub(name: str, *, split: str, where: str):
 # one source's samples, the hold-out and the weights
 
 
-def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None, pairs: bool = False):
-    """Canonical samples of one source, its format, rows in it, the skipped-row count, first skip message."""
-    skipped = 0  # rows that could not be parsed (counted as they are met) plus rows that fail their format
-    first_error: list[str] = []
+class BadRows:
+    """`data.bad_rows` for one source: a row that cannot be read or converted stops the run naming file
+    and row (`fail`), or is counted and left out, its first message kept for the report (`skip`)."""
 
-    def bad(file: str, number: int, message: str) -> None:
-        nonlocal skipped
-        line = f"{file}: row {number} {message}" if not message.startswith("field") else f"{file}: row {number}: {message}"
-        if cfg.bad_rows == "fail":
+    def __init__(self, rule: str):
+        self.rule, self.skipped, self.first = rule, 0, None
+
+    def __call__(self, file: str, number: int, message: str) -> None:
+        line = f"{file}: row {number}: {message}" if message.startswith("field") else f"{file}: row {number} {message}"
+        if self.rule == "fail":
             raise UserError(line + "; fix the row or set data.bad_rows=skip")
-        skipped += 1
-        first_error[:1] = first_error[:1] or [line]
+        self.skipped += 1
+        self.first = self.first or line
 
+    def none_left(self, where: str, path: str) -> UserError:
+        return UserError(f"{where}: every row of {path} is malformed ({self.skipped} skipped); first: {self.first}")
+
+
+def source_rows(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None):
+    """Every row of one source that parses, as (file, row number, row); the source's `BadRows` (which
+    has counted the rows that did not parse); and the rows the source holds, those included."""
+    bad = BadRows(cfg.bad_rows)
     target = resolve_files(src.path, base_dir=base_dir, where=where)
     rows = list(read_rows(target, split=src.split, where=where, on_bad=bad))
-    num_rows = len(rows) + skipped
     if not rows:
-        raise UserError(f"{where}: {src.path} has no readable rows ({skipped} skipped as malformed)")
+        raise UserError(f"{where}: {src.path} has no readable rows ({bad.skipped} skipped as malformed)")
+    return rows, bad, len(rows) + bad.skipped
+
+
+def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None, pairs: bool = False):
+    """Canonical samples of one source, its format, rows in it, the skipped-row count, first skip message."""
+    rows, bad, num_rows = source_rows(src, cfg, where=where, base_dir=base_dir)
     columns = set().union(*(row.keys() for _, _, row in rows))
     fmt = src.format
     if fmt == "auto":
@@ -318,8 +332,8 @@ def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Pa
         sample["origin"] = f"{file}: row {number}"
         samples.append(sample)
     if not samples:
-        raise UserError(f"{where}: every row of {src.path} is malformed ({skipped} skipped); first: {first_error[0]}")
-    return samples, fmt, num_rows, skipped, (first_error[0] if first_error else None)
+        raise bad.none_left(where, src.path)
+    return samples, fmt, num_rows, bad.skipped, bad.first
 
 
 def hold_out(samples: list[dict], *, fraction: float, rng: random.Random):

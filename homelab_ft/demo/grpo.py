@@ -67,38 +67,31 @@ def write_dataset(out_dir: Path = sft.ASSET_DIR) -> list[Path]:
 
 
 def held_out_reward(model_dir: Path, *, batch_prompts: int = 16) -> dict[str, float]:
-    """The mean of each reward (and their weighted sum, as the recipe weighs them) over greedy replies to the held-out rows, through the
-    trainer's own engine and reward functions (train/rollout.py, train/rewards.py)."""
+    """The mean of each reward (and their weighted sum, as the recipe weighs them) over greedy replies
+    to the held-out rows: the trainer's own prompts, engine and held-out pass (data/prompts.py,
+    train/rollout.py, train/grpo.held_out_reward), on one CPU process."""
     import torch
 
-    from homelab_ft.data.prompts import prompt_ids
+    from homelab_ft.data.prompts import prepare_prompts
+    from homelab_ft.distributed import comm
     from homelab_ft.model import loading
-    from homelab_ft.recipe.config import GrpoConfig, ModelConfig
-    from homelab_ft.train import rewards
+    from homelab_ft.recipe.config import DataConfig, GrpoConfig, ModelConfig
+    from homelab_ft.train import grpo, rewards
     from homelab_ft.train.rollout import Colocated
 
     cfg = ModelConfig(path=str(model_dir), dtype="float32")
     folder = loading.resolve_model_dir(cfg.path)
     tokenizer = loading.load_tokenizer(cfg, folder)
     model = loading.load_model(cfg, folder, dtype=torch.float32, device=torch.device("cpu"))
-    funcs = rewards.resolve_rewards(REWARDS, weights=WEIGHTS, recipe_dir=Path.cwd())
-    settings = GrpoConfig(max_completion_length=24, reward_funcs=REWARDS)
+    rows = prepare_prompts(DataConfig(sources=[{"path": "demo:sums-eval"}], max_length=64, shuffle=False),
+                           tokenizer, seed=sft.SEED).train
+    settings = GrpoConfig(max_completion_length=24, reward_funcs=REWARDS, reward_weights=WEIGHTS)
     engine = Colocated(settings=settings, tokenizer=tokenizer, device=torch.device("cpu"), distributed=False)
-    rows = [{"prompt_ids": prompt_ids(r["prompt"], tokenizer, tokenizer.chat_template, where="demo"),
-             "prompt": json.dumps(r["prompt"]), "columns": json.dumps({"answer": r["answer"]})}
-            for r in make_rows("sums-eval")]
-    sums = [0.0] * (len(funcs) + 1)
-    for start in range(0, len(rows), batch_prompts):
-        out = engine.sample(model, rows[start:start + batch_prompts], seed=0, greedy=True, num_generations=1)
-        table = rewards.score(funcs, prompts=out.prompts, completions=out.completions,
-                              completion_ids=out.completion_ids, columns=out.columns)
-        for values, total in zip(table, rewards.weighted_sum(table, funcs), strict=True):
-            sums[0] += total or 0.0
-            for k, value in enumerate(values):
-                sums[k + 1] += value or 0.0
-    scores = {"reward": sums[0] / len(rows)}
-    scores.update({f.label: sums[k + 1] / len(rows) for k, f in enumerate(funcs)})
-    return scores
+    state = grpo.Grpo(settings=settings, rewards=rewards.resolve_rewards(REWARDS, weights=WEIGHTS, recipe_dir=Path.cwd()),
+                      engine=engine, seed=sft.SEED, chunk_tokens="auto")
+    scores = grpo.held_out_reward(state, model, rows, env=comm.setup(device_pref="cpu"), batch_size=batch_prompts,
+                                  max_batches=None)
+    return {"reward" if key == "eval_reward" else key.split("/")[1]: value for key, value in scores.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,11 @@ class RunDir:
         return self.root / "loss.png"
 
     @property
+    def eval_dir(self) -> Path:
+        """`homelab-ft eval`'s scores, one `<task>.json` each (harness/run.py)."""
+        return self.root / "eval"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -18,6 +18,7 @@ another's rewards. Metrics use TRL's names where TRL has one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -121,11 +122,9 @@ class Grpo:
             batches.append(Batch(rollout=rollout, advantages=adv.float(), completion_mask=mask, old_logps=None))
         if self.settings.num_iterations > 1:  # the sampling policy's log-probs, for the ratios of later iterations
             with torch.no_grad():
-                batches = [Batch(rollout=b.rollout, advantages=b.advantages, completion_mask=b.completion_mask,
-                                 old_logps=completion_logprobs(model, b.batch, device=env.device,
-                                                               chunk_tokens=self.chunk_tokens,
-                                                               temperature=self.settings.temperature).cpu())
-                           for b in batches]
+                batches = [dataclasses.replace(b, old_logps=completion_logprobs(
+                    model, b.batch, device=env.device, chunk_tokens=self.chunk_tokens,
+                    temperature=self.settings.temperature).cpu()) for b in batches]
         self.batches, self.drawn_at = batches, step
         self.stats = _rollout_stats(rolled, tables, totals, self.rewards, env=env, generation_s=generation_s,
                                     num_generations=self.settings.num_generations) | self.engine.sync_stats()
@@ -155,9 +154,7 @@ def _batch_std(rewards_: torch.Tensor, env) -> torch.Tensor:
     values = rewards_[seen]
     sums = comm.all_reduce_sum_tensor(torch.stack([seen.sum().double(), values.sum(), (values ** 2).sum()]), env).cpu()
     count, total, squares = sums.tolist()
-    if count < 2:
-        return torch.tensor(math.nan, dtype=torch.float64)
-    return torch.tensor(max(squares - total * total / count, 0.0) / (count - 1), dtype=torch.float64).sqrt()
+    return torch.tensor(_std(total, squares, count), dtype=torch.float64)
 
 
 def _rollout_stats(rolled: list[Rollout], tables, totals, funcs, *, env, generation_s: float,

@@ -91,18 +91,22 @@ def left_padded(prompts: list[list[int]], *, pad_token_id: int, device) -> tuple
     return ids, mask
 
 
-def _root_initialised(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
+def _unrooted(model) -> bool:
+    """A sharded model whose root has not run a forward yet (`_root_forward`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) and not getattr(model, "_homelab_root_initialised", False)
+
+
+def _root_forward(model, ids: torch.Tensor, mask: torch.Tensor) -> None:
     """FSDP2 sets itself up on the first forward of a sharded unit and takes that unit as the root.
     PEFT's `generate` calls the inner model's forward, so a run whose first forward is a generation
     (GRPO's: before any training step) would root FSDP2 at the embeddings and then refuse the real
     root's forward ("already been lazily initialized"). One forward of the root on one token first,
     once per model, on every rank (each forward gathers with all of them)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule) and not getattr(model, "_homelab_root_initialised", False):
-        model(input_ids=ids, attention_mask=mask, use_cache=False)
-        parallelize.reshard(model)
-        model._homelab_root_initialised = True
+    model(input_ids=ids, attention_mask=mask, use_cache=False)
+    parallelize.reshard(model)
+    model._homelab_root_initialised = True
 
 
 def _generator(model):
@@ -145,8 +149,9 @@ class Colocated:
         target = _generator(model)
         sampling = {} if greedy else {"temperature": self.settings.temperature, "top_p": self.settings.top_p, "top_k": 0}
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), preserved(target, device=self.device), torch.no_grad():
-            _root_initialised(target, ids[:, :1], mask[:, :1])
+        if _unrooted(target):
+            with torch.random.fork_rng(devices=devices), preserved(target, device=self.device), torch.no_grad():
+                _root_forward(target, ids[:, :1], mask[:, :1])
         with torch.random.fork_rng(devices=devices), preserved(target, device=self.device), root_gathered(target), \
                 torch.no_grad():
             torch.manual_seed(seed)
