@@ -41,13 +41,17 @@ def main(argv: list[str] | None = None) -> int:
 def _offline_and_quiet_libraries() -> None:
     """homelab-ft never downloads: the Hugging Face libraries are told so before they load.
 
-    Two messages every run would print are silenced: bitsandbytes' note that an optional CPU
-    kernel package is missing (it serves the AVX512-BF16 path that quant.after_load turns off),
-    and a FutureWarning that peft 0.21 triggers by calling a renamed transformers 5 method.
+    Three messages every run would print are silenced: bitsandbytes' note that an optional CPU
+    kernel package is missing (it serves the AVX512-BF16 path that quant.after_load turns off);
+    the `kernels` package's note, from that same bitsandbytes import once transformers >= 5.25
+    installs `kernels`, that offline it skips a Hub publisher check (for a kernel it then does not
+    find, so bitsandbytes keeps its own); and a FutureWarning that peft 0.21 triggers by calling a
+    renamed transformers 5 method. Either note would put a second line before a one-line error.
     """
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
         os.environ.setdefault(var, "1")
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("kernels").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 

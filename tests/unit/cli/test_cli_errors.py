@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import sys
@@ -245,3 +246,16 @@ def test_dora_on_a_rung_that_cannot_initialise_it(capsys, tmp_path, good):
     body.update(method="qlora")
     body["lora"] = {"use_dora": True}
     assert "lora.use_dora: DoRA is not supported with qlora" in refused(capsys, tmp_path, body)
+
+
+def test_library_notes_add_no_line_to_an_error(capsys, tmp_path, monkeypatch):
+    """Importing bitsandbytes on an AVX512-BF16 CPU asks `kernels` (a transformers >= 5.25 dependency)
+    for a Hub kernel; offline, `kernels` warns that it skips a publisher check, and bitsandbytes warns
+    when the kernel is not found. With no handler on the root logger, logging's last resort prints
+    both to stderr, ahead of the one line an error gets (tests/distributed/test_train_command.py saw
+    it from torchrun's parent). The CLI turns both loggers down before anything is imported."""
+    run_cli(capsys, "train", tmp_path / "nope.yaml")
+    monkeypatch.setattr(logging.root, "handlers", [])  # pytest's capture handler off: the last resort prints
+    logging.getLogger("kernels._internals.hf_hub").warning("Skipping publisher trust check for 'x/y'")
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward")
+    assert capsys.readouterr().err == ""
