@@ -7,6 +7,12 @@ shape is read from), so it is stored under a hash of the three, in `$HOMELAB_FT_
 (else ~/.cache/homelab-ft/shapes: locate.cache_root, where converted models are kept too).
 A hit reads one small JSON file; the transformers version is read from the installed package's
 metadata, not by importing it.
+
+One model, one entry: the key is taken over the config less what `save_pretrained` adds or leaves
+out without changing the model built (`architectures`, `dtype`, labels, output switches; see
+`NOT_THE_MODEL`), so a config held in memory and the same config read back from a checkpoint share
+it; and a shape derived for `auto` attention is also stored under the implementation `auto` chose
+(and one derived for `sdpa` under `auto` when sdpa was used), since each would derive the same.
 """
 
 from __future__ import annotations
@@ -27,6 +33,21 @@ SCHEMA = 13
 """Bumped when derive.py or saved.py change what a cached shape holds or how it is measured."""
 
 
+NOT_THE_MODEL = {
+    "architectures": None, "_name_or_path": None, "transformers_version": None, "dtype": None, "torch_dtype": None,
+    "id2label": None, "label2id": None, "problem_type": None,
+    "output_hidden_states": False, "output_attentions": False, "return_dict": True,
+    "chunk_size_feed_forward": 0, "is_encoder_decoder": False,
+}
+"""Config keys that do not change the causal LM `from_config` builds, each with the value a config
+held in memory carries when `save_pretrained` leaves it out (None: dropped whatever its value).
+`architectures` names the class a checkpoint was saved from, which `from_config` does not read; the
+shape counts elements and measures activations in the dtype it builds with, never the saved one;
+labels and the problem type serve classification heads; the output switches and `return_dict`
+shape what a forward returns, not what it keeps; `chunk_size_feed_forward` and
+`is_encoder_decoder` are keyed when set to anything but their defaults."""
+
+
 def cache_dir() -> Path:
     return cache_root() / "shapes"
 
@@ -35,10 +56,21 @@ def cache_key(config: dict, *, attn_implementation: str, model_path: str | None 
               trust_remote_code: bool = False) -> str:
     """sha256 of the config (canonical JSON), the attention implementation, the installed
     transformers version and, for remote code, the model folder's .py files."""
-    parts = [json.dumps(config, sort_keys=True, default=str), attn_implementation, _transformers_version(), str(SCHEMA)]
+    parts = [json.dumps(_model_part(config), sort_keys=True, default=str), attn_implementation,
+             _transformers_version(), str(SCHEMA)]
     if trust_remote_code and model_path and Path(model_path).is_dir():
         parts += [p.read_text() for p in sorted(Path(model_path).glob("*.py"))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _model_part(config: dict) -> dict:
+    """`config` less NOT_THE_MODEL, its text config (a multimodal checkpoint's) too."""
+    kept = {k: v for k, v in config.items()
+            if k not in NOT_THE_MODEL or (NOT_THE_MODEL[k] is not None and v != NOT_THE_MODEL[k])}
+    for key in ("text_config", "text_config_dict"):
+        if isinstance(kept.get(key), dict):
+            kept[key] = _model_part(kept[key])
+    return kept
 
 
 def cached_shape(config: dict, *, attn_implementation: str = "sdpa", model_path: str | None = None,
@@ -57,7 +89,22 @@ def cached_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
     shape = derive_shape(config, attn_implementation=attn_implementation, model_path=model_path,
                          trust_remote_code=trust_remote_code)
     _store(path, shape)
+    for alias in _same_derivation(attn_implementation, shape.attn_implementation):
+        same = cache_key(config, attn_implementation=alias, model_path=model_path, trust_remote_code=trust_remote_code)
+        _store(cache_dir() / f"{same}.json", shape)
     return shape
+
+
+def _same_derivation(requested: str, used: str) -> tuple[str, ...]:
+    """The other attention settings that derive what `requested` did, given it used `used`: `auto`
+    is sdpa where the class has it, else eager (derive.py), so `auto` and what it used agree, and an
+    explicit `sdpa` that was honoured agrees with `auto`. An explicit eager does not: `auto` may
+    have picked sdpa."""
+    if requested == "auto":
+        return (used,)
+    if requested == "sdpa" and used == "sdpa":
+        return ("auto",)
+    return ()
 
 
 def _store(path: Path, shape: ModelShape) -> None:

@@ -46,12 +46,6 @@ HAND_WRITTEN = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path_factory, monkeypatch):
-    """Every test derives into one fresh cache of its module (never the user's ~/.cache)."""
-    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path_factory.getbasetemp() / "shape-cache"))
-
-
 def _real(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
@@ -248,7 +242,7 @@ def test_cached_shape_is_read_without_torch_and_fast(tmp_path):
     seconds, torch_imported, total = json.loads(subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip())
     assert not torch_imported and total == derived[2] and seconds < 1.0
-    assert len(list((cache / "shapes").glob("*.json"))) == 1
+    assert len(list((cache / "shapes").glob("*.json"))) == 2  # sdpa and auto, which derive the same
     assert model_shape(config).total_params == total
 
 
@@ -340,3 +334,36 @@ def test_remote_code_model_is_derived_only_when_the_recipe_trusts_it(tmp_path):
         model_shape(config, model_path=str(model_dir))
     shape = model_shape(config, model_path=str(model_dir), trust_remote_code=True)
     assert shape.total_params == model_shape(tiny_config("llama").to_dict()).total_params
+
+
+def test_a_saved_config_shares_the_key_of_the_config_it_was_saved_from(tmp_path):
+    """`save_pretrained` adds `architectures` and `dtype` and leaves out defaults; the model built is
+    the same, so the shape is derived once (a second derivation cost a family ~1 s)."""
+    from homelab_ft.plan.shape import cache as shape_cache
+
+    config = tiny_config("qwen3_moe")
+    saved = json.loads((save_tiny(tmp_path / "m", "qwen3_moe", with_tokenizer=False) / "config.json").read_text())
+    assert saved.get("architectures") and "return_dict" not in saved  # what the key must see through
+    key = shape_cache.cache_key(config.to_dict(), attn_implementation="sdpa")
+    assert shape_cache.cache_key(saved, attn_implementation="sdpa") == key
+    assert shape_cache.cache_key({**saved, "hidden_size": saved["hidden_size"] * 2}, attn_implementation="sdpa") != key
+    assert shape_cache.cache_key({**saved, "chunk_size_feed_forward": 4}, attn_implementation="sdpa") != key
+
+
+def test_auto_attention_and_what_it_chose_share_one_derivation(monkeypatch, tmp_path):
+    from homelab_ft.plan.shape import derive
+
+    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path))  # empty: the session's cache has these families
+
+    config = tiny_config("gemma2").to_dict()  # no sdpa in transformers: auto builds eager
+    calls = []
+    real = derive.derive_shape
+    monkeypatch.setattr(derive, "derive_shape", lambda *a, **k: calls.append(k["attn_implementation"]) or real(*a, **k))
+    assert model_shape(config, attn_implementation="auto").attn_implementation == "eager"
+    assert model_shape(config, attn_implementation="eager").attn_implementation == "eager"
+    assert calls == ["auto"]
+    assert model_shape(config, attn_implementation="sdpa") is not None and calls == ["auto", "sdpa"]
+    llama = tiny_config("llama").to_dict()
+    model_shape(llama, attn_implementation="sdpa")
+    assert model_shape(llama, attn_implementation="auto").attn_implementation == "sdpa" and calls[-1] == "sdpa"
+    assert len(calls) == 3
