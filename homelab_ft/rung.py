@@ -27,6 +27,9 @@ STRATEGIES = (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD)
 ADAMW = "adamw"
 BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit")
 OPTIMIZERS = (ADAMW, *BNB_OPTIMIZERS)
+COLOCATED, ROLLOUT_NODE = "colocated", "node"
+ROLLOUTS = (COLOCATED, ROLLOUT_NODE)
+"""Where GRPO generates: in the training process, or on a rollout rank (train/rollout_node.py)."""
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 """torch.distributed.pipelining's Schedule1F1B and ScheduleGPipe; 1F1B keeps at most `stages`
 micro-batches' activations in flight on the first stage, GPipe all of them."""
@@ -66,6 +69,9 @@ class Rung:
     stage_blocks: tuple[int, ...] = ()
     """Decoder blocks per stage, first to last; () = as even as possible (the planner sizes it to each GPU)."""
     pipeline_schedule: str = "1f1b"
+    rollout: str = COLOCATED
+    """GRPO's generation: `colocated` in every training process, or `node`: the job's last rank
+    generates and rank 0 trains as one process (refusals.rollout_node says when the trainer runs it)."""
 
     def __post_init__(self) -> None:
         # run.json and the torchrun handoff carry stage_blocks as a JSON list; frozen, so set once here.
@@ -92,8 +98,16 @@ class Rung:
 
     @property
     def data_parallel_size(self) -> int:
-        """Replicas of the whole model (of the whole pipeline when pipelined)."""
+        """Replicas of the whole model that train (of the whole pipeline when pipelined); a rollout
+        node's job trains on one of its processes."""
+        if self.rollout_node_enabled:
+            return 1
         return self.world_size // self.pipeline_stages
+
+    @property
+    def rollout_node_enabled(self) -> bool:
+        """GRPO's rollouts come from the job's last rank; rank 0 trains alone (train/rollout_node.py)."""
+        return self.rollout == ROLLOUT_NODE
 
     # ---- what runs
 
@@ -139,7 +153,8 @@ class Rung:
     @property
     def label(self) -> str:
         savers = " +act-off" if self.activation_offload else " +ckpt" if self.activation_checkpointing else ""
-        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}"
+        node = " +rollout-node" if self.rollout_node_enabled else ""
+        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}{node}"
 
     def to_dict(self) -> dict:
         """Plain JSON data (run.json, plan.json, the torchrun handoff): stage_blocks as a list."""
@@ -155,6 +170,8 @@ def _validate(r: Rung) -> None:
         raise RungError(f"method={r.method!r} is not a rung; use one of auto, {', '.join(METHODS)}")
     if r.strategy not in STRATEGIES:
         raise RungError(f"sharding.strategy={r.strategy!r} does not exist; use one of auto, {', '.join(STRATEGIES)}")
+    if r.rollout not in ROLLOUTS:
+        raise RungError(f"grpo.rollout={r.rollout!r} does not exist; use one of auto, {', '.join(ROLLOUTS)}")
     if r.optimizer not in OPTIMIZERS:
         raise RungError(f"train.optimizer={r.optimizer!r} does not exist; use one of {', '.join(OPTIMIZERS)}")
     if r.nodes < 1 or r.procs_per_node < 1:
@@ -251,7 +268,8 @@ def implied_checkpointing(checkpointing: bool | str, *, activation_offload: bool
 
 
 def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_per_node: int, train, quant, sharding,
-          activation_checkpointing: bool, activation_offload: bool, pipeline_stages: int = 1) -> Rung:
+          activation_checkpointing: bool, activation_offload: bool, pipeline_stages: int = 1,
+          rollout: str = COLOCATED) -> Rung:
     """The one place a rung's fields are read off the recipe: `train`, `quant` and `sharding` are its
     sections (recipe.config's dataclasses, which the planner's PlanRequest holds too), the choices
     the ladder or `requested_rung` made are the arguments. A new knob of what runs is a Rung field
@@ -262,10 +280,17 @@ def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_pe
                 optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward, quant_bits=quant.bits,
                 activation_checkpointing=activation_checkpointing, activation_offload=activation_offload,
                 pipeline_stages=pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()) if named else (),
-                pipeline_schedule=sharding.pipeline_schedule)
+                pipeline_schedule=sharding.pipeline_schedule, rollout=rollout)
 
 
-def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant, sharding) -> Rung:
+def requested_rollout(objective: str, grpo) -> str:
+    """Where a recipe's rollouts run when no plan chose: what `grpo.rollout` names, colocated for
+    `auto` (the planner picks the node only where it prices both) and for every other objective."""
+    return grpo.rollout if objective == "grpo" and grpo.rollout != "auto" else COLOCATED
+
+
+def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant, sharding,
+                   rollout: str = COLOCATED) -> Rung:
     """The rung a request names when no plan fills its `auto`s (the planner refuses a fully named
     rung with it before pricing anything; `train` runs it when the planner chose nothing): `auto`
     method is LoRA (a full fine-tune when the optimizer steps in backward, which only it takes),
@@ -281,7 +306,7 @@ def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant
     return build(method, effective_strategy(strategy, world_size=world_size, cpu_offload=sharding.cpu_offload),
                  sharding.cpu_offload, nodes=nodes, procs_per_node=procs_per_node, train=train, quant=quant,
                  sharding=sharding, activation_checkpointing=checkpointing is True,
-                 activation_offload=train.activation_offload is True)
+                 activation_offload=train.activation_offload is True, rollout=rollout)
 
 
 def rung_for(recipe) -> Rung:
@@ -290,7 +315,8 @@ def rung_for(recipe) -> Rung:
     `requested_rung`'s defaults for what it leaves `auto`. Used where the planner chose nothing for
     a named method, and by tests and benchmarks that build a model for a recipe directly."""
     return pipelined(requested_rung(recipe.method, nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
-                                    train=recipe.train, quant=recipe.quant, sharding=recipe.sharding), recipe.sharding)
+                                    train=recipe.train, quant=recipe.quant, sharding=recipe.sharding,
+                                    rollout=requested_rollout(recipe.objective, recipe.grpo)), recipe.sharding)
 
 
 def pipelined(rung: Rung, sharding) -> Rung:

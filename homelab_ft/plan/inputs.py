@@ -192,12 +192,6 @@ class PlanRequest:
         return self.objective == "dpo" and self.dpo.needs_reference
 
     @property
-    def rollout_node(self) -> bool:
-        """GRPO with `grpo.rollout: node`: the last rank generates, rank 0 trains as one process
-        (train/rollout_node.py), and only the adapters cross the link."""
-        return self.objective == "grpo" and self.grpo.rollout == "node"
-
-    @property
     def completion_tokens(self) -> int:
         """Tokens a GRPO rollout appends to its prompt at most (grpo.max_completion_length); 0 otherwise."""
         return self.grpo.max_completion_length if self.objective == "grpo" else 0

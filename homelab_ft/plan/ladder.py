@@ -25,15 +25,18 @@ from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules import refusals
 from homelab_ft.rules.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 from homelab_ft.rung import (
+    COLOCATED,
     FULL_SHARD,
     HYBRID_SHARD,
     METHODS,
     NO_SHARD,
+    ROLLOUT_NODE,
     SHARD_GRAD_OP,
     Rung,
     RungError,
     build,
     implied_checkpointing,
+    requested_rollout,
 )
 
 LADDER = METHODS
@@ -70,16 +73,29 @@ class Option(Estimate):
 
 
 def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
-                savers: tuple[bool, bool] | None = None, stages: int = 1) -> Rung:
+                savers: tuple[bool, bool] | None = None, stages: int = 1, rollout: str | None = None) -> Rung:
     """The validated rung of one option on this cluster (raises RungError for one that cannot exist).
     `savers` is (activation checkpointing, activation offload); default: the request's first level.
     `stages` > 1: a pipeline (pipeline.py), its blocks per stage as the recipe gives them, else left
-    for `price` to size to each GPU. Whether the trainer runs it for this recipe and model is
+    for `price` to size to each GPU. `rollout`: where GRPO generates; default: the one the recipe
+    names (colocated for `auto`, `requested_rollout`). Whether the trainer runs it for this recipe and model is
     `refusals.refusals` (`offers` asks it of every option)."""
     checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
     return build(method, strategy, offload, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
                  train=request.train, quant=request.quant, sharding=request.sharding,
-                 activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages)
+                 activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages,
+                 rollout=requested_rollout(request.objective, request.grpo) if rollout is None else rollout)
+
+
+def rollouts(request: PlanRequest, cluster: Cluster) -> tuple[str, ...]:
+    """Where the ladder prices GRPO's rollouts: the one `grpo.rollout` names, or with `auto` both
+    colocated and, on a job the node runs on (refusals.ROLLOUT_NODE_PROCESSES), the rollout node;
+    every other objective generates nothing (colocated stands for "no node")."""
+    if request.objective != "grpo":
+        return (COLOCATED,)
+    if request.grpo.rollout != "auto":
+        return (request.grpo.rollout,)
+    return (COLOCATED, ROLLOUT_NODE) if cluster.world_size == refusals.ROLLOUT_NODE_PROCESSES else (COLOCATED,)
 
 
 def saver_levels(request: PlanRequest, cluster: Cluster) -> list[tuple[bool, bool]]:
@@ -120,19 +136,23 @@ def offers(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tupl
     moe_experts = any(b.expert_stacks for b in shape.blocks)
     out, refused = [], []
     levels = saver_levels(request, cluster)
+    placed = rollouts(request, cluster)
     for method in LADDER:
-        for strategy, offload, stages in _strategies(shape, cluster, request=request):
+        for strategy, offload, stages, rollout in ((*s, r) for s in _strategies(shape, cluster, request=request)
+                                                   for r in placed):
             # pipeline.py prices no activation offload, and the pipelined step runs none (refusals.activation_offload)
             pipelined_levels = [level for level in levels if not (stages > 1 and level[1])] or levels
             try:
                 rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level,
-                                     stages=stages) for level in pipelined_levels]
+                                     stages=stages, rollout=rollout) for level in pipelined_levels]
                 why = next((w for r in rungs for w in refusals.refusals(r, request, num_blocks=shape.num_layers,
                                                                         moe_experts=moe_experts)), None)
             except RungError as err:
                 why = str(err)
             if why is not None:
-                refused.append(Refusal(label=_plain_label(method, strategy, offload, stages), reason=why))
+                if rollout == ROLLOUT_NODE and len(placed) > 1:
+                    continue  # `auto` tried the node beside every colocated option: only where it runs is news
+                refused.append(Refusal(label=_plain_label(method, strategy, offload, stages, rollout), reason=why))
                 continue
             saver_note = ""
             for rung in rungs:  # the first saver level that fits, else the leanest
@@ -153,11 +173,11 @@ def offers(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tupl
     return tuple(out), tuple(refused)
 
 
-def _plain_label(method: str, strategy: str, offload: bool, stages: int) -> str:
+def _plain_label(method: str, strategy: str, offload: bool, stages: int, rollout: str = COLOCATED) -> str:
     """An option's name without its savers (the plan's `not offered` lines)."""
     if stages > 1:
         return f"{method} pipeline {stages} stages"
-    return f"{method} {strategy}{' +offload' if offload else ''}"
+    return f"{method} {strategy}{' +offload' if offload else ''}{' +rollout-node' if rollout == ROLLOUT_NODE else ''}"
 
 
 def price(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> tuple[Estimate, bool, str]:
@@ -241,10 +261,12 @@ def moving_parts(rung: Rung) -> int:
     """What a rung runs beyond a plain forward and backward on its devices, for `choose`'s ties:
     CPU offload (shards and AdamW in host RAM), activation offload (block inputs over PCIe),
     FSDP2 on a single device (there only to offload), and a pipeline schedule (a stage waits on
-    its neighbours' sends). Sharding across several devices is not counted: there it is how the
-    model fits, and its cost is in the traffic `choose` compares."""
+    its neighbours' sends), and a rollout node (a second process the step waits on). Sharding across
+    several devices is not counted: there it is how the model fits, and its cost is in the traffic
+    `choose` compares."""
     return (int(rung.cpu_offload) + int(rung.activation_offload and rung.activation_checkpointing)
-            + int(rung.world_size == 1 and rung.strategy != NO_SHARD) + int(rung.pipeline_enabled))
+            + int(rung.world_size == 1 and rung.strategy != NO_SHARD) + int(rung.pipeline_enabled)
+            + int(rung.rollout_node_enabled))
 
 
 def _next_saver(rung: Rung) -> str:

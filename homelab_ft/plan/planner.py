@@ -25,7 +25,7 @@ from homelab_ft.plan.price.diskspace import checkpoint_bytes
 from homelab_ft.plan.price.memory import gib_text
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules import embedding_offload, moe_routers
-from homelab_ft.rung import RungError, hybrid_refusal, requested_rung
+from homelab_ft.rung import RungError, hybrid_refusal, requested_rollout, requested_rung
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,8 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
     if request.method != "auto" and request.sharding.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
         requested_rung(request.method, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
-                       train=request.train, quant=request.quant, sharding=request.sharding)
+                       train=request.train, quant=request.quant, sharding=request.sharding,
+                       rollout=requested_rollout(request.objective, request.grpo))
     elif why := hybrid_refusal(request.sharding.strategy, nodes=cluster.nodes):
         raise RungError(why)
     if request.train.embedding_offload is True:

@@ -146,7 +146,8 @@ def _node_line(p: Plan) -> list[str]:
     if x.node:
         return ["         the rollout node generates while the trainer waits (version 1: no overlap yet), so the "
                 "step is generation + sync + training; what it buys is the trainer's GPU free of generation"]
-    if c.nodes == 2 and c.gpus_per_node == 1 and p.request.method in ("auto", "lora", "qlora"):
+    if p.request.grpo.rollout == "colocated" and c.nodes == 2 and c.gpus_per_node == 1 \
+            and p.request.method in ("auto", "lora", "qlora"):
         return ["         a second machine can generate instead: grpo.rollout=node (only the adapters cross the link; "
                 "`homelab-ft plan ... grpo.rollout=node` prices it)"]
     return []

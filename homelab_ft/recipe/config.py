@@ -363,8 +363,9 @@ class DpoConfig:
         return self.loss not in REFERENCE_FREE_LOSSES
 
 
-ROLLOUT_ENGINES = ("colocated", "node")
-"""grpo.rollout: generation in the training process, or on a rollout rank (train/rollout_node.py)."""
+ROLLOUT_ENGINES = ("auto", "colocated", "node")
+"""grpo.rollout: the planner's choice, generation in the training process, or on a rollout rank
+(train/rollout_node.py)."""
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 """train/grpo_loss.py's aggregations of the per-token loss, TRL 1.16's names (its cispo, sapo,
 luspo and vespo are not built)."""
@@ -422,12 +423,14 @@ class GrpoConfig:
     log_completions_every: NonNegInt = 10
     """Write the first prompt's group of completions, with their rewards, to metrics.jsonl (a `samples`
     row) every this many steps and at the last; 0: never."""
-    rollout: Literal[ROLLOUT_ENGINES] = "colocated"
+    rollout: Literal[ROLLOUT_ENGINES] = "auto"
     """Where the completions are generated: `colocated` (transformers' `generate` in the training
     process), or `node` (a rollout rank: the job's last process, on a second machine, holds the same
     base and adapters and generates; rank 0 trains as one process and sends it only the adapters when
     they changed, then the prompts; train/rollout_node.py). `node` needs a job of exactly 2 processes
-    and LoRA or QLoRA; version 1 is synchronous (docs/grpo.md)."""
+    and LoRA or QLoRA; version 1 is synchronous (docs/grpo.md). `auto`: the planner prices both where
+    the job can run a node and takes the fastest that fits: colocated when it fits (both ranks train),
+    the node when only it does (its GPU holds the base and adapters, not training's memory)."""
 
     @property
     def epsilon_upper(self) -> float:

@@ -81,13 +81,15 @@ ROLLOUT_NODE_PROCESSES = 2
 """grpo.rollout=node, version 1: one training process and one rollout rank (train/rollout_node.py)."""
 
 
-def rollout_node(rung: Rung, *, objective: str, rollout: str) -> str | None:
+def rollout_node(rung: Rung, *, objective: str) -> str | None:
     """`grpo.rollout: node` trains on rank 0 as one process and generates on the last rank, sending
     only the adapters between them: a job of exactly two processes, adapters, no pipeline, and no
     FSDP2 (the trainer is one process holding the whole model, which is what the planner prices for
     a no_shard rank, so the plan's memory stays right for it)."""
-    if objective != "grpo" or rollout != "node":
+    if not rung.rollout_node_enabled:
         return None
+    if objective != "grpo":
+        return f"grpo.rollout=node generates GRPO's rollouts; objective={objective} samples none: drop grpo.rollout"
     if rung.world_size != ROLLOUT_NODE_PROCESSES:
         return (f"grpo.rollout=node runs one trainer and one rollout rank, but the cluster has {rung.nodes} node(s) x "
                 f"{rung.procs_per_node} process(es); set cluster.nodes=2 and cluster.gpus_per_node=1 (or "
@@ -162,7 +164,7 @@ def refusals(rung: Rung, asked, *, num_blocks: int, moe_experts: bool) -> tuple[
         activation_offload(rung),
         objective(rung, objective=asked.objective),
         grpo_reference(rung, objective=asked.objective, beta=asked.grpo.beta),
-        rollout_node(rung, objective=asked.objective, rollout=asked.grpo.rollout),
+        rollout_node(rung, objective=asked.objective),
         eight_bit_base(rung),
         dora(rung, use_dora=asked.lora.use_dora),
         samples(rung, sample_every=asked.train.sample_every),

@@ -23,20 +23,16 @@ from homelab_ft.distributed import comm
 from homelab_ft.distributed.comm import DistEnv
 from homelab_ft.distributed.rollout_link import Link, empty_like_flat, flatten, unflatten_into
 from homelab_ft.rules import refusals
-from homelab_ft.rung import Rung, RungError
+from homelab_ft.rung import COLOCATED, Rung, RungError
 from homelab_ft.store import ranks
 from homelab_ft.train.rollout import Colocated, Rollout, end_token_ids
 
 log = logging.getLogger(__name__)
 
 
-def enabled(recipe) -> bool:
-    return recipe.objective == "grpo" and recipe.grpo.rollout == "node"
-
-
 def check(recipe, *, rung: Rung) -> None:
     """refusals.rollout_node, for a caller that did not plan (the planner offers no rung it refuses)."""
-    if why := refusals.rollout_node(rung, objective=recipe.objective, rollout=recipe.grpo.rollout):
+    if why := refusals.rollout_node(rung, objective=recipe.objective):
         raise RungError(why)
 
 
@@ -47,7 +43,7 @@ def trainer_env(env: DistEnv) -> DistEnv:
 
 def trainer_rung(rung: Rung) -> Rung:
     """The planned 2-process rung as the one process that trains (no_shard: refusals.rollout_node)."""
-    return replace(rung, nodes=1, procs_per_node=1)
+    return replace(rung, nodes=1, procs_per_node=1, rollout=COLOCATED)
 
 
 def adapter_tensors(model) -> list[torch.Tensor]:

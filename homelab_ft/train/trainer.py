@@ -90,7 +90,7 @@ def train(recipe: Recipe, *, plan: dict | None = None, rung: Rung | None = None,
     # over, so torchrun's copy of the signal cannot cut short rank 0's last line.
     with stopping.StopRequest(announce=env.is_main):
         try:
-            if rollout_node.enabled(recipe):
+            if rung.rollout_node_enabled:
                 return _with_rollout_node(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir,
                                           resume_command=resume_command)
             return _train(recipe, env=env, rung=rung, plan=plan, inputs=inputs, base_dir=base_dir,

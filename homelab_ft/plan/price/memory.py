@@ -289,7 +289,7 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     if shards == 1 and not cpu_offload:
         host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, rung=rung, request=request, cluster=cluster))
     compute = compute_s(shape, rung=rung, request=request, cluster=cluster)
-    if request.rollout_node:  # rank 0 trains as one process: no gradient collectives (the adapters' sync is the rollout's)
+    if rung.rollout_node_enabled:  # rank 0 trains as one process: no gradient collectives (the adapters' sync is the rollout's)
         comm = Communication(sent_bytes=0, gathers_s=0.0, grads_s=0.0, backward_window=0.0, exposed_s=0.0)
     else:
         comm = communication(shape, sizes.base_bytes, sizes.trainable, rung=rung, request=request, cluster=cluster,
@@ -356,7 +356,7 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # GRPO generates each micro-batch's rollouts between the previous one's backward and its own
     # forward: the earlier micro-batches' gradients are summed by then
     resident = held["weights"] + held["optimizer"] + held["gathered"] + held["gradients"] * (request.train.grad_accum_steps > 1)
-    if request.rollout_node:  # the rollout node's GPU: the base and the adapters, nothing of training's
+    if rung.rollout_node_enabled:  # the rollout node's GPU: the base and the adapters, nothing of training's
         resident = held["weights"]
     device = Memory(
         **held,

@@ -153,7 +153,7 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
     prefill_s = 2 * params * rows * prompt / flops_per_s * slowdown
     per_micro_batch = prefill_s + new * decode_s + fetches * fetch_s
     scoring_s = 2 * params * request.micro_batch_tokens / flops_per_s * slowdown + fetch_s
-    node = request.rollout_node
+    node = rung.rollout_node_enabled
     return Rollout(
         kv_cache_bytes=kv_cache_bytes(shape, request, act_bytes),
         generation_s=accum * per_micro_batch / grpo.num_iterations,

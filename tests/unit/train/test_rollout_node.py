@@ -5,6 +5,7 @@ changed, exactly their bytes) over a stand-in link."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from homelab_ft.plan.price.memory import GiB
 from homelab_ft.plan.shape.shapes import model_shape
 from homelab_ft.recipe.config import GrpoConfig, recipe_from_dict
 from homelab_ft.rules import refusals
-from homelab_ft.rung import Rung, RungError
+from homelab_ft.rung import Rung, RungError, rung_for
 from homelab_ft.train import rollout_node
 from homelab_ft.train.rollout import Colocated
 
@@ -27,7 +28,7 @@ GRPO = {"objective": "grpo", "grpo": {"reward_funcs": ["exact_answer"], "rollout
 
 
 def _rule(rung: Rung) -> str | None:
-    return refusals.rollout_node(rung, objective="grpo", rollout="node")
+    return refusals.rollout_node(replace(rung, rollout="node"), objective="grpo")
 
 
 def test_the_rule_refuses_each_layout_in_one_line():
@@ -39,16 +40,19 @@ def test_the_rule_refuses_each_layout_in_one_line():
     assert "grpo.rollout=node is not run pipelined yet" in _rule(
         Rung("lora", "no_shard", False, procs_per_node=2, pipeline_stages=2))
     assert "sharding.strategy=full_shard does not apply" in _rule(Rung("lora", "full_shard", False, procs_per_node=2))
-    for why in (refusals.rollout_node(Rung("full", "no_shard", False), objective="grpo", rollout="colocated"),
-                refusals.rollout_node(Rung("full", "no_shard", False), objective="sft", rollout="node")):
-        assert why is None
+    assert refusals.rollout_node(Rung("full", "no_shard", False), objective="grpo") is None  # colocated
+    assert "objective=sft samples none" in refusals.rollout_node(
+        Rung("lora", "no_shard", False, nodes=2, rollout="node"), objective="sft")
     assert all("\n" not in _rule(r) for r in (Rung("lora", "no_shard", False), Rung("full", "no_shard", False, nodes=2)))
 
 
 def test_the_trainer_asks_the_same_rule():
     recipe = recipe_from_dict({**GRPO, "method": "full", "cluster": {"gpus_per_node": 2}})
     with pytest.raises(RungError, match="method=full trains every weight"):
-        rollout_node.check(recipe, rung=Rung("full", "no_shard", False, procs_per_node=2))
+        rollout_node.check(recipe, rung=rung_for(recipe))
+    assert rung_for(recipe).rollout == "node"
+    auto = recipe_from_dict({**GRPO, "grpo": {**GRPO["grpo"], "rollout": "auto"}, "cluster": {"gpus_per_node": 2}})
+    assert rung_for(auto).rollout == "colocated"  # with no plan to choose, generation stays in the trainer
 
 
 def test_the_planner_offers_only_what_the_rule_allows():

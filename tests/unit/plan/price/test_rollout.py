@@ -13,7 +13,7 @@ import pytest
 
 from homelab_ft.plan.hardware import Detected, resolve_cluster
 from homelab_ft.plan.inputs import HOST_MEMORY_BYTES_PER_S, Cluster
-from homelab_ft.plan.ladder import option_rung
+from homelab_ft.plan.ladder import choose, option_rung
 from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.price.memory import GiB, estimate
 from homelab_ft.plan.price.rollout import (
@@ -25,7 +25,7 @@ from homelab_ft.plan.price.rollout import (
 from homelab_ft.plan.report import format_plan
 from homelab_ft.plan.shape.shapes import model_shape
 from homelab_ft.recipe.config import ClusterConfig
-from homelab_ft.rung import RungError
+from homelab_ft.rung import Rung, RungError
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 TINY = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -240,7 +240,10 @@ def test_a_rollout_node_moves_generation_off_the_trainer_and_adds_the_adapters_s
     assert twice.rollout.sync_s == pytest.approx(x.sync_s / 2)
     text = format_plan(plan(shape, request=grpo(method="lora", rollout="node"), cluster=TWO_NODES))
     assert "generated on the rollout node" in text and "adapter sync" in text and "no overlap yet" in text
-    assert "a second machine can generate instead: grpo.rollout=node" in format_plan(plan(shape, request=grpo(method="lora"), cluster=TWO_NODES))
+    named = plan(shape, request=grpo(method="lora", rollout="colocated"), cluster=TWO_NODES)
+    assert "a second machine can generate instead: grpo.rollout=node" in format_plan(named)
+    assert "a second machine can generate instead" not in format_plan(plan(shape, request=grpo(method="lora"),
+                                                                            cluster=TWO_NODES))  # auto priced it
 
 
 def test_afford_answers_how_many_generations_and_how_long_a_completion_fit():
@@ -262,3 +265,26 @@ def test_afford_answers_how_many_generations_and_how_long_a_completion_fit():
     assert f"num_generations <= {mine.num_generations} at max_completion_length 1024" in text
     assert "num_generations" not in json.dumps(plan(shape, request=default_request(method="qlora"),
                                                     cluster=ONE_GPU).to_dict()["afford"])
+
+
+def test_auto_rollout_prices_both_placements_and_takes_the_fastest_that_fits():
+    """grpo.rollout: auto prices the node beside every colocated option of a 2-process job. Colocated
+    trains on both ranks (two batches per step), so it wins wherever it fits; version 1's node, which
+    only frees the trainer's GPU of generation, is taken where no colocated option fits (as `choose`
+    does here over the node options alone: in v1 the training peak binds every such GRPO plan, so the
+    node is never the only fit in practice), and `train` gets the chosen rung from the plan."""
+    shape = _shape("qwen3-8b")
+    request = grpo(method="qlora", max_completion_length=1024)
+    auto = plan(shape, request=request, cluster=TWO_NODES)
+    assert auto.chosen.rung.rollout == "colocated" and auto.chosen.rung.data_parallel_size == 2
+    nodes = tuple(o for o in auto.options if o.rung.rollout_node_enabled and o.method == "qlora")
+    assert [o.label for o in nodes] == ["qlora no_shard +ckpt +rollout-node"]
+    assert not any("rollout-node" in r.label for r in auto.refused)  # auto lists no node refusal per strategy
+    named = plan(shape, request=grpo(method="qlora", max_completion_length=1024, rollout="node"), cluster=TWO_NODES)
+    assert named.chosen.rung == nodes[0].rung and named.chosen.step_s == nodes[0].step_s  # one price either way
+    assert nodes[0].batch_s == nodes[0].step_s > 2 * auto.chosen.batch_s  # one trainer, and it waits
+    chosen = choose(nodes, request=request)
+    assert chosen is not None and chosen.rung.rollout_node_enabled
+    assert Rung.from_dict(chosen.rung.to_dict()).rollout_node_enabled  # plan.json / the torchrun handoff
+    one = plan(shape, request=request, cluster=ONE_GPU)
+    assert all(o.rung.rollout == "colocated" for o in one.options)  # one process: nothing to generate on
