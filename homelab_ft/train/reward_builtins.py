@@ -6,6 +6,8 @@ completions are lists of messages; the last message's `content` is the reply):
 
     exact_answer      1.0 when the answer equals the `answer` (or `solution`) column, after normalising
     numeric_answer    1.0 when the answer is the same number (1/2 = 0.5 = \\frac{1}{2}; 1,000 = 1000)
+    math_answer       1.0 when math-verify finds the answer symbolically equal to the `solution`
+                      (or `answer`) column: \\sqrt{2}/2 = \\frac{1}{\\sqrt{2}}, x \\in [0, 1], matrices; TRL's accuracy_reward
     json_valid        1.0 when the completion is JSON
     think_format      TRL's think_format_reward: reasoning in one <think>...</think> before the answer
 
@@ -18,9 +20,9 @@ and, with parameters (`regex_match: {pattern: ...}` in the recipe; callable from
 The answer of a completion (`extract_answer`) is the last `\\boxed{...}`, else what follows the last
 `####` (GSM8K's mark), else what follows the last `answer:` on its line, else the whole text. A row
 whose reference answer is empty or not a number (for numeric_answer) gets None: no reward, as TRL's
-accuracy_reward does for a solution it cannot parse. math-verify's symbolic equivalence is not used:
-exact rational equality covers the integer, decimal and fraction answers of GSM8K-like tasks without
-a dependency.
+accuracy_reward does for a solution it cannot parse. numeric_answer's exact rational equality covers
+the integer, decimal and fraction answers of GSM8K-like tasks; math_answer is for answers that are
+expressions (MATH, NuminaMath), where only a symbolic comparison can tell two spellings are equal.
 """
 
 from __future__ import annotations
@@ -219,5 +221,42 @@ class overlong_penalty:
         return out
 
 
-BUILTINS = {f.__name__: f for f in (exact_answer, numeric_answer, json_valid, think_format)}
+def math_answer(prompts, completions, completion_ids=None, **columns) -> list[float | None]:
+    """1.0 when math-verify finds the completion's answer equal to the reference (TRL's accuracy_reward)."""
+    from latex2sympy2_extended import NormalizationConfig
+    from math_verify import LatexExtractionConfig, parse, verify
+
+    refs = _solutions(columns)
+    # TRL 1.16's accuracy_reward settings: the reference parsed as math-verify defaults, the completion
+    # as well-formed LaTeX only (no repair of malformed operators), its \boxed{} tried first and an
+    # answer without an anchor (\boxed, "final answer") not guessed at.
+    answer_config = [LatexExtractionConfig(
+        normalization_config=NormalizationConfig(nits=False, malformed_operators=False, basic_latex=True,
+                                                 boxed="all", units=True),
+        boxed_match_priority=0, try_extract_without_anchor=False)]
+    out = []
+    for completion, ref in zip(completions, refs, strict=True):
+        gold = parse(str(ref), extraction_mode="first_match") if ref is not None else []
+        if not gold:
+            out.append(None)  # a reference math-verify cannot read: no reward, as TRL does
+            continue
+        answer = parse(text_of(completion), extraction_config=answer_config, extraction_mode="first_match")
+        try:
+            out.append(float(verify(gold, answer)))
+        except Exception:  # noqa: BLE001 - sympy can fail on any odd pair; TRL scores such a row None
+            out.append(None)
+    return out
+
+
+def _solutions(columns: dict) -> Sequence:
+    """math_answer's reference: TRL's column is `solution`; `answer` as the other built-ins read it."""
+    for key in ("solution", "answer"):
+        if key in columns:
+            return columns[key]
+    return _references(columns, name="math_answer")
+
+
+BUILTINS = {f.__name__: f for f in (exact_answer, numeric_answer, math_answer, json_valid, think_format)}
+NEEDS = {"math_answer": "math_verify"}
+"""Built-ins that need a package beyond homelab-ft's own imports: resolved only when it imports."""
 FACTORIES = {f.__name__: f for f in (regex_match, json_object, overlong_penalty)}

@@ -105,6 +105,10 @@ def _spelling(entry) -> str:
 
 def _builtin(name: str, *, where: str) -> RewardFunc:
     if name in reward_builtins.BUILTINS:
+        needed = reward_builtins.NEEDS.get(name)
+        if needed and importlib.util.find_spec(needed) is None:
+            raise UserError(f"{where}: {name} needs the {needed.replace('_', '-')} package, which is not installed; "
+                            f"pip install {needed.replace('_', '-')} (make install does)")
         return reward_builtins.BUILTINS[name]
     if name in reward_builtins.FACTORIES:
         raise UserError(f"{where}: {name} takes parameters; write it as `{name}: {{...}}` "

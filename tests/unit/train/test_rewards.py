@@ -165,3 +165,30 @@ def test_json_regex_think_and_length_builtins():
 def test_conversational_completions_are_read_as_their_last_message():
     conv = [[{"role": "assistant", "content": "answer: 4"}], [{"role": "assistant", "content": "3"}]]
     assert rb.numeric_answer(["", ""], conv, answer=["4", "4"]) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(("completion", "solution", "want"), [
+    (r"so the answer is $\boxed{\frac{\sqrt{2}}{2}}$", r"$\frac{1}{\sqrt{2}}$", 1.0),  # two spellings, one value
+    (r"$\boxed{x^2 + 2x + 1}$", r"$(x+1)^2$", 1.0),
+    (r"$\boxed{[0, 1)}$", r"$[0,1)$", 1.0),
+    (r"$\boxed{0.5}$", r"$\frac{1}{2}$", 1.0),
+    (r"$\boxed{\frac{1}{3}}$", r"$\frac{1}{2}$", 0.0),
+    ("the answer is 1/2 I think", r"$\frac{1}{2}$", 0.0),  # no LaTeX anchor in the completion: not guessed
+    (r"$\boxed{3}$", "no formula here at all", None),  # a reference math-verify cannot read: no reward
+])
+def test_math_answer_compares_symbolically_as_trls_accuracy_reward(completion, solution, want):
+    (got,) = rb.math_answer(["p"], [completion], solution=[solution])
+    assert got == want
+
+
+def test_math_answer_reads_the_solution_column_and_resolves_by_name(tmp_path, monkeypatch):
+    func = rewards.resolve("math_answer", recipe_dir=tmp_path)
+    chat = [[{"role": "assistant", "content": r"$\boxed{4}$"}]]
+    assert func(["p"], chat, [[1]], answer=["$4$"]) == [1.0]
+    assert func(["p"], chat, [[1]], solution=["$5$"], answer=["$4$"]) == [0.0]  # TRL's column first
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+    with pytest.raises(UserError, match="math_answer needs the math-verify package.*pip install math-verify"):
+        rewards.resolve("math_answer", recipe_dir=tmp_path)
