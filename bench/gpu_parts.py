@@ -86,15 +86,16 @@ def _session(ctx: Context, recipe):
     import torch
 
     from homelab_ft.distributed import comm
-    from homelab_ft.rung import rung_for
+    from homelab_ft.plan.planner import named_rung, plan_for_recipe
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model
 
     env = comm.setup(device_pref=ctx.device)
+    rung = named_rung(recipe, plan_for_recipe(recipe))  # the embedding table where `train` would keep it
     torch.manual_seed(0)
-    model = build_model(recipe, model_dir=ctx.model_dir, rung=rung_for(recipe), env=env)
+    model = build_model(recipe, model_dir=ctx.model_dir, rung=rung, env=env)
     optimizer = optim.build_optimizer(model, recipe.train)
-    return SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
+    return SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung, optimizer=optimizer,
                            scheduler=optim.build_scheduler(optimizer, recipe.train))
 
 

@@ -69,6 +69,10 @@ class Rung:
     stage_blocks: tuple[int, ...] = ()
     """Decoder blocks per stage, first to last; () = as even as possible (the planner sizes it to each GPU)."""
     pipeline_schedule: str = "1f1b"
+    embedding_offload: bool = False
+    """The frozen input embedding table lives in host RAM, looked up there (train/host_embedding.py);
+    set only by rules/embedding_offload.placed, the rule (on this rung, the model's facts and the
+    device), where the ladder builds the rung."""
     rollout: str = COLOCATED
     """GRPO's generation: `colocated` in every training process, or `node`: the job's last rank
     generates and rank 0 trains as one process (refusals.rollout_node says when the trainer runs it)."""
@@ -328,5 +332,6 @@ def pipelined(rung: Rung, sharding) -> Rung:
         return rung  # the planner's pipeline (its stage split sized to each GPU), or none asked for
     strategy = NO_SHARD if sharding.pipeline_stages > 1 and sharding.strategy == "auto" else rung.strategy
     return replace(rung, strategy=strategy, cpu_offload=rung.cpu_offload and strategy != NO_SHARD,
+                   embedding_offload=rung.embedding_offload and sharding.pipeline_stages == 1,
                    pipeline_stages=sharding.pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()),
                    pipeline_schedule=sharding.pipeline_schedule)

@@ -42,7 +42,7 @@ def planned(recipe, *, cluster_file: str | None, base_dir: Path):
     and nothing fitting, the plan goes to stderr to say what would. GRPO's reward functions are
     resolved first (`preflight.check_rewards`; `base_dir` is the recipe's folder)."""
     from homelab_ft.plan import planner, report
-    from homelab_ft.rung import pipelined, rung_for
+    from homelab_ft.rung import pipelined
     from homelab_ft.train import preflight
 
     preflight.check_rewards(recipe, base_dir=base_dir)
@@ -52,7 +52,7 @@ def planned(recipe, *, cluster_file: str | None, base_dir: Path):
     if recipe.method == "auto":
         print(report.format_plan(plan), file=sys.stderr)
         raise UserError("no rung of the ladder fits this model on this hardware; see the plan above for what would")
-    rung = rung_for(recipe)  # a refused combination stops here, before the warning
+    rung = planner.named_rung(recipe, plan)  # a refused combination stops here, before the warning
     log.warning("the planner expects method %s not to fit (run `homelab-ft plan` for the numbers); trying anyway",
                 recipe.method)
     return plan, rung

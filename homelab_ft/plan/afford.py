@@ -100,7 +100,8 @@ def for_option(shape: ModelShape, option: Option, *, request: PlanRequest, clust
         req = request.changed(**change)
         stages = option.rung.pipeline_stages
         return any(price(shape, rung=option_rung(option.method, option.strategy, option.cpu_offload, request=req,
-                                                 cluster=cluster, savers=level, stages=stages),
+                                                 cluster=cluster, savers=level, stages=stages,
+                                                 rollout=option.rung.rollout, shape=shape),
                          request=req, cluster=cluster)[1]
                    for level in saver_levels(req, cluster) if not (stages > 1 and level[1]))
 

@@ -22,7 +22,7 @@ from homelab_ft.plan.price import pipeline
 from homelab_ft.plan.price.memory import Estimate, estimate, gib_text, with_paged_spill
 from homelab_ft.plan.price.network import OFFLOAD_BYTES_PER_S
 from homelab_ft.plan.shape.shapes import ModelShape
-from homelab_ft.rules import refusals
+from homelab_ft.rules import embedding_offload, refusals
 from homelab_ft.rules.quant_rule import MAX_UNQUANTIZABLE_FRACTION, unquantizable_fraction
 from homelab_ft.rung import (
     COLOCATED,
@@ -73,18 +73,26 @@ class Option(Estimate):
 
 
 def option_rung(method: str, strategy: str, offload: bool, *, request: PlanRequest, cluster: Cluster,
-                savers: tuple[bool, bool] | None = None, stages: int = 1, rollout: str | None = None) -> Rung:
+                savers: tuple[bool, bool] | None = None, stages: int = 1, rollout: str | None = None,
+                shape: ModelShape | None = None) -> Rung:
     """The validated rung of one option on this cluster (raises RungError for one that cannot exist).
     `savers` is (activation checkpointing, activation offload); default: the request's first level.
     `stages` > 1: a pipeline (pipeline.py), its blocks per stage as the recipe gives them, else left
     for `price` to size to each GPU. `rollout`: where GRPO generates; default: the one the recipe
-    names (colocated for `auto`, `requested_rollout`). Whether the trainer runs it for this recipe and model is
+    names (colocated for `auto`, `requested_rollout`). With the model's `shape`, the rung's
+    `embedding_offload` is decided (rules/embedding_offload.placed); without it the table stays on
+    the device (a rung priced for its other fields alone). Whether the trainer runs it for this recipe and model is
     `refusals.refusals` (`offers` asks it of every option)."""
     checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
-    return build(method, strategy, offload, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
+    rung = build(method, strategy, offload, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
                  train=request.train, quant=request.quant, sharding=request.sharding,
                  activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages,
                  rollout=requested_rollout(request.objective, request.grpo) if rollout is None else rollout)
+    if shape is None:
+        return rung
+    return embedding_offload.placed(rung, request.train.embedding_offload, targets=request.lora.targets,
+                                    embedding_name=shape.embedding_name, tied=shape.tie_word_embeddings,
+                                    device_type=cluster.device)
 
 
 def rollouts(request: PlanRequest, cluster: Cluster) -> tuple[str, ...]:
@@ -144,7 +152,7 @@ def offers(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tupl
             pipelined_levels = [level for level in levels if not (stages > 1 and level[1])] or levels
             try:
                 rungs = [option_rung(method, strategy, offload, request=request, cluster=cluster, savers=level,
-                                     stages=stages, rollout=rollout) for level in pipelined_levels]
+                                     stages=stages, rollout=rollout, shape=shape) for level in pipelined_levels]
                 why = next((w for r in rungs for w in refusals.refusals(r, request, num_blocks=shape.num_layers,
                                                                         moe_experts=moe_experts)), None)
             except RungError as err:

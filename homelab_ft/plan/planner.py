@@ -25,7 +25,7 @@ from homelab_ft.plan.price.diskspace import checkpoint_bytes
 from homelab_ft.plan.price.memory import gib_text
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules import embedding_offload, moe_routers
-from homelab_ft.rung import RungError, hybrid_refusal, requested_rollout, requested_rung
+from homelab_ft.rung import Rung, RungError, hybrid_refusal, requested_rollout, requested_rung, rung_for
 
 
 @dataclass(frozen=True)
@@ -409,6 +409,16 @@ def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str
         cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(), cluster_file=cluster_file)
     return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,
                 config_source=source)
+
+
+def named_rung(recipe, plan: Plan) -> Rung:
+    """The rung a recipe's own choices name (`rung_for`), with what only the model and device decide
+    decided as the ladder decides it for the rungs it prices (the input embeddings on the host:
+    embedding_offload.placed): what `train` runs where the planner chose nothing for a named method,
+    and what a test or benchmark builds a model for outside `train`. Raises RungError for a refused one."""
+    return embedding_offload.placed(
+        rung_for(recipe), recipe.train.embedding_offload, targets=recipe.lora.target_modules,
+        embedding_name=plan.shape.embedding_name, tied=plan.shape.tie_word_embeddings, device_type=plan.cluster.device)
 
 
 def recipe_shape(recipe) -> tuple[ModelShape, str]:

@@ -6,13 +6,15 @@ need not be on the GPU at all: the token ids are looked up on the host and only 
 whole table kept on the device (Qwen3-30B-A3B: 151,936 x 2048 x 2 B = 0.58 GiB; Llama-3-8B:
 128,256 x 4096 x 2 B = 0.98 GiB). Unsloth's `offload_embedding` does the same.
 
-This module is the one rule both sides apply: the planner (plan/price/memory.py prices the option with
-it, plan/ladder.py and plan/planner.py refuse `true` where it cannot apply) and the trainer
-(train/host_embedding.py keeps the table on the host when it says so). Pure, torch-free.
+This module is the one rule: `placed` sets `Rung.embedding_offload` where the ladder builds each rung
+(plan/ladder.option_rung), the pricing reads that field (plan/price/params.host_embedding_bytes), and so
+does the trainer (train/host_embedding.py keeps the table on the host when the chosen rung says so);
+plan/planner.py refuses `true` where the model cannot apply it. Pure, torch-free.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from homelab_ft.rung import NO_SHARD, Rung, RungError, effective_strategy
@@ -83,6 +85,16 @@ def decide(setting: Setting, *, rung: Rung, tied: bool, targeted: bool, device_t
     if why is not None and setting is True:
         raise error(why)
     return why is None
+
+
+def placed(rung: Rung, setting: Setting, *, targets, embedding_name: str, tied: bool, device_type: str) -> Rung:
+    """`rung` with `embedding_offload` as `decide` rules for this model (its embedding module's name
+    and whether it is tied, ModelShape's facts; `targets`: lora.target_modules) and device: the one
+    place the choice is made (the ladder, for every rung it prices; `train` for a named rung the
+    planner did not choose), so the plan's price and the trainer's model read the same field."""
+    targeted = targets_embedding(targets, embedding_name=embedding_name)
+    keep = decide(setting, rung=rung, tied=tied, targeted=targeted, device_type=device_type)
+    return rung if keep == rung.embedding_offload else replace(rung, embedding_offload=keep)
 
 
 def check_named(setting: Setting, *, method: str, strategy: str, cpu_offload: bool, world_size: int,

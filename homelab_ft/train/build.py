@@ -83,7 +83,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, facts: ModelFacts, rung: Run
     else:
         model = load_whole(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
     if rung.adapters_enabled:  # its hook is prepended, so it runs before checkpointing's input hook
-        host_embedding.apply(model, recipe, facts=facts, rung=rung, device=env.device)  # train.embedding_offload
+        host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
     if env.distributed and not rung.fsdp_enabled:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)

@@ -1,7 +1,7 @@
 """`train.embedding_offload`: the frozen input embedding table in host RAM, its lookups on the host.
 
-Whether it applies is homelab_ft/rules/embedding_offload.py's rule, the one the planner prices with; this
-module does it. The table (and its module's buffers, e.g. Gemma's embed_scale) moves to host
+Whether it applies is the chosen rung's `embedding_offload`, set by homelab_ft/rules/embedding_offload.py's
+rule where the planner built the rung it priced; this module does it. The table (and its module's buffers, e.g. Gemma's embed_scale) moves to host
 memory; two hooks on the embedding module send the token ids to the host and the
 looked-up rows ([batch, seq, hidden]) to the GPU, the only bytes that cross PCIe (8 MiB per
 2048-token row at hidden 2048 in bf16, against a 0.58 GiB table for Qwen3-30B-A3B). The module
@@ -21,7 +21,6 @@ import logging
 import torch
 from torch import nn
 
-from homelab_ft.model_facts import ModelFacts
 from homelab_ft.recipe.config import Recipe
 from homelab_ft.rules import embedding_offload
 from homelab_ft.rung import Rung
@@ -31,23 +30,16 @@ log = logging.getLogger(__name__)
 HOST = torch.device("cpu")
 
 
-def apply(model: nn.Module, recipe: Recipe, *, facts: ModelFacts, rung: Rung, device: torch.device) -> bool:
-    """Keep `model`'s input embedding table on the host when the rule says so; whether it did."""
-    if not planned(recipe, facts=facts, rung=rung, device_type=device.type):
+def apply(model: nn.Module, recipe: Recipe, *, rung: Rung, device: torch.device) -> bool:
+    """Keep `model`'s input embedding table on the host when the rung says so (the plan decided it:
+    rules/embedding_offload.placed); whether it did."""
+    if not rung.embedding_offload or device.type != "cuda":  # off a GPU there is no device memory to save
         return False
     base = _base(model)
     nbytes = keep_on_host(base, base.get_input_embeddings(), device=device)
     log.info("%s=%s: the input embedding table (%.2f GiB) is in host RAM; only its looked-up rows go to %s",
              embedding_offload.KEY, recipe.train.embedding_offload, nbytes / 1024**3, device)
     return True
-
-
-def planned(recipe: Recipe, *, facts: ModelFacts, rung: Rung, device_type: str) -> bool:
-    """The rule (embedding_offload.decide) on what the planner read off the model (ModelFacts: tied,
-    and the embedding module's name the targets are matched against), so it decides as the plan did."""
-    targeted = embedding_offload.targets_embedding(recipe.lora.target_modules, embedding_name=facts.embedding_name)
-    return embedding_offload.decide(recipe.train.embedding_offload, rung=rung, tied=facts.tied_embeddings,
-                                    targeted=targeted, device_type=device_type)
 
 
 def _base(model: nn.Module) -> nn.Module:

@@ -32,9 +32,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _step(model_dir: Path, setting):
     from homelab_ft.distributed import comm
-    from homelab_ft.plan.planner import recipe_shape
+    from homelab_ft.plan.planner import named_rung, plan_for_recipe, recipe_shape
     from homelab_ft.recipe.config import recipe_from_dict
-    from homelab_ft.rung import rung_for
     from homelab_ft.train import optim
     from homelab_ft.train.build import build_model
     from homelab_ft.train.trainer import train_step
@@ -47,13 +46,15 @@ def _step(model_dir: Path, setting):
     env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
+    rung = named_rung(recipe, plan_for_recipe(recipe))  # Rung.embedding_offload decided as `train` decides it
+    assert rung.embedding_offload == (setting is not False)
     torch.manual_seed(0)
-    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=env)
+    model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung, env=env)
     resident = torch.cuda.memory_allocated() - before
     lm = model.get_base_model()
     table = lm.get_input_embeddings().weight
     optimizer = optim.build_optimizer(model, recipe.train)
-    s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung_for(recipe), optimizer=optimizer,
+    s = SimpleNamespace(env=env, model=model, recipe=recipe, rung=rung, optimizer=optimizer,
                         scheduler=optim.build_scheduler(optimizer, recipe.train))
     ids = torch.randint(0, VOCAB, (2, 256), generator=torch.Generator().manual_seed(0))
     result = train_step(s, [{"input_ids": ids, "labels": ids}])

@@ -14,7 +14,6 @@ import math
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.shape.shapes import BlockShape, Linear, ModelShape
-from homelab_ft.rules import embedding_offload
 from homelab_ft.rung import Rung
 
 
@@ -216,10 +215,9 @@ def base_weight_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, clust
 def host_embedding_bytes(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cluster) -> int:
     """Bytes of the input embedding table that train.embedding_offload keeps in host RAM instead of
     on the GPU (0 where the one rule, homelab_ft/rules/embedding_offload.py, leaves it there): vocab x
-    hidden in the dtype the base keeps its unquantized ends in (`base_weight_bytes`)."""
-    targeted = embedding_offload.targets_embedding(request.lora.targets, embedding_name=shape.embedding_name)
-    if not embedding_offload.decide(request.train.embedding_offload, rung=rung, tied=shape.tie_word_embeddings,
-                                    targeted=targeted, device_type=cluster.device):
+    hidden in the dtype the base keeps its unquantized ends in (`base_weight_bytes`). The rung says
+    whether (`Rung.embedding_offload`, which embedding_offload.placed set where the rung was built)."""
+    if not rung.embedding_offload:
         return 0
     per_param = qlora_compute_bytes(request, cluster) if rung.quantized_enabled else weight_bytes(request, cluster)
     return shape.vocab_size * shape.hidden_size * per_param

@@ -10,7 +10,7 @@ import pytest
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import evaluate, saver_levels
-from homelab_ft.plan.planner import default_request, plan, validate
+from homelab_ft.plan.planner import default_request, named_rung, plan, validate
 from homelab_ft.plan.price.memory import GiB
 from homelab_ft.plan.shape.shapes import model_shape
 from homelab_ft.recipe.config import recipe_from_dict
@@ -150,6 +150,6 @@ def test_every_planned_option_is_accepted_by_the_trainer(name):
                 # (plan() on it would add only the advice and warnings, priced above for `request`).
                 validate(shape, request=explicit, cluster=cluster)
                 assert option.rung in {o.rung for o in evaluate(shape, request=explicit, cluster=cluster)}
-                assert rung_for(_recipe_for(option, cluster, request)) == option.rung
+                assert named_rung(_recipe_for(option, cluster, request), p) == option.rung
                 checked += 1
     assert checked > 50

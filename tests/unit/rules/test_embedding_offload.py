@@ -17,6 +17,7 @@ from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.price import params
 from homelab_ft.plan.shape.shapes import model_shape
 from homelab_ft.recipe.config import recipe_from_dict
+from homelab_ft.rules import embedding_offload
 from homelab_ft.rung import Rung, RungError
 from homelab_ft.train import host_embedding
 
@@ -58,9 +59,10 @@ def _outcome(call, **kwargs):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_planner_and_trainer_apply_one_rule(tied):
-    """Every rung x targets x device x setting: the planner prices the table in host RAM exactly
-    where the trainer keeps it there, and both refuse the same `true`."""
+def test_the_rule_sets_the_rung_field_that_pricing_and_trainer_read(tied):
+    """Every rung x targets x device x setting: `placed` decides `Rung.embedding_offload` once (or
+    refuses `true`), the pricing puts the table in host RAM exactly where the field says, and a rung
+    the field is set on cannot be built where the rule refuses it."""
     model, shape = _model_and_shape(tied)
     assert shape.embedding_name == "model.embed_tokens" and shape.tie_word_embeddings == tied
     # the trainer decides on the facts the plan hands it, which are the built model's
@@ -70,12 +72,14 @@ def test_planner_and_trainer_apply_one_rule(tied):
     seen = set()
     for (rung_name, rung), (tname, targets), device, setting in itertools.product(
             RUNGS.items(), TARGETS.items(), ("cuda", "cpu"), ("auto", True, False)):
-        recipe = recipe_from_dict({"lora": {"target_modules": targets}, "train": {"embedding_offload": setting}})
         request = default_request(lora={"target_modules": targets}, train={"embedding_offload": setting})  # method: the rung's
-        priced = _outcome(params.host_embedding_bytes, shape=shape, rung=rung, request=request, cluster=_cluster(device))
-        priced = priced if priced == "refused" else priced > 0
-        kept = _outcome(host_embedding.planned, recipe=recipe, facts=facts, rung=rung, device_type=device)
-        assert priced == kept, (rung_name, tname, device, setting)
+        built = _outcome(embedding_offload.placed, rung=rung, setting=setting, targets=request.lora.targets,
+                         embedding_name=facts.embedding_name, tied=facts.tied_embeddings, device_type=device)
+        kept = built if built == "refused" else built.embedding_offload
+        if built != "refused":
+            priced = params.host_embedding_bytes(shape, rung=built, request=request, cluster=_cluster(device))
+            assert (priced > 0) == kept == (priced == shape.vocab_size * shape.hidden_size * 2), (rung_name, tname)
+
         seen.add(kept)
         applies = (not tied and tname != "embed" and device == "cuda" and rung_name in ("qlora", "lora", "lora ddp"))
         assert kept == (applies if setting == "auto" else False if setting is False else applies or "refused")
@@ -85,14 +89,16 @@ def test_planner_and_trainer_apply_one_rule(tied):
 def test_priced_bytes_and_copy():
     """Device weights lose the table (vocab x hidden x 2 B in bf16), host RAM gains it, and the step
     pays one tokens x hidden copy per micro-batch."""
+    from homelab_ft.plan.ladder import option_rung
     from homelab_ft.plan.price.memory import estimate
 
     _, shape = _model_and_shape(False)
-    rung = RUNGS["lora"]
     on = default_request(method="lora", train={"embedding_offload": "auto", "grad_accum_steps": 4})
     off = default_request(method="lora", train={"embedding_offload": False, "grad_accum_steps": 4})
     cuda = _cluster("cuda")
-    a, b = estimate(shape, rung=rung, request=on, cluster=cuda), estimate(shape, rung=rung, request=off, cluster=cuda)
+    kept, plain = (option_rung("lora", "no_shard", False, request=r, cluster=cuda, shape=shape) for r in (on, off))
+    assert kept.embedding_offload and not plain.embedding_offload  # the ladder decides it where it builds the rung
+    a, b = estimate(shape, rung=kept, request=on, cluster=cuda), estimate(shape, rung=plain, request=off, cluster=cuda)
     table = shape.vocab_size * shape.hidden_size * 2
     assert b.memory.weights - a.memory.weights == table == a.host_bytes - b.host_bytes
     from homelab_ft.plan.price.network import OFFLOAD_BYTES_PER_S
