@@ -83,8 +83,10 @@ def test_lora_grpo_logs_its_rollouts_resumes_exactly_and_exports(tmp_path, tiny_
         assert resumed[step]["loss"] == pytest.approx(rows[step]["loss"], abs=1e-6), step
 
     out = tmp_path / "export"
-    assert main(["export", str(run), "--out", str(out), "--format", "safetensors"]) == 0
-    assert (out / "model.safetensors").is_file()
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "model-q8_0.gguf").is_file()
+    check = json.loads((out / "homelab_ft_export.json").read_text())["gguf"]  # the GGUF read back and compared
+    assert 0 < check["max_abs_diff"] <= check["bound"] and "greedy next-token agreement" in check["quality"]["line"]
     capsys.readouterr()
     assert main(["chat", str(run), "--prompt", "say 5", "--max-new-tokens", "4"]) == 0  # a GRPO run talks as any run
     assert capsys.readouterr().out.strip() != ""
