@@ -1,0 +1,78 @@
+"""output.report_to end to end (issue 36 items 2 and 3): a tiny run reports to TensorBoard, MLflow,
+W&B (offline) and trackio (when installed), is resumed, and each tracker's own store holds
+metrics.jsonl's values under one run id; `homelab-ft report` then draws the run. A tracker whose
+library is missing is one line before the run directory exists."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import build_recipe
+import procs
+import pytest
+import tracker_stores
+
+from homelab_ft.cli.main import main
+from homelab_ft.train.metrics import read_metrics
+
+pytest.importorskip("mlflow")
+pytest.importorskip("wandb")
+HAVE_TRACKIO = importlib.util.find_spec("trackio") is not None
+TRACKERS = ["tensorboard", "mlflow", "wandb", *(["trackio"] if HAVE_TRACKIO else [])]
+KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "peak_rss_gib")
+
+
+def test_every_tracker_holds_the_runs_metrics_under_one_id_across_a_resume(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):  # never online from a test, whatever the machine has
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: not logged in to W&B
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    procs.write_chat_data(tmp_path / "train.jsonl", 16)
+    procs.write_chat_data(tmp_path / "eval.jsonl", 4, seed=1)
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=tmp_path / "train.jsonl", name="tiny-track",
+        data={"eval_sources": [{"path": str(tmp_path / "eval.jsonl")}]},
+        train={"max_steps": 2, "eval_every": 2}, output={"tensorboard": True, "report_to": TRACKERS}))
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    first_ids = json.loads((run / "trackers.json").read_text())
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "train.max_steps=3"]) == 0
+    ids = json.loads((run / "trackers.json").read_text())
+    assert ids == first_ids  # the resume continued the same tracker runs
+
+    rows = read_metrics(run / "metrics.jsonl")
+    expected = {key: {r["step"]: r[key] for r in rows if key in r} for key in (*KEYS, "eval_loss")}
+    assert sorted(expected["loss"]) == [1, 2, 3] and sorted(expected["eval_loss"]) == [2, 3]
+
+    mlflow = tracker_stores.mlflow_runs(run)
+    assert list(mlflow) == [ids["mlflow"]]
+    wandb = tracker_stores.wandb_runs(run)
+    assert list(wandb) == [ids["run_id"]]
+    tensorboard = tracker_stores.tensorboard_scalars(run)
+    stores = {"mlflow": mlflow[ids["mlflow"]], "wandb": wandb[ids["run_id"]], "tensorboard": tensorboard}
+    if HAVE_TRACKIO:
+        trackio = tracker_stores.trackio_runs(run, project="tiny-track")
+        assert list(trackio) == [ids["run_id"]]
+        stores["trackio"] = trackio[ids["run_id"]]
+    for name, store in stores.items():
+        for key, values in expected.items():
+            assert store[key] == pytest.approx(values, rel=1e-6), (name, key)
+
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    html = (run / "report" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "plan: predicted peak per device" in html
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_before_the_run_exists(tmp_path, tiny_model_dir, monkeypatch,
+                                                                          capsys):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    procs.write_chat_data(tmp_path / "train.jsonl", 8)
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=tmp_path / "train.jsonl", output={"report_to": ["wandb"]}))
+    assert main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("homelab-ft:")]
+    assert len(err) == 1 and "output.report_to: wandb not installed" in err[0]
+    assert not (tmp_path / "run").exists()
