@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
+import subprocess
 
 import build_recipe
 import procs
@@ -63,6 +65,30 @@ def test_every_tracker_holds_the_runs_metrics_under_one_id_across_a_resume(tmp_p
     assert main(["report", str(run)]) == 0
     html = (run / "report" / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 2 and "plan: predicted peak per device" in html
+    _seen_in_a_browser(run / "report" / "report.html", tmp_path / "shot.png")
+
+
+PLOT_COLOURS = {"loss.png: the learning rate": (44, 160, 44), "throughput.png: tokens/s": (148, 103, 189),
+                "throughput.png: the plan's peak": (214, 39, 40)}
+"""matplotlib's tab:green, tab:purple and tab:red, which only the drawn plots put on the page."""
+
+
+def _seen_in_a_browser(page, shot):
+    """The page as headless Chromium renders it (Debian's `chromium`): not blank, and every plot's
+    own line colour on screen, which a missing or broken image would not show."""
+    browser = shutil.which("chromium")
+    if browser is None:
+        pytest.skip("no chromium to render the report (apt-get install chromium)")
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1000,2000", page.resolve().as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    from PIL import Image
+
+    counts = {rgb: n for n, rgb in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 24)}
+    assert len(counts) > 50, "the screenshot is blank"
+    for what, colour in PLOT_COLOURS.items():
+        near = sum(n for rgb, n in counts.items() if max(abs(a - b) for a, b in zip(rgb, colour, strict=True)) <= 12)
+        assert near > 200, f"{what} is not on screen ({near} pixels of {colour})"
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_before_the_run_exists(tmp_path, tiny_model_dir, monkeypatch,
