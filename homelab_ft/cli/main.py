@@ -105,14 +105,14 @@ def _run(argv: list[str] | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from homelab_ft.cli import chat, cluster, evaluate, export, plan, train
+    from homelab_ft.cli import chat, cluster, evaluate, export, plan, report, train
 
     parser = Parser(prog="homelab-ft", description="Fine-tune open-weight LLMs on your own hardware.")
     add_verbosity(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (plan.add_plan, train.add_train, export.add_export, export.add_generate, train.add_demo,
                 plan.add_recipes, plan.add_data, cluster.add_launch, cluster.add_doctor, chat.add_chat,
-                evaluate.add_eval):
+                evaluate.add_eval, report.add_report):
         add(sub)
     # Every subcommand, nested ones too (`data inspect`), takes -q/-v after its own arguments
     # (`homelab-ft data inspect r.yaml -q`); SUPPRESS keeps a -q given before the command.

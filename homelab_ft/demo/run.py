@@ -29,6 +29,8 @@ class DemoResult:
     """Wall time of each phase (convert, score base, train, export, score export, score gguf)."""
     gguf: DemoScore | None = None
     """The score of export/model-q8_0.gguf reloaded through transformers' GGUF loader."""
+    report: Path | None = None
+    """runs/demo/report/report.html: the run's curves, memory against the plan (`homelab-ft report`)."""
 
 
 class _Stopwatch:
@@ -60,6 +62,7 @@ def run_demo(
     from homelab_ft.export.run import export_run
     from homelab_ft.model import loading
     from homelab_ft.plan import planner
+    from homelab_ft.report.page import write_report
     from homelab_ft.rung import rung_for
     from homelab_ft.train import trainer
 
@@ -90,10 +93,12 @@ def run_demo(
     watch.lap("score export")
     gguf = _score_gguf(export.gguf_path, rows)
     watch.lap("score gguf")
+    report = write_report(run_dir)  # what `homelab-ft report runs/demo` writes: curves, memory vs plan
+    watch.lap("report")
     log.info(summary(before, after, export_dir=export_dir, seconds=watch.seconds, num_examples=num_examples, gguf=gguf,
-                     gguf_name=export.gguf_path.name))
+                     gguf_name=export.gguf_path.name, report=report))
     return DemoResult(before=before, after=after, run_dir=run_dir, export_dir=export_dir, seconds=watch.seconds,
-                      gguf=gguf)
+                      gguf=gguf, report=report)
 
 
 def _demo_recipe(recipe_path: Path, overrides: tuple[str, ...], *, run_dir: Path):
@@ -125,7 +130,7 @@ def _score_gguf(gguf_path: Path, rows: list[dict]) -> DemoScore:
 
 
 def summary(before: DemoScore, after: DemoScore, *, export_dir: Path, seconds: dict[str, float], num_examples: int,
-            gguf: DemoScore | None = None, gguf_name: str = "") -> str:
+            gguf: DemoScore | None = None, gguf_name: str = "", report: Path | None = None) -> str:
     """The before/after table, a few held-out replies side by side, and where the time went."""
     lines = [
         "",
@@ -150,6 +155,8 @@ def summary(before: DemoScore, after: DemoScore, *, export_dir: Path, seconds: d
         ]
     timing = ", ".join(f"{name} {secs:.0f}s" for name, secs in seconds.items())
     lines += [f"time: {timing}; total {sum(seconds.values()) / 60:.1f} min", f"exported model: {export_dir}"]
+    if report is not None:
+        lines.append(f"report (loss, lr, tokens/s, memory vs plan): {report}")
     return "\n".join(lines)
 
 

@@ -289,6 +289,17 @@ class OutputConfig:
     overwrite: bool = False
     """Replace a run directory that holds another run. Without it such a directory is refused."""
     tensorboard: bool = True
+    """TensorBoard events in RUN/tensorboard; the same as listing `tensorboard` in `report_to`."""
+    report_to: tuple[Literal["tensorboard", "trackio", "mlflow", "wandb"], ...] = ()
+    """More trackers for the same metrics, each local by default (train/trackers.py): trackio's store in
+    RUN/trackio, MLflow's file store in RUN/mlflow, W&B offline in RUN/wandb unless logged in. The
+    `track` extra installs them. Empty: TensorBoard only (unless `tensorboard: false`)."""
+
+    @property
+    def trackers(self) -> tuple[str, ...]:
+        """Every tracker the run reports to, TensorBoard first when on, each once."""
+        names = (("tensorboard",) if self.tensorboard else ()) + self.report_to
+        return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True, config=_STRICT)

@@ -5,6 +5,8 @@ A run directory holds
 - `run.json`: the rung that ran, plus the model folder, process count and parameter count (`RunInfo`);
 - `plan.json`: the planner's report, when the run was planned;
 - `metrics.jsonl`, `tensorboard/`, `loss.png`: what people read (train/metrics.py);
+- `trackio/`, `mlflow/`, `wandb/`, `trackers.json`: the other trackers' stores and run ids (train/trackers.py);
+- `report/`: `homelab-ft report`'s report.html and PNGs;
 - `checkpoints/step_*/`: resumable checkpoints (checkpoint.py);
 - `.lock`: held by the one writer while it trains (runlock.py);
 - `diverged.json`: the step a non-finite loss or gradient norm stopped the run at (train/divergence.py).
@@ -102,6 +104,31 @@ class RunDir:
     @property
     def loss_plot(self) -> Path:
         return self.root / "loss.png"
+
+    @property
+    def trackio_dir(self) -> Path:
+        """trackio's local store (`output.report_to`, train/trackers.py)."""
+        return self.root / "trackio"
+
+    @property
+    def mlflow_dir(self) -> Path:
+        """MLflow's file store: `mlflow ui --backend-store-uri RUN/mlflow`."""
+        return self.root / "mlflow"
+
+    @property
+    def wandb_dir(self) -> Path:
+        """W&B's run files (offline runs: `wandb sync RUN/wandb/wandb/offline-run-*`)."""
+        return self.root / "wandb"
+
+    @property
+    def trackers_file(self) -> Path:
+        """The tracker run ids, kept so a resume continues the same tracker runs."""
+        return self.root / "trackers.json"
+
+    @property
+    def report_dir(self) -> Path:
+        """`homelab-ft report`'s report.html and its PNGs (report.py)."""
+        return self.root / "report"
 
     @property
     def eval_dir(self) -> Path:

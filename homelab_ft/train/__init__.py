@@ -12,7 +12,8 @@
     rewards, reward_builtins   GRPO's reward functions (TRL's signature) resolved from the recipe and checked; the built-ins
     grpo, rollout   GRPO's side of a step (sample, score, advantages, metrics, held-out reward); the colocated rollout engine
     rollout_node    grpo.rollout=node: the trainer's `Remote` engine and the rollout rank's `serve` loop
-    offload, stopping, metrics    activations in host RAM; SIGTERM/SIGINT; metrics.jsonl, TensorBoard, plot
+    offload, stopping, metrics    activations in host RAM; SIGTERM/SIGINT; metrics.jsonl, the trackers, plot
+    trackers        `output.report_to`: TensorBoard, trackio, MLflow, W&B, local by default, one run id kept across resume
     divergence      the non-finite guard: a NaN/inf step never applied, the run stopped in one line (exit 3)
     host_embedding  `train.embedding_offload`: the frozen input embedding table in host RAM, looked up there
     samples         greedy replies every `train.sample_every` steps (on every rank; rank 0 logs)

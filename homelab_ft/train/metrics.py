@@ -1,6 +1,7 @@
-"""What a run leaves behind for people to read: metrics.jsonl, TensorBoard events, a loss plot.
+"""What a run leaves behind for people to read: metrics.jsonl, the trackers' stores, a loss plot.
 
-Only the main rank writes; other ranks get a logger that does nothing, so the loop never branches
+Every row goes to metrics.jsonl and, its numbers, to each tracker of `output.report_to`
+(trackers.py: TensorBoard, trackio, MLflow, W&B), so all of them hold the same values. Only the main rank writes; other ranks get a logger that does nothing, so the loop never branches
 on the rank to log.
 """
 
@@ -13,30 +14,29 @@ import os
 from pathlib import Path
 
 from homelab_ft.store.layout import RunDir
+from homelab_ft.train import trackers
 
 log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, *, enabled: bool, report_to: tuple[str, ...], project: str = "homelab-ft"):
+        """`report_to`: the trackers to start (`Output.trackers`); `project`: their project name."""
         self.enabled = enabled
-        layout = RunDir(run_dir)
-        self.path = layout.metrics_file
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(layout.tensorboard_dir))
+        self.path = RunDir(run_dir).metrics_file
+        self.trackers = trackers.open_trackers(run_dir, report_to, project=project) if enabled else []
+        self._tb = next((t for t in self.trackers if isinstance(t, trackers.TensorBoard)), None)
 
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
         with self.path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, row["step"])
+        scalars = {k: v for k, v in row.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if scalars:
+            for tracker in self.trackers:
+                tracker.log(row["step"], scalars)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         """Sampled replies (samples.py): one metrics row `{"step", "samples": [{"prompt", "completion"}]}`
@@ -44,7 +44,7 @@ class MetricsLogger:
         self.log({"step": step, "samples": samples})
         if self._tb is not None:
             text = "\n\n".join(f"**{s['prompt']}**\n\n{s['completion']}" for s in samples)
-            self._tb.add_text("samples", text, step)
+            self._tb.text(step, "samples", text)
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop rows of steps after the checkpoint (they will be logged again), and a torn
@@ -59,8 +59,23 @@ class MetricsLogger:
         os.replace(tmp, self.path)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+
+
+def peak_memory(device) -> dict:
+    """The step row's measured peak, beside which `homelab-ft report` draws the plan's prediction:
+    on CUDA the allocator's peak since the process started (`max_memory_allocated`, the figure the
+    planner's per-GPU total predicts), elsewhere the process's peak resident set (ru_maxrss, KiB on
+    Linux), which also counts torch's own libraries (a few hundred MiB the plan leaves out)."""
+    if device.type == "cuda":
+        import torch
+
+        return {"peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    import resource
+
+    return {"peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
 
 
 def read_metrics(path: Path) -> list[dict]:

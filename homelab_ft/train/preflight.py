@@ -23,6 +23,7 @@ from homelab_ft.model_facts import ModelFacts
 from homelab_ft.recipe.config import Recipe
 from homelab_ft.rung import Rung
 from homelab_ft.store import rundir
+from homelab_ft.train import trackers
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
     The data is checked by `data.prepare_data` (rows are validated while tokenising), which the
     caller runs after this and still before the run directory is created.
     """
+    trackers.check_available(recipe.output.trackers)
     if recipe.train.compile:
         from homelab_ft.model import compiling
 

@@ -52,7 +52,7 @@ from homelab_ft.train import (
 )
 from homelab_ft.train.grpo_loss import policy_loss
 from homelab_ft.train.loss import batch_loss_sum, completion_logprobs
-from homelab_ft.train.metrics import MetricsLogger, plot_loss, progress_bar
+from homelab_ft.train.metrics import MetricsLogger, peak_memory, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,8 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
         else:
             losses.append(result.loss)
         if not result.nonfinite and (step % cfg.log_every == 0 or last):
-            s.logger.log(result.row(step=step, seconds=elapsed, epoch=s.sampler.epoch,
-                                    time_s=time.perf_counter() - loop_start))
+            s.logger.log({**result.row(step=step, seconds=elapsed, epoch=s.sampler.epoch,
+                                       time_s=time.perf_counter() - loop_start), **peak_memory(env.device)})
         if s.grpo is not None and s.grpo.due_to_show(step, last=last):
             s.logger.log_samples(step, s.grpo.shown)
         progress.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{result.read_tokens / elapsed:.0f}", refresh=False,
@@ -539,7 +539,7 @@ def _setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     settings = checkpoint.built_from(recipe, method=rung.method)
     if env.is_main:
         _write_run_info(recipe.run_dir, rung=rung, plan=plan, model_dir=model_dir, world_size=env.world_size, total=total)
-    logger = MetricsLogger(recipe.run_dir, enabled=env.is_main, tensorboard=recipe.output.tensorboard)
+    logger = MetricsLogger(recipe.run_dir, enabled=env.is_main, report_to=recipe.output.trackers, project=recipe.name)
     start = 0
     if inputs.resume_from is not None:
         state = checkpoint.load(inputs.resume_from, model=model, optimizer=optimizer, model_fingerprint=fingerprint,

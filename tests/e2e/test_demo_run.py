@@ -21,12 +21,14 @@ def test_run_demo_scores_base_trains_exports_and_scores_the_reloaded_export(tiny
     assert result.before.num_rows == result.after.num_rows == 4
     assert (result.export_dir / "config.json").is_file() and result.export_dir.parent == run_dir.parent
     assert (run_dir / "metrics.jsonl").is_file()
-    assert list(result.seconds) == ["convert", "score base", "train", "export", "score export", "score gguf"]
+    assert list(result.seconds) == ["convert", "score base", "train", "export", "score export", "score gguf", "report"]
+    assert result.report == run_dir / "report" / "report.html" and "data:image/png;base64," in result.report.read_text()
     assert (result.export_dir / "model-q8_0.gguf").is_file() and result.gguf.num_rows == 4
     out = capsys.readouterr().out
     assert "base SmolLM2-135M-Instruct" in out and "fine-tuned, reloaded export" in out
     assert "the same, as model-q8_0.gguf" in out
     assert out.count("  user:       ") == 2
+    assert f"report (loss, lr, tokens/s, memory vs plan): {result.report}" in out
     # a second run replaces the first (the demo owns its run directory)
     again = run_demo(
         run_dir=run_dir,

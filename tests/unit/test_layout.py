@@ -25,6 +25,7 @@ ALLOWED = {
     "train": {"train", "store", "distributed", "model", "data", "root"},
     "export": {"export", "store", "model", "root"},
     "harness": {"harness", "root"},
+    "report": {"report", "train", "store", "root"},
     "cluster": {"cluster", "plan", "distributed", "root"},
     "cli": None,  # the commands may import anything
     "demo": None,

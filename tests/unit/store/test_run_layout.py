@@ -20,9 +20,11 @@ def test_paths(tmp_path):
     run = RunDir(tmp_path / "r")
     assert {name: getattr(run, name).relative_to(run.root).as_posix() for name in (
         "recipe_file", "info_file", "plan_file", "metrics_file", "tensorboard_dir", "loss_plot", "checkpoints",
-        "lock_file")} == {
+        "lock_file", "trackio_dir", "mlflow_dir", "wandb_dir", "trackers_file", "report_dir")} == {
         "recipe_file": "recipe.yaml", "info_file": "run.json", "plan_file": "plan.json", "metrics_file": "metrics.jsonl",
-        "tensorboard_dir": "tensorboard", "loss_plot": "loss.png", "checkpoints": "checkpoints", "lock_file": ".lock"}
+        "tensorboard_dir": "tensorboard", "loss_plot": "loss.png", "checkpoints": "checkpoints", "lock_file": ".lock",
+        "trackio_dir": "trackio", "mlflow_dir": "mlflow", "wandb_dir": "wandb", "trackers_file": "trackers.json",
+        "report_dir": "report"}
     assert RunDir(str(tmp_path)).root == tmp_path  # a string is taken as a path
     assert not (tmp_path / "r").exists()  # naming paths creates nothing
 

@@ -48,7 +48,7 @@ def test_a_bad_line_before_the_last_is_not_a_torn_write(tmp_path):
 @pytest.mark.parametrize("tail", TORN)
 def test_resume_truncates_a_torn_last_line(tmp_path, tail):
     _write(tmp_path / "metrics.jsonl", tail)
-    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False)
+    logger = MetricsLogger(tmp_path, enabled=True, report_to=())
     logger.truncate_after(3)
     logger.log({"step": 4, "loss": 1.6})
     lines = (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
@@ -59,7 +59,7 @@ def test_resume_truncates_a_torn_last_line(tmp_path, tail):
 def test_resume_drops_the_torn_tail_even_when_keeping_every_row(tmp_path):
     """The next row is appended after the torn bytes otherwise, and the file is torn mid-way for good."""
     _write(tmp_path / "metrics.jsonl", TORN[0])
-    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False)
+    logger = MetricsLogger(tmp_path, enabled=True, report_to=())
     logger.truncate_after(10)
     logger.log({"step": 5, "loss": 1.5})
     assert read_metrics(tmp_path / "metrics.jsonl") == [*ROWS, {"step": 5, "loss": 1.5}]
