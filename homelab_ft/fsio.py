@@ -7,7 +7,7 @@ happened. `describe` turns an OSError into that line; the CLI's one handler (cli
 for every command, and readers of text the user wrote (`read_text`) name the file when it is
 not UTF-8. Our own files (run.json, trainer_state.json) go through `locate.json_object`.
 `as_folder_files` gives a written file the mode its folder's other files get (safetensors' writer
-creates its files readable by their owner only).
+creates its files readable by their owner only). `replace_text` writes a small file whole or not at all.
 """
 
 from __future__ import annotations
@@ -73,3 +73,16 @@ def as_folder_files(*paths: Path) -> None:
     mode = new_file_mode()
     for path in paths:
         os.chmod(path, mode)
+
+
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` whole through a temporary file beside it (this process's own, so two writers of one
+    cache entry never share one) renamed over it: a kill or a full disk leaves the old file or the new
+    one, never half of either, and no temporary file behind."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.locate import ModelLocation, cache_root, config_refusal, locate
 from homelab_ft.recipe.config import LoraConfig, ModelConfig
@@ -53,9 +54,7 @@ def gguf_content_key(gguf_path: Path) -> str:
             digest.update(chunk)
     key = digest.hexdigest()[:16]
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(key)
-    os.replace(tmp, memo)
+    fsio.replace_text(memo, key)
     return key
 
 

@@ -15,6 +15,7 @@ text (`Option.reason`), which the plan shows as it is.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
@@ -88,8 +89,12 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
                  train=request.train, quant=request.quant, sharding=request.sharding,
                  activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages,
                  rollout=requested_rollout(request.objective, request.grpo) if rollout is None else rollout)
-    if shape is None:
-        return rung
+    return rung if shape is None else with_table(rung, request=request, shape=shape, cluster=cluster)
+
+
+def with_table(rung: Rung, *, request: PlanRequest, shape: ModelShape, cluster: Cluster) -> Rung:
+    """`rung` with `embedding_offload` decided for this model and device (rules/embedding_offload.placed):
+    for every rung the ladder builds, and for the named rung `planner.named_rung` builds."""
     return embedding_offload.placed(rung, request.train.embedding_offload, targets=request.lora.targets,
                                     embedding_name=shape.embedding_name, tied=shape.tie_word_embeddings,
                                     device_type=cluster.device)
@@ -146,8 +151,8 @@ def offers(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> tupl
     levels = saver_levels(request, cluster)
     placed = rollouts(request, cluster)
     for method in LADDER:
-        for strategy, offload, stages, rollout in ((*s, r) for s in _strategies(shape, cluster, request=request)
-                                                   for r in placed):
+        for (strategy, offload, stages), rollout in itertools.product(_strategies(shape, cluster, request=request),
+                                                                      placed):
             # pipeline.py prices no activation offload, and the pipelined step runs none (refusals.activation_offload)
             pipelined_levels = [level for level in levels if not (stages > 1 and level[1])] or levels
             try:

@@ -20,7 +20,17 @@ from dataclasses import dataclass
 from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
 from homelab_ft.plan.inputs import Cluster, PlanRequest
-from homelab_ft.plan.ladder import LADDER, STEP_TIME_TIE, Option, Refusal, choose, evaluate, offers, price
+from homelab_ft.plan.ladder import (
+    LADDER,
+    STEP_TIME_TIE,
+    Option,
+    Refusal,
+    choose,
+    evaluate,
+    offers,
+    price,
+    with_table,
+)
 from homelab_ft.plan.price.diskspace import checkpoint_bytes
 from homelab_ft.plan.price.memory import gib_text
 from homelab_ft.plan.shape.shapes import ModelShape
@@ -416,9 +426,7 @@ def named_rung(recipe, plan: Plan) -> Rung:
     decided as the ladder decides it for the rungs it prices (the input embeddings on the host:
     embedding_offload.placed): what `train` runs where the planner chose nothing for a named method,
     and what a test or benchmark builds a model for outside `train`. Raises RungError for a refused one."""
-    return embedding_offload.placed(
-        rung_for(recipe), recipe.train.embedding_offload, targets=recipe.lora.target_modules,
-        embedding_name=plan.shape.embedding_name, tied=plan.shape.tie_word_embeddings, device_type=plan.cluster.device)
+    return with_table(rung_for(recipe), request=plan.request, shape=plan.shape, cluster=plan.cluster)
 
 
 def recipe_shape(recipe) -> tuple[ModelShape, str]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.store.layout import RunDir
 from homelab_ft.train import trackers
 
@@ -53,10 +53,7 @@ class MetricsLogger:
             return
         rows = read_metrics(self.path)
         kept = [r for r in rows if r["step"] <= step]
-        # Replaced whole, so a kill here leaves the old file or the new one, never half of it.
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        fsio.replace_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # whole: a kill leaves old or new
 
     def close(self) -> None:
         for tracker in self.trackers:

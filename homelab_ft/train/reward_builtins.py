@@ -74,8 +74,9 @@ def _normalised(answer: str) -> str:
     return answer.strip("$ ").rstrip(".").strip()
 
 
-def _references(columns: dict, *, name: str) -> Sequence:
-    for key in ("answer", "solution"):
+def _references(columns: dict, *, name: str, keys: tuple[str, ...] = ("answer", "solution")) -> Sequence:
+    """The reference column, the first of `keys` the data has."""
+    for key in keys:
         if key in columns:
             return columns[key]
     raise ValueError(f"{name} reads the reference from an 'answer' (or 'solution') column; the data has "
@@ -226,7 +227,7 @@ def math_answer(prompts, completions, completion_ids=None, **columns) -> list[fl
     from latex2sympy2_extended import NormalizationConfig
     from math_verify import LatexExtractionConfig, parse, verify
 
-    refs = _solutions(columns)
+    refs = _references(columns, name="math_answer", keys=("solution", "answer"))  # TRL's column first
     # TRL 1.16's accuracy_reward settings: the reference parsed as math-verify defaults, the completion
     # as well-formed LaTeX only (no repair of malformed operators), its \boxed{} tried first and an
     # answer without an anchor (\boxed, "final answer") not guessed at.
@@ -246,14 +247,6 @@ def math_answer(prompts, completions, completion_ids=None, **columns) -> list[fl
         except Exception:  # noqa: BLE001 - sympy can fail on any odd pair; TRL scores such a row None
             out.append(None)
     return out
-
-
-def _solutions(columns: dict) -> Sequence:
-    """math_answer's reference: TRL's column is `solution`; `answer` as the other built-ins read it."""
-    for key in ("solution", "answer"):
-        if key in columns:
-            return columns[key]
-    return _references(columns, name="math_answer")
 
 
 BUILTINS = {f.__name__: f for f in (exact_answer, numeric_answer, math_answer, json_valid, think_format)}

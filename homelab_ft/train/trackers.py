@@ -19,24 +19,19 @@ import os
 import uuid
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.store.layout import RunDir
 
 log = logging.getLogger(__name__)
 
-TRACKERS = ("tensorboard", "trackio", "mlflow", "wandb")
-"""What `output.report_to` accepts (the recipe's Literal lists the same names)."""
-
-_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "mlflow": "mlflow", "wandb": "wandb"}
-"""The module each tracker needs; mlflow-skinny provides `mlflow` too."""
-
-
 def check_available(names: tuple[str, ...]) -> None:
     """Preflight: every named tracker's library imports, checked before the run directory exists.
 
     Only looked up (importlib's find_spec), not imported: importing wandb or mlflow costs seconds.
+    Each tracker's module has its name (mlflow-skinny installs `mlflow` too).
     """
-    missing = [name for name in names if importlib.util.find_spec(_MODULES[name]) is None]
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
     if missing:
         raise UserError(f"output.report_to: {', '.join(missing)} not installed; "
                         f"pip install 'homelab-ft[track]' (or {' '.join(missing)}), or drop it from output.report_to")
@@ -188,9 +183,7 @@ def open_trackers(run_dir: Path, names: tuple[str, ...], *, project: str) -> lis
         raise UserError(f"output.report_to: {name} could not start: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
     if names and names != ("tensorboard",):
         ids["run_id"] = run_id
-        tmp = layout.trackers_file.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(ids, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, layout.trackers_file)
+        fsio.replace_text(layout.trackers_file, json.dumps(ids, indent=1) + "\n")
     return opened
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from importlib import metadata
 from pathlib import Path
 
+from homelab_ft import fsio
 from homelab_ft.locate import cache_root
 from homelab_ft.plan.shape.types import ModelShape
 
@@ -110,9 +110,7 @@ def _same_derivation(requested: str, used: str) -> tuple[str, ...]:
 def _store(path: Path, shape: ModelShape) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(shape.to_dict(), indent=1))
-        tmp.replace(path)
+        fsio.replace_text(path, json.dumps(shape.to_dict(), indent=1))
     except OSError as err:
         log.warning("could not cache the derived shape in %s (%s); the next plan derives it again", path.parent, err)
 
