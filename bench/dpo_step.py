@@ -67,7 +67,7 @@ def one(tmp: Path, objective: str) -> dict:
     from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import preflight, trainer
+    from homelab_ft.train import preflight, session, trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     recipe = recipe_from_dict({
@@ -82,7 +82,7 @@ def one(tmp: Path, objective: str) -> dict:
     env = comm.setup(device_pref="cpu")
     rung = rung_for(recipe)
     inputs = preflight.check_inputs(recipe, rung=rung, facts=recipe_shape(recipe)[0].facts, device_type="cpu")
-    s = trainer._setup(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=tmp)
+    s = session.setup(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=tmp)
     collate_fn, step_fn = (collate_pairs, trainer.dpo_step) if objective == "dpo" else (collate, trainer.train_step)
     batches = [collate_fn([s.data.train[i] for i in s.sampler.next_indices()], pad_token_id=s.pad_token_id)
                for _ in range(WARMUP + STEPS)]

@@ -69,7 +69,7 @@ def run_homelab(tmp: Path) -> dict:
     from homelab_ft.plan.planner import recipe_shape
     from homelab_ft.recipe.config import recipe_from_dict
     from homelab_ft.rung import rung_for
-    from homelab_ft.train import preflight, trainer
+    from homelab_ft.train import preflight, session, trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     recipe = recipe_from_dict({
@@ -88,7 +88,7 @@ def run_homelab(tmp: Path) -> dict:
     sys.path.insert(0, str(tmp))
     rung = rung_for(recipe)
     inputs = preflight.check_inputs(recipe, rung=rung, facts=recipe_shape(recipe)[0].facts, device_type="cpu")
-    s = trainer._setup(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=tmp)
+    s = session.setup(recipe, env=env, rung=rung, plan=None, inputs=inputs, base_dir=tmp)
     walls, cpus, tokens, gens = [], [], [], []
     for step in range(1, WARMUP + STEPS + 1):
         def draw():

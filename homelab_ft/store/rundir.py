@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import shutil
@@ -125,6 +126,33 @@ def init_run_dir(recipe: Recipe, *, resume_from: Path | None) -> None:
         layout.failure_file.unlink()
     if recipe.train.resume and resume_from is None:
         log.info("no complete checkpoint in %s; starting a new run from step 0", run_dir)
+
+
+def starts_anew(recipe: Recipe, *, resume_from: Path | None) -> bool:
+    """Whether this run makes its directory from nothing: there is none yet (or an empty one), or
+    --overwrite deletes the old run. Asked before `init_run_dir`; such a run may `discard` its
+    directory when it fails to start, since nothing in it existed before this command."""
+    if resume_from is not None:
+        return False
+    run_dir = recipe.run_dir
+    if recipe.output.overwrite and not recipe.train.resume:
+        return True
+    return not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def discard(run_dir: Path, *, existed: bool) -> None:
+    """Remove what a run that `starts_anew` wrote before it failed to start (a tracker that could
+    not start, trainer.py), so the same command can simply be run again: without it the folder
+    would hold a run with no step, which `train` refuses without --overwrite. Its lock goes too;
+    the folder itself stays when it `existed` before (empty, or emptied by --overwrite)."""
+    for child in list(run_dir.iterdir()) if run_dir.is_dir() else ():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+    if not existed:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
 
 
 def _check_same_model(old: Recipe, new: Recipe, saved: Path) -> None:

@@ -1,6 +1,7 @@
 """The run: the model for a rung, the one loop, and what it computes.
 
     trainer         `train(recipe, plan=..., rung=..., inputs=...)`: setup -> steps -> checkpoints -> cleanup
+    session         `setup`: what the loop works with (data, run directory and trackers, model, optimizer, resume)
     build           `build_for`: the model for a rung by three builders (whole load; meta then fill; pipeline stage)
     preflight       every input checked before anything is created (`check_inputs`)
     steps           shared arithmetic: trained tokens, the loss normalised once over them

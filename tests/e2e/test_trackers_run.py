@@ -102,3 +102,55 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_the_run_exists(tmp_p
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("homelab-ft:")]
     assert len(err) == 1 and "output.report_to: wandb not installed" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("before", ["none", "empty"])
+def test_a_tracker_that_cannot_start_leaves_no_run_and_the_same_command_runs_again(tmp_path, tiny_model_dir,
+                                                                                   monkeypatch, capsys, before):
+    """A tracker whose library imports but fails to start (a locked store, a bad setting): one line,
+    exit 2, and the folder this command made is gone (one that existed empty stays, empty), so
+    running the same command again, once the tracker is fixed, trains without --overwrite."""
+    from homelab_ft.train import trackers
+
+    def broken(*args, **kwargs):
+        raise OSError("database is locked")
+
+    monkeypatch.setattr(trackers, "MLflow", broken)
+    procs.write_chat_data(tmp_path / "train.jsonl", 8)
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=tmp_path / "train.jsonl", train={"max_steps": 1},
+        output={"report_to": ["tensorboard", "mlflow"]}))
+    run = tmp_path / "run"
+    if before == "empty":
+        run.mkdir()
+    command = ["train", str(recipe), "--run-dir", str(run)]
+    assert main(command) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("homelab-ft:")]
+    assert len(err) == 1 and "output.report_to: mlflow could not start: OSError: database is locked" in err[0]
+    assert (list(run.iterdir()) == []) if before == "empty" else not run.exists()
+    monkeypatch.undo()
+    assert main(command) == 0
+    assert read_metrics(run / "metrics.jsonl")[-1]["step"] == 1 and (run / "trackers.json").is_file()
+
+
+def test_a_tracker_that_cannot_start_on_resume_keeps_the_run(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    """On --resume the folder holds a run: a tracker that fails to start changes none of its files
+    but recipe.yaml, which records the resume's recipe as every resume does (a tracker started
+    before the failing one may add its own, as TensorBoard's new events file)."""
+    from homelab_ft.train import trackers
+
+    procs.write_chat_data(tmp_path / "train.jsonl", 8)
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=tmp_path / "train.jsonl", train={"max_steps": 1, "save_every": 1},
+        output={"report_to": ["tensorboard", "mlflow"]}))
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name not in (".lock", "recipe.yaml")}
+
+    def broken(*args, **kwargs):
+        raise OSError("database is locked")
+
+    monkeypatch.setattr(trackers, "MLflow", broken)
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "train.max_steps=2"]) == 2
+    assert "mlflow could not start" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in before} == before
