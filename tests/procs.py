@@ -3,10 +3,13 @@ subprocess run, and a small chat dataset."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,8 +28,40 @@ def child_env() -> dict:
 
 def run_checked(argv: list[str], *, timeout: int = 600) -> None:
     proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    _check(argv, proc.returncode, proc.stdout, proc.stderr)
+
+
+def run_beside(*argvs: list[str], timeout: int = 600) -> None:
+    """Run independent commands at once and check each, as `run_checked` does.
+
+    For a 2-rank torchrun beside the one-process reference it is compared with: run one after the
+    other, the one-thread reference left one of the 2 cores idle for its whole length; together the
+    same work fills both. Parity is unaffected (each process computes what it would alone); only
+    for jobs that read nothing the other writes (each has its own run folders)."""
+    # Output to files, not pipes: a pipe nobody reads yet would stall its writer once full.
+    with contextlib.ExitStack() as stack:
+        files = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
+                 for _ in argvs]
+        procs = [subprocess.Popen(argv, env=child_env(), stdout=out, stderr=err, text=True, cwd=REPO)
+                 for argv, (out, err) in zip(argvs, files, strict=True)]
+        try:
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for argv, proc, (out, err) in zip(argvs, procs, files, strict=True):
+            out.seek(0)
+            err.seek(0)
+            _check(argv, proc.returncode, out.read(), err.read())
+
+
+def _check(argv: list[str], returncode: int, stdout: str, stderr: str) -> None:
+    if returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} failed ({returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
 
 
 def write_chat_data(

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_checked, write_pair_data
+from procs import run_beside, write_pair_data
 
 WORKER = Path(__file__).with_name("worker.py")
 REFERENCE_FREE = (("orpo", "lora", "no_shard"), ("simpo", "full", "full_shard"))
@@ -65,9 +65,6 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                      "copy_run": {"src": two[name]["output"]["dir"], "keep_step": 2}})
     spec = tmp / "two.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(spec), str(tmp / "two.out.json")])
-    out = json.loads((tmp / "two.out.json").read_text())
     one = [{"kind": "train", "name": f"ref_{m}", "recipe": _recipe(tmp, tiny_model_dir, f"ref_{m}", procs=1, method=m)}
            for m in ("lora", "full")]
     one += [{"kind": "train", "name": f"ref_{m}_{loss}",
@@ -75,7 +72,10 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
             for loss, m, _ in REFERENCE_FREE]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(spec), str(tmp / "two.out.json")],
+               [sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     for name in ("lora_ddp", "full_fsdp", "ref_full"):
         rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_checked
+from procs import run_beside
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -68,15 +68,15 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                  "recipe": _recipe(tmp, tiny_model_dir, "lora_fsdp_sampled", procs=2, method="lora", strategy="full_shard")})
     spec = tmp / "two.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(spec), str(tmp / "two.out.json")])
-    out = json.loads((tmp / "two.out.json").read_text())
     one = [{"kind": "train", "name": f"ref_{name}", "replay_rollouts": True,
             "recipe": _recipe(tmp, tiny_model_dir, f"ref_{name}", procs=1, method=m, grpo=g)}
            for name, (m, _, g) in CASES.items()]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(spec), str(tmp / "two.out.json")],
+               [sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     for name in [*CASES, *(f"ref_{n}" for n in CASES), "lora_fsdp_sampled"]:
         rows = [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from families import save_tiny
-from procs import run_checked, write_chat_data
+from procs import run_beside, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
@@ -63,9 +63,9 @@ def results(tmp_path_factory) -> dict:
     for name, jobs in (("two", two), ("one", one)):
         spec = {"base_dir": str(tmp), "jobs": [{"kind": "train", "name": k, "recipe": r} for k, r in jobs.items()]}
         (tmp / f"{name}.json").write_text(json.dumps(spec))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
-    run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
+               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     out["run_dirs"] = {name: r["output"]["dir"] for name, r in {**two, **one}.items()}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import run_checked, write_chat_data
+from procs import run_beside, write_chat_data
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -110,13 +110,19 @@ def results(tmp_path_factory) -> dict:
             one.append({"kind": "export_run", "name": f"{name}_export{procs}", "run_dir": run_dir,
                         "out": str(tmp / f"export-{name}-{procs}"), "model_dir": str(models[CASES[name][0]])})
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
-    (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                 str(WORKER), str(tmp / "four.json"), str(tmp / "four.out.json")])
-    run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
-    out = {"two": json.loads((tmp / "two.out.json").read_text()), "one": json.loads((tmp / "one.out.json").read_text())}
+    # The one-process references beside the 2-stage runs; the resumes and exports of both, which read
+    # their checkpoints, beside the 2x2 runs.
+    after = [job for job in one if "copy_run" in job or job["kind"] == "export_run"]
+    (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": [j for j in one if j not in after]}))
+    (tmp / "after.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": after}))
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
+               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                str(WORKER), str(tmp / "four.json"), str(tmp / "four.out.json")],
+               [sys.executable, str(WORKER), str(tmp / "after.json"), str(tmp / "after.out.json")])
+    out = {"two": json.loads((tmp / "two.out.json").read_text()),
+           "one": {**json.loads((tmp / "one.out.json").read_text()), **json.loads((tmp / "after.out.json").read_text())}}
     out["four"] = json.loads((tmp / "four.out.json").read_text())
     out["export_logit_diff"] = {name: _logit_diff(tmp / f"export-{name}-2", tmp / f"export-{name}-1") for name in EXPORTED}
     out["adapter_keys"] = _safetensors_keys(Path(two[list(CASES).index("lora")]["recipe"]["output"]["dir"])

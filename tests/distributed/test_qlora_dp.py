@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_checked, write_chat_data
+from procs import run_beside, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
@@ -53,9 +53,9 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
            for k, q in variants.items()]
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-          str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
-    run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
+               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     out["run_dirs"] = {job["name"]: job["recipe"]["output"]["dir"] for job in two + one}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import save_tiny
-from procs import run_checked, write_chat_data
+from procs import run_beside, write_chat_data
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -48,9 +48,9 @@ def runs(tmp_path_factory) -> tuple[Path, dict, Path]:
             "1": [{"kind": "train", "name": "one", "recipe": _recipe(tmp, model_dir, "one", procs=1)}]}
     for procs, job in jobs.items():
         (tmp / f"{procs}.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": job}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(tmp / "2.json"), str(tmp / "2.out.json")])
-    run_checked([sys.executable, str(WORKER), str(tmp / "1.json"), str(tmp / "1.out.json")])
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(tmp / "2.json"), str(tmp / "2.out.json")],
+               [sys.executable, str(WORKER), str(tmp / "1.json"), str(tmp / "1.out.json")])
     out = json.loads((tmp / "2.out.json").read_text())
     out.update(json.loads((tmp / "1.out.json").read_text()))
     return tmp, out, model_dir

@@ -1,9 +1,9 @@
 """2-process gloo runs of the real trainer on CPU against one process on the whole batch.
 
-Three launches for the whole module (each torchrun costs seconds on 2 cores): a 2-process
-standalone run of many jobs, a 2-node x 1-process HYBRID_SHARD run over c10d on 127.0.0.1 through
-`homelab-ft train`, and a one-process run of the references and of a resume from the 2-process
-checkpoint. One process with micro-batch 2B sees exactly the rows that 2 ranks with B see
+Four launches for the whole module (each torchrun costs seconds on 2 cores), two at a time: a
+2-process standalone run of many jobs beside a one-process run of the references, then a 2-node x
+1-process HYBRID_SHARD run over c10d on 127.0.0.1 through `homelab-ft train` beside one-process
+resumes from the 2-process checkpoints. One process with micro-batch 2B sees exactly the rows that 2 ranks with B see
 (sampling.py), and rows differ in length, so ranks train unequal token counts.
 
 Most jobs use an untied tiny Llama, whose embeddings and LM head are FSDP2 units of their own; the
@@ -15,13 +15,12 @@ sharded build that lost the tie started SmolLM2-135M at loss ln(vocab) = 10.8 in
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from families import save_tiny
-from procs import REPO, child_env, run_checked, write_chat_data
+from procs import run_beside, write_chat_data
 
 from homelab_ft.cluster import launch
 from homelab_ft.distributed import comm
@@ -107,24 +106,6 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                  "out": str(tmp / "tied_export")})
     spec = tmp / "two.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-          str(WORKER), str(spec), str(tmp / "two.out.json")])
-    out = json.loads((tmp / "two.out.json").read_text())
-
-    # HYBRID_SHARD: two "nodes" of one process each, started as `homelab-ft launch` would start them.
-    hybrid = _recipe(tmp, tiny_model_dir, "hybrid", procs=2, nodes=2, sharding={"strategy": "hybrid_shard"})
-    hybrid_path = tmp / "hybrid.yaml"
-    hybrid_path.write_text(json.dumps(hybrid))
-    hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
-    commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
-                                    port=comm.free_port(), join_timeout_s=120, python=sys.executable)
-    procs = [subprocess.Popen(c.argv, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in commands]
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-4000:] for log in logs)
-    rows = [json.loads(line) for line in (Path(hybrid["output"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
-    out["hybrid"] = {"losses": [r["loss"] for r in rows if "loss" in r]}
-
     one = [
         {"kind": "train", "name": "ref_full", "recipe": _recipe(tmp, tiny_model_dir, "ref_full", procs=1)},
         {"kind": "train", "name": "ref_lora", "recipe": _recipe(tmp, tiny_model_dir, "ref_lora", procs=1, method="lora")},
@@ -148,10 +129,28 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     ]
     one += [{"kind": "train", "name": f"ref_fam_{family}", "recipe": _recipe(tmp, model_dir, f"ref_fam_{family}", procs=1)}
             for family, model_dir in family_dirs.items()]
-    spec1 = tmp / "one.json"
-    spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    # The references beside the 2-process run; the resumes from its checkpoints beside the hybrid run.
+    after = [job for job in one if "copy_run" in job]
+    (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": [j for j in one if j not in after]}))
+    (tmp / "after.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": after}))
+    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                str(WORKER), str(spec), str(tmp / "two.out.json")],
+               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    out = json.loads((tmp / "two.out.json").read_text())
+
+    # HYBRID_SHARD: two "nodes" of one process each, started as `homelab-ft launch` would start them.
+    hybrid = _recipe(tmp, tiny_model_dir, "hybrid", procs=2, nodes=2, sharding={"strategy": "hybrid_shard"})
+    hybrid_path = tmp / "hybrid.yaml"
+    hybrid_path.write_text(json.dumps(hybrid))
+    hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
+    commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
+                                    port=comm.free_port(), join_timeout_s=120, python=sys.executable)
+    run_beside(*(c.argv for c in commands), [sys.executable, str(WORKER), str(tmp / "after.json"), str(tmp / "after.out.json")])
+    rows = [json.loads(line) for line in (Path(hybrid["output"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
+    out["hybrid"] = {"losses": [r["loss"] for r in rows if "loss" in r]}
+
     out.update(json.loads((tmp / "one.out.json").read_text()))
+    out.update(json.loads((tmp / "after.out.json").read_text()))
     return out
 
 
