@@ -30,6 +30,7 @@ import torch
 from homelab_ft import fsio
 from homelab_ft.errors import UserError
 from homelab_ft.model import checkpoint_keys
+from homelab_ft.rules import vision
 
 MODEL_PREFIX = "model."
 """Keys of the model's entries in the checkpoint's state dict (the optimizer's start `optim.`)."""
@@ -142,10 +143,14 @@ def _check_against_base(base_dir: Path, state_dir: Path, tensors: dict):
     _check_tied_equal(state_dir, tensors, tied)
     for target in tied:
         tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
-    keys = checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(base_dir), base_dir)
-    # Persistent buffers (Gemma 4's layer_scalar) are not trained, so the checkpoint (trainable
-    # tensors) lacks them: they are the base's, read from its files and written with the first file.
-    from_base = sorted(n for n in buffers if n not in tensors and n in keys.names())
+    meta = checkpoint_keys.meta_model(base_dir)
+    keys = checkpoint_keys.CheckpointKeys(meta, base_dir)
+    # Persistent buffers (Gemma 4's layer_scalar) and a vision tower a full fine-tune froze
+    # (rules/vision.py) are not trained, so the checkpoint (trainable tensors) lacks them: they are
+    # the base's, read from its files and written with the first file.
+    prefixes = vision.vision_prefixes(meta)
+    frozen = {n for n in expected if vision.is_vision_module(n, prefixes)}
+    from_base = sorted(n for n in buffers | frozen if n not in tensors and n in keys.names())
     _check_architecture(base_dir, expected, {**{n: tensors[n][0] for n in tensors}, **{n: expected[n] for n in from_base}})
     return keys, from_base
 

@@ -176,6 +176,8 @@ def format_plan(p: Plan) -> str:
     """A readable table: one row per option, the chosen one marked with `>`."""
     s, c, r = p.shape, p.cluster, p.request
     params = f"{s.total_params / 1e9:.2f}B params" + (f" ({s.active_params / 1e9:.2f}B active)" if s.is_moe else "")
+    if s.vision_params:
+        params += f" + {s.vision_params / 1e9:.2f}B vision, frozen"
     uneven = " (per node: " + ", ".join(f"{gib_text(b)}" for b in c.node_device_bytes) + " GiB)" if c.node_device_bytes else ""
     device = (f"{c.gpus_per_node}x {gib_text(c.device_bytes)} GiB GPU{uneven}" if c.device == "cuda"
               else f"CPU, {c.gpus_per_node} process(es), {gib_text(c.device_bytes)} GiB RAM each")

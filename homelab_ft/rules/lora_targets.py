@@ -16,6 +16,10 @@ both found from the model's own classes, never from a list of families:
   kernel, which never runs the adapter (PEFT refuses `out_proj` for the Mamba types it knows; on
   Granite 4 it wraps it, and the adapter is skipped on the GPU path without a word).
 
+A model loaded with a vision tower (Gemma 3's causal-LM class is its image-text one, vision.py) has
+its vision tower and projector left out too: a text fine-tune trains the language model, unless
+`lora.target_modules` names vision layers.
+
 The rest is handed to PEFT as the shortest module-name suffixes that match exactly that set.
 """
 
@@ -30,8 +34,12 @@ ALL_LINEAR = "all-linear"
 
 def wrapped_names(model) -> list[str]:
     """The full module names `all-linear` wraps on `model` (a meta skeleton or a loaded model, 4-bit
-    layers included)."""
-    return [name for name, module in _candidates(model) if _wrappable(model, name, module)]
+    layers included), none on a vision side (vision.py)."""
+    from homelab_ft.rules import vision
+
+    prefixes = vision.vision_prefixes(model)
+    return [name for name, module in _candidates(model)
+            if _wrappable(model, name, module) and not vision.is_vision_module(name, prefixes)]
 
 
 def skipped_names(model) -> list[str]:

@@ -33,7 +33,7 @@ from homelab_ft.model import loading, quant
 from homelab_ft.model.blocks import enable_activation_checkpointing
 from homelab_ft.model_facts import ModelFacts
 from homelab_ft.recipe.config import Recipe
-from homelab_ft.rules import refusals
+from homelab_ft.rules import refusals, vision
 from homelab_ft.rung import Rung, RungError
 from homelab_ft.train import host_embedding
 
@@ -84,6 +84,8 @@ def build_model(recipe: Recipe, *, model_dir: Path, facts: ModelFacts, rung: Run
         model = load_whole(recipe, model_dir=model_dir, rung=rung, device=env.device, dtype=dtypes.compute)
     if rung.adapters_enabled:  # its hook is prepended, so it runs before checkpointing's input hook
         host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
+    else:  # a full fine-tune of a model loaded with a vision tower trains its language model (rules/vision.py)
+        vision.freeze(model)
     if env.distributed and not rung.fsdp_enabled:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)

@@ -193,10 +193,14 @@ def base_weight_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, clust
     (embeddings, norms, biases, router, LM head) in the compute dtype (quant.prepare_for_training
     keeps bf16 as bf16, unlike PEFT's blanket fp32 upcast). The one expert the matmul dequantizes
     at a time is not a weight FSDP2 shards: `expert_scratch_bytes`.
+
+    An image-text checkpoint's vision tower and projector (`shape.vision_params`, loaded beside the
+    text decoder and frozen) are base weights of the root: in the compute dtype, also under QLoRA,
+    where bitsandbytes quantizes their linear layers too (so the price is an upper bound there).
     """
     if not rung.quantized_enabled:
         per_param = weight_bytes(request, cluster)
-        return shape.total_params * per_param, shape.max_block_params * per_param
+        return (shape.total_params + shape.vision_params) * per_param, shape.max_block_params * per_param
     other = qlora_compute_bytes(request, cluster)
     block_bytes = []
     for block in shape.blocks:
@@ -208,7 +212,8 @@ def base_weight_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, clust
         quantized += sum(e * quantized_linear_bytes(i, o, bits=4, double_quant=request.quant.double_quant) for e, i, o in stacks)
         kept = block.params - block.linear_weight_params - sum(e * i * o for e, i, o in stacks)
         block_bytes.append(quantized + other * kept)
-    total = other * shape.root_params + sum(b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
+    total = other * (shape.root_params + shape.vision_params) + sum(
+        b.num_blocks * nbytes for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
     return total, max(nbytes - _block_constant_bytes(b, request) for b, nbytes in zip(shape.blocks, block_bytes, strict=True))
 
 

@@ -29,7 +29,7 @@ from homelab_ft.plan.shape.types import ModelShape
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 13
+SCHEMA = 14
 """Bumped when derive.py or saved.py change what a cached shape holds or how it is measured."""
 
 

@@ -39,7 +39,7 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
 
     from homelab_ft.plan.shape.saved import measure_saved
 
-    hf_config, notes = text_decoder_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    hf_config, notes, vision = text_decoder_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
     # `auto` (the default): sdpa where the class supports it, else eager, as model/family.py loads it.
     auto = attn_implementation == "auto"
     attn_implementation = "sdpa" if auto else attn_implementation
@@ -77,12 +77,14 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
         attn_implementation=attn_implementation,
         embedding_name=next(name for name, module in model.named_modules() if module is embed),
         kv_elements_per_token=kv_elements_per_token(text, num_layers=len(blocks)),
+        vision_params=vision,
     )
 
 
 def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_code: bool):
     """transformers' config object for `config`, and for a multimodal one its text decoder's (what a
-    text-only fine-tune trains), with the note the plan repeats."""
+    text-only fine-tune trains), with the note the plan repeats and the vision parameters loaded
+    beside it (`vision_params`)."""
     import transformers
 
     model_type = config.get("model_type")
@@ -106,10 +108,32 @@ def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_co
         raise refusal from None
     text = hf_config.get_text_config(decoder=True)
     if text is hf_config:
-        return hf_config, ()
-    note = (f"{model_type}: multimodal checkpoint; only its text decoder ({text.model_type}) is built, counted "
-            f"and trained (the vision/audio towers are not)")
-    return text, (note,)
+        return hf_config, (), 0
+    vision = vision_params(hf_config)
+    if vision:
+        note = (f"{model_type}: image-text checkpoint, loaded with its vision tower and projector "
+                f"({vision / 1e9:.2f}B parameters, priced as frozen weights); its text decoder ({text.model_type}) "
+                f"is trained")
+    else:
+        note = (f"{model_type}: multimodal checkpoint; only its text decoder ({text.model_type}) is built, counted "
+                f"and trained (the vision/audio towers are not)")
+    return text, (note,), vision
+
+
+def vision_params(hf_config) -> int:
+    """Parameters of the vision tower and projector that loading `hf_config` builds beside its text
+    decoder (rules/vision.py: where the causal-LM class is the image-text one, as Gemma 3's), counted
+    on that model built on the meta device; 0 where only the text decoder is built."""
+    import torch
+
+    from homelab_ft.rules import vision
+
+    cls = vision.image_text_class(hf_config)
+    if cls is None:
+        return 0
+    with torch.device("meta"):
+        model = cls._from_config(copy.deepcopy(hf_config))
+    return vision.vision_param_count(model)
 
 
 def _build_supported(hf_config, attn_implementation: str, *, trust_remote_code: bool):

@@ -145,6 +145,9 @@ class ModelShape:
     embedding_name: str = ""
     """Module name of the input embeddings (`get_input_embeddings`, e.g. `model.embed_tokens`): what a
     `lora.target_modules` entry must match to put an adapter on them (embedding_offload.targets_embedding)."""
+    vision_params: int = 0
+    """An image-text checkpoint's vision tower and projector, which the causal-LM class loads beside
+    the text decoder (Gemma 3; rules/vision.py): frozen, so priced as base weights only."""
     kv_elements_per_token: int = 0
     """Elements the KV cache of `generate` holds per token, summed over the layers (derive.kv_elements_per_token:
     2 x key/value heads x head dim per attention layer); x bytes per element is the rollout's KV width."""
