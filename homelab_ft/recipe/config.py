@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
+from homelab_ft.recipe import objective_checks
 from homelab_ft.recipe.bounds import (
     MAX_INT64,
     Fraction,
@@ -556,69 +557,11 @@ def recipe_from_dict(raw: dict[str, Any], *, overrides=(), source: str = "recipe
         recipe = _RECIPE_ADAPTER.validate_python(raw)
     except ValidationError as err:
         raise UserError(f"{source}: {explain(err, root=Recipe)}") from None
-    check_objective(recipe, source=source)
+    objective_checks.check_objective(recipe, source=source)
     embedding_offload.check_named(recipe.train.embedding_offload, method=recipe.method,
                                   strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
                                   world_size=recipe.world_size, pipeline_stages=recipe.sharding.pipeline_stages)
     return recipe
-
-
-_PREFERENCE_FORMATS = {
-    "preference": ("objective=dpo trains on preference pairs", "use format: preference (rows with prompt or messages, "
-                   "chosen, rejected), or dpo.loss=kto for unpaired rows"),
-    "unpaired": ("dpo.loss=kto trains on unpaired rows", "use format: unpaired (rows with prompt or messages, "
-                 "completion, a boolean label), or another dpo.loss for pairs"),
-}
-"""What each preference format's losses read, and the fix, said when a source's format is another."""
-
-
-def check_objective(recipe: Recipe, *, source: str = "recipe") -> None:
-    """What `objective` needs from the data section: pairs for DPO, no pairs for SFT.
-
-    Preference pairs are trained unpacked (a pair's two answers must each be scored whole against
-    the same prompt) and only on the answers (the prompt is shared by both, so its log-probability
-    cancels in the DPO margin and training on it would only add an SFT term no one asked for).
-    """
-    sources = [(f"data.sources[{i}]", s) for i, s in enumerate(recipe.data.sources)]
-    sources += [(f"data.eval_sources[{i}]", s) for i, s in enumerate(recipe.data.eval_sources)]
-    if recipe.objective == "dpo":
-        wanted = recipe.dpo.data_format
-        for where, src in sources:
-            if src.format not in ("auto", wanted):
-                what, fix = _PREFERENCE_FORMATS[wanted]
-                raise UserError(f"{source}: {what}, but {where}.format={src.format} has none; {fix}")
-        if recipe.data.packing:
-            raise UserError(f"{source}: objective=dpo scores each answer of a pair whole and does not pack; "
-                            "set data.packing=false")
-        if recipe.data.train_on_inputs:
-            raise UserError(f"{source}: objective=dpo compares the answers of a pair, not the prompt they share; "
-                            "set data.train_on_inputs=false (dpo.sft_weight adds a loss on the chosen answer)")
-        if recipe.dpo.loss == "orpo" and recipe.dpo.label_smoothing:
-            raise UserError(f"{source}: dpo.label_smoothing is conservative DPO's; ORPO's loss has no flipped-label "
-                            "term (Hong et al. 2024): set dpo.label_smoothing=0 or another dpo.loss")
-        if recipe.dpo.unpaired and (recipe.dpo.label_smoothing or recipe.dpo.sft_weight):
-            key = "label_smoothing" if recipe.dpo.label_smoothing else "sft_weight"
-            raise UserError(f"{source}: dpo.{key} is a paired loss's term; KTO's rows have no pair to flip or chosen "
-                            f"answer (Ethayarajh et al. 2024): set dpo.{key}=0 or another dpo.loss")
-    else:
-        if recipe.objective == "grpo":
-            check_grpo(recipe.grpo, source=source)
-        for where, src in sources:
-            if src.format in _PREFERENCE_FORMATS:
-                raise UserError(f"{source}: {where}.format={src.format} holds rows for preference tuning; "
-                                "set objective: dpo, or use an SFT format")
-
-
-def check_grpo(grpo: GrpoConfig, *, source: str = "recipe") -> None:
-    """What `objective: grpo` needs of its section beyond each field's type: a reward to learn from,
-    and one weight per reward function. Whether each function imports is preflight's check
-    (train/rewards.py), which knows the recipe's folder."""
-    if not grpo.reward_funcs:
-        raise UserError(f"{source}: objective=grpo learns from rewards; name at least one in grpo.reward_funcs "
-                        "(e.g. [exact_answer], or rewards.py:my_reward for a function in a file beside the recipe)")
-    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
-        raise UserError(f"{source}: grpo.reward_weights has {len(grpo.reward_weights)} weights for "
-                        f"{len(grpo.reward_funcs)} grpo.reward_funcs; give one per function, or none for 1.0 each")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

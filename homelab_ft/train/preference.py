@@ -54,6 +54,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from homelab_ft.distributed import comm
 from homelab_ft.labels import IGNORE_INDEX
 from homelab_ft.recipe.config import DpoConfig
 
@@ -200,6 +201,20 @@ def halves(batch: dict) -> tuple[dict, dict]:
         width = int(batch["attention_mask"][part].sum(dim=1).max())
         out.append({k: batch[k][part, :width] for k in ("input_ids", "labels", "attention_mask")})
     return out[0], out[1]
+
+
+@torch.no_grad()
+def kto_pre_pass(model, micro_batches: list[dict], *, env) -> tuple[list[torch.Tensor], float]:
+    """What a KTO step knows before its first backward: each micro-batch's reference log-probabilities
+    of its completions, and z0 (`kto_reference_point`) over the step's mismatched completions on all
+    ranks (the policy's without grad, and the reference's), all-reduced as the loss's divisor is."""
+    references, kl_sum = [], 0.0
+    for mb in micro_batches:
+        reference, reference_kl = kto_reference(model, mb, env.device)
+        kl_sum += float((kl_policy_logps(model, mb, env.device).double() - reference_kl.double()).sum())
+        references.append(reference)
+    num_rows = comm.all_reduce_sum(sum(num_pairs(mb) for mb in micro_batches), env)
+    return references, kto_reference_point(comm.all_reduce_sum(kl_sum, env), int(num_rows))
 
 
 @torch.no_grad()
