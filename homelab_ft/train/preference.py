@@ -164,7 +164,8 @@ def kto_losses(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.T
     ratio = policy - reference
     value = torch.where(desirable, cfg.desirable_weight * torch.sigmoid(cfg.beta * (ratio - kl)),
                         cfg.undesirable_weight * torch.sigmoid(cfg.beta * (kl - ratio)))
-    losses = torch.where(desirable, cfg.desirable_weight, cfg.undesirable_weight) - value
+    # the weights in the policy's dtype: torch.where of two Python floats would make them float32
+    losses = torch.where(desirable, policy.new_tensor(cfg.desirable_weight), policy.new_tensor(cfg.undesirable_weight)) - value
     with torch.no_grad():
         reward = cfg.beta * ratio.detach()
         wanted = desirable.to(reward.dtype)
