@@ -91,6 +91,16 @@ def write_pair_data(path: Path, num_rows: int, *, seed: int = 0, max_q_words: in
     return path
 
 
+def write_unpaired_data(path: Path, num_pairs: int, *, seed: int = 0) -> Path:
+    """KTO's unpaired rows: write_pair_data's pairs taken apart, each chosen answer a row labelled true,
+    each rejected one a row labelled false (the demo's rule, homelab_ft/demo/dpo.py)."""
+    pairs = write_pair_data(path, num_pairs, seed=seed).read_text().splitlines()
+    rows = [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in map(json.loads, pairs) for side in ("chosen", "rejected")]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 _PLANS = """
 import contextlib, io, json, sys
 from homelab_ft.cli.main import main

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from homelab_ft.data import IGNORE_INDEX, DataReport, PreparedData, packing, prepare_for
+from homelab_ft.data.report import desirable_line
 from homelab_ft.recipe.config import DataConfig, Recipe
 
 HISTOGRAM_BINS = 8
@@ -21,6 +22,9 @@ def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str
     tokenizer = checked_tokenizer(recipe)
     prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
     text = describe(prepared, tokenizer, recipe.data, color=color) + "\n\n" + length_line(recipe, len(prepared.train))
+    if prepared.report.desirable is not None:
+        text += "\n" + desirable_line(*prepared.report.desirable, desirable_weight=recipe.dpo.desirable_weight,
+                                      undesirable_weight=recipe.dpo.undesirable_weight)
     return text if recipe.method == "full" else text + "\n" + lora_line(recipe)
 
 
@@ -76,10 +80,11 @@ def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool)
     if r.prompts:
         return "\n".join(out + _prompt_lines(prepared, tokenizer))
     share = r.num_trained_tokens / max(r.num_train_tokens, 1)
-    unit = "pairs" if r.pairs else "samples"
+    unit = f"{r.unit}s"
+    rows_are = ("completion + mismatched completion" if r.desirable is not None else "chosen + rejected")
     out += [
         "",
-        f"train: {r.num_train_samples} {unit} in {r.num_train_rows} rows{' (chosen + rejected: 2 token rows each)' if r.pairs else ''}, "
+        f"train: {r.num_train_samples} {unit} in {r.num_train_rows} rows{f' ({rows_are}: 2 token rows each)' if r.pairs else ''}, "
         f"{r.num_train_tokens} tokens, {r.num_trained_tokens} trained ({share:.1%})",
         f"eval: {r.num_eval_samples} {unit}",
         f"max_length {r.max_length}: {r.num_truncated} truncated, {r.num_dropped_overlong} dropped as too long, "
@@ -91,7 +96,7 @@ def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool)
         *([] if r.pairs else [packing_line(r)]),
         f"tokenised data: {'from the cache' if r.cache_hit else 'tokenised now (cached for the next run)'}",
         "",
-        f"first training {'pair' if r.pairs else 'sample'}; trained tokens "
+        f"first training {r.unit}; trained tokens "
         + (f"{GREEN}in green{RESET}" if color else "between [[ and ]]") + ":",
         *render_first(prepared.train[0], tokenizer, color=color),
     ]
@@ -155,11 +160,16 @@ def packing_line(r: DataReport) -> str:
 
 
 def render_first(row: dict, tokenizer, *, color: bool) -> list[str]:
-    """A sample, or a preference pair's two rows (only their answers carry loss)."""
-    if "chosen_input_ids" not in row:
+    """A sample, or a preference pair's two rows (only their answers carry loss), or an unpaired row's
+    (its completion, with its label, and the mismatched completion KTO's KL estimate scores)."""
+    if "answer_input_ids" in row:
+        sides = (("answer", f"completion (label {str(row['label']).lower()})"), ("kl", "mismatched completion (KL estimate)"))
+    elif "chosen_input_ids" in row:
+        sides = (("chosen", "chosen"), ("rejected", "rejected"))
+    else:
         return [render_sample(row, tokenizer, color=color)]
-    return [f"{side}:\n" + render_sample({"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]},
-                                          tokenizer, color=color) for side in ("chosen", "rejected")]
+    return [f"{name}:\n" + render_sample({"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]},
+                                          tokenizer, color=color) for side, name in sides]
 
 
 def render_sample(row: dict, tokenizer, *, color: bool) -> str:

@@ -5,10 +5,10 @@ batches them with `collate` (SFT samples) or `collate_pairs` (preference pairs).
 module per step:
 
     sources    where the data lives, reading rows, the eval hold-out, weights and mixing
-    formats    a row -> the canonical sample (chat, alpaca, sharegpt, prompt_completion, text, preference)
+    formats    a row -> the canonical sample (chat, alpaca, sharegpt, prompt_completion, text, preference, unpaired)
     templates  chat templates and the loss mask (which characters are trained)
     rows       the one cached tokenising map, the fit to max_length, the kept rows, padding
-    sft        the SFT pipeline (`prepare_data`)       pairs    preference pairs (`prepare_pairs`)
+    sft        the SFT pipeline (`prepare_data`)       pairs    preference pairs, KTO unpaired rows
     prompts    GRPO's prompts and reward columns (`prepare_prompts`)
     packing    several samples per row                 sampling the trainer's micro-batches
     report     what was kept, cut and left out         prepare  `prepare_for`: the objective's pipeline

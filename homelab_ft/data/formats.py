@@ -7,7 +7,8 @@ A row (read by sources.py) is converted by its format:
 chat / alpaca / sharegpt rows become `messages` (rendered later by the chat template);
 prompt_completion and text rows become plain `prompt` + `completion` (no template; text trains on
 everything); preference rows become a pair (kind "pair": prompt turns in `messages`, `chosen`,
-`rejected`). A bad row raises `RowError`; the caller turns it into a one-line `UserError` that
+`rejected`); unpaired rows (KTO) become kind "unpaired": prompt turns in `messages`, the completion's
+turns in `answer`, the boolean `label`. A bad row raises `RowError`; the caller turns it into a one-line `UserError` that
 names file, row and field, or counts and skips it (`data.bad_rows: skip`).
 """
 
@@ -19,6 +20,7 @@ ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant", "chatgpt": "assistant"}
 FORMAT_FIELDS = {
     "preference": ("chosen", "rejected"),
+    "unpaired": ("completion", "label"),
     "chat": ("messages",),
     "sharegpt": ("conversations",),
     "alpaca": ("instruction", "output"),
@@ -26,9 +28,10 @@ FORMAT_FIELDS = {
     "text": ("text",),
 }
 """Required columns of each format, in the order auto-detection tries them (pairs first: a
-preference row may also carry `messages` as its prompt)."""
+preference row may also carry `messages` as its prompt; an unpaired row's `label` tells it from
+prompt_completion)."""
 OPTIONAL_FIELDS = {"alpaca": ("input", "system"), "chat": (), "sharegpt": (), "prompt_completion": (), "text": (),
-                   "preference": ("prompt", "messages")}
+                   "preference": ("prompt", "messages"), "unpaired": ("prompt", "messages")}
 
 
 class RowError(ValueError):
@@ -67,6 +70,8 @@ def to_sample(row: dict, fmt: str, fields: dict[str, str], *, system_prompt: str
     col = {name: fields.get(name, name) for name in FORMAT_FIELDS[fmt] + OPTIONAL_FIELDS[fmt]}
     if fmt == "preference":
         return _to_pair(row, col, system_prompt=system_prompt, drop_system=drop_system)
+    if fmt == "unpaired":
+        return _to_unpaired(row, col, system_prompt=system_prompt, drop_system=drop_system)
     if fmt in ("prompt_completion", "text"):
         prompt = _string(row, col["prompt"]) if fmt == "prompt_completion" else ""
         completion = _string(row, col["completion" if fmt == "prompt_completion" else "text"])
@@ -117,7 +122,41 @@ def _to_pair(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_
         prompt, answers = chosen[:shared], {"chosen": chosen[shared:], "rejected": rejected[shared:]}
         if not prompt:
             raise RowError(col["chosen"], "and 'rejected' are conversations that share no prompt turns")
-    elif col["messages"] in row and row[col["messages"]] is not None:
+        prompt = _system(prompt, system_prompt=system_prompt, drop_system=drop_system)
+        _check_prompt(prompt, col)
+    else:
+        prompt = _prompt(row, col, system_prompt=system_prompt, drop_system=drop_system)
+    for name, turns in answers.items():
+        if not turns or turns[0]["role"] != "assistant":
+            raise RowError(col[name], "has no assistant answer after the prompt")
+    if answers["chosen"] == answers["rejected"]:
+        raise RowError(col["rejected"], f"is identical to '{col['chosen']}'; the pair has nothing to prefer")
+    return {"kind": "pair", "messages": prompt, "chosen": answers["chosen"], "rejected": answers["rejected"],
+            "prompt": "", "completion": ""}
+
+
+def _to_unpaired(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_system: bool) -> dict:
+    """An unpaired row (KTO, TRL's unpaired preference layout) -> {"kind": "unpaired", "messages": prompt
+    turns, "answer": the completion's turns, "label": True (desirable) or False (undesirable)}.
+
+    The prompt is read as a pair's (`prompt` string or turns, or `messages`); the completion is a string
+    or a list of assistant turns; the label must be a JSON boolean: 1/0 or "yes" would leave the user
+    guessing which rows were read as thumbs up."""
+    label = row.get(col["label"])
+    if not isinstance(label, bool):
+        shown = "missing" if label is None else f"{label!r} ({type(label).__name__})"
+        raise RowError(col["label"], f"is {shown}, expected true (desirable) or false (undesirable)")
+    answer = _answer(row, col["completion"])
+    _check_text(answer, col["completion"], listed=isinstance(row[col["completion"]], list))
+    if not answer or any(m["role"] != "assistant" for m in answer):
+        raise RowError(col["completion"], "must be the assistant's answer (a string or assistant turns)")
+    prompt = _prompt(row, col, system_prompt=system_prompt, drop_system=drop_system)
+    return {"kind": "unpaired", "messages": prompt, "answer": answer, "label": label, "prompt": "", "completion": ""}
+
+
+def _prompt(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_system: bool) -> list[dict]:
+    """The prompt turns of a pair or an unpaired row: `messages` (turns), or `prompt` (turns or a string)."""
+    if col["messages"] in row and row[col["messages"]] is not None:
         prompt = _turns(row, col["messages"], role_key="role", text_key="content", roles={r: r for r in ROLES})
         _check_text(prompt, col["messages"], listed=True)
     elif col["prompt"] in row and isinstance(row[col["prompt"]], list):
@@ -127,23 +166,26 @@ def _to_pair(row: dict, col: dict[str, str], *, system_prompt: str | None, drop_
         prompt = [{"role": "user", "content": _string(row, col["prompt"])}]
         _check_text(prompt, col["prompt"], listed=False)
     else:
-        raise RowError(col["prompt"], f"is missing; a pair needs its prompt ('{col['prompt']}' or '{col['messages']}')")
+        raise RowError(col["prompt"], f"is missing; a preference row needs its prompt ('{col['prompt']}' or '{col['messages']}')")
+    prompt = _system(prompt, system_prompt=system_prompt, drop_system=drop_system)
+    _check_prompt(prompt, col)
+    return prompt
+
+
+def _system(prompt: list[dict], *, system_prompt: str | None, drop_system: bool) -> list[dict]:
     if drop_system:
-        prompt = [m for m in prompt if m["role"] != "system"]
-    elif system_prompt is not None and not any(m["role"] == "system" for m in prompt):
-        prompt.insert(0, {"role": "system", "content": system_prompt})
+        return [m for m in prompt if m["role"] != "system"]
+    if system_prompt is not None and not any(m["role"] == "system" for m in prompt):
+        return [{"role": "system", "content": system_prompt}, *prompt]
+    return prompt
+
+
+def _check_prompt(prompt: list[dict], col: dict[str, str]) -> None:
     talk = [m["role"] for m in prompt if m["role"] != "system"]
     if not talk or talk[0] != "user":
         raise RowError(col["prompt"], "has no user turn first; the prompt must start with a user turn")
     if talk[-1] == "assistant":
-        raise RowError(col["prompt"], "ends with an assistant turn; the answers in chosen/rejected must follow a user turn")
-    for name, turns in answers.items():
-        if not turns or turns[0]["role"] != "assistant":
-            raise RowError(col[name], "has no assistant answer after the prompt")
-    if answers["chosen"] == answers["rejected"]:
-        raise RowError(col["rejected"], f"is identical to '{col['chosen']}'; the pair has nothing to prefer")
-    return {"kind": "pair", "messages": prompt, "chosen": answers["chosen"], "rejected": answers["rejected"],
-            "prompt": "", "completion": ""}
+        raise RowError(col["prompt"], "ends with an assistant turn; the answer must follow a user turn")
 
 
 def _check_text(turns: list[dict], key: str, *, listed: bool) -> None:

@@ -14,6 +14,13 @@ rejected is a bad row of formats.py, failed or skipped by the same `bad_rows` ru
 
 Tokenised pairs go through the one cached map and kept-rows count of rows.py, as SFT samples do,
 under a fingerprint of the pairs, tokenizer, template and settings.
+
+Unpaired rows (KTO, format `unpaired`) take the same path as a pair whose two sides are the row's
+own completion (`answer`) and a mismatched one (`kl`): the completion of another row with another
+prompt, which KTO's reference point z0 is estimated on (Ethayarajh et al. 2024, eq. 8; TRL's
+KTOTrainer pairs each prompt with another row's completion the same way). Fixing the mismatch per
+row, here, makes the estimate the same however a step is split over micro-batches and ranks, and
+lets the reference cache score both sides as it scores a pair's.
 """
 
 from __future__ import annotations
@@ -32,20 +39,32 @@ PAIR_ROWS = rows.RowKind(cache_prefix="pairs", fingerprint_tag=(b"pairs",), turn
                          sides=SIDES, desc="tokenising pairs")
 """A pair is two token rows, prompt + chosen and prompt + rejected."""
 COLUMNS = tuple(PAIR_ROWS.token_columns())
+UNPAIRED_SIDES = ("answer", "kl")
+UNPAIRED_ROWS = rows.RowKind(cache_prefix="unpaired", fingerprint_tag=(b"unpaired",),
+                             turn_columns=("messages", *UNPAIRED_SIDES), sides=UNPAIRED_SIDES,
+                             desc="tokenising unpaired rows", kept_columns=("label",))
+"""An unpaired row is two token rows, prompt + its completion and prompt + a mismatched completion."""
+MISMATCH_LOOKAHEAD = 64
+"""Rows looked ahead for one with another prompt (a set of many answers per prompt, in a row)."""
 
 
-def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path | None = None) -> PreparedData:
-    """Read, check, mix, split and tokenise (cached) the recipe's preference pairs."""
+def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path | None = None,
+                  unpaired: bool = False) -> PreparedData:
+    """Read, check, mix, split and tokenise (cached) the recipe's preference pairs, or its unpaired
+    rows (`unpaired`: dpo.loss kto), each with its mismatched completion."""
+    kind = UNPAIRED_ROWS if unpaired else PAIR_ROWS
     sources.check_sources_declared(data_cfg)
     template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
     if template is None:
         raise UserError("the tokenizer has no chat template, and preference pairs are rendered through one; set "
                         "data.chat_template (e.g. chatml)")
-    train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(data_cfg, seed=seed, base_dir=base_dir,
-                                                                                pairs=True)
+    train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(
+        data_cfg, seed=seed, base_dir=base_dir, preference="unpaired" if unpaired else "preference")
+    if unpaired:
+        train_parts, eval_parts = mismatched(train_parts), mismatched(eval_parts)
     train, held_out, cache_hit = rows.kept_splits(
-        train_parts, eval_parts, tokenize=lambda parts: _tokenize(parts, tokenizer, template, data_cfg),
-        kind=PAIR_ROWS, cfg=data_cfg, unit="pair")
+        train_parts, eval_parts, tokenize=lambda parts: _tokenize(parts, tokenizer, template, data_cfg, kind=kind),
+        kind=kind, cfg=data_cfg, unit="row" if unpaired else "pair")
     num_eval = len(held_out.rows) if held_out is not None else 0
     eval_ds = held_out.rows if num_eval else None
     lengths = train.lengths.tolist()
@@ -60,9 +79,27 @@ def prepare_pairs(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path 
         non_pad_fraction=packing.non_pad_fraction(lengths, num_rows=len(lengths), max_length=data_cfg.max_length),
         cache_hit=cache_hit,
         pairs=True,
+        desirable=_desirable(train.rows) if unpaired else None,
         **rows.report_counts(train),
     )
     return PreparedData(train=train.rows, eval=eval_ds, report=report)
+
+
+def mismatched(samples: list[dict]) -> list[dict]:
+    """Each unpaired sample with `kl`: the completion of the next sample (cyclically) whose prompt
+    differs, within MISMATCH_LOOKAHEAD rows (the next one when none does: a set of one prompt)."""
+    n = len(samples)
+    out = []
+    for i, sample in enumerate(samples):
+        ahead = ((i + k) % n for k in range(1, min(n, MISMATCH_LOOKAHEAD + 1)))
+        j = next((j for j in ahead if samples[j]["messages"] != sample["messages"]), (i + 1) % n)
+        out.append({**sample, "kl": samples[j]["answer"]})
+    return out
+
+
+def _desirable(ds) -> tuple[int, int]:
+    labels = ds.with_format("arrow")[:].column("label").to_pylist()
+    return sum(labels), len(labels) - sum(labels)
 
 
 def collate_pairs(rows: list[dict], *, pad_token_id: int) -> dict:
@@ -70,12 +107,16 @@ def collate_pairs(rows: list[dict], *, pad_token_id: int) -> dict:
 
     One concatenated batch means one forward per micro-batch (and one weight all-gather under
     FSDP2) instead of two. Rows carry `reference_logps` (chosen, rejected) when a full fine-tune's
-    reference was cached; the batch then has them as a [2B] tensor in the same row order.
+    reference was cached; the batch then has them as a [2B] tensor in the same row order. Unpaired
+    rows give their B completions, then their B mismatched completions, and `label` ([B] bool).
     """
     import torch
 
-    sequences = [{"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]} for side in SIDES for r in rows]
+    sides = UNPAIRED_SIDES if "label" in rows[0] else SIDES
+    sequences = [{"input_ids": r[f"{side}_input_ids"], "labels": r[f"{side}_labels"]} for side in sides for r in rows]
     batch = collate(sequences, pad_token_id=pad_token_id)
+    if "label" in rows[0]:
+        batch["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
     if "reference_logps" in rows[0]:
         batch["reference_logps"] = torch.tensor([r["reference_logps"][k] for k in range(2) for r in rows],
                                                 dtype=torch.float32)
@@ -86,10 +127,10 @@ def collate_pairs(rows: list[dict], *, pad_token_id: int) -> dict:
 # tokenising
 
 
-def _tokenize(pairs: list[dict], tokenizer, template: str, cfg: DataConfig):
+def _tokenize(pairs: list[dict], tokenizer, template: str, cfg: DataConfig, *, kind: rows.RowKind):
     """The pairs' token rows through the cached map; the settings are everything _PairEncoder reads."""
     settings = [template, cfg.max_length, cfg.overlong, cfg.bad_rows]
-    return rows.tokenize(pairs, tokenizer, kind=PAIR_ROWS, encode=_PairEncoder(tokenizer, template, cfg),
+    return rows.tokenize(pairs, tokenizer, kind=kind, encode=_PairEncoder(tokenizer, template, cfg, sides=kind.sides),
                          settings=settings, cfg=cfg)
 
 
@@ -103,18 +144,18 @@ def answer_spans(tokenizer, template: str, prompt: list[dict], answer: list[dict
 class _PairEncoder:
     """The map function: render both sides, tokenise with offsets, answer labels, fit to max_length."""
 
-    def __init__(self, tokenizer, template: str, cfg: DataConfig):
-        self.tokenizer, self.template, self.cfg = tokenizer, template, cfg
+    def __init__(self, tokenizer, template: str, cfg: DataConfig, *, sides: tuple[str, ...]):
+        self.tokenizer, self.template, self.cfg, self.sides = tokenizer, template, cfg, sides
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         n = len(batch["messages"])
-        out = {name: [[] for _ in range(n)] for name in COLUMNS}
+        out = {f"{side}_{name}": [[] for _ in range(n)] for side in self.sides for name in ("input_ids", "labels")}
         out["status"] = [OK] * n
         rendered = {}
         for i in range(n):
             try:
                 rendered[i] = [answer_spans(self.tokenizer, self.template, batch["messages"][i], batch[side][i])
-                               for side in SIDES]
+                               for side in self.sides]
             except templates.SpanError as err:
                 if self.cfg.bad_rows == "fail":
                     raise UserError(f"{batch['origin'][i]}: {err}") from None
@@ -127,7 +168,7 @@ class _PairEncoder:
         enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         for j, i in enumerate(good):
             fitted, prompt_tokens = [], 0
-            for k in range(len(SIDES)):
+            for k in range(len(self.sides)):
                 at = k * len(good) + j
                 labels = templates.labels_from_spans(enc["input_ids"][at], enc["offset_mapping"][at], rendered[i][k][1])
                 prompt_tokens = max(prompt_tokens, next((t for t, x in enumerate(labels) if x != IGNORE_INDEX), len(labels)))
@@ -140,6 +181,6 @@ class _PairEncoder:
                     "data.bad_rows=skip to leave such pairs out")
             out["status"][i] = status
             if status in KEPT:
-                for k, side in enumerate(SIDES):
+                for k, side in enumerate(self.sides):
                     out[f"{side}_input_ids"][i], out[f"{side}_labels"][i] = fitted[k][0], fitted[k][1]
         return out

@@ -17,5 +17,6 @@ def prepare_for(recipe: Recipe, tokenizer, *, base_dir: Path | None = None) -> P
     if recipe.objective == "grpo":
         return prepare_prompts(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
     if recipe.objective == "dpo":
-        return prepare_pairs(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+        return prepare_pairs(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir,
+                             unpaired=recipe.dpo.unpaired)
     return prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)

@@ -56,12 +56,16 @@ class DataReport:
     """True when every tokenised split came from the cache instead of being tokenised again."""
     pairs: bool = False
     """Preference pairs (objective: dpo): samples are pairs, tokens and lengths count both answers' rows."""
+    desirable: tuple[int, int] | None = None
+    """Unpaired rows (dpo.loss: kto): the kept training rows labelled desirable and undesirable."""
     prompts: bool = False
     """Prompts (objective: grpo, prompts.py): samples are prompts, their tokens the prompts' (no loss yet)."""
 
     @property
     def unit(self) -> str:
-        """What one training row is: a sample (sft), a pair (dpo) or a prompt (grpo)."""
+        """What one training row is: a sample (sft), a pair (dpo), an unpaired row (kto) or a prompt (grpo)."""
+        if self.desirable is not None:
+            return "unpaired row"
         return "pair" if self.pairs else "prompt" if self.prompts else "sample"
 
     def summary(self) -> str:
@@ -87,3 +91,28 @@ class PreparedData:
     chosen_/rejected_ input_ids and labels."""
     eval: datasets.Dataset | None
     report: DataReport
+
+
+KTO_BAND = (1.0, 4 / 3)
+"""The desirable:undesirable ratio (each side weighted by its dpo.*_weight) KTO's authors recommend:
+lambda_D n_D / (lambda_U n_U) in [1, 4/3] (Ethayarajh et al. 2024)."""
+
+
+def desirable_line(num_desirable: int, num_undesirable: int, *, desirable_weight: float,
+                   undesirable_weight: float) -> str:
+    """`data inspect`'s line on an unpaired set's labels, with a warning outside KTO_BAND."""
+    total = max(num_desirable + num_undesirable, 1)
+    line = (f"labels: {num_desirable} desirable : {num_undesirable} undesirable "
+            f"({num_desirable / total:.0%} : {num_undesirable / total:.0%})")
+    if not num_desirable or not num_undesirable:
+        missing = "undesirable (label false)" if num_desirable else "desirable (label true)"
+        return line + f"\nwarning: no {missing} rows; KTO learns from both kinds"
+    weighted = desirable_weight * num_desirable / (undesirable_weight * num_undesirable)
+    low, high = KTO_BAND
+    if low <= weighted <= high:
+        return line + f"; weighted ratio {weighted:.2f}, inside KTO's recommended 1 to 4/3"
+    # the weight that brings the weighted ratio to the band's middle, 7/6
+    fix = 7 / 6 * undesirable_weight * num_undesirable / num_desirable
+    return (line + f"\nwarning: dpo.desirable_weight x desirable : dpo.undesirable_weight x undesirable is "
+            f"{weighted:.2f}, outside the 1 to 4/3 KTO's authors recommend (Ethayarajh et al. 2024); "
+            f"set dpo.desirable_weight={fix:.3g} (or balance the data)")

@@ -49,6 +49,8 @@ class RowKind:
     """Token rows per sample: side "" is `input_ids`/`labels`, side s is `s_input_ids`/`s_labels`."""
     desc: str
     """The progress bar's label."""
+    kept_columns: tuple[str, ...] = ()
+    """Boolean columns of the sample kept beside its token rows (an unpaired row's `label`)."""
 
     def token_columns(self) -> list[str]:
         return [column(side, name) for side in self.sides for name in ("input_ids", "labels")]
@@ -88,6 +90,7 @@ def tokenize(samples: list[dict], tokenizer, *, kind: RowKind, encode, settings:
     features = datasets.Features({
         "kind": text, **{name: turns for name in kind.turn_columns},
         "prompt": text, "completion": text, "origin": text,
+        **{name: datasets.Value("bool") for name in kind.kept_columns},
     })
     ds = datasets.Dataset.from_list(samples, features=features)
     ds = ds.map(
@@ -149,7 +152,7 @@ def kept(ds, *, kind: RowKind) -> Kept:
         lengths.append(pc.list_value_length(ids).to_numpy(zero_copy_only=False)[keep])
         labels = pc.list_flatten(table.column(column(side, "labels")).filter(pa.array(keep)))
         num_trained += int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
-    rows = ds.select(np.flatnonzero(keep)).select_columns(kind.token_columns())
+    rows = ds.select(np.flatnonzero(keep)).select_columns([*kind.token_columns(), *kind.kept_columns])
     return Kept(rows=rows, counts=counts, lengths=np.concatenate(lengths).astype(np.int64), num_trained_tokens=num_trained)
 
 

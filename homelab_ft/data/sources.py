@@ -40,15 +40,17 @@ def check_sources_declared(data_cfg: DataConfig) -> None:
                         "(the shipped demo task is `path: demo:train`)")
 
 
-def read_and_mix(data_cfg: DataConfig, *, seed: int, base_dir: Path | None, pairs: bool = False):
+def read_and_mix(data_cfg: DataConfig, *, seed: int, base_dir: Path | None, preference: str | None = None):
     """Canonical samples of every source, mixed by weight, the eval split held out; and the reports.
 
-    `pairs`: the objective trains on preference pairs (DPO), so every source must hold them.
+    `preference`: the format every source must hold when the objective is preference tuning
+    (`preference` pairs for DPO and its kin, `unpaired` rows for KTO); None for SFT, whose sources
+    must hold neither.
     """
     train_parts, train_reports, eval_parts, eval_reports = [], [], [], []
     for i, src in enumerate(data_cfg.sources):
         samples, fmt, num_rows, skipped, first_error = _read_source(src, data_cfg, where=f"data.sources[{i}]",
-                                                                    base_dir=base_dir, pairs=pairs)
+                                                                    base_dir=base_dir, preference=preference)
         held_out = []
         if not data_cfg.eval_sources and data_cfg.eval_fraction > 0:
             samples, held_out = hold_out(samples, fraction=data_cfg.eval_fraction, rng=random.Random(f"{seed}:eval:{i}"))
@@ -58,7 +60,7 @@ def read_and_mix(data_cfg: DataConfig, *, seed: int, base_dir: Path | None, pair
         train_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(used), first_error))
     for i, src in enumerate(data_cfg.eval_sources):
         samples, fmt, num_rows, skipped, first_error = _read_source(src, data_cfg, where=f"data.eval_sources[{i}]",
-                                                                    base_dir=base_dir, pairs=pairs)
+                                                                    base_dir=base_dir, preference=preference)
         eval_parts += samples
         eval_reports.append(SourceReport(src.path, fmt, num_rows, skipped, len(samples), first_error))
     if data_cfg.shuffle:
@@ -306,18 +308,25 @@ def source_rows(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Pat
     return rows, bad, len(rows) + bad.skipped
 
 
-def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None, pairs: bool = False):
+def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Path | None,
+                 preference: str | None = None):
     """Canonical samples of one source, its format, rows in it, the skipped-row count, first skip message."""
     rows, bad, num_rows = source_rows(src, cfg, where=where, base_dir=base_dir)
     columns = set().union(*(row.keys() for _, _, row in rows))
     fmt = src.format
     if fmt == "auto":
         fmt = formats.detect_format(columns | {ours for ours, theirs in src.fields.items() if theirs in columns}, where=where)
-    if pairs and fmt != "preference":
+    if preference == "preference" and fmt != "preference":
+        also = "; unpaired rows (completion, label) train with dpo.loss=kto" if fmt == "unpaired" else ""
         raise UserError(f"{where}: objective=dpo trains on preference pairs, but {src.path} has no chosen and rejected "
-                        f"columns (format {fmt}, columns {sorted(columns)}); map them with fields: {{chosen: ..., rejected: ...}}")
-    if not pairs and fmt == "preference":
-        raise UserError(f"{where}: {src.path} holds preference pairs (chosen, rejected); set objective: dpo to train on "
+                        f"columns (format {fmt}, columns {sorted(columns)}); map them with fields: {{chosen: ..., rejected: ...}}"
+                        + also)
+    if preference == "unpaired" and fmt != "unpaired":
+        raise UserError(f"{where}: dpo.loss=kto trains on unpaired rows, but {src.path} has no completion and label "
+                        f"columns (format {fmt}, columns {sorted(columns)}); map them with fields: {{completion: ..., "
+                        "label: ...}}, or use another dpo.loss for pairs")
+    if preference is None and fmt in ("preference", "unpaired"):
+        raise UserError(f"{where}: {src.path} holds {'preference pairs' if fmt == 'preference' else 'unpaired preference rows'} ({fmt}); set objective: dpo to train on "
                         "them, or format: chat for its messages")
     formats.check_fields(src.fields, fmt, columns, where=where)
     samples = []

@@ -30,6 +30,9 @@ from homelab_ft.demo import sft
 
 SPLITS = {"pairs-train": ("train", 160), "pairs-eval": ("eval", 48)}
 """Shipped file stem (`demo:pairs-train` in a recipe) -> (demo split its people come from, pairs)."""
+UNPAIRED = {"unpaired-train": "pairs-train", "unpaired-eval": "pairs-eval"}
+"""KTO's unpaired rows (`demo:unpaired-train`) -> the pairs they are made from: each pair's chosen answer
+a row labelled true, its rejected one a row labelled false (1:1, inside KTO's recommended band)."""
 REJECTED_KINDS = ("prose", "fence", "keys", "age_string", "wrong_city")
 
 log = logging.getLogger("homelab_ft.demo.dpo")  # also when run as __main__
@@ -64,8 +67,15 @@ def make_pairs(stem: str, *, seed: int = sft.SEED) -> list[dict]:
     return pairs
 
 
+def make_unpaired(stem: str) -> list[dict]:
+    """The pairs of UNPAIRED[stem] as KTO's unpaired rows, each pair's desirable row then its undesirable one."""
+    return [{"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+            for pair in make_pairs(UNPAIRED[stem]) for side in ("chosen", "rejected")]
+
+
 def dataset_text(stem: str) -> str:
-    return "".join(json.dumps(row) + "\n" for row in make_pairs(stem))
+    rows = make_unpaired(stem) if stem in UNPAIRED else make_pairs(stem)
+    return "".join(json.dumps(row) + "\n" for row in rows)
 
 
 def dataset_path(stem: str) -> Path:
@@ -73,7 +83,7 @@ def dataset_path(stem: str) -> Path:
 
 
 def write_dataset(out_dir: Path = sft.ASSET_DIR) -> list[Path]:
-    return sft.write_splits(out_dir, SPLITS, dataset_text)
+    return sft.write_splits(out_dir, [*SPLITS, *UNPAIRED], dataset_text)
 
 
 def pair_accuracy(model_dir: Path, *, stem: str = "pairs-eval", batch_pairs: int = 8) -> tuple[float, float]:

@@ -178,11 +178,12 @@ class PlanRequest:
 
     @property
     def rows_per_micro_batch(self) -> int:
-        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows; GRPO
-        samples each of `train.micro_batch_size` prompts `grpo.num_generations` times."""
+        """Sequences one forward carries: DPO concatenates each pair's chosen and rejected rows (KTO's
+        forwards carry one row each: its completions, or their mismatched completions); GRPO samples
+        each of `train.micro_batch_size` prompts `grpo.num_generations` times."""
         if self.objective == "grpo":
             return self.train.micro_batch_size * self.grpo.num_generations
-        return self.train.micro_batch_size * (2 if self.objective == "dpo" else 1)
+        return self.train.micro_batch_size * (2 if self.objective == "dpo" and not self.dpo.unpaired else 1)
 
     @property
     def reference_forward(self) -> bool:
@@ -190,6 +191,20 @@ class PlanRequest:
         forward per micro-batch with adapters, a cached pre-pass for a full fine-tune. ORPO and SimPO
         need none."""
         return self.objective == "dpo" and self.dpo.needs_reference
+
+    @property
+    def reference_forwards(self) -> int:
+        """No-grad forwards of the reference per micro-batch with adapters, each of rows_per_micro_batch
+        rows: DPO's one of both answers, KTO's two (the completions, then the mismatched completions,
+        one at a time so no forward holds more logits than the trained one); 0 without a reference.
+        A full fine-tune reads them from the cache instead (its pre-pass: prepass_s_per_pair)."""
+        return (2 if self.dpo.unpaired else 1) if self.reference_forward else 0
+
+    @property
+    def kl_forwards(self) -> int:
+        """KTO's no-grad forward of the policy on the mismatched completions per micro-batch (its KL
+        reference point, train/preference.py), on every rung; 0 for the other objectives."""
+        return int(self.objective == "dpo" and self.dpo.unpaired)
 
     @property
     def completion_tokens(self) -> int:

@@ -183,7 +183,10 @@ def _refuse_named_pipeline(options: tuple[Option, ...], refused: tuple[Refusal, 
 
 def _refuse_named_method(options: tuple[Option, ...], refused: tuple[Refusal, ...], *, request: PlanRequest) -> None:
     """A method the recipe names whose every option the trainer refuses (a full fine-tune of GRPO with
-    grpo.beta > 0) is refused with the trainer's reason, as a named pipeline is."""
+    grpo.beta > 0) is refused with the trainer's reason, as a named pipeline is; so is `auto` when
+    the trainer refuses every option (KTO's step of fewer than 4 rows, whatever the method)."""
+    if request.method == "auto" and not options and refused:
+        raise RungError(refused[0].reason)
     if request.method == "auto" or any(o.method == request.method for o in options):
         return
     named = [r for r in refused if r.label.split(" ")[0] == request.method]

@@ -196,7 +196,9 @@ def format_plan(p: Plan) -> str:
         + (" optim_in_bwd" if r.train.optimizer_in_backward else "")
         + (f" lora_dtype={r.lora.dtype}" if r.lora.dtype != "float32" else "") + f" headroom={r.planner.headroom:.0%}"
         + (f" objective=dpo ({r.rows_per_micro_batch} sequences per micro-batch"
-           + ("" if r.reference_forward else f"; dpo.loss={r.dpo.loss}: no reference") + ")" if r.objective == "dpo" else "")
+           + ("" if r.reference_forward else f"; dpo.loss={r.dpo.loss}: no reference")
+           + ("; dpo.loss=kto: no-grad forwards of the reference and of the mismatched completions (KL)"
+              if r.kl_forwards else "") + ")" if r.objective == "dpo" else "")
         + (f" objective=grpo ({r.rows_per_micro_batch} sequences of <= {r.data.max_length}+{r.completion_tokens} tokens "
            "per micro-batch)" if r.objective == "grpo" else ""),
         "",

@@ -2,6 +2,8 @@
 
     config        every section as a frozen pydantic dataclass, every default once with its docstring
                   (model, lora, quant, data, train, sharding, cluster, eval ...); `load_recipe`
+    objective_checks  what each objective needs of the other sections (pairs or unpaired rows for
+                  preference tuning in its loss's format, rewards for GRPO), checked once they validate
     io            YAML in and out, `section.key=value` overrides, the nearest-key error messages
     bounded_yaml  the one YAML reader of user files: a recursive anchor or an alias bomb is refused
     bounds        the value types numeric fields are validated with (finite, in their physical range)

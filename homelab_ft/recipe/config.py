@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from homelab_ft.errors import UserError
+from homelab_ft.recipe import objective_checks
 from homelab_ft.recipe.bounds import (
     MAX_INT64,
     Fraction,
@@ -103,9 +104,10 @@ class SourceConfig:
     path: str
     """A file (JSONL, JSON, CSV, Parquet), a glob, a folder, a `save_to_disk` directory, or a hub
     dataset id already in the local cache."""
-    format: Literal["auto", "chat", "alpaca", "sharegpt", "prompt_completion", "text", "preference"] = "auto"
+    format: Literal["auto", "chat", "alpaca", "sharegpt", "prompt_completion", "text", "preference", "unpaired"] = "auto"
     """`preference`: rows `{prompt | messages, chosen, rejected}` for `objective: dpo` (chosen and
-    rejected as strings or message lists, as in UltraFeedback-style sets)."""
+    rejected as strings or message lists, as in UltraFeedback-style sets); `unpaired`: rows `{prompt |
+    messages, completion, label}` with a boolean label (thumbs up/down) for `dpo.loss: kto`."""
     split: str = "train"
     """Split to read when the source has several (hub datasets, `DatasetDict` folders)."""
     weight: Positive = 1.0
@@ -344,8 +346,14 @@ class PlannerConfig:
     """Fraction of device memory kept free beyond the estimate (allocator spikes, other processes)."""
 
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "orpo", "simpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "orpo", "simpo", "kto")
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
+UNPAIRED_LOSSES = ("kto",)
+"""Losses that learn from unpaired rows (format `unpaired`: a completion and a boolean label)."""
+KTO_MIN_STEP_ROWS = 4
+"""KTO's reference point z0 is the mean policy/reference log-ratio over the step's mismatched
+(prompt, completion) pairs (Ethayarajh et al. 2024, eq. 8 and section 4.1); fewer than 4 rows per
+step make that estimate one or two numbers, and TRL warns below the same size."""
 
 
 @dataclass(frozen=True, config=_STRICT)
@@ -359,19 +367,37 @@ class DpoConfig:
     `orpo` (Hong et al. 2024): the chosen answer's NLL plus beta (the paper's lambda, TRL's 0.1)
     times the odds-ratio loss, no reference model; `simpo` (Meng et al. 2024): -log sigmoid of beta
     times the length-normalised log-probability margin minus `simpo_gamma`, no reference model (the
-    paper's setting: beta 2.0 to 2.5 with simpo_gamma / beta about 0.5; TRL's CPO defaults beta 0.1)."""
+    paper's setting: beta 2.0 to 2.5 with simpo_gamma / beta about 0.5; TRL's CPO defaults beta 0.1);
+    `kto` (Ethayarajh et al. 2024): unpaired rows (format `unpaired`), each completion's
+    policy/reference log-ratio against the batch's KL estimate, weighted by `desirable_weight` or
+    `undesirable_weight` by its label (TRL's KTOTrainer defaults: beta 0.1, both weights 1.0)."""
     label_smoothing: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.0
     """Probability that a pair's label is wrong (conservative DPO): the loss mixes in the flipped pair."""
     sft_weight: NonNegative = 0.0
     """Weight of a negative log-likelihood term on the chosen answer, per token (RPO, Pang et al. 2024)."""
     simpo_gamma: NonNegative = 0.5
     """SimPO's target reward margin gamma (`loss: simpo`; TRL's CPOConfig name and default)."""
+    desirable_weight: Positive = 1.0
+    """KTO's lambda_D, the weight of a desirable (label true) row's loss (`loss: kto`; TRL's name and
+    default). The paper advises lambda_D n_D / (lambda_U n_U) in [1, 4/3] (Ethayarajh et al. 2024)."""
+    undesirable_weight: Positive = 1.0
+    """KTO's lambda_U, the weight of an undesirable (label false) row's loss (`loss: kto`; TRL's default)."""
 
     @property
     def needs_reference(self) -> bool:
-        """DPO and IPO compare with a reference model; ORPO and SimPO need none (no reference forward,
+        """DPO, IPO and KTO compare with a reference model; ORPO and SimPO need none (no reference forward,
         no cached pre-pass)."""
         return self.loss not in REFERENCE_FREE_LOSSES
+
+    @property
+    def unpaired(self) -> bool:
+        """KTO learns from unpaired rows (format `unpaired`), the other losses from pairs (`preference`)."""
+        return self.loss in UNPAIRED_LOSSES
+
+    @property
+    def data_format(self) -> str:
+        """The source format this loss reads: `unpaired` for KTO, `preference` for the others."""
+        return "unpaired" if self.unpaired else "preference"
 
 
 ROLLOUT_ENGINES = ("auto", "colocated", "node")
@@ -531,55 +557,11 @@ def recipe_from_dict(raw: dict[str, Any], *, overrides=(), source: str = "recipe
         recipe = _RECIPE_ADAPTER.validate_python(raw)
     except ValidationError as err:
         raise UserError(f"{source}: {explain(err, root=Recipe)}") from None
-    check_objective(recipe, source=source)
+    objective_checks.check_objective(recipe, source=source)
     embedding_offload.check_named(recipe.train.embedding_offload, method=recipe.method,
                                   strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
                                   world_size=recipe.world_size, pipeline_stages=recipe.sharding.pipeline_stages)
     return recipe
-
-
-def check_objective(recipe: Recipe, *, source: str = "recipe") -> None:
-    """What `objective` needs from the data section: pairs for DPO, no pairs for SFT.
-
-    Preference pairs are trained unpacked (a pair's two answers must each be scored whole against
-    the same prompt) and only on the answers (the prompt is shared by both, so its log-probability
-    cancels in the DPO margin and training on it would only add an SFT term no one asked for).
-    """
-    sources = [(f"data.sources[{i}]", s) for i, s in enumerate(recipe.data.sources)]
-    sources += [(f"data.eval_sources[{i}]", s) for i, s in enumerate(recipe.data.eval_sources)]
-    if recipe.objective == "dpo":
-        for where, src in sources:
-            if src.format not in ("auto", "preference"):
-                raise UserError(f"{source}: objective=dpo trains on preference pairs, but {where}.format={src.format} "
-                                "has none; use format: preference (rows with prompt or messages, chosen, rejected)")
-        if recipe.data.packing:
-            raise UserError(f"{source}: objective=dpo scores each answer of a pair whole and does not pack; "
-                            "set data.packing=false")
-        if recipe.data.train_on_inputs:
-            raise UserError(f"{source}: objective=dpo compares the answers of a pair, not the prompt they share; "
-                            "set data.train_on_inputs=false (dpo.sft_weight adds a loss on the chosen answer)")
-        if recipe.dpo.loss == "orpo" and recipe.dpo.label_smoothing:
-            raise UserError(f"{source}: dpo.label_smoothing is conservative DPO's; ORPO's loss has no flipped-label "
-                            "term (Hong et al. 2024): set dpo.label_smoothing=0 or another dpo.loss")
-    else:
-        if recipe.objective == "grpo":
-            check_grpo(recipe.grpo, source=source)
-        for where, src in sources:
-            if src.format == "preference":
-                raise UserError(f"{source}: {where}.format=preference holds pairs for preference tuning; "
-                                "set objective: dpo, or use an SFT format")
-
-
-def check_grpo(grpo: GrpoConfig, *, source: str = "recipe") -> None:
-    """What `objective: grpo` needs of its section beyond each field's type: a reward to learn from,
-    and one weight per reward function. Whether each function imports is preflight's check
-    (train/rewards.py), which knows the recipe's folder."""
-    if not grpo.reward_funcs:
-        raise UserError(f"{source}: objective=grpo learns from rewards; name at least one in grpo.reward_funcs "
-                        "(e.g. [exact_answer], or rewards.py:my_reward for a function in a file beside the recipe)")
-    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
-        raise UserError(f"{source}: grpo.reward_weights has {len(grpo.reward_weights)} weights for "
-                        f"{len(grpo.reward_funcs)} grpo.reward_funcs; give one per function, or none for 1.0 each")
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import math
 
 STEP_KEYS = frozenset({"step", "loss", "lr", "grad_norm", "tokens", "trained_tokens", "tokens_per_s", "epoch",
                        "time_s", "peak_mem_gib", "peak_rss_gib", "eval_loss"})
-"""The columns every objective writes (trainer.StepResult.row, metrics.peak_memory, evaluate.py), drawn
+"""The columns every objective writes (steps.StepResult.row, metrics.peak_memory, evaluate.py), drawn
 in their own plots; any other number (DPO's rewards and log-probs, GRPO's rewards, KL and clip ratios,
 their `eval_` twins) is drawn by `objective_figure`."""
 

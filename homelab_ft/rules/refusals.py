@@ -18,6 +18,7 @@ context of the recipe and the model.
 
 from __future__ import annotations
 
+from homelab_ft.recipe.config import KTO_MIN_STEP_ROWS
 from homelab_ft.rules import embedding_offload, moe_routers
 from homelab_ft.rung import Rung, RungError
 
@@ -74,6 +75,19 @@ def grpo_reference(rung: Rung, *, objective: str, beta: float) -> str | None:
     if objective == "grpo" and beta > 0 and not rung.adapters_enabled:
         return ("objective=grpo with grpo.beta > 0 needs a reference model, which a full fine-tune would hold as a "
                 "second copy; use method: lora or qlora, or grpo.beta=0")
+    return None
+
+
+def kto_batch(rung: Rung, *, objective: str, loss: str, micro_batch_size: int, grad_accum_steps: int) -> str | None:
+    """KTO's reference point is a mean over the step's rows on all ranks (train/preference.py): a step
+    of micro_batch_size x grad_accum_steps x data-parallel replicas rows below KTO_MIN_STEP_ROWS
+    leaves that estimate one to three numbers."""
+    rows = micro_batch_size * grad_accum_steps * rung.data_parallel_size
+    if objective == "dpo" and loss == "kto" and rows < KTO_MIN_STEP_ROWS:
+        return (f"dpo.loss=kto estimates its KL reference point over each step's rows, and a step holds {rows} "
+                f"(train.micro_batch_size={micro_batch_size} x train.grad_accum_steps={grad_accum_steps} x "
+                f"{rung.data_parallel_size} process(es)); raise train.grad_accum_steps or train.micro_batch_size "
+                f"to make it >= {KTO_MIN_STEP_ROWS}")
     return None
 
 
@@ -165,6 +179,8 @@ def refusals(rung: Rung, asked, *, num_blocks: int, moe_experts: bool) -> tuple[
         objective(rung, objective=asked.objective),
         grpo_reference(rung, objective=asked.objective, beta=asked.grpo.beta),
         rollout_node(rung, objective=asked.objective),
+        kto_batch(rung, objective=asked.objective, loss=asked.dpo.loss, micro_batch_size=asked.train.micro_batch_size,
+                  grad_accum_steps=asked.train.grad_accum_steps),
         eight_bit_base(rung),
         dora(rung, use_dora=asked.lora.use_dora),
         samples(rung, sample_every=asked.train.sample_every),

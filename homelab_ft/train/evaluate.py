@@ -45,7 +45,10 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=No
 @torch.no_grad()
 def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=None) -> tuple[float, dict]:
     """Mean DPO loss per held-out pair and the means of the other preference.METRICS (`eval_` keys),
-    all ranks together, with evaluate's batch schedule (every rank runs the same forwards)."""
+    all ranks together, with evaluate's batch schedule (every rank runs the same forwards); KTO's
+    through `evaluate_unpaired`."""
+    if recipe.dpo.unpaired:
+        return evaluate_unpaired(model, rows, env=env, recipe=recipe, pad_token_id=pad_token_id, progress=progress)
     model.eval()
     sums = torch.zeros(len(preference.METRICS), dtype=torch.float64)
     pairs = 0
@@ -60,6 +63,37 @@ def evaluate_pairs(model, rows, *, env, recipe: Recipe, pad_token_id: int, progr
     parallelize.reshard(model)  # no backward follows: free what FSDP2 left gathered
     means = (comm.all_reduce_sum_tensor(sums, env) / max(comm.all_reduce_sum(pairs, env), 1)).tolist()
     metrics = {f"eval_{k}": v for k, v in zip(preference.METRICS, means, strict=True)}
+    return metrics.pop("eval_loss"), metrics
+
+
+@torch.no_grad()
+def evaluate_unpaired(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=None) -> tuple[float, dict]:
+    """Mean KTO loss per held-out row and preference.KTO_METRICS (`eval_` keys), all ranks together.
+
+    Per batch the completions and their mismatched completions are scored (policy and reference, a
+    half at a time as in training); z0 is the mean over the whole held-out split, as a training step's over the step,
+    so the losses are computed once every batch has been scored."""
+    model.eval()
+    scored, kl_sum, num_rows = [], 0.0, 0
+    for indices, real in _shown(list(_eval_batches(len(rows), recipe=recipe, env=env)), progress):
+        mb = collate_pairs([rows[i] for i in indices], pad_token_id=pad_token_id)
+        reference, reference_kl = preference.kto_reference(model, mb, env.device)
+        completions, mismatched = preference.halves(mb)
+        policy = preference.policy_logps(model, completions, env.device)[0]
+        policy_kl = preference.policy_logps(model, mismatched, env.device)[0]
+        if real:
+            kl_sum += float((policy_kl.double() - reference_kl.double()).sum())
+            num_rows += preference.num_pairs(mb)
+            scored.append((policy.double(), reference.double(), mb["label"]))
+    parallelize.reshard(model)
+    kl = preference.kto_reference_point(comm.all_reduce_sum(kl_sum, env), int(comm.all_reduce_sum(num_rows, env)))
+    sums = torch.zeros(len(preference.KTO_SUMS), dtype=torch.float64)
+    for policy, reference, desirable in scored:
+        sums += preference.kto_losses(policy, reference, desirable, kl=kl, cfg=recipe.dpo)[1].cpu()
+    means = dict(zip(preference.KTO_SUMS, comm.all_reduce_sum_tensor(sums, env).tolist(), strict=True))
+    metrics = {"loss": means["loss"] / max(means["num_desirable"] + means["num_undesirable"], 1),
+               **preference.kto_metrics(means, kl=kl)}
+    metrics = {f"eval_{k}": v for k, v in metrics.items()}
     return metrics.pop("eval_loss"), metrics
 
 

@@ -14,6 +14,22 @@ log-probability per token instead of its sum:
     orpo (Hong et al. 2024, eq. 6-7):    -mean log p(y_w) - beta log sigmoid(log odds(y_w) - log odds(y_l))
     simpo (Meng et al. 2024, eq. 6):     -log sigmoid(beta (mean log p(y_w) - mean log p(y_l)) - gamma)
 
+KTO (Ethayarajh et al. 2024, eq. 8) learns from unpaired rows, a completion y with a label
+(desirable or not), against a reference point z0 instead of a second answer. With
+r = log pi(y|x) - log pi_ref(y|x):
+
+    kto:  lambda_y - v(x, y),   v = lambda_D sigmoid(beta (r - z0)) if desirable
+                                    lambda_U sigmoid(beta (z0 - r)) if undesirable
+          z0 = max(0, mean over the step of log pi(y'|x) - log pi_ref(y'|x)), detached
+
+z0 is the paper's KL(pi || pi_ref) estimate, taken on mismatched pairs (x, y'): each prompt with
+another row's completion (data/pairs.py fixes y' per row), so that it measures how far the policy
+has drifted in general rather than on the completions being pushed. It is a mean over the whole
+step on all ranks (`kto_reference_point`), not per micro-batch, so a step's loss is the same
+however it is split; the trainer refuses a step of fewer than KTO_MIN_STEP_ROWS rows, whose
+estimate would be one or two numbers. No gradient flows through z0 (the paper's and TRL's choice:
+it is a baseline, not a target).
+
 Label smoothing eps treats each label as wrong with probability eps and mixes in the loss of the
 flipped pair: (1 - eps) L(h) + eps L(-h) (conservative DPO, Mitchell 2023; for IPO this moves the
 regression target to (1 - 2 eps)/(2 beta)). IPO uses summed log-probabilities as in its paper (TRL
@@ -38,6 +54,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from homelab_ft.distributed import comm
 from homelab_ft.labels import IGNORE_INDEX
 from homelab_ft.recipe.config import DpoConfig
 
@@ -128,6 +145,109 @@ def pair_losses(policy: torch.Tensor, reference: torch.Tensor | None, num_tokens
     return losses, stats
 
 
+KTO_SUMS = ("loss", "reward_chosen", "reward_rejected", "num_desirable", "num_undesirable", "logp_chosen",
+            "logp_rejected")
+"""What a KTO step sums per micro-batch: the loss, and per label the rewards, row counts and
+log-probabilities (`kto_metrics` turns the step's totals into means per desirable/undesirable row)."""
+KTO_METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "kl", "logp_chosen", "logp_rejected")
+"""A KTO step's metrics.jsonl keys: chosen = desirable rows, rejected = undesirable (TRL's KTO names)."""
+
+
+def kto_losses(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor, *, kl: float,
+               cfg: DpoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO (Ethayarajh et al. 2024, eq. 8) per row from its completion's sequence log-probabilities under
+    the policy and the reference, its label (`desirable`, bool) and the step's reference point z0
+    (`kl`, see `kto_reference_point`). Returns the losses (with grad) and a detached [len(KTO_SUMS)]
+    vector; the rewards are beta x (policy - reference), as for DPO."""
+    reference = reference.to(policy.device, policy.dtype)
+    desirable = desirable.to(policy.device, torch.bool)
+    ratio = policy - reference
+    value = torch.where(desirable, cfg.desirable_weight * torch.sigmoid(cfg.beta * (ratio - kl)),
+                        cfg.undesirable_weight * torch.sigmoid(cfg.beta * (kl - ratio)))
+    # the weights in the policy's dtype: torch.where of two Python floats would make them float32
+    losses = torch.where(desirable, policy.new_tensor(cfg.desirable_weight), policy.new_tensor(cfg.undesirable_weight)) - value
+    with torch.no_grad():
+        reward = cfg.beta * ratio.detach()
+        wanted = desirable.to(reward.dtype)
+        stats = torch.stack([
+            losses.sum(), (reward * wanted).sum(), (reward * (1 - wanted)).sum(), wanted.sum(), (1 - wanted).sum(),
+            (policy.detach() * wanted).sum(), (policy.detach() * (1 - wanted)).sum(),
+        ]).double()
+    return losses, stats
+
+
+def kto_reference_point(kl_sum: float, num_rows: int) -> float:
+    """z0 = max(0, mean log-ratio over the step's mismatched pairs): `kl_sum` and `num_rows` are the
+    step's totals over every rank (the paper clamps at 0: a KL is never negative, its estimate can be)."""
+    return max(0.0, kl_sum / max(num_rows, 1))
+
+
+def kto_metrics(means: dict, *, kl: float) -> dict:
+    """KTO_METRICS from the step's KTO_SUMS totals (any common divisor): the rewards and log-probabilities
+    per desirable and per undesirable row, their margin, and z0 as `kl`."""
+    def per(name: str, count: str) -> float:
+        return means[name] / means[count] if means[count] else 0.0
+
+    chosen, rejected = per("reward_chosen", "num_desirable"), per("reward_rejected", "num_undesirable")
+    return {"reward_chosen": chosen, "reward_rejected": rejected, "reward_margin": chosen - rejected, "kl": kl,
+            "logp_chosen": per("logp_chosen", "num_desirable"), "logp_rejected": per("logp_rejected", "num_undesirable")}
+
+
+def halves(batch: dict) -> tuple[dict, dict]:
+    """An unpaired micro-batch (collate_pairs: B completions, then their B mismatched completions) as
+    two batches of B rows, each cut to its own longest row (padding is on the right)."""
+    rows = batch["input_ids"].shape[0] // 2
+    out = []
+    for part in (slice(0, rows), slice(rows, 2 * rows)):
+        width = int(batch["attention_mask"][part].sum(dim=1).max())
+        out.append({k: batch[k][part, :width] for k in ("input_ids", "labels", "attention_mask")})
+    return out[0], out[1]
+
+
+@torch.no_grad()
+def kto_pre_pass(model, micro_batches: list[dict], *, env) -> tuple[list[torch.Tensor], float]:
+    """What a KTO step knows before its first backward: each micro-batch's reference log-probabilities
+    of its completions, and z0 (`kto_reference_point`) over the step's mismatched completions on all
+    ranks (the policy's without grad, and the reference's), all-reduced as the loss's divisor is."""
+    references, kl_sum = [], 0.0
+    for mb in micro_batches:
+        reference, reference_kl = kto_reference(model, mb, env.device)
+        kl_sum += float((kl_policy_logps(model, mb, env.device).double() - reference_kl.double()).sum())
+        references.append(reference)
+    num_rows = comm.all_reduce_sum(sum(num_pairs(mb) for mb in micro_batches), env)
+    return references, kto_reference_point(comm.all_reduce_sum(kl_sum, env), int(num_rows))
+
+
+@torch.no_grad()
+def kto_reference(model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's log-probabilities of an unpaired micro-batch's completions and of its mismatched
+    completions: cached ones (full fine-tunes), else two forwards with the adapters disabled, one per
+    half, so that none holds more logits than the trained forward (what the planner prices)."""
+    if "reference_logps" in batch:
+        both = batch["reference_logps"].to(device)
+        return both[: num_pairs(batch)], both[num_pairs(batch):]
+    first, second = halves(batch)
+    return reference_logps(model, first, device), reference_logps(model, second, device)
+
+
+@torch.no_grad()
+def kl_policy_logps(model, batch: dict, device) -> torch.Tensor:
+    """The policy's log-probabilities of the mismatched completions (the second half of an unpaired
+    micro-batch), without grad: z0 is detached, so this forward keeps no activations. In eval mode, as
+    the reference's: an estimate with dropout would differ between a step after a held-out pass and
+    one without. Under DDP the inner module is called (no reduction to prepare for a backward that
+    never comes)."""
+    inner = getattr(model, "module", model)
+    mismatched = halves(batch)[1]
+    was_training = inner.training
+    inner.eval()
+    try:
+        logits = inner(**model_inputs(mismatched, device), use_cache=False).logits
+    finally:
+        inner.train(was_training)
+    return sequence_logps(logits, mismatched["labels"])[0]
+
+
 def num_pairs(batch: dict) -> int:
     return batch["input_ids"].shape[0] // 2
 
@@ -186,7 +306,9 @@ def adapters_off(model, *, why: str):
 
 
 def progress_fields(metrics: dict) -> dict:
-    """The progress bar's extra fields for a DPO step: reward accuracy and margin (empty for SFT)."""
-    if "reward_accuracy" not in metrics:
+    """The progress bar's extra fields for a DPO step: reward accuracy (not KTO's: its rows are unpaired)
+    and margin (empty for SFT)."""
+    if "reward_margin" not in metrics:
         return {}
-    return {"acc": f"{metrics['reward_accuracy']:.2f}", "margin": f"{metrics['reward_margin']:.3f}"}
+    shown = {"acc": f"{metrics['reward_accuracy']:.2f}"} if "reward_accuracy" in metrics else {"kl": f"{metrics['kl']:.3f}"}
+    return {**shown, "margin": f"{metrics['reward_margin']:.3f}"}

@@ -21,6 +21,7 @@ from homelab_ft.locate import locate
 from homelab_ft.model import family, files, loading
 from homelab_ft.model_facts import ModelFacts
 from homelab_ft.recipe.config import Recipe
+from homelab_ft.rules import refusals
 from homelab_ft.rung import Rung
 from homelab_ft.store import rundir
 from homelab_ft.train import trackers
@@ -57,6 +58,10 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
     The data is checked by `data.prepare_data` (rows are validated while tokenising), which the
     caller runs after this and still before the run directory is created.
     """
+    if why := refusals.kto_batch(rung, objective=recipe.objective, loss=recipe.dpo.loss,
+                                 micro_batch_size=recipe.train.micro_batch_size,
+                                 grad_accum_steps=recipe.train.grad_accum_steps):
+        raise UserError(why)
     trackers.check_available(recipe.output.trackers)
     if recipe.train.compile:
         from homelab_ft.model import compiling

@@ -56,7 +56,7 @@ class Reward:
 def resolve_rewards(entries: Sequence[str | Mapping], *, weights: Sequence[float] | None,
                     recipe_dir: Path, key: str = "grpo.reward_funcs") -> list[Reward]:
     """Every entry of `grpo.reward_funcs` as a `Reward`; `weights` None weighs each 1.0 (TRL's default).
-    The recipe checked the counts (config.check_grpo) and that every weight is finite."""
+    The recipe checked the counts (objective_checks.check_grpo) and that every weight is finite."""
     weights = [1.0] * len(entries) if weights is None else weights
     if len(weights) != len(entries):
         raise ValueError(f"{len(weights)} weights for {len(entries)} reward functions")

@@ -1,4 +1,5 @@
-"""The arithmetic every rung shares, written once: token counts, loss normalisation, run length.
+"""The arithmetic every rung shares, written once: token counts, loss normalisation, run length; and
+`StepResult`, one optimizer step as the loop logs it.
 
 torchtune's recipes each carried their own copy of this and the copies drifted (gradient
 accumulation was normalised differently in different recipes); here there is one copy.
@@ -7,6 +8,7 @@ accumulation was normalised differently in different recipes); here there is one
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +90,29 @@ def length_note(train_cfg: TrainConfig, *, batches_per_epoch: int, world_size: i
     processes = f"{world_size} process" + ("es" if world_size > 1 else "")
     return (f" (train.num_epochs {train_cfg.num_epochs:g} of {batches_per_epoch} micro-batches: "
             f"{train_cfg.micro_batch_size} rows x {processes} each, {train_cfg.grad_accum_steps} per step)")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step as the loop logs it, all ranks together."""
+
+    loss: float
+    """The step's mean loss: per trained token (sft), per pair (dpo, with any SFT term)."""
+    grad_norm: float
+    """The global gradient norm before clipping."""
+    lr: float
+    """The learning rate the step used (the schedule has moved on to the next step's)."""
+    trained_tokens: int
+    """Tokens that carried loss."""
+    read_tokens: int
+    """Tokens the model read (tokens/s counts these)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's other per-step means (dpo: preference.METRICS but the loss); empty for sft."""
+    nonfinite: str | None = None
+    """"loss" or "gradient norm" when that was not finite and the step was not applied (divergence.py)."""
+
+    def row(self, *, step: int, seconds: float, epoch: int, time_s: float) -> dict:
+        """The step's metrics.jsonl row; `seconds`: the step's wall time, its micro-batches' collation included."""
+        return {"step": step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
+                "tokens": self.read_tokens, "trained_tokens": self.trained_tokens,
+                "tokens_per_s": self.read_tokens / seconds, "epoch": epoch, "time_s": time_s, **self.metrics}

@@ -18,7 +18,7 @@ import shlex
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ from homelab_ft.train.loss import batch_loss_sum, completion_logprobs
 from homelab_ft.train.metrics import peak_memory, plot_loss, progress_bar
 from homelab_ft.train.offload import activations_on_host
 from homelab_ft.train.session import Session
+from homelab_ft.train.steps import StepResult
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     progress = progress_bar(s.start_step, s.max_steps, enabled=env.is_main and logs.info_enabled())
     # objective: dpo and grpo swap the batch builder, the step and the evaluation; the loop stays one loop.
     dpo = recipe.objective == "dpo"
-    collate_fn, step_fn = (collate_pairs, dpo_step) if dpo else (collate, train_step)
+    collate_fn, step_fn = (collate_pairs, kto_step if recipe.dpo.unpaired else dpo_step) if dpo else (collate, train_step)
     if s.grpo is not None:
         collate_fn = _prompt_rows
         if s.data.eval is not None and s.start_step == 0:  # the held-out reward before any update: the baseline
@@ -268,32 +269,6 @@ def _stopped(recipe: Recipe, *, env: DistEnv, step: int, signum: int, saved: boo
     return Stopped(f"{stopping.name(signum)} after step {step}; {kept}; continue with: {command}", signum=signum)
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """One optimizer step as the loop logs it, all ranks together."""
-
-    loss: float
-    """The step's mean loss: per trained token (sft), per pair (dpo, with any SFT term)."""
-    grad_norm: float
-    """The global gradient norm before clipping."""
-    lr: float
-    """The learning rate the step used (the schedule has moved on to the next step's)."""
-    trained_tokens: int
-    """Tokens that carried loss."""
-    read_tokens: int
-    """Tokens the model read (tokens/s counts these)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The objective's other per-step means (dpo: preference.METRICS but the loss); empty for sft."""
-    nonfinite: str | None = None
-    """"loss" or "gradient norm" when that was not finite and the step was not applied (divergence.py)."""
-
-    def row(self, *, step: int, seconds: float, epoch: int, time_s: float) -> dict:
-        """The step's metrics.jsonl row; `seconds`: the step's wall time, its micro-batches' collation included."""
-        return {"step": step, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-                "tokens": self.read_tokens, "trained_tokens": self.trained_tokens,
-                "tokens_per_s": self.read_tokens / seconds, "epoch": epoch, "time_s": time_s, **self.metrics}
-
-
 def train_step(s: Session, micro_batches: list[dict]) -> StepResult:
     """One optimizer step of the next-token loss over this rank's micro-batches (a pipelined rung's
     through its schedule: `pipeline_step`).
@@ -354,6 +329,31 @@ def dpo_step(s: Session, micro_batches: list[dict]) -> StepResult:
         return sums
 
     return _optimizer_step(s, micro_batches, backward=backward, units=preference.num_pairs, names=preference.METRICS)
+
+
+def kto_step(s: Session, micro_batches: list[dict]) -> StepResult:
+    """One optimizer step of KTO (dpo.loss: kto); the arithmetic is preference.py's.
+
+    First the step's reference point z0 and the completions' reference log-probabilities
+    (preference.kto_pre_pass, no grad), then per micro-batch one forward of the completions and the
+    backward of the KTO losses scaled by world_size / (rows in the step on all ranks). Its metrics
+    are preference.KTO_METRICS.
+    """
+    env, model = s.env, s.model
+    references, kl = preference.kto_pre_pass(model, micro_batches, env=env)
+
+    def backward(scale: float) -> torch.Tensor:
+        sums = torch.zeros(len(preference.KTO_SUMS), dtype=torch.float64)
+        for i, (mb, reference) in enumerate(zip(micro_batches, references, strict=True)):
+            with parallelize.accumulation_sync(model, last_micro_batch=i == len(micro_batches) - 1):
+                policy, _ = preference.policy_logps(model, preference.halves(mb)[0], env.device)
+                losses, stats = preference.kto_losses(policy, reference, mb["label"], kl=kl, cfg=s.recipe.dpo)
+                (losses.sum() * scale).backward()
+            sums += stats.cpu()
+        return sums
+
+    result = _optimizer_step(s, micro_batches, backward=backward, units=preference.num_pairs, names=preference.KTO_SUMS)
+    return dataclasses.replace(result, metrics=preference.kto_metrics(result.metrics, kl=kl))
 
 
 def grpo_step(s: Session, draw: Callable[[], list], *, step: int) -> StepResult:

@@ -14,11 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_beside, write_pair_data
+from procs import run_beside, write_pair_data, write_unpaired_data
 
 WORKER = Path(__file__).with_name("worker.py")
-REFERENCE_FREE = (("orpo", "lora", "no_shard"), ("simpo", "full", "full_shard"))
-"""(dpo.loss, method, strategy) of the reference-free runs compared with one process."""
+LOSSES = (("orpo", "lora", "no_shard"), ("simpo", "full", "full_shard"), ("kto", "lora", "no_shard"),
+          ("kto", "full", "full_shard"))
+"""(dpo.loss, method, strategy) of the other losses' runs compared with one process: the reference-free
+ones, and KTO (unpaired rows, its KL reference point over the step on all ranks) on both rungs."""
 TOL = 1e-5
 STEPS = 4
 
@@ -29,11 +31,13 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, s
         "name": name,
         "method": method,
         "objective": "dpo",
-        "dpo": {"beta": 0.5, "sft_weight": 0.1, "loss": loss},
+        # KTO's rows are unpaired: no chosen answer for RPO's term
+        "dpo": {"beta": 0.5, "sft_weight": 0.0 if loss == "kto" else 0.1, "loss": loss},
         "model": {"path": str(model_dir)},
         "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
         # 6 pairs held out: every run evaluates at its last step, right before its checkpoint
-        "data": {"sources": [{"path": str(tmp / "pairs.jsonl")}], "max_length": 96, "eval_fraction": 0.125,
+        "data": {"sources": [{"path": str(tmp / ("unpaired.jsonl" if loss == "kto" else "pairs.jsonl"))}],
+                 "max_length": 96, "eval_fraction": 0.125,
                  "cache_dir": str(tmp / "cache" / (cache or name))},
         "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
                   "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 2, "keep_last": 5, "device": "cpu",
@@ -48,13 +52,14 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, s
 def results(tmp_path_factory, tiny_model_dir) -> dict:
     tmp = tmp_path_factory.mktemp("dpo")
     write_pair_data(tmp / "pairs.jsonl", 48)
+    write_unpaired_data(tmp / "unpaired.jsonl", 24)
     two = {
         "lora_ddp": _recipe(tmp, tiny_model_dir, "lora_ddp", procs=2, method="lora"),
         "lora_fsdp": _recipe(tmp, tiny_model_dir, "lora_fsdp", procs=2, method="lora", strategy="full_shard"),
         "full_fsdp": _recipe(tmp, tiny_model_dir, "full_fsdp", procs=2, method="full", strategy="full_shard"),
     }
-    # the reference-free losses: ORPO under DDP LoRA, SimPO under FSDP2 full
-    for loss, method, strategy in REFERENCE_FREE:
+    # the other losses: ORPO under DDP LoRA, SimPO under FSDP2 full, KTO under both
+    for loss, method, strategy in LOSSES:
         two[f"{method}_{loss}"] = _recipe(tmp, tiny_model_dir, f"{method}_{loss}", procs=2, method=method,
                                           strategy=strategy, loss=loss)
     jobs = [{"kind": "train", "name": k, "recipe": r} for k, r in two.items()]
@@ -69,7 +74,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
            for m in ("lora", "full")]
     one += [{"kind": "train", "name": f"ref_{m}_{loss}",
              "recipe": _recipe(tmp, tiny_model_dir, f"ref_{m}_{loss}", procs=1, method=m, loss=loss)}
-            for loss, m, _ in REFERENCE_FREE]
+            for loss, m, _ in LOSSES]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
     run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -115,9 +120,10 @@ def test_resume_at_step_2_gives_the_same_losses(results, name):
     assert _max_diff(results[f"{name}_resume"]["losses"], results[name]["losses"][2:]) <= TOL
 
 
-@pytest.mark.parametrize(("loss", "method"), [(loss, method) for loss, method, _ in REFERENCE_FREE])
-def test_reference_free_losses_match_one_process(results, loss, method):
-    """ORPO (DDP LoRA) and SimPO (FSDP2 full) over 2 ranks train as one process, held-out loss included."""
+@pytest.mark.parametrize(("loss", "method"), [(loss, method) for loss, method, _ in LOSSES])
+def test_other_losses_match_one_process(results, loss, method):
+    """ORPO (DDP LoRA), SimPO (FSDP2 full) and KTO (both) over 2 ranks train as one process, held-out
+    loss included; KTO's z0 is the mean over the step's rows of both ranks."""
     ref = results[f"ref_{method}_{loss}"]
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0]
     assert _max_diff(results[f"{method}_{loss}"]["losses"], ref["losses"]) <= TOL

@@ -18,11 +18,13 @@ from homelab_ft.train.metrics import read_metrics
 PAIR_KEYS = {"reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected"}
 
 
-def write_recipe(tmp: Path, model_dir: Path, *, method: str = "lora", **train) -> Path:
-    procs.write_pair_data(tmp / "pairs.jsonl", 32)
-    procs.write_pair_data(tmp / "eval.jsonl", 8, seed=1)
+def write_recipe(tmp: Path, model_dir: Path, *, method: str = "lora", loss: str = "sigmoid", **train) -> Path:
+    """The DPO recipe of these tests; `loss: kto` trains on the same pairs taken apart (unpaired rows)."""
+    write = procs.write_unpaired_data if loss == "kto" else procs.write_pair_data
+    write(tmp / "pairs.jsonl", 32)
+    write(tmp / "eval.jsonl", 8, seed=1)
     return build_recipe.write_recipe(tmp / "dpo.yaml", build_recipe.tiny_run(
-        model_dir, method=method, rows="pairs.jsonl", objective="dpo", dpo={"beta": 0.5},
+        model_dir, method=method, rows="pairs.jsonl", objective="dpo", dpo={"beta": 0.5, "loss": loss},
         lora={"r": 8, "alpha": 16, "dropout": 0.1},
         data={"eval_sources": [{"path": "eval.jsonl"}], "max_length": 96, "cache_dir": str(tmp / "cache")},
         train={"max_steps": 6, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 5e-3 if method == "lora" else 1e-3,
@@ -166,3 +168,95 @@ def test_reference_free_losses_learn_the_preference_without_a_reference(tmp_path
     again = procs.step_rows(run)
     for step in (4, 5, 6):
         assert again[step]["loss"] == pytest.approx(whole[step]["loss"], abs=1e-6), step
+
+
+KTO_KEYS = {"reward_chosen", "reward_rejected", "reward_margin", "kl", "logp_chosen", "logp_rejected"}
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_kto_learns_resumes_exactly_and_exports(tmp_path, tiny_model_dir, method):
+    """KTO on unpaired rows (the pairs taken apart), 4 rows a step: the margin between desirable and
+    undesirable rewards moves, a crash after step 3 resumes to the same losses, the export loads.
+    LoRA's step 1 is the policy = reference: every log-ratio and z0 0, the loss 1 - sigmoid(0) = 0.5."""
+    recipe = write_recipe(tmp_path, tiny_model_dir, method=method, loss="kto")
+    run = tmp_path / "run"
+    lr = "train.lr=2e-2" if method == "lora" else "train.lr=2e-3"
+    assert main(["train", str(recipe), "--run-dir", str(run), "output.tensorboard=false", lr]) == 0
+    rows = procs.step_rows(run)
+    assert KTO_KEYS <= set(rows[1]) and "reward_accuracy" not in rows[1]
+    assert rows[1]["loss"] == pytest.approx(0.5, abs=1e-5) and rows[1]["kl"] >= 0
+    assert rows[6]["reward_margin"] > rows[1]["reward_margin"] + 0.05 and rows[6]["loss"] < rows[1]["loss"], rows
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6] and {"eval_reward_margin", "eval_kl"} <= set(evals[-1])
+    assert evals[-1]["eval_reward_margin"] > 0
+    if method == "full":  # the reference of both rows (completion, mismatched) came from the pre-pass
+        assert len(list((tmp_path / "cache").glob("reference-*.safetensors"))) == 1
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "output.tensorboard=false", lr]) == 0
+    resumed = procs.step_rows(run)
+    for step in (4, 5, 6):
+        for key in ("loss", "reward_margin", "kl"):
+            assert resumed[step][key] == pytest.approx(rows[step][key], abs=1e-6), (step, key)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--out", str(out)]) == 0  # export reloads and compares logits itself
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32) is not None
+
+
+def test_kto_refuses_a_step_too_small_for_its_kl_estimate(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir, loss="kto", micro_batch_size=1, grad_accum_steps=3)
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "dpo.loss=kto estimates its KL reference point over each step's rows, and a step holds 3" in err
+    assert not run.exists()
+
+
+def test_kto_data_and_loss_must_agree_before_the_run_exists(tmp_path, tiny_model_dir, capsys):
+    recipe = write_recipe(tmp_path, tiny_model_dir, loss="kto")
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run), "dpo.loss=sigmoid"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "objective=dpo trains on preference pairs" in err[0] and "dpo.loss=kto" in err[0], err
+    assert not run.exists()
+
+
+def test_kto_sigterm_saves_and_resumes(tmp_path, tiny_model_dir):
+    """SIGTERM mid-run: one line, exit 143, a checkpoint of the step it stopped after; the resume
+    continues it to the losses of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # a constant rate: the stopped run (max_steps 100000) and the reference run the same schedule
+    recipe = write_recipe(tmp_path, tiny_model_dir, loss="kto", eval_every=0, save_every=0, lr_schedule="constant",
+                          warmup_steps=0)
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run),
+                             "train.max_steps=100000", "output.tensorboard=false"],
+                            env=procs.child_env(), cwd=procs.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "metrics.jsonl").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and "SIGTERM after step" in err, err
+    from homelab_ft.store import checkpoint
+
+    stopped = checkpoint.verify(checkpoint.newest_intact(run)).step
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "output.tensorboard=false",
+                 f"train.max_steps={stopped + 2}"]) == 0
+    reference = tmp_path / "reference"
+    assert main(["train", str(recipe), "--run-dir", str(reference), "output.tensorboard=false",
+                 f"train.max_steps={stopped + 2}"]) == 0
+    resumed, expected = procs.step_rows(run), procs.step_rows(reference)
+    for step in (stopped + 1, stopped + 2):
+        assert resumed[step]["loss"] == pytest.approx(expected[step]["loss"], abs=1e-6), step

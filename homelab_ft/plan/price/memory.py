@@ -313,9 +313,9 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
 
 def _looked_up_bytes(shape: ModelShape, request: PlanRequest, sizes: _Sizes, *, on: bool) -> int:
     """Bytes per micro-batch that a host embedding table sends to the GPU: the looked-up rows, tokens x
-    hidden, once per forward (DPO runs the reference's too; ORPO and SimPO have none). Their gradient is never sent back: the
+    hidden, once per forward (DPO runs the reference's too, KTO two of it and its KL forward; ORPO and SimPO have none). Their gradient is never sent back: the
     frozen table needs none, and the copy is the leaf activation checkpointing marks."""
-    forwards = 2 if request.reference_forward else 1
+    forwards = 1 + request.reference_forwards + request.kl_forwards
     return on * forwards * request.micro_batch_tokens * shape.hidden_size * sizes.act_bytes
 
 

@@ -212,9 +212,9 @@ def ddp_communication(grads: float, *, ranks: int, ring: dict, window: float, lo
 def backward_fraction(*, rung: Rung, request: PlanRequest) -> float:
     """Backward's share of a step's FLOPs (see compute_s): 4 of 6 per parameter and token for a
     full fine-tune, 2 of 4 for adapters, plus the forward that activation checkpointing recomputes
-    in backward; a DPO adapter step's reference forward is forward work."""
+    in backward; a DPO adapter step's reference forward is forward work, as KTO's KL forward is."""
     adapters = rung.adapters_enabled
-    forward = 2 + (2 if request.reference_forward and adapters else 0)
+    forward = 2 + 2 * (request.reference_forwards if adapters else 0) + 2 * request.kl_forwards
     backward = (2 if adapters else 4) + (2 if rung.activation_checkpointing else 0)
     return backward / (forward + backward)
 
@@ -237,8 +237,9 @@ def compute_s(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: C
     < 10% for these models."""
     tokens = request.micro_batch_tokens * request.train.grad_accum_steps
     factor = (4 if rung.adapters_enabled else 6) + (2 if rung.activation_checkpointing else 0)
-    if request.reference_forward and rung.adapters_enabled:
-        factor += 2  # the reference: one more forward with the adapters disabled
+    if rung.adapters_enabled:
+        factor += 2 * request.reference_forwards  # the reference: forwards with the adapters disabled
+    factor += 2 * request.kl_forwards  # KTO: the policy's no-grad forward of the mismatched completions
     flops = factor * matmul_params(shape) * tokens
     micro_tokens = request.micro_batch_tokens
     if request.chunked_loss and recomputes(request.train.loss_chunk_tokens, vocab_size=shape.vocab_size, tokens=micro_tokens):

@@ -31,3 +31,16 @@ def test_pairs_prefer_the_exact_record(stem):
     cities = {json.loads(r["chosen"])["city"] for r in rows}
     assert (cities <= held_out_cities) == (stem == "pairs-eval")
     assert not (cities & held_out_cities) or stem == "pairs-eval"
+
+
+@pytest.mark.parametrize("stem", sorted(dpo.UNPAIRED))
+def test_unpaired_rows_are_the_pairs_taken_apart(stem):
+    """KTO's demo rows: each pair's chosen answer labelled true, its rejected one false, shipped byte for byte."""
+    assert dpo.dataset_path(stem).read_bytes() == dpo.dataset_text(stem).encode("utf-8")
+    rows = [json.loads(line) for line in dpo.dataset_path(stem).read_text().splitlines()]
+    pairs = dpo.make_pairs(dpo.UNPAIRED[stem])
+    assert len(rows) == 2 * len(pairs)
+    for pair, good, bad in zip(pairs, rows[::2], rows[1::2], strict=True):
+        assert (good["completion"], good["label"], bad["completion"], bad["label"]) == (
+            pair["chosen"], True, pair["rejected"], False)
+        assert good["prompt"] == bad["prompt"] == pair["prompt"]

@@ -390,6 +390,25 @@ def test_dpo_prices_the_doubled_sequences_and_the_reference(method):
         assert b.prepass_s_per_pair == pytest.approx(b.compute_s / (3 * 2))
 
 
+@pytest.mark.parametrize("method", ["qlora", "lora", "full"])
+def test_kto_prices_one_row_per_forward_the_reference_twice_and_the_kl_forward(method):
+    """A KTO micro-batch of B rows trains B sequences (activations and logits of an SFT micro-batch of B
+    rows); every forward holds B rows: the trained one, with adapters the reference's of the
+    completions and of the mismatched completions, and the policy's no-grad one of the mismatched
+    completions (the KL estimate): 4 + 2 x 2 + 2 FLOPs per parameter and token with adapters, 6 + 2
+    for a full fine-tune, whose reference is the cached pre-pass of both rows."""
+    s, c = shape("llama-3-8b"), gpus(1, 80)
+    sft = default_request(method=method, data={"max_length": 1024}, train={"micro_batch_size": 2, "loss_chunk_tokens": 0})
+    kto = sft.changed(objective="dpo", dpo={"loss": "kto"})
+    dpo = sft.changed(objective="dpo", train={"micro_batch_size": 2})
+    a, b, d = (estimate(s, rung=option_rung(method, "no_shard", False, request=r, cluster=c), request=r, cluster=c)
+               for r in (sft, kto, dpo))
+    assert kto.rows_per_micro_batch == 2 and (kto.reference_forwards, kto.kl_forwards) == (2, 1)
+    assert b.memory.activations == a.memory.activations and b.memory.logits == a.memory.logits
+    assert b.compute_s == pytest.approx(a.compute_s * (8 / 6 if method == "full" else 10 / 4))
+    assert b.prepass_s_per_pair == d.prepass_s_per_pair and (b.prepass_s_per_pair > 0) == (method == "full")
+
+
 def test_dpo_recipe_reaches_the_planner():
     from homelab_ft.plan.planner import request_from_recipe
     from homelab_ft.recipe.config import recipe_from_dict

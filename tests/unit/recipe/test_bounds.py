@@ -29,7 +29,8 @@ ACCEPTED = {
     ("cluster.intra_latency_ms", "zero"): "a latency of 0 is an ideal link the planner can price",
     **{(f, "huge"): _HUGE_IS_A_CHOICE for f in (
         "lora.alpha", "dpo.beta", "grpo.beta", "data.sources[].weight", "data.eval_sources[].weight", "train.num_epochs",
-        "train.weight_decay", "train.max_grad_norm", "dpo.sft_weight", "dpo.simpo_gamma", "cluster.vram_gib", "cluster.host_ram_gib",
+        "train.weight_decay", "train.max_grad_norm", "dpo.sft_weight", "dpo.simpo_gamma", "dpo.desirable_weight",
+        "dpo.undesirable_weight", "cluster.vram_gib", "cluster.host_ram_gib",
         "cluster.inter_link_gbit", "cluster.gpu_tflops", "cluster.inter_latency_ms", "cluster.intra_link_gbit",
         "cluster.intra_latency_ms")},
 }

@@ -143,3 +143,26 @@ def test_the_trainer_check_is_the_same_rule():
     rung = Rung("lora", "no_shard", False, procs_per_node=2, pipeline_stages=2)
     with pytest.raises(RungError, match=refusals.objective(rung, objective="dpo")):
         check_recipe(recipe, rung=rung, config={"num_hidden_layers": 4}, moe_experts=False)
+
+
+@pytest.mark.parametrize(("train", "procs", "refused"), [
+    ({"micro_batch_size": 1, "grad_accum_steps": 2}, 1, True),
+    ({"micro_batch_size": 1, "grad_accum_steps": 2}, 2, False),   # 1 x 2 x 2 = 4
+    ({"micro_batch_size": 3, "grad_accum_steps": 1}, 1, True),
+    ({"micro_batch_size": 4, "grad_accum_steps": 1}, 1, False),
+])
+def test_kto_needs_four_rows_per_step_for_its_kl_estimate(train, procs, refused):
+    """KTO's reference point is a mean over the step's rows on all ranks: fewer than 4 is refused in one
+    line, by the ladder (no option offered, `plan` says why) and by preflight, before anything exists."""
+    cluster = Cluster(device="cuda", nodes=1, gpus_per_node=procs, device_bytes=80 * GiB, host_ram_bytes=256 * GiB)
+    request = default_request(method="lora", objective="dpo", dpo={"loss": "kto"}, train=train)
+    line = "dpo.loss=kto estimates its KL reference point over each step's rows"
+    if refused:  # the recipe's named method: refused in one line; `auto`: nothing offered, `plan` says why
+        with pytest.raises(RungError, match=re.escape(line) + ".*to make it >= 4"):
+            plan(_shape(), request=request, cluster=cluster)
+        with pytest.raises(RungError, match=re.escape(line)):
+            plan(_shape(), request=request.changed(method="auto"), cluster=cluster)
+    else:
+        assert plan(_shape(), request=request, cluster=cluster).options
+    sft = plan(_shape(), request=default_request(method="lora", train=train), cluster=cluster)
+    assert sft.options and not any(line in r.reason for r in sft.refused)
