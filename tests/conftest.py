@@ -18,6 +18,25 @@ if "HOMELAB_FT_CACHE" not in os.environ:
 
     _OWN_CACHE = os.environ["HOMELAB_FT_CACHE"] = tempfile.mkdtemp(prefix="homelab-ft-test-cache-")
 
+TEST_CPU_GFLOPS_PER_CORE = 100.0
+"""The CPU matmul rate every test's plan is priced with: written into the session's cache as this
+machine's measurement (plan/hardware.py: cpu_matmul_gflops), so no CPU plan in a test depends on how
+fast, or how busy, the machine running it is."""
+
+
+def _seed_cpu_speed() -> None:
+    import json
+
+    from homelab_ft.plan.hardware import cpu_speed_path
+
+    path = cpu_speed_path()
+    if not path.exists():  # a worker of this session, or a cache the caller set, may hold one already
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"gflops_per_core": TEST_CPU_GFLOPS_PER_CORE}))
+
+
+_seed_cpu_speed()
+
 
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:

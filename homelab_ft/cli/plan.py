@@ -32,12 +32,23 @@ def cmd_plan(args) -> int:
 
     flags = cluster_overrides(gpus=args.gpus, nodes=args.nodes, link=args.link, host_ram=args.host_ram)
     recipe = load_recipe(args.recipe, common.with_cluster_file(args, list(args.overrides)) + flags)
-    result = plan_for_recipe(recipe, cluster_file=common.cluster_file_name(args))
+    result = plan_for_recipe(recipe, cluster_file=common.cluster_file_name(args),
+                             lengths=measured_lengths(recipe, base_dir=args.recipe.resolve().parent))
     print(result.to_json() if args.json else format_plan(result))
     if not args.json and recipe.train.num_epochs is not None:  # the planner prices a step; it tokenises nothing
         print(f"train.num_epochs {recipe.train.num_epochs:g}: the steps are counted once the data is tokenised; "
               f"`homelab-ft data inspect {args.recipe}` says how many")
     return 0 if result.fits else 2
+
+
+def measured_lengths(recipe, *, base_dir: Path):
+    """The lengths of the recipe's rows as the last preparation of its data here measured them
+    (data/lengths.py), as the planner's input; None when its data was not prepared here yet."""
+    from homelab_ft.data.lengths import stored
+    from homelab_ft.plan.inputs import RowLengths
+
+    counts = stored(recipe, base_dir=base_dir)
+    return RowLengths(counts=counts) if counts else None
 
 
 def add_recipes(sub) -> None:

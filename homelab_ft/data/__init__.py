@@ -13,6 +13,7 @@ module per step:
     packing    several samples per row                 sampling the trainer's micro-batches
     report     what was kept, cut and left out         prepare  `prepare_for`: the objective's pipeline
     fingerprint  what a run's data was, recorded in each checkpoint so `--resume` knows when it changed
+    lengths    the training rows' token lengths, kept for `plan` to price a step at (its input, not its I/O)
 
 The front door imports no torch (`collate` does when called), so reading or inspecting data
 does not pay for it; the trainer's `sampling.MicroBatchSampler` is torch and imported from there.

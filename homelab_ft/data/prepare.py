@@ -1,10 +1,12 @@
 """The data a recipe trains on, whichever its objective: the one call the trainer and
-`homelab-ft data inspect` make, so both see exactly the same rows."""
+`homelab-ft data inspect` make, so both see exactly the same rows (and keep their lengths for
+`plan`, data/lengths.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from homelab_ft.data import lengths
 from homelab_ft.data.pairs import prepare_pairs
 from homelab_ft.data.prompts import prepare_prompts
 from homelab_ft.data.report import PreparedData
@@ -15,8 +17,11 @@ from homelab_ft.recipe.config import Recipe
 def prepare_for(recipe: Recipe, tokenizer, *, base_dir: Path | None = None) -> PreparedData:
     """Samples for SFT, preference pairs for DPO, prompts (and their reward columns) for GRPO."""
     if recipe.objective == "grpo":
-        return prepare_prompts(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
-    if recipe.objective == "dpo":
-        return prepare_pairs(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir,
-                             unpaired=recipe.dpo.unpaired)
-    return prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+        prepared = prepare_prompts(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+    elif recipe.objective == "dpo":
+        prepared = prepare_pairs(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir,
+                                 unpaired=recipe.dpo.unpaired)
+    else:
+        prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+    lengths.store(recipe, prepared.report, base_dir=base_dir)
+    return prepared

@@ -1,29 +1,55 @@
 """What this machine (or the cluster the user describes) has: the only module that probes.
 
 `detect()` reads GPUs from `nvidia-smi` (not torch, so `homelab-ft plan` stays torch-free and
-fast), host RAM from /proc/meminfo and the CPU count. `resolve_cluster()` is pure: it merges the
-recipe's `cluster` section (which command-line flags have already overridden, see
+fast), host RAM from /proc/meminfo and the CPU count; asked for the CPU's speed, it reads the fp32
+matmul rate of one core measured once per machine (`cpu_matmul_gflops`: cached under
+locate.cache_root, the only time `plan` imports torch for it). `resolve_cluster()` is pure: it merges
+the recipe's `cluster` section (which command-line flags have already overridden, see
 `cluster_overrides`) with what was detected, into the planner's `Cluster`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 
-from homelab_ft import host
+from homelab_ft import fsio, host
 from homelab_ft.errors import UserError
+from homelab_ft.locate import cache_root
 from homelab_ft.plan import gpus
 from homelab_ft.plan.inputs import HOST_MEMORY_BYTES_PER_S, Cluster
 from homelab_ft.plan.price.memory import GiB
 from homelab_ft.recipe.config import ClusterConfig
 
-# fp32 training matmuls on one modern x86 core: ~30 GFLOPS measured for a 1024x576x1536 matmul
-# with one thread on this project's CI machine; training reaches about two thirds of that.
+log = logging.getLogger(__name__)
+
 CPU_TFLOPS_PER_CORE = 0.02
+"""Sustained training TFLOPS of one core when its matmul rate was neither measured nor given: an
+older AVX2 core's (~30 GFLOPS fp32 matmul) at about two thirds. A core with AVX-512 measures 150-165
+GFLOPS (this project's machine, `cpu_matmul_gflops`), so a plan priced with this is slow by ~5x
+(issue 39); it is the floor for a machine that cannot measure, not the expected figure."""
+
+CPU_TRAINING_EFFICIENCY = 0.55
+"""The share of one core's measured fp32 matmul rate (`cpu_matmul_gflops`) a CPU training step
+reaches per core, counting every FLOP network.compute_s prices: the rest goes to what that formula
+leaves out (attention, norms, activations, the LoRA adapters' thin r=16 matmuls, AdamW, Python).
+Measured with bench/cpu_plan_vs_measured.py on the CPU recipes (docs/ladder.md)."""
+
+CPU_MATMUL_SHAPE = (1024, 576, 1536)
+"""The timed matmul, [tokens x hidden] @ [hidden x intermediate]: SmolLM2's MLP over a micro-batch of
+1,024 tokens, the CPU recipes' own shape (one thread reaches 150-165 GFLOPS on it and on the other
+projections of those recipes, 128 on the LM head: measured on an AVX-512 Xeon)."""
+CPU_MATMUL_TIME_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -34,10 +60,13 @@ class Detected:
     """Memory of the smallest detected GPU (the one that limits a plan)."""
     host_ram_bytes: int
     cpu_cores: int
+    cpu_gflops_per_core: float | None = None
+    """fp32 matmul GFLOPS of one core (`cpu_matmul_gflops`); None: not asked for."""
 
 
-def detect() -> Detected:
-    """Probe this machine: GPUs via nvidia-smi, RAM via /proc/meminfo, CPU count."""
+def detect(*, cpu_speed: bool = False) -> Detected:
+    """Probe this machine: GPUs via nvidia-smi, RAM via /proc/meminfo, CPU count, and with `cpu_speed`
+    one core's matmul rate (measured once per machine, cached) when no GPU is found."""
     names, vram = _nvidia_smi()
     return Detected(
         gpu_count=len(names),
@@ -45,7 +74,78 @@ def detect() -> Detected:
         vram_bytes=min(vram) if vram else None,
         host_ram_bytes=host.total_ram_bytes(),
         cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+        cpu_gflops_per_core=cpu_matmul_gflops() if cpu_speed and not names else None,
     )
+
+
+def cpu_speed_key() -> str:
+    """What one core's matmul rate depends on: the CPU model (/proc/cpuinfo) and the installed torch
+    (its oneDNN/MKL kernels), as the cache file's name."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "none"
+    return hashlib.sha256(f"{model}\0{torch_version}".encode()).hexdigest()[:32]
+
+
+def cpu_speed_path() -> Path:
+    return cache_root() / "cpu_speed" / f"{cpu_speed_key()}.json"
+
+
+def cpu_matmul_gflops() -> float | None:
+    """One core's fp32 matmul GFLOPS: read from the cache, else measured (`measure_cpu_matmul_gflops`,
+    about a second with torch's import) and cached; None when torch cannot run it."""
+    path = cpu_speed_path()
+    try:
+        return float(json.loads(path.read_text())["gflops_per_core"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        log.warning("ignoring the unreadable CPU speed %s (%s); measuring it again", path, err)
+    try:
+        gflops = round(measure_cpu_matmul_gflops(), 1)
+    except (ImportError, RuntimeError) as err:
+        log.warning("could not measure this CPU's matmul rate (%s); pricing CPU steps at %g GFLOPS per core",
+                    err, CPU_TFLOPS_PER_CORE * 1000)
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fsio.replace_text(path, json.dumps({"gflops_per_core": gflops, "shape": list(CPU_MATMUL_SHAPE),
+                                            "threads": 1}))
+    except OSError as err:
+        log.warning("could not cache the CPU speed in %s (%s); the next plan measures it again", path.parent, err)
+    return gflops
+
+
+def measure_cpu_matmul_gflops() -> float:
+    """fp32 GFLOPS of a CPU_MATMUL_SHAPE matmul on one thread, best of the runs over CPU_MATMUL_TIME_S
+    after two untimed ones (the threads torch had are restored). One thread: a per-core figure that
+    another job on the other cores disturbs least; a process's figure is it x its cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    m, k, n = CPU_MATMUL_SHAPE
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen)
+        for _ in range(2):
+            torch.matmul(a, b)
+        best, spent = float("inf"), 0.0
+        while spent < CPU_MATMUL_TIME_S:
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            seconds = time.perf_counter() - start
+            best, spent = min(best, seconds), spent + seconds
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * m * k * n / best / 1e9
 
 
 def _nvidia_smi() -> tuple[list[str], list[int]]:
@@ -89,13 +189,13 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
     links = _links(cfg)
     if device == "cpu":
         cores = cpu_cores_per_process(detected.cpu_cores, cfg.gpus_per_node)
+        tflops, tflops_source = cpu_throughput(cores, given=cfg.cpu_gflops_per_core, measured=detected.cpu_gflops_per_core)
         return Cluster(
             device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,
             device_bytes=host // cfg.gpus_per_node, host_ram_bytes=host, intra_link=cfg.intra_link,
-            inter_link_gbit=cfg.inter_link_gbit, tflops=CPU_TFLOPS_PER_CORE * cores,
+            inter_link_gbit=cfg.inter_link_gbit, tflops=tflops,
             memory_bytes_per_s=HOST_MEMORY_BYTES_PER_S / cfg.gpus_per_node,
-            tflops_source=f"CPU: {CPU_TFLOPS_PER_CORE * 1000:g} GFLOPS per core (hardware.CPU_TFLOPS_PER_CORE) x {cores:g} "
-                          f"core(s) per process = {CPU_TFLOPS_PER_CORE * cores:.3g} TFLOPS sustained per process", source=source, **links,
+            tflops_source=tflops_source, source=source, **links,
         )
     per_node = _node_vram_bytes(cfg)
     if per_node:
@@ -117,6 +217,24 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
         source=source, **links,
         node_device_bytes=per_node if len(set(per_node)) > 1 else (),
     )
+
+
+def cpu_throughput(cores: float, *, given: float | None, measured: float | None) -> tuple[float, str]:
+    """(sustained TFLOPS of one CPU process, where the figure came from): one core's matmul GFLOPS
+    from the recipe or cluster file (`cluster.cpu_gflops_per_core`, which `doctor` writes), else
+    measured on this machine, x CPU_TRAINING_EFFICIENCY x the process's cores; CPU_TFLOPS_PER_CORE
+    when neither is there."""
+    per_process = f"x {cores:g} core(s) per process"
+    for gflops, where in ((given, "cluster.cpu_gflops_per_core"), (measured, f"measured on this machine, {cpu_speed_path()}")):
+        if gflops is not None:
+            tflops = gflops * CPU_TRAINING_EFFICIENCY * cores / 1000
+            return tflops, (f"CPU: {gflops:g} GFLOPS fp32 matmul per core ({where}) x {CPU_TRAINING_EFFICIENCY:g} "
+                            f"reached in training (hardware.CPU_TRAINING_EFFICIENCY) {per_process} = {tflops:.3g} TFLOPS "
+                            "sustained per process")
+    return CPU_TFLOPS_PER_CORE * cores, (
+        f"CPU: {CPU_TFLOPS_PER_CORE * 1000:g} GFLOPS per core (hardware.CPU_TFLOPS_PER_CORE: nothing measured; set "
+        f"cluster.cpu_gflops_per_core or run `homelab-ft doctor`) {per_process} = {CPU_TFLOPS_PER_CORE * cores:.3g} "
+        "TFLOPS sustained per process")
 
 
 def _node_vram_bytes(cfg: ClusterConfig) -> tuple[int, ...]:

@@ -132,6 +132,30 @@ class Cluster:
 
 
 @dataclass(frozen=True)
+class RowLengths:
+    """Token lengths of the recipe's prepared training rows (data/lengths.py measures them when the
+    data is prepared; the CLI hands them in): what one row's padded width is made of, an SFT sample,
+    the longer side of a pair, a GRPO prompt."""
+
+    counts: tuple[tuple[int, int], ...]
+    """(length, rows), shortest first."""
+
+    def expected_longest(self, rows: int) -> float:
+        """The expected longest of `rows` rows drawn at random, what a micro-batch is padded to
+        (rows.collate): sum over lengths L of L x (P(max <= L) - P(max < L)), P(max <= L) = F(L)^rows."""
+        total = sum(n for _, n in self.counts)
+        below, expected = 0, 0.0
+        for length, n in self.counts:
+            expected += length * (((below + n) / total) ** rows - (below / total) ** rows)
+            below += n
+        return expected
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, n in self.counts)
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """What the recipe asks for: its own typed sections (config.py), as `planner.request_from_recipe`
     takes them from a `config.Recipe`, so a recipe key is read under its own name (`data.max_length`,
@@ -157,6 +181,9 @@ class PlanRequest:
     """The recipe's `grpo` section, read when `objective` is grpo."""
     dpo: DpoConfig = dataclasses.field(default_factory=DpoConfig)
     """The recipe's `dpo` section, read when `objective` is dpo (its loss decides the reference)."""
+    lengths: RowLengths | None = None
+    """The prepared rows' measured lengths, what step *time* is priced at (`timed_sequence_tokens`);
+    None: rows at data.max_length. Memory is always priced at data.max_length, the longest a batch gets."""
 
     def changed(self, **sections) -> PlanRequest:
         """This request with recipe keys changed, a section's as a dict (validated by its dataclass):
@@ -174,7 +201,7 @@ class PlanRequest:
         sharding = {f.name: getattr(self.sharding, f.name) for f in dataclasses.fields(self.sharding)
                     if f.name not in ("strategy", "cpu_offload")}
         return repr((self.objective, self.model, self.lora, self.quant, self.data, self.train, sharding, self.planner,
-                     self.grpo, self.dpo))
+                     self.grpo, self.dpo, self.lengths))
 
     @property
     def rows_per_micro_batch(self) -> int:
@@ -221,6 +248,21 @@ class PlanRequest:
     def micro_batch_tokens(self) -> int:
         """Tokens one training forward carries: rows_per_micro_batch x sequence_tokens."""
         return self.sequence_tokens * self.rows_per_micro_batch
+
+    @property
+    def timed_prompt_tokens(self) -> float:
+        """The width a micro-batch is padded to on average, what its seconds are priced at: the expected
+        longest of its rows (a DPO micro-batch's pairs, a GRPO micro-batch's prompts) when `lengths`
+        were measured and the rows are not packed, else data.max_length."""
+        if self.lengths is None or self.data.packing:
+            return float(self.data.max_length)
+        return min(float(self.data.max_length), self.lengths.expected_longest(self.train.micro_batch_size))
+
+    @property
+    def timed_micro_batch_tokens(self) -> float:
+        """Tokens one training forward computes on average, padding included: rows_per_micro_batch x
+        (timed_prompt_tokens + completion_tokens); micro_batch_tokens when no lengths were measured."""
+        return (self.timed_prompt_tokens + self.completion_tokens) * self.rows_per_micro_batch
 
     @property
     def reduce_bytes(self) -> int:

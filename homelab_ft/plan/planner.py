@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
-from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.inputs import Cluster, PlanRequest, RowLengths
 from homelab_ft.plan.ladder import (
     LADDER,
     STEP_TIME_TIE,
@@ -397,11 +397,12 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
 # from a recipe
 
 
-def request_from_recipe(recipe) -> PlanRequest:
-    """The planner's view of a `config.Recipe`: its own sections, as they are."""
+def request_from_recipe(recipe, *, lengths: RowLengths | None = None) -> PlanRequest:
+    """The planner's view of a `config.Recipe`: its own sections, as they are, and the measured
+    lengths of its prepared rows when the caller has them (data/lengths.py)."""
     return PlanRequest(method=recipe.method, objective=recipe.objective, model=recipe.model, lora=recipe.lora,
                        quant=recipe.quant, data=recipe.data, train=recipe.train, sharding=recipe.sharding,
-                       planner=recipe.planner, grpo=recipe.grpo, dpo=recipe.dpo)
+                       planner=recipe.planner, grpo=recipe.grpo, dpo=recipe.dpo, lengths=lengths)
 
 
 def default_request(**sections) -> PlanRequest:
@@ -412,15 +413,20 @@ def default_request(**sections) -> PlanRequest:
     return request_from_recipe(recipe_from_dict(sections))
 
 
-def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None) -> Plan:
+def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None,
+                    lengths: RowLengths | None = None) -> Plan:
     """Read the model's config, describe the cluster (recipe, else detected), and plan.
-    `cluster_file`: the `--cluster` file whose values the recipe's cluster section holds (named in the plan)."""
+    `cluster_file`: the `--cluster` file whose values the recipe's cluster section holds (named in the plan);
+    `lengths`: the prepared rows' measured lengths (data.lengths.stored), what step time is priced at."""
     from homelab_ft.plan import hardware
 
     shape, source = recipe_shape(recipe)
     if cluster is None:
-        cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(), cluster_file=cluster_file)
-    return plan(shape, request=request_from_recipe(recipe), cluster=cluster, model=recipe.model.path,
+        # one core's matmul rate, measured once per machine, for a plan that may be a CPU one and names none
+        cpu_speed = recipe.cluster.device != "cuda" and recipe.cluster.cpu_gflops_per_core is None
+        cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(cpu_speed=cpu_speed),
+                                           cluster_file=cluster_file)
+    return plan(shape, request=request_from_recipe(recipe, lengths=lengths), cluster=cluster, model=recipe.model.path,
                 config_source=source)
 
 

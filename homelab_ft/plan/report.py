@@ -33,6 +33,18 @@ def link_text(c: Cluster, *, inter: bool) -> str:
     return f"{name} ({bytes_per_s / 1e6:.0f} MB/s, {2 * hop_s * 1000:.2f} ms all-reduce latency, {how})"
 
 
+def _timed_text(r) -> str:
+    """Which row length the step's seconds are priced at (memory is priced at data.max_length)."""
+    if r.data.packing:
+        return f"timed    rows packed to data.max_length={r.data.max_length}"
+    if r.lengths is None:
+        return (f"timed    rows at data.max_length={r.data.max_length} (their lengths not measured here yet: "
+                "`homelab-ft data inspect` or a run measures them)")
+    what = {"dpo": "pairs", "grpo": "prompts"}.get(r.objective, "rows")
+    return (f"timed    micro-batches padded to ~{r.timed_prompt_tokens:.0f} tokens, the expected longest of "
+            f"{r.train.micro_batch_size} of the {r.lengths.num_rows} {what} measured when the data was last prepared")
+
+
 def _chunk_text(chunk_tokens: int | str, vocab_size: int) -> str:
     """`auto` with the tokens per chunk it means for this vocabulary (loss_chunks.chunk_rows)."""
     if chunk_tokens != AUTO:
@@ -201,6 +213,7 @@ def format_plan(p: Plan) -> str:
               if r.kl_forwards else "") + ")" if r.objective == "dpo" else "")
         + (f" objective=grpo ({r.rows_per_micro_batch} sequences of <= {r.data.max_length}+{r.completion_tokens} tokens "
            "per micro-batch)" if r.objective == "grpo" else ""),
+        _timed_text(r),
         "",
         "  option                                weights  grads  optim  activ  logits  gather  total  budget  host   comm/step  comm s  step s  verdict",
     ]

@@ -326,6 +326,10 @@ class ClusterConfig:
     gpu_tflops: Positive | None = None
     """Dense bf16 matmul TFLOPS one GPU reaches, as `homelab-ft doctor` measures it (written to the
     cluster file); replaces the GPU table's figure in the plan."""
+    cpu_gflops_per_core: Positive | None = None
+    """fp32 matmul GFLOPS one CPU core reaches, as `homelab-ft doctor` measures it on a CPU cluster
+    (written to the cluster file); a CPU plan prices its steps from it (plan/hardware.py:
+    cpu_throughput). Default: measured once on this machine and cached."""
     inter_latency_ms: NonNegative | None = None
     """Latency of a small collective between nodes; default: the planner's assumption for Ethernet."""
     intra_link_gbit: Positive | None = None

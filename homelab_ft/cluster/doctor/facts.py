@@ -44,6 +44,8 @@ class NodeFacts:
     free_disk_bytes: int | None = None
     host_ram_bytes: int = 0
     available_ram_bytes: int = 0
+    cpu_gflops_per_core: float | None = None
+    """fp32 matmul GFLOPS of one core (plan/hardware.py: cpu_matmul_gflops), measured on a CPU node."""
 
 
 @dataclass(frozen=True)

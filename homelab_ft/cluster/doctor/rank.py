@@ -164,6 +164,7 @@ def node_facts(*, name: str, address: str, nproc: int, device: str, iface_given:
         probe_dir=str(probe), writable=os.access(probe, os.W_OK), sees_token=None if head else Path(token_path).is_file(),
         free_disk_bytes=shutil.disk_usage(probe).free, host_ram_bytes=hardware.detect().host_ram_bytes,
         available_ram_bytes=host.available_ram_bytes(),
+        cpu_gflops_per_core=round(hardware.measure_cpu_matmul_gflops(), 1) if device == "cpu" else None,
     )
 
 

@@ -118,7 +118,8 @@ def gpu_lines(nodes: list[NodeFacts]) -> list[Line]:
     lines = []
     for n in nodes:
         if n.device != "cuda":
-            lines.append(Line("GPUs", n.name, f"none; {n.nproc} CPU process(es) over gloo"))
+            speed = f", fp32 matmul {n.cpu_gflops_per_core:g} GFLOPS per core" if n.cpu_gflops_per_core else ""
+            lines.append(Line("GPUs", n.name, f"none; {n.nproc} CPU process(es) over gloo{speed}"))
             continue
         kinds: dict[str, int] = {}
         for g in n.gpus:
@@ -309,6 +310,10 @@ def cluster_values(nodes: list[NodeFacts], links: list[LinkResult]) -> dict:
         if measured:  # the slowest GPU sets every step's pace
             values["gpu_tflops"] = min(measured)
         values["intra_link"] = "nvlink" if all(n.nvlink for n in nodes) else "pcie"
+    else:
+        measured = [n.cpu_gflops_per_core for n in nodes if n.cpu_gflops_per_core]
+        if measured:  # the slowest node's cores set every step's pace
+            values["cpu_gflops_per_core"] = min(measured)
     values["host_ram_gib"] = round(min(n.host_ram_bytes for n in nodes) / GiB, 2)
     for scope, prefix in (("inter-node", "inter"), ("intra-node", "intra")):
         mine = [link for link in links if link.scope == scope and link.gbit]

@@ -233,9 +233,11 @@ def compute_s(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: C
     4 for LoRA (frozen weights need no weight gradients), +2 when activation checkpointing
     recomputes the forward, and 2 x vocab x hidden more when the chunked loss recomputes the LM
     head (more than one chunk: loss_chunks.recomputes, every token counted as trained). Params are the matmul ones a token passes through (blocks' active parameters and the LM
-    head; the embedding is a lookup). Attention's seq^2 term is left out: below 8k tokens it adds
+    head; the embedding is a lookup). Tokens are the padded ones a micro-batch computes on average
+    (PlanRequest.timed_micro_batch_tokens: the rows' measured lengths when the CLI has them, else
+    data.max_length). Attention's seq^2 term is left out: below 8k tokens it adds
     < 10% for these models."""
-    tokens = request.micro_batch_tokens * request.train.grad_accum_steps
+    tokens = request.timed_micro_batch_tokens * request.train.grad_accum_steps
     factor = (4 if rung.adapters_enabled else 6) + (2 if rung.activation_checkpointing else 0)
     if rung.adapters_enabled:
         factor += 2 * request.reference_forwards  # the reference: forwards with the adapters disabled
@@ -256,7 +258,7 @@ def prepass_s_per_pair(shape: ModelShape, rung: Rung, request: PlanRequest, clus
     """A forward (2 FLOPs per param and token) of both answers at full length, shared by all ranks."""
     if not request.reference_forward or rung.adapters_enabled:
         return 0.0
-    return 2 * matmul_params(shape) * 2 * request.data.max_length / (cluster.tflops * 1e12 * cluster.world_size)
+    return 2 * matmul_params(shape) * 2 * request.timed_prompt_tokens / (cluster.tflops * 1e12 * cluster.world_size)
 
 
 def offload_s(weight_shard_bytes: float, trainable_shard: float, w_bytes: int, request: PlanRequest) -> float:

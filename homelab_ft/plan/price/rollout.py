@@ -1,7 +1,9 @@
 """What a GRPO step adds to SFT's (issue 33): the rollout. Pure arithmetic, no torch, no I/O.
 
 The trainer's step, per optimizer step and for each of `train.grad_accum_steps` micro-batches of
-`train.micro_batch_size` prompts (each at most `data.max_length` tokens, left-padded):
+`train.micro_batch_size` prompts (each at most `data.max_length` tokens, left-padded; seconds are
+priced at their measured expected width when the CLI has the lengths, PlanRequest.timed_prompt_tokens,
+bytes at `data.max_length`):
 1. `generate` samples `grpo.num_generations` completions of each prompt (up to
    `grpo.max_completion_length` new tokens, KV cache, no grad): one prefill of the prompts, then one
    decode step per new token over micro_batch_size x num_generations rows;
@@ -130,7 +132,7 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
     never faster than the host launches its ops (DECODE_HOST_S_PER_BLOCK)."""
     if request.objective != "grpo":
         return None
-    grpo, rows, prompt = request.grpo, request.rows_per_micro_batch, request.data.max_length
+    grpo, rows, prompt = request.grpo, request.rows_per_micro_batch, request.timed_prompt_tokens
     new, accum = grpo.max_completion_length, request.train.grad_accum_steps
     flops_per_s = cluster.tflops * 1e12
     slowdown = QLORA_SLOWDOWN if rung.quantized_enabled else 1.0
@@ -152,7 +154,7 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
     fetches = 1 + new if rung.reshard_after_forward or rung.cpu_offload else 1
     prefill_s = 2 * params * rows * prompt / flops_per_s * slowdown
     per_micro_batch = prefill_s + new * decode_s + fetches * fetch_s
-    scoring_s = 2 * params * request.micro_batch_tokens / flops_per_s * slowdown + fetch_s
+    scoring_s = 2 * params * request.timed_micro_batch_tokens / flops_per_s * slowdown + fetch_s
     node = rung.rollout_node_enabled
     return Rollout(
         kv_cache_bytes=kv_cache_bytes(shape, request, act_bytes),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from build_recipe import tiny_run, write_recipe
+from procs import write_chat_data
+
 from homelab_ft.cli.main import main
 
 
@@ -53,3 +56,25 @@ def test_inspect_and_plan_say_the_same_of_what_lora_trains(tmp_path, capsys):
     assert inspected.removeprefix("lora: ") == planned.removeprefix("lora     ")
     assert "mlp.experts.{gate_up_proj, down_proj} of each of 4 experts in 4 blocks" in inspected
     assert "routers trained in full (1,024 parameters)" in inspected and "trainable parameters at r=4" in inspected
+
+
+def test_plan_prices_the_step_at_the_lengths_inspect_measured(tmp_path, tiny_model_dir, capsys):
+    """Issue 39 point 5: a CPU plan priced every row at data.max_length; once the data was prepared
+    here (`data inspect`, or a run) it prices a micro-batch at its expected longest row."""
+    rows = write_chat_data(tmp_path / "d.jsonl", 12)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_run(
+        tiny_model_dir, rows=rows, data={"max_length": 512, "cache_dir": str(tmp_path / "c")},
+        cluster={"device": "cpu"}, train={"micro_batch_size": 4}))
+    main(["plan", str(recipe)])
+    assert "timed    rows at data.max_length=512 (their lengths not measured here yet" in capsys.readouterr().out
+    before = json.loads(_plan_json(recipe, capsys))["chosen"]["step_s"]
+    assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
+    capsys.readouterr()
+    main(["plan", str(recipe)])
+    assert "of the 12 rows measured when the data was last prepared" in capsys.readouterr().out
+    assert json.loads(_plan_json(recipe, capsys))["chosen"]["step_s"] < before / 5  # rows of ~20 tokens, not 512
+
+
+def _plan_json(recipe, capsys) -> str:
+    main(["plan", str(recipe), "--json"])
+    return capsys.readouterr().out

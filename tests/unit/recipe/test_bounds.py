@@ -31,7 +31,7 @@ ACCEPTED = {
         "lora.alpha", "dpo.beta", "grpo.beta", "data.sources[].weight", "data.eval_sources[].weight", "train.num_epochs",
         "train.weight_decay", "train.max_grad_norm", "dpo.sft_weight", "dpo.simpo_gamma", "dpo.desirable_weight",
         "dpo.undesirable_weight", "cluster.vram_gib", "cluster.host_ram_gib",
-        "cluster.inter_link_gbit", "cluster.gpu_tflops", "cluster.inter_latency_ms", "cluster.intra_link_gbit",
+        "cluster.inter_link_gbit", "cluster.gpu_tflops", "cluster.cpu_gflops_per_core", "cluster.inter_latency_ms", "cluster.intra_link_gbit",
         "cluster.intra_latency_ms")},
 }
 

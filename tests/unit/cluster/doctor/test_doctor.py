@@ -339,3 +339,21 @@ def test_the_measured_matmul_goes_to_the_cluster_file_and_the_plan(tmp_path):
     cluster = resolve_cluster(cfg, detected=Detected(gpu_count=0, gpu_name=None, vram_bytes=None,
                                                      host_ram_bytes=64 * 2**30, cpu_cores=4))
     assert cluster.tflops == 61.5 * 0.4 and "61.5 TFLOPS bf16 matmul measured by doctor" in cluster.tflops_source
+
+
+def test_a_cpu_nodes_measured_core_rate_goes_to_the_cluster_file_and_the_plan(tmp_path):
+    """Issue 39 point 5: doctor times one core's fp32 matmul on a CPU node, as it times each GPU's; the
+    slowest node's is `cluster.cpu_gflops_per_core`, which a CPU plan prices its steps with."""
+    from homelab_ft.plan.hardware import CPU_TRAINING_EFFICIENCY, Detected, resolve_cluster
+
+    nodes = [node(n, device="cpu", gpus=[], nproc=1, cpu_gflops_per_core=g) for n, g in (("a", 150.0), ("b", 96.5))]
+    values = report.cluster_values(nodes, [])
+    assert values["cpu_gflops_per_core"] == 96.5
+    assert "fp32 matmul 96.5 GFLOPS per core" in by_check(report.gpu_lines(nodes), "GPUs", "b").result
+    path = tmp_path / "cluster.yaml"
+    clusterfile.write(path, cluster=values, measured={})
+    cfg = recipe_from_dict({}, overrides=clusterfile.overrides(path)).cluster
+    cluster = resolve_cluster(cfg, detected=Detected(gpu_count=0, gpu_name=None, vram_bytes=None,
+                                                     host_ram_bytes=64 * 2**30, cpu_cores=4, cpu_gflops_per_core=300.0))
+    assert cluster.tflops == pytest.approx(96.5 * CPU_TRAINING_EFFICIENCY * 4 / 1000)
+    assert "(cluster.cpu_gflops_per_core)" in cluster.tflops_source
