@@ -27,8 +27,11 @@ from homelab_ft.recipe.config import (
 # Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
 # cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives
 # ~50 GB/s per direction. Ethernet: link rate x 0.9 (TCP/IP framing; NCCL socket transport reaches
-# ~90% of line rate on large messages). CPU/gloo inside a machine: shared-memory copies, ~5 GB/s.
-LINK_BYTES_PER_S = {"pcie": 10e9, "nvlink": 50e9, "cpu": 5e9}
+# ~90% of line rate on large messages). CPU/gloo inside a machine: gloo has no shared-memory
+# transport, its ranks talk over loopback TCP: 2 ranks of 1 thread each reach an all-reduce bus
+# bandwidth of 1.1-1.3 GB/s at 1-64 MiB measured here (torch 2.13, 2-core Xeon VM; the former
+# assumed 5 GB/s planned tiny-full-2proc-cpu's collectives ~4x too fast).
+LINK_BYTES_PER_S = {"pcie": 10e9, "nvlink": 50e9, "cpu": 1.3e9}
 ETHERNET_EFFICIENCY = 0.9
 # Latency of a tiny all-reduce between two ranks when the cluster file has no measurement. Ethernet:
 # ~0.2 ms for NCCL's socket transport or gloo between two homelab machines (two kernel TCP stack
