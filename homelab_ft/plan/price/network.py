@@ -22,6 +22,15 @@ from homelab_ft.rung import Rung
 # NCCL's ring collectives reach the link's bus bandwidth for all three.
 GLOO_REDUCE_SCATTER_FACTOR = 2.0
 GLOO_ALL_GATHER_EFFICIENCY = 0.7
+# FSDP2 on the CPU also pays for the host copies around each collective, which on a GPU run at HBM
+# speed: the all-gather's copy-in and copy-out into freshly allocated (page-faulted) unsharded
+# buffers, the reduce-scatter's chunk_cat of the gradients, their accumulation into the sharded
+# ones. torch.profiler on SmolLM2-135M fp32, 2 ranks of one thread: FULL_SHARD's aten::copy_, cat,
+# fill_ and add took ~1.9 s a step more than SHARD_GRAD_OP's, beside 2 more all-gathers and one
+# more reduce-scatter; over tiny-full-2proc-cpu and its shard_grad_op twin, ~0.75 s per GB of
+# unsharded bytes gathered or reduced beside the link time (bench/cpu_plan_vs_measured.py).
+# One thread per process, as the CPU recipes run; more threads copy faster, which this ignores.
+GLOO_FSDP_HOST_S_PER_BYTE = 0.75e-9
 # torch DDP's gradient buckets (DistributedDataParallel's bucket_cap_mb=25 and the smaller first
 # bucket, dist._DEFAULT_FIRST_BUCKET_BYTES): each bucket is all-reduced as soon as its gradients
 # are ready, so all but the last one overlap the rest of backward.
@@ -186,8 +195,9 @@ def _fsdp_communication(shape: ModelShape, base_bytes: int, grads: int, *, rung:
     if rung.hybrid_enabled:
         sent += syncs * 2 * grads / shards * (nodes - 1) / nodes
     if gloo:
+        handled = accum * (root_bytes + gathers * units * block_bytes) + syncs * grads
         return Communication(sent_bytes=int(sent), gathers_s=0.0, grads_s=0.0, backward_window=0.0,
-                             exposed_s=gathers_s + grads_s + loop_s)
+                             exposed_s=gathers_s + grads_s + loop_s + handled * GLOO_FSDP_HOST_S_PER_BYTE)
     # Nothing computes before the root's first all-gather, nor after the last unit's reduction (the
     # root's when it trains, else the first block's).
     first, last = accum * root_gather, reduce_s(grad_root or grad_block)
