@@ -2,7 +2,8 @@
 
 Every section a test does not name comes from `tiny_run`'s defaults (LoRA r=4 on the tiny
 Llama, 64-token rows, CPU, no TensorBoard); what a test names is merged in, section by section,
-so a test says only what it is about.
+so a test says only what it is about. A key given as `None` is dropped (`lora=None` for a full
+fine-tune that names no LoRA section, `train={"device": None}`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import yaml
 
 
 def merged(base: dict, overrides: dict) -> dict:
-    """`base` with `overrides` laid over it: dict sections merged key by key, anything else replaced."""
+    """`base` with `overrides` laid over it: dict sections merged key by key, a `None` dropping its
+    key, anything else replaced."""
     out = dict(base)
     for key, value in overrides.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
     return out
 
 
