@@ -15,7 +15,7 @@ PYTHONPATH. Each contender runs in its own process, ROUNDS times, interleaved (h
 homelab, trl ...), each keeping its best round; figures are medians over the measured steps of the
 wall time and the process's CPU time (time.process_time: getrusage's user + system) side by side,
 with the completion tokens generated per step, so tokens/s per wall and per CPU second compare
-work done, not steps. A rollout node on a second machine is not built yet, so it is not measured.
+work done, not steps. The rollout node (grpo.rollout: node, two processes) is not a contender here.
 """
 
 from __future__ import annotations

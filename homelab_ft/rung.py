@@ -76,6 +76,10 @@ class Rung:
     rollout: str = COLOCATED
     """GRPO's generation: `colocated` in every training process, or `node`: the job's last rank
     generates and rank 0 trains as one process (refusals.rollout_node says when the trainer runs it)."""
+    rollout_staleness: int = 0
+    """A rollout node's lag (grpo.max_staleness): 0 generates each batch with the trainer's adapters
+    and the trainer waits; 1 generates the next step's batch while this step trains (one step older
+    adapters, corrected by truncated importance sampling). Always 0 for colocated generation."""
 
     def __post_init__(self) -> None:
         # run.json and the torchrun handoff carry stage_blocks as a JSON list; frozen, so set once here.
@@ -176,6 +180,8 @@ def _validate(r: Rung) -> None:
         raise RungError(f"sharding.strategy={r.strategy!r} does not exist; use one of auto, {', '.join(STRATEGIES)}")
     if r.rollout not in ROLLOUTS:
         raise RungError(f"grpo.rollout={r.rollout!r} does not exist; use one of auto, {', '.join(ROLLOUTS)}")
+    if r.rollout_staleness not in (0, 1) or (r.rollout_staleness and r.rollout != ROLLOUT_NODE):
+        raise RungError(f"grpo.max_staleness={r.rollout_staleness} is 0, or 1 with grpo.rollout=node")
     if r.optimizer not in OPTIMIZERS:
         raise RungError(f"train.optimizer={r.optimizer!r} does not exist; use one of {', '.join(OPTIMIZERS)}")
     if r.nodes < 1 or r.procs_per_node < 1:
@@ -273,7 +279,7 @@ def implied_checkpointing(checkpointing: bool | str, *, activation_offload: bool
 
 def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_per_node: int, train, quant, sharding,
           activation_checkpointing: bool, activation_offload: bool, pipeline_stages: int = 1,
-          rollout: str = COLOCATED) -> Rung:
+          rollout: str = COLOCATED, staleness: int = 0) -> Rung:
     """The one place a rung's fields are read off the recipe: `train`, `quant` and `sharding` are its
     sections (recipe.config's dataclasses, which the planner's PlanRequest holds too), the choices
     the ladder or `requested_rung` made are the arguments. A new knob of what runs is a Rung field
@@ -284,7 +290,8 @@ def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_pe
                 optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward, quant_bits=quant.bits,
                 activation_checkpointing=activation_checkpointing, activation_offload=activation_offload,
                 pipeline_stages=pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()) if named else (),
-                pipeline_schedule=sharding.pipeline_schedule, rollout=rollout)
+                pipeline_schedule=sharding.pipeline_schedule, rollout=rollout,
+                rollout_staleness=staleness if rollout == ROLLOUT_NODE else 0)
 
 
 def requested_rollout(objective: str, grpo) -> str:
@@ -293,8 +300,13 @@ def requested_rollout(objective: str, grpo) -> str:
     return grpo.rollout if objective == "grpo" and grpo.rollout != "auto" else COLOCATED
 
 
+def requested_staleness(objective: str, grpo) -> int:
+    """How far a rollout node may lag (grpo.max_staleness; `build` keeps it only on a node's rung)."""
+    return grpo.max_staleness if objective == "grpo" else 0
+
+
 def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant, sharding,
-                   rollout: str = COLOCATED) -> Rung:
+                   rollout: str = COLOCATED, staleness: int = 0) -> Rung:
     """The rung a request names when no plan fills its `auto`s (the planner refuses a fully named
     rung with it before pricing anything; `train` runs it when the planner chose nothing): `auto`
     method is LoRA (a full fine-tune when the optimizer steps in backward, which only it takes),
@@ -310,7 +322,7 @@ def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant
     return build(method, effective_strategy(strategy, world_size=world_size, cpu_offload=sharding.cpu_offload),
                  sharding.cpu_offload, nodes=nodes, procs_per_node=procs_per_node, train=train, quant=quant,
                  sharding=sharding, activation_checkpointing=checkpointing is True,
-                 activation_offload=train.activation_offload is True, rollout=rollout)
+                 activation_offload=train.activation_offload is True, rollout=rollout, staleness=staleness)
 
 
 def rung_for(recipe) -> Rung:
@@ -320,7 +332,8 @@ def rung_for(recipe) -> Rung:
     a named method, and by tests and benchmarks that build a model for a recipe directly."""
     return pipelined(requested_rung(recipe.method, nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
                                     train=recipe.train, quant=recipe.quant, sharding=recipe.sharding,
-                                    rollout=requested_rollout(recipe.objective, recipe.grpo)), recipe.sharding)
+                                    rollout=requested_rollout(recipe.objective, recipe.grpo),
+                                    staleness=requested_staleness(recipe.objective, recipe.grpo)), recipe.sharding)
 
 
 def pipelined(rung: Rung, sharding) -> Rung:

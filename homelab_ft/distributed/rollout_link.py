@@ -3,8 +3,15 @@
 Every message is a `torch.distributed.broadcast` over a group of the two ranks (the trainer, rank 0,
 and the rollout rank, the last), so it runs on gloo (CPU) and NCCL (CUDA) alike and nothing is
 written by hand. A request is a fixed header of int64s, then (when the adapters changed since the
-last sync) the adapter tensors flattened into one buffer per dtype, then the left-padded prompt ids
-and their mask; the reply is the shape of `generate`'s output, then the output ids.
+last sync) the adapter tensors flattened into one buffer per dtype, then each micro-batch's seed
+and shape and its left-padded prompt ids and mask; the reply is, per micro-batch, the shape of
+`generate`'s output, the output ids and (when asked: grpo.max_staleness > 0) the rollout rank's
+log-probs of the completions it sampled, the behaviour policy's for truncated importance sampling.
+
+A request is `send` and its reply `collect`: between the two the trainer is free (it trains the
+step before while the rollout rank generates the next one's batch), and at most one request is in
+flight (a second send while one waits would deadlock: the rollout rank's reply is a collective the
+trainer must join first). `request` is the two back to back; `stop` collects a reply still due.
 
 The group's timeout bounds every wait: the rollout rank waits for the next request while the
 trainer trains (and evaluates, and checkpoints), so the wait is the longest stretch between two
@@ -27,7 +34,7 @@ LINK_TIMEOUT_S = 1800.0
 pass and a checkpoint fit between two rollouts; the world group's 300 s (comm.setup) would not."""
 
 STOP, SAMPLE = 0, 1
-_HEADER = ("command", "sync", "seed", "greedy", "rows", "width", "adapter_numel")
+_HEADER = ("command", "sync", "greedy", "batches", "logps", "adapter_numel")
 
 
 def flatten(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -59,17 +66,34 @@ def empty_like_flat(tensors: list[torch.Tensor], *, device) -> list[torch.Tensor
 
 
 @dataclass(frozen=True)
-class Request:
-    """What the rollout rank received: the prompts to complete and how, and whether adapters came first."""
+class Prompts:
+    """One micro-batch to complete: its sampling seed and its left-padded prompt ids and mask."""
 
     seed: int
-    greedy: bool
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    synced: bool
+    ids: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclass(frozen=True)
+class Reply:
+    """One micro-batch's answer: `generate`'s output ids and, when asked, the completions' log-probs."""
+
+    ids: torch.Tensor
+    logps: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the rollout rank received: the micro-batches to complete and how, and whether adapters came first."""
+
+    greedy: bool
+    batches: list[Prompts]
+    synced: bool
+    logps: bool
+    """Reply with the sampled completions' log-probs under the weights that sampled them."""
+
+
+@dataclass
 class Link:
     """Both ends of the line; `trainer` sends requests, `server` answers them."""
 
@@ -77,13 +101,17 @@ class Link:
     device: torch.device
     server: int
     trainer: int = 0
+    staleness: int = 0
+    """Steps ahead the trainer may send a request (the rung's rollout_staleness, grpo.max_staleness)."""
+    due: tuple[int, bool] | None = None
+    """The trainer's end: (micro-batches, with log-probs) of the request sent and not yet collected."""
 
     @classmethod
-    def open(cls, env) -> Link:
+    def open(cls, env, *, staleness: int = 0) -> Link:
         """The two-rank group (every rank of the world calls this, as new_group requires)."""
         last = env.world_size - 1
         group = dist.new_group(ranks=[0, last], timeout=timedelta(seconds=LINK_TIMEOUT_S))
-        return cls(group=group, device=env.device, server=last)
+        return cls(group=group, device=env.device, server=last, staleness=staleness)
 
     def _cast(self, tensor: torch.Tensor, *, src: int) -> torch.Tensor:
         out = tensor.to(self.device)  # NCCL sends CUDA tensors only; gloo CPU ones
@@ -95,24 +123,54 @@ class Link:
 
     # ---- the trainer's end
 
-    def request(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, seed: int, greedy: bool,
-                adapters: list[torch.Tensor] | None) -> tuple[torch.Tensor, float]:
-        """Send one request (the adapter buffers first when given) and return the rollout rank's
-        `generate` output for it, on the link's device, and the seconds the adapters took to send."""
+    def send(self, batches: list[Prompts], *, greedy: bool, adapters: list[torch.Tensor] | None,
+             logps: bool = False) -> float:
+        """Send one request (the adapter buffers first when given) and return the seconds the
+        adapters took to send; its reply is `collect`'s. One request in flight at a time."""
+        assert self.due is None, "collect the request in flight before sending another"
         numel = sum(b.numel() for b in adapters) if adapters is not None else 0
-        self._header([SAMPLE, adapters is not None, seed, greedy, *prompt_ids.shape, numel])
+        self._header([SAMPLE, adapters is not None, greedy, len(batches), logps, numel])
         start = time.perf_counter()
         for buffer in adapters or ():
             self._cast(buffer, src=self.trainer)
         sync_s = time.perf_counter() - start if adapters is not None else 0.0
-        self._cast(prompt_ids, src=self.trainer)
-        self._cast(prompt_mask, src=self.trainer)
-        shape = self._cast(torch.zeros(2, dtype=torch.int64), src=self.server).tolist()
-        return self._cast(torch.empty(shape, dtype=torch.int64), src=self.server), sync_s
+        self._cast(torch.tensor([[b.seed, *b.ids.shape] for b in batches], dtype=torch.int64), src=self.trainer)
+        for b in batches:
+            self._cast(b.ids, src=self.trainer)
+            self._cast(b.mask, src=self.trainer)
+        self.due = (len(batches), logps)
+        return sync_s
+
+    def collect(self) -> list[Reply]:
+        """The rollout rank's replies to the request in flight, one per micro-batch, on the link's device."""
+        assert self.due is not None, "no request in flight"
+        count, logps = self.due
+        self.due = None
+        replies = []
+        for _ in range(count):
+            shape = self._cast(torch.zeros(2, dtype=torch.int64), src=self.server).tolist()
+            ids = self._cast(torch.empty(shape, dtype=torch.int64), src=self.server)
+            scores = None
+            if logps:
+                columns = int(  # the completion's columns: generate's output minus the prompt
+                    self._cast(torch.zeros(1, dtype=torch.int64), src=self.server).item())
+                scores = self._cast(torch.empty(shape[0], columns, dtype=torch.float32), src=self.server)
+            replies.append(Reply(ids=ids, logps=scores))
+        return replies
+
+    def request(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, seed: int, greedy: bool,
+                adapters: list[torch.Tensor] | None) -> tuple[torch.Tensor, float]:
+        """One micro-batch sent and its output ids collected at once (the synchronous round trip),
+        and the seconds the adapters took to send."""
+        sync_s = self.send([Prompts(seed=seed, ids=prompt_ids, mask=prompt_mask)], greedy=greedy, adapters=adapters)
+        return self.collect()[0].ids, sync_s
 
     def stop(self) -> None:
-        """Tell the rollout rank to return (the trainer sends it however training ended)."""
-        self._header([STOP, 0, 0, 0, 0, 0, 0])
+        """Tell the rollout rank to return (the trainer sends it however training ended), after
+        collecting (and dropping) a reply still due, without which the rollout rank never listens."""
+        if self.due is not None:
+            self.collect()
+        self._header([STOP, 0, 0, 0, 0, 0])
 
     # ---- the rollout rank's end
 
@@ -127,13 +185,19 @@ class Link:
             assert header["adapter_numel"] == ours, f"the trainer's adapters have {header['adapter_numel']} values, ours {ours}"
             for buffer in adapters:
                 buffer.copy_(self._cast(buffer, src=self.trainer))
-        shape = (header["rows"], header["width"])
-        ids = self._cast(torch.empty(shape, dtype=torch.int64), src=self.trainer)
-        mask = self._cast(torch.empty(shape, dtype=torch.int64), src=self.trainer)
-        return Request(seed=header["seed"], greedy=bool(header["greedy"]), prompt_ids=ids, prompt_mask=mask,
-                       synced=bool(header["sync"]))
+        meta = self._cast(torch.zeros(header["batches"], 3, dtype=torch.int64), src=self.trainer).tolist()
+        batches = []
+        for seed, rows, width in meta:
+            ids = self._cast(torch.empty(rows, width, dtype=torch.int64), src=self.trainer)
+            mask = self._cast(torch.empty(rows, width, dtype=torch.int64), src=self.trainer)
+            batches.append(Prompts(seed=seed, ids=ids, mask=mask))
+        return Request(greedy=bool(header["greedy"]), batches=batches, synced=bool(header["sync"]),
+                       logps=bool(header["logps"]))
 
-    def reply(self, out: torch.Tensor) -> None:
-        """Send `generate`'s output ids back to the trainer."""
+    def reply(self, out: torch.Tensor, logps: torch.Tensor | None = None) -> None:
+        """Send one micro-batch's `generate` output ids back to the trainer (and its log-probs when asked)."""
         self._cast(torch.tensor(list(out.shape), dtype=torch.int64), src=self.server)
         self._cast(out.to(torch.int64), src=self.server)
+        if logps is not None:
+            self._cast(torch.tensor([logps.size(1)], dtype=torch.int64), src=self.server)
+            self._cast(logps.float(), src=self.server)

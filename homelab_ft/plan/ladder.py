@@ -38,6 +38,7 @@ from homelab_ft.rung import (
     build,
     implied_checkpointing,
     requested_rollout,
+    requested_staleness,
 )
 
 LADDER = METHODS
@@ -88,7 +89,8 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
     rung = build(method, strategy, offload, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
                  train=request.train, quant=request.quant, sharding=request.sharding,
                  activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages,
-                 rollout=requested_rollout(request.objective, request.grpo) if rollout is None else rollout)
+                 rollout=requested_rollout(request.objective, request.grpo) if rollout is None else rollout,
+                 staleness=requested_staleness(request.objective, request.grpo))
     return rung if shape is None else with_table(rung, request=request, shape=shape, cluster=cluster)
 
 

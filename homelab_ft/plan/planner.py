@@ -35,7 +35,15 @@ from homelab_ft.plan.price.diskspace import checkpoint_bytes
 from homelab_ft.plan.price.memory import gib_text
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules import embedding_offload, moe_routers
-from homelab_ft.rung import Rung, RungError, hybrid_refusal, requested_rollout, requested_rung, rung_for
+from homelab_ft.rung import (
+    Rung,
+    RungError,
+    hybrid_refusal,
+    requested_rollout,
+    requested_rung,
+    requested_staleness,
+    rung_for,
+)
 
 
 @dataclass(frozen=True)
@@ -208,7 +216,8 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
         # A fully named rung is refused here, before anything is priced, created or launched.
         requested_rung(request.method, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
                        train=request.train, quant=request.quant, sharding=request.sharding,
-                       rollout=requested_rollout(request.objective, request.grpo))
+                       rollout=requested_rollout(request.objective, request.grpo),
+                       staleness=requested_staleness(request.objective, request.grpo))
     elif why := hybrid_refusal(request.sharding.strategy, nodes=cluster.nodes):
         raise RungError(why)
     if request.train.embedding_offload is True:

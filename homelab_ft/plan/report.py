@@ -153,11 +153,16 @@ def grpo_lines(p: Plan) -> list[str]:
 
 
 def _node_line(p: Plan) -> list[str]:
-    """What a rollout node is and costs, as far as version 1 goes (train/rollout_node.py: synchronous)."""
-    x, c = p.chosen.rollout, p.cluster
+    """What a rollout node is and costs: waiting for the node (max_staleness 0) or overlapped with training (1)."""
+    x, c, o = p.chosen.rollout, p.cluster, p.chosen
+    if x.overlapped:
+        return [f"         the rollout node generates the next step's batch while this one trains (grpo.max_staleness=1, "
+                f"truncated importance sampling): step ~{o.step_s:.1f} s = sync + max(training "
+                f"~{o.training_s + x.reference_s + x.old_logprob_s:.1f} s, generation + scoring "
+                f"~{x.generation_s + x.node_logprob_s:.1f} s)"]
     if x.node:
-        return ["         the rollout node generates while the trainer waits (version 1: no overlap yet), so the "
-                "step is generation + sync + training; what it buys is the trainer's GPU free of generation"]
+        return ["         the rollout node generates while the trainer waits (grpo.max_staleness=0), so the step is "
+                "generation + sync + training; grpo.max_staleness=1 overlaps the two"]
     if p.request.grpo.rollout == "colocated" and c.nodes == 2 and c.gpus_per_node == 1 \
             and p.request.method in ("auto", "lora", "qlora"):
         return ["         a second machine can generate instead: grpo.rollout=node (only the adapters cross the link; "

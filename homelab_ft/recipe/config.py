@@ -412,6 +412,8 @@ GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 luspo and vespo are not built)."""
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IS_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+"""How a stale rollout's importance weights are bounded (TRL's vllm_importance_sampling_mode values)."""
 RewardEntry = str | dict[str, dict[str, Any]]
 """A built-in's name, `file.py:function`, `module:function`, or `{built-in: {parameters}}` (train/rewards.py)."""
 
@@ -469,9 +471,25 @@ class GrpoConfig:
     process), or `node` (a rollout rank: the job's last process, on a second machine, holds the same
     base and adapters and generates; rank 0 trains as one process and sends it only the adapters when
     they changed, then the prompts; train/rollout_node.py). `node` needs a job of exactly 2 processes
-    and LoRA or QLoRA; version 1 is synchronous (docs/grpo.md). `auto`: the planner prices both where
+    and LoRA or QLoRA; `max_staleness` says whether the trainer waits for it. `auto`: the planner prices both where
     the job can run a node and takes the fastest that fits: colocated when it fits (both ranks train),
     the node when only it does (its GPU holds the base and adapters, not training's memory)."""
+    max_staleness: Annotated[int, Field(ge=0, le=1)] = 0
+    """Optimizer steps the rollout node's adapters may lag the trainer's (grpo.rollout: node): 0
+    waits for each batch (exactly the colocated run's completions); 1 overlaps: the next step's batch
+    is generated with the adapters of this step's sampling while this step trains, and the loss is
+    corrected by truncated importance sampling (`vllm_importance_sampling_*`). A batch due right after
+    a checkpoint is always generated fresh, so a resume draws what the uninterrupted run drew."""
+    vllm_importance_sampling_correction: bool = True
+    """With max_staleness 1, weigh each token by its importance ratio between the trainer's policy and
+    the (one step older) policy that sampled it (TIS: Yao et al. 2025, "Your Efficient RL Framework
+    Secretly Brings You Off-Policy RL Training"); TRL's key and default (there for vLLM's mismatch)."""
+    vllm_importance_sampling_mode: Literal[IS_CORRECTION_MODES] = "token_truncate"
+    """`token_truncate`: each token's ratio capped at `vllm_importance_sampling_cap` (the TIS paper's);
+    `token_mask`: tokens above the cap weigh 0; `sequence_*`: one ratio per completion (the exp of its
+    summed log-ratio), capped or masked."""
+    vllm_importance_sampling_cap: Annotated[float, Field(gt=0.0, le=1e6)] = 3.0
+    """The cap C on the importance ratio (TRL's default)."""
 
     @property
     def epsilon_upper(self) -> float:

@@ -63,3 +63,7 @@ def check_grpo(grpo, *, source: str = "recipe") -> None:
     if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
         raise UserError(f"{source}: grpo.reward_weights has {len(grpo.reward_weights)} weights for "
                         f"{len(grpo.reward_funcs)} grpo.reward_funcs; give one per function, or none for 1.0 each")
+    if grpo.max_staleness and grpo.rollout == "colocated":
+        raise UserError(f"{source}: grpo.max_staleness={grpo.max_staleness} overlaps a rollout node's generation with "
+                        "training; grpo.rollout=colocated generates in the training process, always fresh: drop "
+                        "grpo.max_staleness, or use grpo.rollout: node (or auto)")

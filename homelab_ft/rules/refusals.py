@@ -92,7 +92,7 @@ def kto_batch(rung: Rung, *, objective: str, loss: str, micro_batch_size: int, g
 
 
 ROLLOUT_NODE_PROCESSES = 2
-"""grpo.rollout=node, version 1: one training process and one rollout rank (train/rollout_node.py)."""
+"""grpo.rollout=node: one training process and one rollout rank (train/rollout_node.py)."""
 
 
 def rollout_node(rung: Rung, *, objective: str) -> str | None:

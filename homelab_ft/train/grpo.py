@@ -40,9 +40,10 @@ POLICY_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/reg
 """grpo_loss.policy_loss's metrics, averaged over the step's micro-batches weighted by their `units`."""
 
 
-def loss_names(settings: GrpoConfig) -> tuple[str, ...]:
-    """The per-step sums trainer.grpo_step reduces: the loss first, then the policy's metrics."""
-    return ("loss", *POLICY_METRICS, *(("kl",) if settings.beta else ()))
+def loss_names(settings: GrpoConfig, *, corrects: bool = False) -> tuple[str, ...]:
+    """The per-step sums trainer.grpo_step reduces: the loss first, then the policy's metrics (and
+    the importance weights' when `corrects`: Grpo.corrects)."""
+    return ("loss", *POLICY_METRICS, *(("kl",) if settings.beta else ()), *(grpo_loss.IS_METRICS if corrects else ()))
 
 
 def units(settings: GrpoConfig):
@@ -91,6 +92,34 @@ class Grpo:
     drawn_at: int = 0
     shown: list[dict] = field(default_factory=list)
     """The first group of the current batch as (prompt, completion, reward) rows: what the run writes to samples."""
+    prefetched: tuple[int, list[list[dict]]] | None = None
+    """(step, prompt micro-batches) sent to the rollout node ahead of that step (`prefetch`)."""
+
+    @property
+    def corrects(self) -> bool:
+        """Training batches come with their sampling policy's log-probs and the loss weighs them (TIS)."""
+        return isinstance(self.engine, Remote) and self.engine.scores
+
+    def prefetch(self, model, prompt_batches: list[list[dict]], *, step: int, env) -> None:
+        """Send `step`'s micro-batches to the rollout node now (grpo.max_staleness: 1); `prompts_for`
+        hands them to that step's `roll`, which then finds their completions generated."""
+        self.engine.prefetch(model, prompt_batches, seeds=[seed_for(self.seed, step=step, micro_batch=i, rank=env.rank)
+                                                           for i in range(len(prompt_batches))])
+        self.prefetched = (step, prompt_batches)
+
+    def may_prefetch(self, step: int, *, max_steps: int, save_every: int) -> bool:
+        """Whether the batch of the step after `step` is fetched ahead while `step` trains: on a stale
+        rollout node, when that step samples a new batch and `step` writes no checkpoint (so a resume
+        finds nothing in flight; rollout_node's docstring)."""
+        return (isinstance(self.engine, Remote) and self.engine.staleness > 0 and step < max_steps
+                and not (save_every and step % save_every == 0) and step + 1 - self.drawn_at >= self.settings.num_iterations)
+
+    def prompts_for(self, step: int, draw) -> list[list[dict]]:
+        """The prompt micro-batches of `step`: those sent ahead for it, or `draw()`'s."""
+        if self.prefetched is not None and self.prefetched[0] == step:
+            batches, self.prefetched = self.prefetched[1], None
+            return batches
+        return draw()
 
     def due(self, step: int) -> bool:
         """A new batch is sampled every num_iterations steps (and on the first step of a run or a resume)."""
@@ -248,6 +277,6 @@ def for_run(recipe, tokenizer, *, env, base_dir, link=None) -> Grpo:
                                     recipe_dir=Path(base_dir) if base_dir is not None else Path.cwd())
     engine = Colocated(settings=settings, tokenizer=tokenizer, device=env.device, distributed=env.distributed)
     if link is not None:
-        engine = Remote(local=engine, link=link)
+        engine = Remote(local=engine, link=link, staleness=link.staleness)
     return Grpo(settings=settings, rewards=funcs, engine=engine, seed=recipe.train.seed,
                 chunk_tokens=recipe.train.loss_chunk_tokens)

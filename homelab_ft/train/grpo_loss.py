@@ -23,6 +23,13 @@ Names and semantics are TRL 1.16's `GRPOTrainer` (`scale_rewards`, `epsilon`, `e
 - GSPO (Zheng et al. 2025, arXiv:2507.18071, eq. 7): `importance_sampling_level="sequence"` uses one
   ratio per completion, exp of the mean over its tokens of logp - old_logp, clipped as a whole.
 
+- Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training", fengyao.notion.site/off-policy-rl; TRL's `vllm_importance_sampling_*`):
+  when the completions were sampled by an older policy mu (a rollout node one step behind,
+  grpo.max_staleness: 1) the clipped per-token loss is weighted by min(pi_old / mu, C) per token
+  (`token_truncate`), or that ratio zeroed above C (`token_mask`), or one ratio per completion,
+  exp of its summed log-ratio (`sequence_*`); the KL term is not weighted (TRL's order).
+
 How the losses are normalised over a step decides their gradient: `loss_normaliser` is the one
 place that says what each micro-batch's loss is divided by, from the counts of the whole step (all
 ranks, all accumulation micro-batches), as `steps.loss_scale` does for SFT.
@@ -32,7 +39,10 @@ from __future__ import annotations
 
 import torch
 
-from homelab_ft.recipe.config import GRPO_LOSS_TYPES, SCALE_REWARDS, GrpoConfig
+from homelab_ft.recipe.config import GRPO_LOSS_TYPES, IS_CORRECTION_MODES, SCALE_REWARDS, GrpoConfig
+
+IS_METRICS = ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/mean")
+"""policy_loss's metrics when it corrects a stale batch (TRL's names)."""
 
 STD_EPS = 1e-4
 """Added to the reward std before dividing (TRL's constant): a group whose rewards are all equal gets
@@ -96,9 +106,28 @@ def loss_normaliser(loss_type: str, *, num_tokens: int, num_sequences: int, max_
     raise ValueError(f"loss_type={loss_type!r}: one of {GRPO_LOSS_TYPES}")
 
 
+def importance_weights(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, *, mode: str,
+                       cap: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance weights of completions sampled by mu and trained as pi_old's (module
+    docstring): [B, T] per token, [B, 1] per completion for the `sequence_*` modes; no gradient.
+    Metrics: the weights' mean over completion tokens (completions), and mean |log pi_old - log mu|."""
+    if mode not in IS_CORRECTION_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r}: one of {IS_CORRECTION_MODES}")
+    mask = mask.to(old_logps.dtype)
+    delta = (old_logps.detach() - sampling_logps.to(old_logps.dtype)) * mask
+    if mode.startswith("sequence"):
+        delta_seq = delta.sum(-1, keepdim=True)
+        ratio = torch.exp(delta_seq)
+    else:
+        ratio = torch.exp(delta)
+    weights = ratio.clamp(max=cap) if mode.endswith("truncate") else ratio.masked_fill(ratio > cap, 0.0)
+    metrics = {IS_METRICS[0]: _masked_mean(weights, mask), IS_METRICS[1]: _masked_mean(delta.abs(), mask)}
+    return weights, metrics
+
+
 def policy_loss(logps: torch.Tensor, *, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
                 mask: torch.Tensor, advantages: torch.Tensor, settings: GrpoConfig,
-                normaliser: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                normaliser: float, sampling_logps: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss of one micro-batch, and its metrics (TRL's names, detached, means over this
     micro-batch's completion tokens; over its completions for sequence-level ratios).
 
@@ -109,7 +138,10 @@ def policy_loss(logps: torch.Tensor, *, old_logps: torch.Tensor | None, ref_logp
     needed when `settings.beta` > 0; `settings` is the recipe's `grpo` section (loss_type, epsilon,
     epsilon_high, beta, importance_sampling_level). `normaliser` comes from `loss_normaliser`: 1 for one
     micro-batch of "grpo"/"bnpo", its completion tokens for "dapo", B x max_completion_length
-    for "dr_grpo".
+    for "dr_grpo". `sampling_logps` [B, T]: the log-probs under the policy that sampled the batch when
+    it may be older than `old_logps`' (a rollout node one step behind): with
+    `settings.vllm_importance_sampling_correction` the clipped loss is weighted by
+    `importance_weights`, and its metrics join the others.
     """
     mask = mask.to(logps.dtype)
     old_logps = logps.detach() if old_logps is None else old_logps
@@ -121,6 +153,12 @@ def policy_loss(logps: torch.Tensor, *, old_logps: torch.Tensor | None, ref_logp
     low, high = 1 - settings.epsilon, 1 + settings.epsilon_upper
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv)
     metrics = {}
+    if sampling_logps is not None and settings.vllm_importance_sampling_correction:
+        weights, is_metrics = importance_weights(old_logps, sampling_logps, mask,
+                                                 mode=settings.vllm_importance_sampling_mode,
+                                                 cap=settings.vllm_importance_sampling_cap)
+        per_token = per_token * weights
+        metrics.update(is_metrics)
     if settings.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference model's log-probs (ref_logps)")

@@ -50,19 +50,42 @@ class Rollout:
     """Each row's prompt (text or messages) as the data set had it, repeated per generation."""
     columns: dict[str, list]
     """The data set's other columns, one value per completion, for the reward functions."""
+    sampling_logps: torch.Tensor | None = None
+    """[N, C]: the completions' log-probs under the weights that sampled them, when those may be older
+    than the trainer's (a rollout node with grpo.max_staleness > 0: truncated importance sampling)."""
 
     @property
     def batch(self) -> dict:
-        """What `loss.completion_logprobs` reads. The positions count only real tokens, as `generate`
-        counted them: a left-padded prompt's first token is at position 0 whatever the padding, so a
-        row's log-probs do not depend on the rows it was batched with (nor on the ranks of the job)."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
-                "position_ids": (self.attention_mask.cumsum(-1) - 1).clamp(min=0),
-                "completion_mask": self.completion_mask}
+        """What `loss.completion_logprobs` reads (`logprob_batch`)."""
+        return logprob_batch(self.input_ids, self.attention_mask, self.completion_mask)
 
     @property
     def num_completions(self) -> int:
         return self.input_ids.size(0)
+
+
+def logprob_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> dict:
+    """What `loss.completion_logprobs` reads. The positions count only real tokens, as `generate`
+    counted them: a left-padded prompt's first token is at position 0 whatever the padding, so a
+    row's log-probs do not depend on the rows it was batched with (nor on the ranks of the job)."""
+    return {"input_ids": input_ids, "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "completion_mask": completion_mask}
+
+
+def completion_layout(out: torch.Tensor, *, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      ends: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`generate`'s output ([N, P + c]: the left-padded prompts, then c <= C tokens) as the loss reads
+    it: input ids, attention mask, completion mask (1 up to and including the first end token) and
+    which rows were cut (no end token). The trainer and a rollout rank lay out the same ids alike."""
+    completion = out[:, prompt_ids.size(1):]  # at least one token: max_completion_length >= 1
+    is_end = torch.isin(completion, torch.tensor(ends, device=completion.device))
+    has_end = is_end.any(dim=1)
+    first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, completion.size(1), dtype=torch.long))
+    positions = torch.arange(completion.size(1), device=completion.device).unsqueeze(0)
+    completion_mask = (positions <= first_end.unsqueeze(1)).long()
+    # generate stops when every row has ended or the length ran out: a row without an end token was cut.
+    return (torch.cat([prompt_ids, completion], dim=1), torch.cat([prompt_mask, completion_mask], dim=1),
+            completion_mask, ~has_end)
 
 
 def seed_for(seed: int, *, step: int, micro_batch: int, rank: int) -> int:
@@ -163,14 +186,9 @@ class Colocated:
     def rollout(self, out: torch.Tensor, *, prompt_ids, prompt_mask, ends: list[int], rows: list[dict],
                 g: int) -> Rollout:
         """A Rollout from `generate`'s output ([N, P + c]: the left-padded prompts, then c <= C tokens)."""
-        completion = out[:, prompt_ids.size(1):]  # at least one token: max_completion_length >= 1
-        is_end = torch.isin(completion, torch.tensor(ends, device=completion.device))
-        has_end = is_end.any(dim=1)
-        first_end = torch.where(has_end, is_end.int().argmax(dim=1), torch.full_like(has_end, completion.size(1), dtype=torch.long))
-        positions = torch.arange(completion.size(1), device=completion.device).unsqueeze(0)
-        completion_mask = (positions <= first_end.unsqueeze(1)).long()
-        # generate stops when every row has ended or the length ran out: a row without an end token was cut.
-        truncated = ~has_end
+        input_ids, attention_mask, completion_mask, truncated = completion_layout(
+            out, prompt_ids=prompt_ids, prompt_mask=prompt_mask, ends=ends)
+        completion = input_ids[:, prompt_ids.size(1):]
         completion_ids = [completion[i, : int(completion_mask[i].sum())].tolist() for i in range(completion.size(0))]
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         parsed = [decoded(row) for row in rows]
@@ -179,7 +197,6 @@ class Colocated:
         columns = {key: [cols.get(key) for _, cols in parsed for _ in range(g)] for key in names}
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts,
                                                                                                           strict=True)]
-        return Rollout(input_ids=torch.cat([prompt_ids, completion], dim=1).cpu(),
-                       attention_mask=torch.cat([prompt_mask, completion_mask], dim=1).cpu(),
+        return Rollout(input_ids=input_ids.cpu(), attention_mask=attention_mask.cpu(),
                        completion_mask=completion_mask.cpu(), truncated=truncated.cpu(), completion_ids=completion_ids,
                        completions=completions, prompts=prompts, columns=columns)

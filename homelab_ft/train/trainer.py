@@ -364,8 +364,10 @@ def grpo_step(s: Session, draw: Callable[[], list], *, step: int) -> StepResult:
     ranks). Its metrics are the policy's (clip ratios, KL) and the rollout's (grpo.Grpo.stats)."""
     g, env, model, settings = s.grpo, s.env, s.model, s.recipe.grpo
     if g.due(step):
-        g.roll(model, draw(), step=step, env=env)
-    names = grpo.loss_names(settings)
+        g.roll(model, g.prompts_for(step, draw), step=step, env=env)
+    if g.may_prefetch(step, max_steps=s.max_steps, save_every=s.recipe.train.save_every):
+        g.prefetch(model, draw(), step=step + 1, env=env)  # generated on the rollout node while this step trains
+    names = grpo.loss_names(settings, corrects=g.corrects)
     count = grpo.units(settings)
     chunk, temperature = s.recipe.train.loss_chunk_tokens, settings.temperature
 
@@ -379,8 +381,10 @@ def grpo_step(s: Session, draw: Callable[[], list], *, step: int) -> StepResult:
                 with activations_on_host(enabled=s.rung.activation_offload, pin_memory=env.device.type == "cuda"):
                     logps = completion_logprobs(model, batch, device=env.device, chunk_tokens=chunk, temperature=temperature)
                 old = None if b.old_logps is None else b.old_logps.to(env.device)
+                sampled = None if b.rollout.sampling_logps is None else b.rollout.sampling_logps.to(env.device)
                 loss, metrics = policy_loss(logps, old_logps=old, ref_logps=reference, mask=batch["completion_mask"].to(env.device),
-                                            advantages=b.advantages.to(env.device), settings=settings, normaliser=1.0)
+                                            advantages=b.advantages.to(env.device), settings=settings, normaliser=1.0,
+                                            sampling_logps=sampled)
                 (loss * scale).backward()
             weight = count(batch)
             sums += torch.stack([loss.detach().double().cpu(), *(metrics[n].double().cpu() * weight for n in names[1:])])

@@ -195,8 +195,9 @@ class Estimate:
 
     @property
     def step_s(self) -> float:
-        """`training_s`, and GRPO's rollout before it (generation and the no-grad forwards)."""
-        return self.training_s + (self.rollout.seconds if self.rollout else 0.0)
+        """`training_s`, and GRPO's rollout before it (generation and the no-grad forwards) or, on an
+        overlapped rollout node, beside it (price/rollout.Rollout.step_s)."""
+        return self.rollout.step_s(self.training_s) if self.rollout else self.training_s
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,14 @@ optimizer state, accumulated gradients, FSDP's gathered units) plus the KV cache
 full length and the larger of the prefill's block intermediates and a decode step's logits;
 memory.Memory.total is the larger of it and training's peak, and the plan shows both.
 
-With `grpo.rollout: node` (train/rollout_node.py, version 1: synchronous) the generation runs on the
+With `grpo.rollout: node` (train/rollout_node.py) the generation runs on the
 rollout node's GPU, which holds the base and the adapters only (no optimizer state, no gradients):
 its peak is that plus the KV cache and transients, and the trainer's is training's alone; both are
 checked against the smaller GPU (Cluster.device_bytes). The step adds the adapters' sync over the
 link between the nodes, once per sampled batch, and the trainer runs no gradient all-reduce (it is
-one process).
+one process). With `grpo.max_staleness: 1` the node generates the next step's batch (and scores it
+once for truncated importance sampling) while this step trains: the step is the sync plus the
+longer of the two (`Rollout.step_s`).
 """
 
 from __future__ import annotations
@@ -78,10 +80,24 @@ class Rollout:
     """The adapters sent to the rollout node per sync (node only)."""
     sync_s: float = 0.0
     """Their trip over the link between the nodes, per optimizer step (node only)."""
+    overlapped: bool = False
+    """The node generates the next step's batch while this step trains (grpo.max_staleness: 1)."""
+    node_logprob_s: float = 0.0
+    """The node's no-grad forward for the sampling policy's log-probs (overlapped only: the weights
+    for truncated importance sampling), per optimizer step."""
 
     @property
     def seconds(self) -> float:
-        return self.generation_s + self.old_logprob_s + self.reference_s + self.sync_s
+        """Every second the rollout adds, on whichever device it runs (Memory.step_s overlaps them)."""
+        return self.generation_s + self.old_logprob_s + self.reference_s + self.sync_s + self.node_logprob_s
+
+    def step_s(self, training_s: float) -> float:
+        """One optimizer step with `training_s` of training: the phases one after the other, or with
+        the node overlapped the longer of the trainer's part and the node's, after the sync."""
+        if not self.overlapped:
+            return training_s + self.seconds
+        return self.sync_s + max(training_s + self.reference_s + self.old_logprob_s,
+                                 self.generation_s + self.node_logprob_s)
 
 
 def kv_cache_bytes(shape: ModelShape, request: PlanRequest, act_bytes: int) -> int:
@@ -156,6 +172,7 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
     per_micro_batch = prefill_s + new * decode_s + fetches * fetch_s
     scoring_s = 2 * params * request.timed_micro_batch_tokens / flops_per_s * slowdown + fetch_s
     node = rung.rollout_node_enabled
+    overlapped = node and rung.rollout_staleness > 0
     return Rollout(
         kv_cache_bytes=kv_cache_bytes(shape, request, act_bytes),
         generation_s=accum * per_micro_batch / grpo.num_iterations,
@@ -163,6 +180,7 @@ def rollout(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Clu
         reference_s=accum * scoring_s if grpo.beta > 0 else 0.0,
         decode_step_s=decode_s, decode_bound=bound, node=node, adapter_bytes=adapter_bytes if node else 0,
         sync_s=adapter_sync_s(adapter_bytes, cluster) / grpo.num_iterations if node else 0.0,
+        overlapped=overlapped, node_logprob_s=accum * scoring_s / grpo.num_iterations if overlapped else 0.0,
     )
 
 

@@ -23,6 +23,7 @@ ACCEPTED = {
         "lora.dropout", "data.eval_fraction", "planner.headroom", "grpo.beta",
         "grpo.log_completions_every", "dpo.simpo_gamma")},
     ("train.seed", "zero"): "0 is a seed every RNG takes",
+    ("grpo.max_staleness", "zero"): "0: the trainer waits for the rollout node (the default)",
     ("train.betas[0]", "zero"): "AdamW takes beta1 = 0 (no momentum: RMSprop-like)",
     ("train.betas[1]", "zero"): "AdamW takes beta2 = 0 (the second moment is the last gradient squared)",
     ("cluster.inter_latency_ms", "zero"): "a latency of 0 is an ideal link the planner can price",

@@ -196,3 +196,85 @@ def test_advantages_need_whole_groups():
         grpo_loss.advantages(REWARDS[:10], num_generations=4, scale_rewards="group")
     with pytest.raises(ValueError, match="scale_rewards"):
         grpo_loss.advantages(REWARDS, num_generations=4, scale_rewards="rank")
+
+
+# The sampling policy's log-probs mu, a step behind `old` (a rollout node with grpo.max_staleness 1):
+# old - mu per token gives ratios from 0.27 to 4.5, so a cap of 3 truncates (or masks) some tokens.
+STALE = torch.tensor([[0.2, -0.4, 1.5, 0.0, -1.3, 0.7],
+                      [1.2, 0.1, -0.2, 0.0, 0.0, 0.0],
+                      [-0.6, 0.0, 0.0, 0.0, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+CAP = 3.0
+
+
+def _tis_weight(old, mu, i, t, *, mode):
+    """Yao et al.'s truncated importance weight of token t of completion i (or of the whole completion)."""
+    n = int(MASK[i].sum())
+    if mode.startswith("sequence"):
+        w = torch.exp(sum((old[i, k] - mu[i, k] for k in range(n)), torch.zeros((), dtype=torch.float64)))
+    else:
+        w = torch.exp(old[i, t] - mu[i, t])
+    if mode.endswith("truncate"):
+        return torch.clamp(w, max=CAP)
+    return w if w <= CAP else torch.zeros_like(w)
+
+
+def _naive_tis(logps, old, ref, *, loss_type, beta, mode):
+    """DAPO's / GRPO's clipped loss with each token's term weighted by its truncated importance
+    weight before the KL is added (TRL's order), one completion and one token at a time."""
+    mu = old - STALE
+    per_seq, lengths = [], [int(MASK[i].sum()) for i in range(4)]
+    for i in range(4):
+        a, seq = float(ADVANTAGES[i]), torch.zeros((), dtype=torch.float64)
+        for t in range(lengths[i]):
+            r = torch.exp(logps[i, t] - old[i, t])
+            term = -torch.min(r * a, torch.clamp(r, 1 - EPS_LOW, 1 + EPS_HIGH) * a) * _tis_weight(old, mu, i, t, mode=mode)
+            if beta:
+                d = ref[i, t] - logps[i, t]
+                term = term + beta * (torch.exp(d) - d - 1)
+            seq = seq + term
+        per_seq.append(seq)
+    if loss_type == "grpo":
+        return sum(s / max(n, 1) for s, n in zip(per_seq, lengths, strict=True)) / 4
+    return sum(per_seq) / sum(lengths)
+
+
+def _ours_tis(logps, old, ref, *, loss_type, beta, mode, correct=True, mu=None):
+    settings = GrpoConfig(loss_type=loss_type, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, beta=beta, max_staleness=1,
+                          rollout="node", vllm_importance_sampling_mode=mode, vllm_importance_sampling_cap=CAP,
+                          vllm_importance_sampling_correction=correct)
+    norm = grpo_loss.loss_normaliser(loss_type, num_tokens=int(MASK.sum()), num_sequences=4,
+                                     max_completion_length=MAX_LEN, num_micro_batches=1, world_size=1)
+    return grpo_loss.policy_loss(logps, old_logps=old, ref_logps=ref if beta else None, mask=MASK,
+                                 advantages=ADVANTAGES, settings=settings, normaliser=norm,
+                                 sampling_logps=old - STALE if mu is None else mu(old))
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.04)])
+def test_truncated_importance_sampling_matches_the_paper(mode, loss_type, beta):
+    want, want_grad, _ = _value_and_grad(_naive_tis, loss_type=loss_type, beta=beta, mode=mode)
+    got, got_grad, (_, metrics) = _value_and_grad(_ours_tis, loss_type=loss_type, beta=beta, mode=mode)
+    assert abs(got - want) <= TOL, (got, want)
+    assert float((got_grad - want_grad).abs().max()) <= TOL
+    _, old, _ = _batch()
+    mu = old - STALE
+    if mode.startswith("token"):  # the batch has tokens on both sides of the cap
+        ratios = torch.exp(STALE)[MASK.bool()]
+        assert bool((ratios > CAP).any()) and bool((ratios < 1).any())
+        weights = [float(_tis_weight(old, mu, i, t, mode=mode)) for i in range(4) for t in range(int(MASK[i].sum()))]
+        assert float(metrics["sampling/importance_sampling_ratio/mean"]) == pytest.approx(sum(weights) / len(weights))
+    assert float(metrics["sampling/sampling_logp_difference/mean"]) == pytest.approx(
+        float(STALE.abs()[MASK.bool()].mean()))
+
+
+def test_a_fresh_batch_or_the_correction_off_leaves_the_loss_as_it_was():
+    plain, plain_grad, _ = _value_and_grad(_ours, loss_type="dapo", sequence=False, beta=0.0)
+    fresh, fresh_grad, (_, metrics) = _value_and_grad(_ours_tis, loss_type="dapo", beta=0.0, mode="token_truncate",
+                                                      mu=lambda old: old.clone())
+    off, off_grad, (_, off_metrics) = _value_and_grad(_ours_tis, loss_type="dapo", beta=0.0, mode="token_truncate",
+                                                      correct=False)
+    assert fresh == pytest.approx(plain, abs=1e-12) and off == pytest.approx(plain, abs=1e-12)
+    assert torch.allclose(fresh_grad, plain_grad, atol=1e-12) and torch.allclose(off_grad, plain_grad, atol=1e-12)
+    assert float(metrics["sampling/importance_sampling_ratio/mean"]) == 1.0
+    assert "sampling/importance_sampling_ratio/mean" not in off_metrics

@@ -124,3 +124,71 @@ def test_remote_sends_the_adapters_only_when_they_changed():
     assert torch.equal(link.sent[-1][0], model.weight.reshape(-1))
     assert remote.sync_stats()["rollout/adapter_bytes"] == model.weight.numel() * model.weight.element_size()
     assert remote.sync_stats()["rollout/syncs"] == 0.0
+
+
+class _AheadLink(_Link):
+    """A stand-in link that also takes requests ahead of their step, and logs every call in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+        self.due = None
+
+    def request(self, ids, mask, *, seed, greedy, adapters):
+        assert self.due is None, "a request while another is in flight deadlocks the real link"
+        self.calls.append(f"request {seed}")
+        return super().request(ids, mask, seed=seed, greedy=greedy, adapters=adapters)
+
+    def send(self, batches, *, greedy, adapters, logps=False):
+        assert self.due is None, "a request while another is in flight deadlocks the real link"
+        self.sent.append(adapters)
+        self.calls.append("send " + ",".join(str(b.seed) for b in batches) + (" +logps" if logps else ""))
+        self.due = (batches, logps)
+        return 0.0
+
+    def collect(self):
+        batches, logps = self.due
+        self.due = None
+        self.calls.append("collect")
+        return [rollout_node.Reply(ids=torch.cat([b.ids, torch.full((b.ids.size(0), 1), 2)], dim=1),
+                                   logps=torch.full((b.ids.size(0), 1), -0.5) if logps else None) for b in batches]
+
+
+def test_remote_fetches_the_next_batch_ahead_and_frees_the_link_before_another_request():
+    model = torch.nn.Linear(3, 2)
+    settings = GrpoConfig(num_generations=2, rollout="node", max_staleness=1)
+    local = Colocated(settings=settings, tokenizer=_Tokenizer(), device=torch.device("cpu"), distributed=False)
+    link = _AheadLink()
+    remote = rollout_node.Remote(local=local, link=link, staleness=1)
+    rows = [{"prompt": json.dumps(p), "columns": "{}", "prompt_ids": ids} for p, ids in (("a", [5, 6]), ("b", [7]))]
+    other = rows[:1]
+    remote.prefetch(model, [rows, other], seeds=[7, 8])
+    assert link.calls == ["send 7,8 +logps"] and link.due is not None  # generating while the trainer trains
+    held_out = remote.sample(model, rows, seed=0, greedy=True, num_generations=1)  # an eval in between
+    assert link.calls == ["send 7,8 +logps", "collect", "request 0"] and held_out.sampling_logps is None
+    first = remote.sample(model, rows, seed=7)
+    second = remote.sample(model, other, seed=8)
+    assert link.calls[3:] == [] and remote.ahead is None  # both answered by the request sent ahead
+    assert first.num_completions == 4 and second.num_completions == 2
+    assert torch.equal(first.sampling_logps, torch.full((4, 1), -0.5))
+    fresh = remote.sample(model, rows, seed=9)  # not fetched ahead (a step after a checkpoint): sent now, scored
+    assert link.calls[3:] == ["send 9 +logps", "collect"] and fresh.sampling_logps is not None
+    remote.prefetch(model, [rows], seeds=[10])
+    assert remote.sample(model, other, seed=10).sampling_logps is not None  # other rows: not the batch sent ahead
+    assert link.calls[5:] == ["send 10 +logps", "collect", "send 10 +logps", "collect"]
+
+
+def test_staleness_is_a_rollout_node_setting():
+    with pytest.raises(UserError, match="grpo.rollout=colocated generates in the training process") as err:
+        recipe_from_dict({**GRPO, "grpo": {**GRPO["grpo"], "rollout": "colocated", "max_staleness": 1}})
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="max_staleness"):
+        recipe_from_dict({**GRPO, "grpo": {**GRPO["grpo"], "max_staleness": 2}})
+    node = recipe_from_dict({**GRPO, "grpo": {**GRPO["grpo"], "max_staleness": 1}, "cluster": {"gpus_per_node": 2}})
+    assert rung_for(node).rollout_staleness == 1
+    assert rollout_node.trainer_rung(rung_for(node)).rollout_staleness == 0  # the trainer alone generates nothing
+    auto = recipe_from_dict({**GRPO, "grpo": {**GRPO["grpo"], "rollout": "auto", "max_staleness": 1},
+                             "cluster": {"gpus_per_node": 2}})
+    assert rung_for(auto).rollout == "colocated" and rung_for(auto).rollout_staleness == 0
+    with pytest.raises(RungError, match="max_staleness=1 is 0, or 1 with grpo.rollout=node"):
+        Rung("lora", "no_shard", False, procs_per_node=2, rollout_staleness=1)

@@ -239,11 +239,32 @@ def test_a_rollout_node_moves_generation_off_the_trainer_and_adds_the_adapters_s
     twice = priced(shape, grpo(method="lora", rollout="node", num_iterations=2), TWO_NODES)
     assert twice.rollout.sync_s == pytest.approx(x.sync_s / 2)
     text = format_plan(plan(shape, request=grpo(method="lora", rollout="node"), cluster=TWO_NODES))
-    assert "generated on the rollout node" in text and "adapter sync" in text and "no overlap yet" in text
+    assert "generated on the rollout node" in text and "adapter sync" in text and "grpo.max_staleness=0" in text
     named = plan(shape, request=grpo(method="lora", rollout="colocated"), cluster=TWO_NODES)
     assert "a second machine can generate instead: grpo.rollout=node" in format_plan(named)
     assert "a second machine can generate instead" not in format_plan(plan(shape, request=grpo(method="lora"),
                                                                             cluster=TWO_NODES))  # auto priced it
+
+
+def test_an_overlapped_rollout_node_prices_the_longer_of_training_and_generation():
+    """grpo.max_staleness=1: the node generates (and scores, for the importance weights) the next
+    step's batch while this one trains, so the step is the sync plus the longer of the two; the
+    planner then takes the node under `auto` when it is the faster option."""
+    shape = _shape("qwen3-8b")
+    waits = priced(shape, grpo(method="lora", rollout="node"), TWO_NODES)
+    ahead = priced(shape, grpo(method="lora", rollout="node", max_staleness=1), TWO_NODES)
+    x = ahead.rollout
+    assert x.overlapped and not waits.rollout.overlapped and waits.rollout.node_logprob_s == 0
+    assert x.generation_s == waits.rollout.generation_s and x.node_logprob_s > 0
+    assert ahead.step_s == pytest.approx(x.sync_s + max(ahead.training_s, x.generation_s + x.node_logprob_s))
+    assert ahead.step_s < waits.step_s
+    text = format_plan(plan(shape, request=grpo(method="lora", rollout="node", max_staleness=1), cluster=TWO_NODES))
+    assert "generates the next step's batch while this one trains" in text
+    auto = plan(shape, request=grpo(method="lora", max_staleness=1), cluster=TWO_NODES)
+    colocated = plan(shape, request=grpo(method="lora", rollout="colocated"), cluster=TWO_NODES)
+    assert auto.chosen.rung.rollout_staleness == (auto.chosen.rung.rollout == "node")
+    assert auto.chosen.step_s <= colocated.chosen.step_s
+    assert colocated.chosen.rung.rollout_staleness == 0
 
 
 def test_afford_answers_how_many_generations_and_how_long_a_completion_fit():
