@@ -8,8 +8,8 @@ import json
 import shutil
 from pathlib import Path
 
+import build_recipe
 import procs
-import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.train.metrics import read_metrics
@@ -20,18 +20,11 @@ PROMPT = "the quick brown fox"
 def _recipe(tmp: Path, model_dir: Path, *, method: str = "lora", eval_rows: bool = True, **train) -> Path:
     procs.write_chat_data(tmp / "train.jsonl", 24, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
     procs.write_chat_data(tmp / "eval.jsonl", 4, seed=1, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    recipe = {
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.1},  # dropout draws random numbers: sampling must not move them
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 64,
-                 **({"eval_sources": [{"path": "eval.jsonl"}]} if eval_rows else {})},
-        "train": {"max_steps": 2, "micro_batch_size": 4, "lr": 5e-3, "device": "cpu", **train},
-        "output": {"tensorboard": True},
-    }
-    path = tmp / f"{method}-{len(train)}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return build_recipe.write_recipe(tmp / f"{method}-{len(train)}.yaml", build_recipe.tiny_run(
+        model_dir, method=method,
+        lora={"r": 8, "alpha": 16, "dropout": 0.1},  # dropout draws random numbers: sampling must not move them
+        data={"eval_sources": [{"path": "eval.jsonl"}]} if eval_rows else {},
+        train={"micro_batch_size": 4, "lr": 5e-3, **train}, output={"tensorboard": True}))
 
 
 def _losses(run: Path) -> list[float]:

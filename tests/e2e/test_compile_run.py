@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import build_recipe
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -49,12 +50,11 @@ def _batches(vocab: int, lengths: list[int]) -> list[dict]:
 def _run(model_dir, *, method: str, compile: bool, checkpointing: bool,
          lengths: tuple[int, ...] = (SEQ,) * (NUM_STEPS + 1), train: dict | None = None) -> dict:
     """The first micro-batch's gradients, then NUM_STEPS optimizer steps through train_step."""
-    recipe = recipe_from_dict({
-        "method": method, "model": {"path": str(model_dir), "dtype": "float32"},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "train": {"lr": 1e-2 if method == "lora" else 1e-3, "max_steps": NUM_STEPS, "warmup_steps": 0,
-                  "loss_chunk_tokens": CHUNK, "activation_checkpointing": checkpointing, "compile": compile,
-                  "device": "cpu", **(train or {})}})
+    recipe = recipe_from_dict(build_recipe.tiny_run(
+        model_dir, method=method, model={"dtype": "float32"}, data=None, output=None,
+        train={"micro_batch_size": None, "lr": 1e-2 if method == "lora" else 1e-3, "max_steps": NUM_STEPS,
+               "warmup_steps": 0, "loss_chunk_tokens": CHUNK, "activation_checkpointing": checkpointing,
+               "compile": compile, **(train or {})}))
     torch.manual_seed(0)
     model = build_model(recipe, model_dir=model_dir, facts=recipe_shape(recipe)[0].facts, rung=rung_for(recipe), env=ENV)
     names = [name for name, _ in model.named_parameters()]

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 import yaml
@@ -31,17 +32,9 @@ from homelab_ft.store import checkpoint
 
 def _recipe(tmp: Path, model_dir: Path, *, method: str = "lora") -> Path:
     procs.write_chat_data(tmp / "train.jsonl", 16, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    recipe = {
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 64},
-        "train": {"max_steps": 2, "micro_batch_size": 4, "lr": 5e-3, "save_every": 1, "keep_last": 5,
-                  "device": "cpu"},
-        "output": {"tensorboard": False},
-    } | ({"lora": {"r": 4, "alpha": 8}} if method == "lora" else {})
-    path = tmp / f"{method}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return build_recipe.write_recipe(tmp / f"{method}.yaml", build_recipe.tiny_run(
+        model_dir, method=method, lora={"dropout": None} if method == "lora" else None,
+        train={"micro_batch_size": 4, "lr": 5e-3, "save_every": 1, "keep_last": 5}))
 
 
 @pytest.fixture(scope="module")

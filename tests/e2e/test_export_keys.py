@@ -5,6 +5,7 @@ Nemotron-H (`backbone.*`, per-expert tensors). Before, `homelab-ft export` stopp
 
 from __future__ import annotations
 
+import build_recipe
 import procs
 import pytest
 import torch
@@ -32,16 +33,9 @@ def test_lora_run_exports_in_the_base_layout(tmp_path, family):
 
     base_dir = save_original(tmp_path / "base", family)
     procs.write_chat_data(tmp_path / "train.jsonl", 16, max_q_words=6, max_a_words=4)
-    recipe = {
-        "method": "lora",
-        "model": {"path": str(base_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": _linear_names(base_dir)},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 128},
-        "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 5e-2, "save_every": 2, "device": "cpu"},
-        "output": {"tensorboard": False},
-    }
     run, out = tmp_path / "run", tmp_path / "export"
-    recipe["output"]["dir"] = str(run)
+    recipe = build_recipe.tiny_run(base_dir, lora={"target_modules": _linear_names(base_dir)}, data={"max_length": 128},
+                                   train={"lr": 5e-2, "save_every": 2}, output={"dir": str(run)})
     # The trainer itself, as the distributed tests' worker runs it, with the model facts the planner's
     # shape hands the builder.
     env = comm.setup(device_pref="cpu", timeout_s=60)

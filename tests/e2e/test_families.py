@@ -14,9 +14,9 @@ layer_scalar).
 
 from __future__ import annotations
 
+import build_recipe
 import pytest
 import torch
-import yaml
 from families import DENSE, FAMILIES, save_tiny
 from procs import write_chat_data
 
@@ -33,16 +33,9 @@ def data_dir(tmp_path_factory):
 
 def _train(tmp_path, data_dir, model_type: str, method: str):
     model_dir = save_tiny(tmp_path / "base", model_type)
-    recipe = {
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(data_dir / "train.jsonl")}], "max_length": 64},
-        "train": {"max_steps": 2, "micro_batch_size": 2, "grad_accum_steps": 1, "lr": 1e-2, "warmup_steps": 0,
-                  "eval_every": 0, "save_every": 0, "device": "cpu"},
-    }
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = build_recipe.write_recipe(tmp_path / "recipe.yaml", build_recipe.tiny_run(
+        model_dir, method=method, rows=data_dir / "train.jsonl", output=None,
+        train={"grad_accum_steps": 1, "lr": 1e-2, "warmup_steps": 0, "eval_every": 0, "save_every": 0}))
     run = tmp_path / "run"
     assert main(["train", str(path), "--run-dir", str(run)]) == 0
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r] == [1, 2]

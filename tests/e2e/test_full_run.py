@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+import build_recipe
 import torch
-import yaml
 from procs import write_chat_data
 from safetensors import safe_open
 
@@ -19,13 +19,8 @@ def test_full_run_consolidates_to_several_files_and_exports_in_the_asked_dtype(t
     from transformers import AutoModelForCausalLM
 
     write_chat_data(tmp_path / "train.jsonl", 16)
-    recipe = tmp_path / "full.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "method": "full", "model": {"path": str(tiny_model_dir)},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 96},
-        "train": {"max_steps": 2, "micro_batch_size": 4, "lr": 1e-3, "device": "cpu"},
-        "output": {"tensorboard": False},
-    }))
+    recipe = build_recipe.write_recipe(tmp_path / "full.yaml", build_recipe.tiny_run(
+        tiny_model_dir, method="full", lora=None, data={"max_length": 96}, train={"micro_batch_size": 4, "lr": 1e-3}))
     run = tmp_path / "run"
     assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
     ckpt = checkpoint.latest(run)

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
-import yaml
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,12 +83,8 @@ def _smoke(venv: Path, src: Path, tmp: Path, tiny_model_dir: Path, env: dict) ->
     exe = str(venv / "bin" / "homelab-ft")
     _run([exe, "plan", "recipes/smollm2-lora-cpu.yaml"], cwd=src, env=env)
     data = procs.write_chat_data(tmp / "train.jsonl", 8, seed=0, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    recipe = tmp / "one-step.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "method": "lora", "model": {"path": str(tiny_model_dir)}, "lora": {"r": 4, "dropout": 0.0},
-        "data": {"sources": [{"path": data.name}], "max_length": 64},
-        "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu", "save_every": 1},
-    }))
+    recipe = build_recipe.write_recipe(tmp / "one-step.yaml", build_recipe.tiny_run(
+        tiny_model_dir, rows=data.name, lora={"alpha": None}, train={"max_steps": 1, "save_every": 1}, output=None))
     _run([exe, "train", str(recipe), "--run-dir", str(tmp / "run")], cwd=tmp, env=env)
     assert (tmp / "run").is_dir()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import build_recipe
 import pytest
 import torch
 import yaml
@@ -31,18 +32,11 @@ def moe_dir(tmp_path_factory):
 
 
 def _recipe(tmp_path, data_dir, model_dir, method: str, *, steps: int = 2, **extra) -> object:
-    recipe = {
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(data_dir / "train.jsonl")}], "max_length": 64},
-        "train": {"max_steps": steps, "micro_batch_size": 2, "grad_accum_steps": 1, "lr": 1e-2, "warmup_steps": 0,
-                  "eval_every": 0, "save_every": 2, "device": "cpu"},
-        **extra,
-    }
-    path = tmp_path / f"{method}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    """`extra`'s sections replace the defaults' whole (a `lora` given is the whole lora section)."""
+    return build_recipe.write_recipe(tmp_path / f"{method}.yaml", build_recipe.tiny_run(
+        model_dir, method=method, rows=data_dir / "train.jsonl", output=None,
+        train={"max_steps": steps, "grad_accum_steps": 1, "lr": 1e-2, "warmup_steps": 0, "eval_every": 0,
+               "save_every": 2}) | extra)
 
 
 def _losses(run) -> dict:
@@ -145,8 +139,9 @@ def test_moe_qlora_loads_experts_block_by_block(tmp_path):
                          num_local_experts=16, num_hidden_layers=6)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "wide")
-    recipe = {"method": "qlora", "model": {"path": str(tmp_path / "wide")}, "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-              "data": {"sources": [{"path": str(tmp_path / "unused.jsonl")}]}, "train": {"device": "cpu"}}
+    recipe = build_recipe.tiny_run(tmp_path / "wide", method="qlora", rows=tmp_path / "unused.jsonl",
+                                   data={"max_length": None}, train={"max_steps": None, "micro_batch_size": None},
+                                   output=None)
     (tmp_path / "recipe.json").write_text(json.dumps(recipe))
     script = REPO / "tests" / "e2e" / "moe_load_peak.py"
     subprocess.run([sys.executable, str(script), str(tmp_path / "recipe.json"), str(tmp_path / "out.json")],

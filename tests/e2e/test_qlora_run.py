@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import build_recipe
 import pytest
 import torch
 
@@ -26,7 +27,6 @@ def test_qlora_train_eval_resume_export(llama_dir, tmp_path, quant_section):
     import json
     import shutil
 
-    import yaml
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -40,17 +40,10 @@ def test_qlora_train_eval_resume_export(llama_dir, tmp_path, quant_section):
             q = " ".join(words[int(i)] for i in torch.randint(0, len(words), (5,), generator=gen))
             fh.write(json.dumps({"messages": [{"role": "user", "content": q},
                                               {"role": "assistant", "content": f"answer: {q.split()[0]}"}]}) + "\n")
-    recipe = tmp_path / "qlora.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "method": "qlora",
-        "model": {"path": str(llama_dir)},
-        "quant": quant_section,
-        "lora": {"r": 8, "alpha": 16, "dropout": 0.0},
-        "data": {"sources": [{"path": "train.jsonl"}], "eval_fraction": 0.2, "max_length": 128},
-        "train": {"max_steps": 6, "micro_batch_size": 4, "lr": 1e-2, "eval_every": 2, "save_every": 3,
-                  "keep_last": 5, "device": "cpu"},
-        "output": {"tensorboard": False},
-    }))
+    recipe = build_recipe.write_recipe(tmp_path / "qlora.yaml", build_recipe.tiny_run(
+        llama_dir, method="qlora", quant=quant_section, lora={"r": 8, "alpha": 16},
+        data={"eval_fraction": 0.2, "max_length": 128},
+        train={"max_steps": 6, "micro_batch_size": 4, "lr": 1e-2, "eval_every": 2, "save_every": 3, "keep_last": 5}))
     run = tmp_path / "run"
 
     def losses():

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import build_recipe
 import pytest
-import yaml
 
 from homelab_ft import fsio
 from homelab_ft.cli.main import main
@@ -21,9 +21,7 @@ from homelab_ft.cli.main import main
 def good(tmp_path, tiny_model_dir):
     (tmp_path / "d.jsonl").write_text(
         '{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
-    return {"method": "lora", "model": {"path": str(tiny_model_dir)},
-            "data": {"sources": [{"path": "d.jsonl"}], "max_length": 64},
-            "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}
+    return build_recipe.tiny_run(tiny_model_dir, rows="d.jsonl", lora=None, train={"max_steps": 1})
 
 
 def _can_bind_mount_read_only(path: Path) -> bool:
@@ -35,8 +33,7 @@ def test_read_only_run_directory(tmp_path, good):
     """A resume into a read-only run directory (a bind mount in a private mount namespace, since
     root ignores permissions): one line, and the run's files untouched."""
     body = good
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(body))
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", body)
     run = tmp_path / "run"
     assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
     if not _can_bind_mount_read_only(run):

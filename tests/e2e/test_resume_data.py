@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import shutil
 
+import build_recipe
 import procs
 import pytest
-import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.store import checkpoint
@@ -18,13 +18,8 @@ from homelab_ft.store import checkpoint
 def trained(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("resume-data")
     procs.write_chat_data(tmp / "train.jsonl", 24, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    recipe = tmp / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "method": "lora", "model": {"path": str(tiny_model_dir)}, "lora": {"r": 4, "alpha": 8},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 64},
-        "train": {"max_steps": 2, "micro_batch_size": 4, "save_every": 2, "device": "cpu"},
-        "output": {"tensorboard": False},
-    }))
+    recipe = build_recipe.write_recipe(tmp / "tiny.yaml", build_recipe.tiny_run(
+        tiny_model_dir, lora={"dropout": None}, train={"micro_batch_size": 4, "save_every": 2}))
     run = tmp / "run"
     assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
     return recipe, run

@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
+import build_recipe
 
 from homelab_ft.cli.main import main
-
-
-def recipe_file(tmp: Path, body: dict) -> Path:
-    path = tmp / "r.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return path
 
 
 def run_cli(capsys, *argv) -> str:
@@ -27,9 +21,8 @@ def one_step_lora(tmp_path: Path, model_dir: Path) -> tuple[Path, Path]:
     """A LoRA recipe of one step over eight rows, and the run directory to train it in."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
-    body = {"method": "lora", "model": {"path": str(model_dir)}, "data": {"sources": [{"path": str(data)}], "max_length": 64},
-            "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}
-    return recipe_file(tmp_path, body), tmp_path / "run"
+    body = build_recipe.tiny_run(model_dir, rows=data, lora=None, train={"max_steps": 1})
+    return build_recipe.write_recipe(tmp_path / "r.yaml", body), tmp_path / "run"
 
 
 def test_resume_with_another_model_is_refused(capsys, tmp_path, tiny_model_dir):

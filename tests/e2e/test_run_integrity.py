@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 import yaml
@@ -29,19 +30,11 @@ from homelab_ft.train.metrics import read_metrics
 
 def _recipe(tmp: Path, model_dir: Path, **train) -> Path:
     procs.write_chat_data(tmp / "train.jsonl", 48, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    recipe = {
-        "method": "lora",
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 64},
+    return build_recipe.write_recipe(tmp / "tiny.yaml", build_recipe.tiny_run(
+        model_dir, lora={"dropout": 0.1},
         # constant LR: a run stopped early and resumed with another max_steps has the same schedule
-        "train": {"max_steps": 4, "micro_batch_size": 4, "lr": 5e-3, "lr_schedule": "constant",
-                  "save_every": 2, "keep_last": 5, "device": "cpu", **train},
-        "output": {"tensorboard": False},
-    }
-    path = tmp / "tiny.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+        train={"max_steps": 4, "micro_batch_size": 4, "lr": 5e-3, "lr_schedule": "constant",
+               "save_every": 2, "keep_last": 5, **train}))
 
 
 def _said(capsys, caplog) -> str:

@@ -11,6 +11,7 @@ import math
 import shutil
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 import yaml
@@ -26,18 +27,10 @@ WARMUP = 2
 
 def _recipe(tmp: Path, model_dir: Path, **train) -> Path:
     procs.write_chat_data(tmp / "train.jsonl", 48, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    recipe = {
-        "method": "lora",
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 64},
-        "train": {"micro_batch_size": 4, "lr": LR, "lr_schedule": "cosine", "warmup_steps": WARMUP,
-                  "device": "cpu", "keep_last": 5, **train},
-        "output": {"tensorboard": False},
-    }
-    path = tmp / "tiny.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return build_recipe.write_recipe(tmp / "tiny.yaml", build_recipe.tiny_run(
+        model_dir, lora={"dropout": None},
+        train={"max_steps": None, "micro_batch_size": 4, "lr": LR, "lr_schedule": "cosine", "warmup_steps": WARMUP,
+               "keep_last": 5, **train}))
 
 
 def _lrs(run: Path) -> dict[int, float]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import build_recipe
 import pytest
 import torch
 
@@ -50,12 +51,10 @@ def _steps(model_dir: Path, *, method: str, compile: bool, checkpointing: bool) 
     from homelab_ft.train.build import build_model
     from homelab_ft.train.trainer import train_step
 
-    recipe = recipe_from_dict({
-        "method": method, "model": {"path": str(model_dir)}, "data": {"max_length": SEQ},
-        "lora": {"dropout": 0.0},
-        "train": {"device": "cuda", "micro_batch_size": 1, "lr": 1e-4, "compile": compile,
-                  "activation_checkpointing": checkpointing},
-    })
+    recipe = recipe_from_dict(build_recipe.tiny_run(
+        model_dir, method=method, data={"sources": None, "max_length": SEQ}, lora={"r": None, "alpha": None},
+        train={"max_steps": None, "device": "cuda", "micro_batch_size": 1, "lr": 1e-4, "compile": compile,
+               "activation_checkpointing": checkpointing}, output=None))
     compiling.check_available(device_type="cuda")
     env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()

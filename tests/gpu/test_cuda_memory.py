@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import build_recipe
 import pytest
 import torch
 
@@ -59,11 +60,10 @@ def test_peak_matches_the_plan(model_dir, name):
     from homelab_ft.train.trainer import train_step
 
     method, train, *lora = CASES[name]
-    recipe = recipe_from_dict({
-        "method": method, "model": {"path": str(model_dir)}, "data": {"max_length": 2048},
-        "lora": {"dropout": 0.0, **(lora[0] if lora else {})},
-        "train": {"device": "cuda", "micro_batch_size": 1, "lr": 1e-4, **train},
-    })
+    recipe = recipe_from_dict(build_recipe.tiny_run(
+        model_dir, method=method, data={"sources": None, "max_length": 2048},
+        lora={"r": None, "alpha": None, **(lora[0] if lora else {})},
+        train={"max_steps": None, "device": "cuda", "micro_batch_size": 1, "lr": 1e-4, **train}, output=None))
     env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import build_recipe
 import pytest
 import torch
 
@@ -38,11 +39,10 @@ def _step(model_dir: Path, setting):
     from homelab_ft.train.build import build_model
     from homelab_ft.train.trainer import train_step
 
-    recipe = recipe_from_dict({
-        "method": "lora", "model": {"path": str(model_dir)}, "data": {"max_length": 256},
-        "lora": {"dropout": 0.0}, "train": {"device": "cuda", "micro_batch_size": 2, "activation_checkpointing": True,
-                                            "embedding_offload": setting, "seed": 0},
-    })
+    recipe = recipe_from_dict(build_recipe.tiny_run(
+        model_dir, data={"sources": None, "max_length": 256}, lora={"r": None, "alpha": None},
+        train={"max_steps": None, "device": "cuda", "activation_checkpointing": True, "embedding_offload": setting,
+               "seed": 0}, output=None))
     env = comm.setup(device_pref="cuda")
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
