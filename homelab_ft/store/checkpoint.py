@@ -6,6 +6,8 @@ A checkpoint is a directory `checkpoints/step_000123/` holding
   on another number of ranks reshards;
 - `adapter/`: for LoRA runs, the adapter as PEFT safetensors (what export and serving read);
 - `rng/rank_<r>.pt`: each rank's RNG states (dropout), read back with weights_only=True;
+- `objective/rank_<r>.pt`: what an objective keeps between steps on each rank, when it keeps
+  anything (GRPO's sampled batch while `grpo.num_iterations` > 1 trains on it), weights_only too;
 - `trainer_state.json`: step, scheduler, data position, model identity;
 - `manifest.json`: size and SHA-256 of every file above (manifest.py). Written and fsynced last.
 
@@ -46,6 +48,8 @@ log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 ADAPTER = "adapter"
 """A LoRA run's adapter inside each checkpoint, as PEFT safetensors (what export and serving read)."""
+OBJECTIVE = "objective"
+"""Each rank's objective state inside a checkpoint (`save`'s rank_state)."""
 _TMP_PREFIX = ".tmp-"
 """A save in progress: `.tmp-step_000123` until it is complete and renamed."""
 
@@ -276,13 +280,15 @@ def step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
-def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int) -> Path:
+def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int,
+         rank_state: dict | None = None) -> Path:
     """Write a checkpoint for `state.step` on every rank; returns its final path.
 
     On failure (a full disk most often: `OSError: No space left` from our writes, or torch.save's
     `inline_container.cc ... unexpected pos`) the temporary folder is removed, the previous
     checkpoints stay, and a disk that is too small ends the run with a UserError giving the bytes
-    needed and free.
+    needed and free. `rank_state`: this rank's objective state (tensors, numbers, strings, lists and
+    dicts of them), written to objective/rank_<r>.pt and given back by `load_rank_state`.
     """
     root = checkpoints_dir(run_dir)
     final = root / f"step_{state.step:06d}"
@@ -296,7 +302,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
             shutil.rmtree(tmp, ignore_errors=True)  # left by a crash at this very step
             tmp.mkdir(parents=True)
         ranks.barrier()
-        _write(tmp, payload=payload, model=model, state=state)
+        _write(tmp, payload=payload, model=model, state=state, rank_state=rank_state)
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -323,7 +329,7 @@ def save(run_dir: Path, *, model, optimizer, state: TrainerState, keep_last: int
     return final
 
 
-def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
+def _write(tmp: Path, *, payload: dict, model, state: TrainerState, rank_state: dict | None = None) -> None:
     """Every rank writes its part, then hashes (and fsyncs) its share of the files; rank 0 writes
     the manifest last."""
     rank = ranks.rank()
@@ -331,6 +337,9 @@ def _write(tmp: Path, *, payload: dict, model, state: TrainerState) -> None:
         dcp.save(payload, checkpoint_id=tmp / "state", no_dist=ranks.is_alone())
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank_state is not None:
+        (tmp / OBJECTIVE).mkdir(exist_ok=True)
+        torch.save(rank_state, tmp / OBJECTIVE / f"rank_{rank}.pt")
     model_state.save_adapter(model, tmp / ADAPTER)
     if rank == 0:
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
@@ -385,6 +394,13 @@ def load(path: Path, *, model, optimizer, model_fingerprint: str, settings: dict
     if rng_file.is_file():  # absent when resuming on more ranks than the run was written with
         _set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+def load_rank_state(path: Path) -> dict | None:
+    """This rank's objective state saved with the checkpoint at `path`, or None (none was kept, or
+    the run was written with fewer ranks)."""
+    file = path / OBJECTIVE / f"rank_{ranks.rank()}.pt"
+    return torch.load(file, weights_only=True) if file.is_file() else None
 
 
 @contextlib.contextmanager

@@ -121,6 +121,25 @@ class Grpo:
             return batches
         return draw()
 
+    def state_dict(self, step: int) -> dict | None:
+        """What a checkpoint after `step` keeps of this state: the batch when a later step still
+        trains on it (grpo.num_iterations > 1, not yet used num_iterations times), so a resume in
+        the middle of a batch repeats the uninterrupted run; None otherwise (the next step samples)."""
+        if not self.batches or step + 1 - self.drawn_at >= self.settings.num_iterations:
+            return None
+        return {"drawn_at": self.drawn_at, "stats": self.stats, "shown": self.shown,
+                "batches": [{"rollout": {f.name: getattr(b.rollout, f.name) for f in dataclasses.fields(b.rollout)},
+                             "advantages": b.advantages, "completion_mask": b.completion_mask, "old_logps": b.old_logps}
+                            for b in self.batches]}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """`state_dict`'s batch back (None: the first step of the resume samples a new one)."""
+        if state is None:
+            return
+        self.drawn_at, self.stats, self.shown = state["drawn_at"], state["stats"], state["shown"]
+        self.batches = [Batch(rollout=Rollout(**b["rollout"]), advantages=b["advantages"],
+                              completion_mask=b["completion_mask"], old_logps=b["old_logps"]) for b in state["batches"]]
+
     def due(self, step: int) -> bool:
         """A new batch is sampled every num_iterations steps (and on the first step of a run or a resume)."""
         return not self.batches or step - self.drawn_at >= self.settings.num_iterations

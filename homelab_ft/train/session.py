@@ -151,6 +151,8 @@ def _build(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
              steps.length_note(cfg, batches_per_epoch=sampler.batches_per_epoch, world_size=env.world_size))
     rollouts = (grpo.for_run(recipe, tokenizer, env=env, base_dir=base_dir, link=link)
                 if recipe.objective == "grpo" else None)
+    if rollouts is not None and inputs.resume_from is not None:  # the batch a resumed step keeps training on
+        rollouts.load_state_dict(checkpoint.load_rank_state(inputs.resume_from))
     return Session(recipe=recipe, rung=rung, env=env, model=model, pipeline=pipe, optimizer=optimizer,
                    scheduler=scheduler, data=data, sampler=sampler, pad_token_id=tokenizer.pad_token_id,
                    samples=sampled, logger=logger, fingerprint=fingerprint, built_from=settings, data_fingerprint=data_print,

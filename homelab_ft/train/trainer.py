@@ -253,7 +253,8 @@ def _save(s: Session, *, step: int) -> None:
         data_fingerprint=s.data_fingerprint,
         built_from=s.built_from,
     )
-    checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last)
+    checkpoint.save(s.recipe.run_dir, model=s.model, optimizer=s.optimizer, state=state, keep_last=s.recipe.train.keep_last,
+                    rank_state=s.grpo.state_dict(step) if s.grpo is not None else None)
 
 
 def _stopped(recipe: Recipe, *, env: DistEnv, step: int, signum: int, saved: bool, command: str | None) -> Stopped:

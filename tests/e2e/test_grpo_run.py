@@ -129,6 +129,27 @@ def test_every_loss_type_runs_and_learns(tmp_path, tiny_model_dir, loss_type, ex
         assert {rows[s]["completions/clipped_ratio"] == 1 for s in rows} == {True, False}  # both cases met
 
 
+def test_a_resume_in_the_middle_of_a_batch_trains_on_the_same_batch(tmp_path, tiny_model_dir):
+    """num_iterations=2: steps 3 and 4 train on the batch sampled at step 3. A crash after step 3's
+    checkpoint, then --resume: step 4 trains on that batch (kept in the checkpoint, objective/), so
+    it repeats the uninterrupted step 4 exactly; a checkpoint after a batch's last step keeps none."""
+    import shutil
+
+    recipe = write_recipe(tmp_path, tiny_model_dir, grpo={"num_iterations": 2}, eval_every=0, save_every=1, max_steps=4)
+    run = tmp_path / "run"
+    assert main(["train", str(recipe), "--run-dir", str(run), "data.eval_fraction=0"]) == 0
+    rows = procs.step_rows(run)
+    checkpoints = run / "checkpoints"
+    assert [(checkpoints / f"step_00000{s}" / "objective" / "rank_0.pt").is_file() for s in (1, 2, 3, 4)] == \
+        [True, False, True, False]
+    shutil.rmtree(checkpoints / "step_000004")
+    assert main(["train", str(recipe), "--run-dir", str(run), "--resume", "data.eval_fraction=0"]) == 0
+    resumed = procs.step_rows(run)
+    assert resumed[4]["reward"] == rows[4]["reward"] == rows[3]["reward"]
+    for key in ("loss", "grad_norm", "clip_ratio/region_mean", "completions/mean_length"):
+        assert resumed[4][key] == rows[4][key], key
+
+
 def test_qlora_grpo_generates_on_the_4bit_base(tmp_path, tiny_model_dir):
     """QLoRA: the rollouts run through the 4-bit base with the adapters live (no merge), and the
     reference (beta > 0) is the 4-bit base with the adapters disabled: KL 0 before the first update."""
