@@ -1,5 +1,5 @@
 """Shared by the multi-process tests: a clean environment for torchrun children, a checked
-subprocess run, and a small chat dataset."""
+subprocess run, a small chat dataset, and the recipe of one job of tests/distributed/worker.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import build_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
@@ -62,6 +64,16 @@ def run_beside(*argvs: list[str], timeout: int = 600) -> None:
 def _check(argv: list[str], returncode: int, stdout: str, stderr: str) -> None:
     if returncode != 0:
         raise AssertionError(f"{' '.join(argv)} failed ({returncode}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+
+
+def job_recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "lora", rows: str = "train.jsonl",
+               sharding: dict | None = None, **sections) -> dict:
+    """build_recipe.tiny_run for a job named `name`: its rows at tmp/ROWS, its run folder tmp/runs/NAME,
+    `procs` processes on one node, sharded by `sharding` when there are 2 or more (none for one process);
+    `sections` are merged over these as tiny_run merges them over its defaults."""
+    job = {"name": name, "output": {"dir": str(tmp / "runs" / name)}, "cluster": {"nodes": 1, "gpus_per_node": procs},
+           "sharding": (sharding or {}) if procs > 1 else {}}
+    return build_recipe.merged(build_recipe.tiny_run(model_dir, method=method, rows=tmp / rows, **job), sections)
 
 
 def write_chat_data(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from keys_models import save_original
-from procs import run_checked
+from procs import job_recipe, run_checked
 
 WORKER = Path(__file__).with_name("worker.py")
 FULL = ("mixtral", "nemotron_h", "qwen3_5", "qwen3_5_moe")
@@ -25,17 +25,8 @@ QLORA = ("qwen3_5",)
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, method: str) -> dict:
-    return {
-        "name": name,
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 64},
-        "train": {"max_steps": 1, "micro_batch_size": 1, "device": "cpu"},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": 2},
-        "sharding": {"strategy": "full_shard"},
-    }
+    return job_recipe(tmp, model_dir, name, procs=2, method=method, sharding={"strategy": "full_shard"},
+                      lora={"target_modules": ["q_proj", "v_proj"]}, train={"max_steps": 1, "micro_batch_size": 1})
 
 
 @pytest.fixture(scope="module")

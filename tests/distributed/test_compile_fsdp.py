@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_checked
+from procs import job_recipe, run_checked
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-4
@@ -36,18 +36,11 @@ def _write_rows(path: Path, num_rows: int) -> None:
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, compile: bool) -> dict:
-    return {
-        "name": name,
-        "method": "lora",
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # inductor draws its own dropout masks
-        "data": {"sources": [{"path": str(tmp / "train.jsonl"), "format": "text"}], "max_length": SEQ},
-        "train": {"max_steps": 4, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 5e-3, "device": "cpu",
-                  "loss_chunk_tokens": SEQ - 1, "activation_checkpointing": True, "compile": compile},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": 2},
-        "sharding": {"strategy": "full_shard"},
-    }
+    # LoRA's dropout stays 0 (tiny_run's default): inductor draws its own dropout masks
+    return job_recipe(tmp, model_dir, name, procs=2, sharding={"strategy": "full_shard"},
+                      data={"sources": [{"path": str(tmp / "train.jsonl"), "format": "text"}], "max_length": SEQ},
+                      train={"max_steps": 4, "grad_accum_steps": 2, "lr": 5e-3, "loss_chunk_tokens": SEQ - 1,
+                             "activation_checkpointing": True, "compile": compile})
 
 
 @pytest.fixture(scope="module", params=["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

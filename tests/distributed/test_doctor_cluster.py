@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import build_recipe
 import netns
 import pytest
 from procs import REPO, child_env
@@ -84,7 +85,7 @@ def test_doctor_measures_the_shaped_link_and_reports_another_torch(capsys, tmp_p
     assert measured["nodes"] == 2 and measured["gpus_per_node"] == 1 and measured["device"] == "cpu"
     assert measured["inter_link_gbit"] == pytest.approx(rate_mbit / 1000, rel=0.2), table
     assert 0 < measured["inter_latency_ms"] < 50
-    recipe = recipe_from_dict({"method": "lora", "model": {"path": str(tiny_model_dir)}},
+    recipe = recipe_from_dict(build_recipe.tiny_run(tiny_model_dir, lora=None, data=None, train=None, output=None),
                               overrides=clusterfile.overrides(out))
     plan = plan_for_recipe(recipe)
     assert plan.cluster.inter_link_gbit == measured["inter_link_gbit"] and plan.cluster.nodes == 2

@@ -4,9 +4,9 @@ send/recv across the link, near the link's rate (tbf: gloo reaches 90-97% of it)
 
 from __future__ import annotations
 
-import json
 import re
 
+import build_recipe
 import netns
 import pytest
 from procs import child_env
@@ -18,11 +18,10 @@ RATE_MBIT = 50
 
 
 def test_doctor_times_the_pipeline_boundary_between_the_stages_nodes(capsys, tmp_path, tiny_model_dir):
-    recipe = tmp_path / "pp.yaml"
-    recipe.write_text(json.dumps({
-        "method": "lora", "model": {"path": str(tiny_model_dir)}, "train": {"grad_accum_steps": 4, "device": "cpu"},
-        "cluster": {"nodes": 2, "gpus_per_node": 1, "device": "cpu"},
-        "sharding": {"strategy": "no_shard", "pipeline_stages": 2}}))
+    recipe = build_recipe.write_recipe(tmp_path / "pp.yaml", build_recipe.tiny_run(
+        tiny_model_dir, lora=None, data=None, train={"max_steps": None, "micro_batch_size": None, "grad_accum_steps": 4},
+        output=None, cluster={"nodes": 2, "gpus_per_node": 1, "device": "cpu"},
+        sharding={"strategy": "no_shard", "pipeline_stages": 2}))
     with netns.shaped_link(RATE_MBIT) as link:
         lines = _node_lines(capsys, link, tmp_path, str(recipe), "--run-dir", str(tmp_path / "run"),
                             "--join-timeout", "120")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_beside, write_pair_data, write_unpaired_data
+from procs import job_recipe, run_beside, write_pair_data, write_unpaired_data
 
 WORKER = Path(__file__).with_name("worker.py")
 LOSSES = (("orpo", "lora", "no_shard"), ("simpo", "full", "full_shard"), ("kto", "lora", "no_shard"),
@@ -27,25 +27,15 @@ STEPS = 4
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, strategy: str = "no_shard",
             train: dict | None = None, cache: str | None = None, loss: str = "sigmoid") -> dict:
-    return {
-        "name": name,
-        "method": method,
-        "objective": "dpo",
+    return job_recipe(
+        tmp, model_dir, name, procs=procs, method=method, sharding={"strategy": strategy},
+        rows="unpaired.jsonl" if loss == "kto" else "pairs.jsonl", objective="dpo",
         # KTO's rows are unpaired: no chosen answer for RPO's term
-        "dpo": {"beta": 0.5, "sft_weight": 0.0 if loss == "kto" else 0.1, "loss": loss},
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+        dpo={"beta": 0.5, "sft_weight": 0.0 if loss == "kto" else 0.1, "loss": loss},
         # 6 pairs held out: every run evaluates at its last step, right before its checkpoint
-        "data": {"sources": [{"path": str(tmp / ("unpaired.jsonl" if loss == "kto" else "pairs.jsonl"))}],
-                 "max_length": 96, "eval_fraction": 0.125,
-                 "cache_dir": str(tmp / "cache" / (cache or name))},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
-                  "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 2, "keep_last": 5, "device": "cpu",
-                  **(train or {})},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": strategy} if procs > 1 else {},
-    }
+        data={"max_length": 96, "eval_fraction": 0.125, "cache_dir": str(tmp / "cache" / (cache or name))},
+        train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
+               "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 2, "keep_last": 5, **(train or {})})
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_beside
+from procs import job_recipe, run_beside
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -30,22 +30,13 @@ def low_share(prompts, completions, completion_ids, **columns):
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str, strategy: str = "no_shard",
             grpo: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "method": method,
-        "objective": "grpo",
-        "grpo": {"num_generations": 4, "max_completion_length": 6, "reward_funcs": ["rewards.py:low_share"],
-                 **(grpo or {})},
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(tmp / "prompts.jsonl")}], "max_length": 32, "eval_fraction": 0.2,
-                 "cache_dir": str(tmp / "cache" / name)},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
-                  "lr": 2e-2 if method != "full" else 1e-3, "save_every": 0, "eval_every": 2, "device": "cpu"},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": strategy} if procs > 1 else {},
-    }
+    return job_recipe(
+        tmp, model_dir, name, procs=procs, method=method, sharding={"strategy": strategy}, rows="prompts.jsonl",
+        objective="grpo",
+        grpo={"num_generations": 4, "max_completion_length": 6, "reward_funcs": ["rewards.py:low_share"], **(grpo or {})},
+        data={"max_length": 32, "eval_fraction": 0.2, "cache_dir": str(tmp / "cache" / name)},
+        train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
+               "lr": 2e-2 if method != "full" else 1e-3, "save_every": 0, "eval_every": 2})
 
 
 CASES = {"lora_ddp": ("lora", "no_shard", {}), "full_fsdp": ("full", "full_shard", {"scale_rewards": "batch"}),

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
+import build_recipe
 import pytest
-import yaml
 from procs import REPO, child_env
 
 STEPS = 4
@@ -33,20 +33,14 @@ SAME = ("loss", "grad_norm", "reward", "reward_std", "completions/mean_length", 
 
 
 def recipe(tmp, model_dir, name: str, *, method: str, rollout: str) -> dict:
-    return {
-        "name": name, "method": method, "objective": "grpo",
-        "grpo": {"num_generations": 4, "max_completion_length": 6, "reward_funcs": ["rewards.py:low_share"],
-                 "rollout": rollout, "log_completions_every": 1},
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": "prompts.jsonl"}], "max_length": 32, "eval_fraction": 0.2,
-                 "cache_dir": str(tmp / "cache" / name)},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 2, "lr": 2e-2, "save_every": 2,
-                  "eval_every": 2, "device": "cpu", "num_threads": 1},
-        "output": {"tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": 2 if rollout == "node" else 1, "device": "cpu"},
-        "sharding": {"strategy": "no_shard"},
-    }
+    return build_recipe.tiny_run(
+        model_dir, method=method, rows="prompts.jsonl", name=name, objective="grpo",
+        grpo={"num_generations": 4, "max_completion_length": 6, "reward_funcs": ["rewards.py:low_share"],
+              "rollout": rollout, "log_completions_every": 1},
+        data={"max_length": 32, "eval_fraction": 0.2, "cache_dir": str(tmp / "cache" / name)},
+        train={"max_steps": STEPS, "grad_accum_steps": 2, "lr": 2e-2, "save_every": 2, "eval_every": 2, "num_threads": 1},
+        cluster={"nodes": 1, "gpus_per_node": 2 if rollout == "node" else 1, "device": "cpu"},
+        sharding={"strategy": "no_shard"})
 
 
 def write_inputs(tmp):
@@ -67,8 +61,7 @@ def metrics(run) -> dict:
 
 def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProcess:
     """`homelab-ft train` on `body` written beside the inputs (run directory: runs/<name>, or `run`)."""
-    path = tmp / f"{body['name']}.yaml"
-    path.write_text(yaml.safe_dump(body))
+    path = build_recipe.write_recipe(tmp / f"{body['name']}.yaml", body)
     run = run or tmp / "runs" / body["name"]
     return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir", str(run), *extra],
                           env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -89,8 +82,8 @@ def adapter_bytes(model_dir, method: str) -> int:
     from homelab_ft.train.build import dtypes_for, load_whole
     from homelab_ft.train.rollout_node import adapter_tensors
 
-    recipe = recipe_from_dict({"method": method, "model": {"path": str(model_dir)}, "lora": {"r": 4, "alpha": 8}},
-                              source="test")
+    recipe = recipe_from_dict(build_recipe.tiny_run(model_dir, method=method, lora={"dropout": None}, data=None,
+                                                    train=None, output=None), source="test")
     rung, cpu = rung_for(recipe), torch.device("cpu")
     model = load_whole(recipe, model_dir=model_dir, rung=rung, device=cpu,
                        dtype=dtypes_for(recipe, rung=rung, device=cpu).compute)

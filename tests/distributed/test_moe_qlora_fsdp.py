@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from families import save_tiny
-from procs import run_beside, write_chat_data
+from procs import job_recipe, run_beside, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
@@ -35,18 +35,11 @@ FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, sharding: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "method": "qlora",
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1, "lr": LR,
-                  "warmup_steps": 0, "eval_every": 0, "save_every": STEPS, "device": "cpu"},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": "full_shard", **(sharding or {})} if procs > 1 else {},
-    }
+    # LoRA's dropout stays 0 (tiny_run's default): dropout draws per-rank random masks
+    return job_recipe(tmp, model_dir, name, procs=procs, method="qlora",
+                      sharding={"strategy": "full_shard", **(sharding or {})}, data={"max_length": 96},
+                      train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1, "lr": LR,
+                             "warmup_steps": 0, "eval_every": 0, "save_every": STEPS})
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ import json
 import sys
 from pathlib import Path
 
+import build_recipe
 import netns
 import pytest
-from procs import child_env, run_checked, write_chat_data
+from procs import child_env, job_recipe, run_checked, write_chat_data
 from test_netns_train import RATE_MBIT, STEPS, TOL, WORKER, _losses, _run_two_nodes
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
@@ -25,19 +26,11 @@ pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.un
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, method: str, nodes: int) -> dict:
     """Micro-batches of 2 rows, 4 per step, on one pipeline (2 nodes) or one process: the same rows."""
-    return {
-        "name": name,
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2, "grad_accum_steps": 4,
-                  "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 0, "device": "cpu", "num_threads": 1,
-                  "loss_chunk_tokens": 16},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": nodes, "gpus_per_node": 1, "device": "cpu"},
-        "sharding": {"strategy": "no_shard", "pipeline_stages": 2} if nodes > 1 else {},
-    }
+    return job_recipe(tmp, model_dir, name, procs=nodes, method=method,
+                      sharding={"strategy": "no_shard", "pipeline_stages": 2}, data={"max_length": 96},
+                      train={"max_steps": STEPS, "grad_accum_steps": 4, "lr": 5e-3 if method == "lora" else 1e-3,
+                             "save_every": 0, "num_threads": 1, "loss_chunk_tokens": 16},
+                      cluster={"nodes": nodes, "gpus_per_node": 1, "device": "cpu"})
 
 
 METHODS = ("full", "lora")
@@ -51,8 +44,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     with netns.shaped_link(RATE_MBIT) as link:
         for method in METHODS:
             recipe = _recipe(tmp, tiny_model_dir, f"pp_{method}", method=method, nodes=2)
-            path = tmp / f"pp_{method}.yaml"
-            path.write_text(json.dumps(recipe))
+            path = build_recipe.write_recipe(tmp / f"pp_{method}.yaml", recipe)
             out["node_logs"][method] = _run_two_nodes(link, path, env=child_env())
             out[f"pp_{method}"] = _losses(Path(recipe["output"]["dir"]))
     # a pipeline stage draws each LoRA adapter from the seed and the module's name (loading.reset_adapters),

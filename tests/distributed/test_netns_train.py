@@ -18,9 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import build_recipe
 import netns
 import pytest
-from procs import REPO, child_env, run_checked, write_chat_data
+from procs import REPO, child_env, job_recipe, run_checked, write_chat_data
 
 from homelab_ft.cli.cluster import launch_commands
 from homelab_ft.cli.main import build_parser
@@ -66,18 +67,12 @@ sys.meta_path.insert(0, _Probe())
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, method: str, procs: int, strategy: str) -> dict:
-    return {
-        "name": name,
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 128},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1,
-                  "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 0, "device": "cpu", "num_threads": 1},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": procs, "gpus_per_node": 1, "device": "cpu"},
-        "sharding": {"strategy": strategy} if procs > 1 else {},
-    }
+    # LoRA's dropout stays 0 (tiny_run's default): dropout draws per-rank random masks
+    return job_recipe(tmp, model_dir, name, procs=procs, method=method, sharding={"strategy": strategy},
+                      data={"max_length": 128},
+                      train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1,
+                             "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 0, "num_threads": 1},
+                      cluster={"nodes": procs, "gpus_per_node": 1, "device": "cpu"})
 
 
 def _probed_env(probe_dir: Path, detect_log: Path) -> dict:
@@ -127,8 +122,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     env = _probed_env(tmp / "probe", detect_log)
     with netns.shaped_link(RATE_MBIT) as link:
         for name, recipe in two.items():
-            path = tmp / f"{name}.yaml"
-            path.write_text(json.dumps(recipe))
+            path = build_recipe.write_recipe(tmp / f"{name}.yaml", recipe)
             out["node_logs"][name] = _run_two_nodes(link, path, env=env)
             out[name] = _losses(Path(recipe["output"]["dir"]))
     out["detect_calls"] = detect_log.read_text().splitlines() if detect_log.exists() else []

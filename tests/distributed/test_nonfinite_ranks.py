@@ -8,23 +8,19 @@ import json
 import subprocess
 import sys
 
+import build_recipe
 import pytest
-import yaml
 from procs import REPO, child_env, write_chat_data
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "full_shard"])
 def test_every_rank_stops_at_the_same_nonfinite_step(tmp_path, tiny_model_dir, strategy):
     write_chat_data(tmp_path / "train.jsonl", 16)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "method": "lora", "model": {"path": str(tiny_model_dir)}, "lora": {"r": 4, "alpha": 1e30, "dropout": 0.0},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 96},
-        "train": {"max_steps": 4, "micro_batch_size": 1, "lr": 1e-3, "device": "cpu", "num_threads": 1,
-                  "skip_nonfinite_steps": 1, "save_every": 1},
-        "cluster": {"gpus_per_node": 2, "device": "cpu"}, "sharding": {"strategy": strategy},
-        "output": {"tensorboard": False},
-    }))
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, lora={"alpha": 1e30}, data={"max_length": 96},
+        train={"max_steps": 4, "micro_batch_size": 1, "lr": 1e-3, "num_threads": 1, "skip_nonfinite_steps": 1,
+               "save_every": 1},
+        cluster={"gpus_per_node": 2, "device": "cpu"}, sharding={"strategy": strategy}))
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "homelab_ft", "-q", "train", str(recipe), "--run-dir", str(run)],
                           env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)

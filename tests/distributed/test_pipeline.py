@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import run_beside, write_chat_data
+from procs import job_recipe, run_beside, write_chat_data
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -28,19 +28,13 @@ def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = 
     """`procs` processes as 2 stages x procs/2 replicas (1: the one-process reference), each replica
     with micro-batches of 2 / replicas rows: every run trains the same rows per step."""
     replicas = max(procs // 2, 1)
-    return {
-        "name": name,
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96, **(data or {})},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2 // replicas, "grad_accum_steps": 4,
-                  "lr": 5e-3 if method == "lora" else 1e-3, "device": "cpu", "loss_chunk_tokens": 16,
-                  "save_every": 0, **(train or {})},
-        "output": {"dir": str(tmp / "runs" / f"{name}-{procs}"), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": "no_shard", "pipeline_stages": 2, **(sharding or {})} if procs > 1 else {},
-    }
+    return job_recipe(tmp, model_dir, name, procs=procs, method=method,
+                      sharding={"strategy": "no_shard", "pipeline_stages": 2, **(sharding or {})},
+                      data={"max_length": 96, **(data or {})},
+                      train={"max_steps": STEPS, "micro_batch_size": 2 // replicas, "grad_accum_steps": 4,
+                             "lr": 5e-3 if method == "lora" else 1e-3, "loss_chunk_tokens": 16, "save_every": 0,
+                             **(train or {})},
+                      output={"dir": str(tmp / "runs" / f"{name}-{procs}")})
 
 
 CASES = {
@@ -207,7 +201,7 @@ def test_homelab_ft_train_runs_the_pipeline(tmp_path, tiny_model_dir):
     checks, its torchrun workers train the 2 stages; a refused split stops the parent in one line."""
     import subprocess
 
-    import yaml
+    import build_recipe
     from procs import REPO, child_env
 
     def train(recipe: Path, run: Path) -> subprocess.CompletedProcess:
@@ -215,13 +209,10 @@ def test_homelab_ft_train_runs_the_pipeline(tmp_path, tiny_model_dir):
                               env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
 
     write_chat_data(tmp_path / "train.jsonl", 16)
-    body = {"method": "lora", "model": {"path": str(tiny_model_dir)}, "lora": {"r": 4, "dropout": 0.0},
-            "data": {"sources": [{"path": "train.jsonl"}], "max_length": 96},
-            "train": {"max_steps": 2, "micro_batch_size": 2, "grad_accum_steps": 2, "device": "cpu", "num_threads": 1},
-            "cluster": {"gpus_per_node": 2, "device": "cpu"}, "sharding": {"pipeline_stages": 2},
-            "output": {"tensorboard": False}}
-    recipe = tmp_path / "pp.yaml"
-    recipe.write_text(yaml.safe_dump(body))
+    body = build_recipe.tiny_run(tiny_model_dir, lora={"alpha": None}, data={"max_length": 96},
+                                 train={"grad_accum_steps": 2, "num_threads": 1},
+                                 cluster={"gpus_per_node": 2, "device": "cpu"}, sharding={"pipeline_stages": 2})
+    recipe = build_recipe.write_recipe(tmp_path / "pp.yaml", body)
     proc = train(recipe, tmp_path / "run")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     info = json.loads((tmp_path / "run" / "run.json").read_text())
@@ -231,7 +222,7 @@ def test_homelab_ft_train_runs_the_pipeline(tmp_path, tiny_model_dir):
     assert [row["step"] for row in lines if "loss" in row] == [1, 2]
 
     body["sharding"]["stage_blocks"] = [2, 1]
-    recipe.write_text(yaml.safe_dump(body))
+    build_recipe.write_recipe(recipe, body)
     proc = train(recipe, tmp_path / "refused")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "make them sum to 2" in proc.stderr and not (tmp_path / "refused").exists()

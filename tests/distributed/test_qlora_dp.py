@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_beside, write_chat_data
+from procs import job_recipe, run_beside, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
@@ -24,20 +24,11 @@ STEPS = 6
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, quant: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "method": "qlora",
-        "model": {"path": str(model_dir)},
-        "quant": quant or {},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0},  # dropout draws per-rank random masks
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "eval_sources": [{"path": str(tmp / "eval.jsonl")}],
-                 "max_length": 160},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2, "lr": 5e-3,
-                  "eval_every": 2, "save_every": STEPS, "device": "cpu"},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": "no_shard"} if procs > 1 else {},
-    }
+    # LoRA's dropout stays 0 (tiny_run's default): dropout draws per-rank random masks
+    return job_recipe(tmp, model_dir, name, procs=procs, method="qlora", sharding={"strategy": "no_shard"},
+                      quant=quant or {}, data={"eval_sources": [{"path": str(tmp / "eval.jsonl")}], "max_length": 160},
+                      train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2, "lr": 5e-3,
+                             "eval_every": 2, "save_every": STEPS})
 
 
 @pytest.fixture(scope="module")

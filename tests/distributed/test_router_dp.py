@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import save_tiny
-from procs import run_beside, write_chat_data
+from procs import job_recipe, run_beside, write_chat_data
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
@@ -26,16 +26,10 @@ STRATEGIES = ("no_shard", "full_shard")
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, strategy: str = "no_shard") -> dict:
-    return {
-        "name": name, "method": "lora", "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, "train_router": True},
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 64},
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1, "lr": 1e-2,
-                  "warmup_steps": 0, "eval_every": 0, "save_every": STEPS, "device": "cpu"},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": strategy},
-    }
+    recipe = job_recipe(tmp, model_dir, name, procs=procs, lora={"train_router": True},
+                        train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 1, "lr": 1e-2,
+                               "warmup_steps": 0, "eval_every": 0, "save_every": STEPS})
+    return {**recipe, "sharding": {"strategy": strategy}}  # named for the one process too
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import run_checked, write_chat_data
+from procs import job_recipe, run_checked, write_chat_data
 
 from homelab_ft.train.metrics import read_metrics
 
@@ -23,18 +23,9 @@ RUNS = {
 
 
 def _recipe(tmp: Path, model_dir: Path, name: str, *, method: str, sharding: dict, sampled: bool) -> dict:
-    return {
-        "name": name,
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.1},  # dropout draws random numbers: sampling must leave them be
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 96},
-        "train": {"max_steps": STEPS, "micro_batch_size": 2, "lr": 5e-3, "device": "cpu",
-                  **(SAMPLING if sampled else {})},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": 2},
-        "sharding": sharding,
-    }
+    return job_recipe(tmp, model_dir, name, procs=2, method=method, sharding=sharding,
+                      lora={"dropout": 0.1},  # dropout draws random numbers: sampling must leave them be
+                      data={"max_length": 96}, train={"max_steps": STEPS, "lr": 5e-3, **(SAMPLING if sampled else {})})
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,10 @@ import json
 import sys
 from pathlib import Path
 
+import build_recipe
 import pytest
 from families import save_tiny
-from procs import run_beside, write_chat_data
+from procs import job_recipe, run_beside, write_chat_data
 
 from homelab_ft.cluster import launch
 from homelab_ft.distributed import comm
@@ -36,21 +37,16 @@ UNEVEN_EVAL = {"eval_fraction": 0.2}
 def _recipe(tmp: Path, model_dir: Path, name: str, *, procs: int, method: str = "full", nodes: int = 1,
             train: dict | None = None, sharding: dict | None = None, data: dict | None = None,
             lora: dict | None = None) -> dict:
-    return {
-        "name": name,
-        "method": method,
-        "model": {"path": str(model_dir)},
-        "lora": {"r": 4, "alpha": 8, "dropout": 0.0, **(lora or {})},  # dropout draws per-rank random masks
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 160, **(data or {})},
+    # LoRA's dropout stays 0 (tiny_run's default): dropout draws per-rank random masks
+    return job_recipe(
+        tmp, model_dir, name, procs=procs, method=method, sharding={"strategy": "full_shard", **(sharding or {})},
+        lora=lora or {}, data={"max_length": 160, **(data or {})},
         # Chunks of 16 trained tokens: several chunks per micro-batch, so the parity below covers
         # the chunked loss (loss.py) under FSDP2 and DDP; the `unchunked_*` jobs run today's full logits.
-        "train": {"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
-                  "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 3, "keep_last": 5, "device": "cpu",
-                  "loss_chunk_tokens": 16, **(train or {})},
-        "output": {"dir": str(tmp / "runs" / name), "tensorboard": False},
-        "cluster": {"nodes": nodes, "gpus_per_node": procs // nodes},
-        "sharding": {"strategy": "full_shard", **(sharding or {})} if procs > 1 else {},
-    }
+        train={"max_steps": STEPS, "micro_batch_size": 4 // procs, "grad_accum_steps": 2,
+               "lr": 5e-3 if method == "lora" else 1e-3, "save_every": 3, "keep_last": 5, "loss_chunk_tokens": 16,
+               **(train or {})},
+        cluster={"nodes": nodes, "gpus_per_node": procs // nodes})
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +136,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
 
     # HYBRID_SHARD: two "nodes" of one process each, started as `homelab-ft launch` would start them.
     hybrid = _recipe(tmp, tiny_model_dir, "hybrid", procs=2, nodes=2, sharding={"strategy": "hybrid_shard"})
-    hybrid_path = tmp / "hybrid.yaml"
-    hybrid_path.write_text(json.dumps(hybrid))
+    hybrid_path = build_recipe.write_recipe(tmp / "hybrid.yaml", hybrid)
     hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
     commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
                                     port=comm.free_port(), join_timeout_s=120, python=sys.executable)

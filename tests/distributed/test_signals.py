@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import build_recipe
 import pytest
-import yaml
 from procs import REPO, child_env, write_chat_data
 
 from homelab_ft.cli.main import main
@@ -27,19 +27,11 @@ TOL = 1e-5  # one process on micro-batch 2B vs two ranks on B (test_sharded.py)
 
 
 def _recipe(tmp: Path, model_dir: Path, *, procs: int) -> Path:
-    recipe = {
-        "method": "full",
-        "model": {"path": str(model_dir)},
-        "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 160},
-        "train": {"max_steps": 100000, "micro_batch_size": 4 // procs, "grad_accum_steps": 2, "lr": 1e-3,
-                  "lr_schedule": "constant", "save_every": 0, "device": "cpu", "num_threads": 1},
-        "output": {"tensorboard": False},
-        "cluster": {"nodes": 1, "gpus_per_node": procs},
-        "sharding": {"strategy": "full_shard"} if procs > 1 else {},
-    }
-    path = tmp / f"recipe{procs}.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    return path
+    return build_recipe.write_recipe(tmp / f"recipe{procs}.yaml", build_recipe.tiny_run(
+        model_dir, method="full", rows=tmp / "train.jsonl", lora=None, data={"max_length": 160},
+        train={"max_steps": 100000, "micro_batch_size": 4 // procs, "grad_accum_steps": 2, "lr": 1e-3,
+               "lr_schedule": "constant", "save_every": 0, "num_threads": 1},
+        cluster={"nodes": 1, "gpus_per_node": procs}, sharding={"strategy": "full_shard"} if procs > 1 else {}))
 
 
 def _steps(run: Path) -> dict[int, float]:

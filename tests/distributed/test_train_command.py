@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-import yaml
+import build_recipe
 from procs import REPO, child_env, write_chat_data
 
 
@@ -19,16 +19,9 @@ def _train(recipe, run, *extra) -> subprocess.CompletedProcess:
 
 def test_two_process_train_uses_the_parents_decision_and_refuses_bad_rows_before_launch(tmp_path, tiny_model_dir):
     write_chat_data(tmp_path / "train.jsonl", 16)
-    recipe = tmp_path / "ddp.yaml"
-    body = {
-        "method": "auto", "model": {"path": str(tiny_model_dir)},
-        "lora": {"r": 4, "dropout": 0.0},
-        "data": {"sources": [{"path": "train.jsonl"}], "max_length": 96},
-        "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-3, "device": "cpu", "num_threads": 1},
-        "cluster": {"gpus_per_node": 2, "device": "cpu"},
-        "output": {"tensorboard": False},
-    }
-    recipe.write_text(yaml.safe_dump(body))
+    recipe = build_recipe.write_recipe(tmp_path / "ddp.yaml", build_recipe.tiny_run(
+        tiny_model_dir, method="auto", lora={"alpha": None}, data={"max_length": 96},
+        train={"lr": 1e-3, "num_threads": 1}, cluster={"gpus_per_node": 2, "device": "cpu"}))
     run = tmp_path / "run"
     proc = _train(recipe, run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
