@@ -91,14 +91,16 @@ def _stop_tokens(model_dir: Path, tokenizer) -> list[str]:
     return [tokenizer.convert_ids_to_tokens(i) for i in ids]
 
 
-def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system: SystemTurn | None = None) -> str:
+def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system: SystemTurn | None = None,
+                  needs: list[str] = ()) -> str:
     """The RUNNING.md section for the GGUF: llama.cpp, Ollama and LM Studio commands.
 
     `--jinja` everywhere: llama.cpp's built-in (non-Jinja) rendering of a chat template, the
     default of llama-completion and of older llama-cli / llama-server builds, is a hand-written
     approximation; for SmolLM2 it drops the default system turn, so 0 of the demo's 48 prompts
     rendered as the model was trained on (issue 26). Current llama-cli is a chat by default and no
-    longer takes `-cnv`; `-cnv` belongs to llama-completion.
+    longer takes `-cnv`; `-cnv` belongs to llama-completion. `needs`: the llama.cpp build the file
+    asks for (gguf.arch.runtime_needs), said first.
     """
     gguf = f"{name}/{gguf_name}"
     sys_flag = f" -sys {shlex.quote(system.text)}" if system and system.from_recipe else ""
@@ -113,6 +115,8 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system
         "(the default of llama-completion and of older llama-cli / llama-server builds), which can\n"
         "give the model a different prompt from the one it was trained on.\n"
     )
+    for need in needs:
+        text += f"\n{need}\n"
     if system:
         text += _system_caveat(system)
     text += (

@@ -227,6 +227,7 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
     diff = _write_weights(hf_dir, source=source, request=request, model_dir=model_dir, name=name)
     record = {"method": source.rung.method, "max_abs_diff": diff}
     quality = system = None
+    needs: list[str] = []
     if request.gguf_type:
         _, check = _write_gguf(hf_dir, tmp, file_name=request.gguf_name, gguf_type=request.gguf_type, name=name,
                                system_prompt=recipe.data.system_prompt, k_quant=request.k_quant)
@@ -236,6 +237,9 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
         if quality:
             record["gguf"]["quality"] = quality.as_dict()
         system = local_runtimes.trained_system_turn(hf_dir, system_prompt=recipe.data.system_prompt)
+        needs = gguf_arch.runtime_needs(hf_dir)
+        for need in needs:
+            log.warning("%s (RUNNING.md says so too)", need)
         if hf_dir != tmp:
             shutil.rmtree(hf_dir)
     if request.adapter_gguf:
@@ -244,7 +248,7 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
         (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(name, base=recipe.model.path))
     if not request.adapter_only:
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
-                             k_quant_hint=hint, system=system)
+                             k_quant_hint=hint, system=system, needs=needs)
     return record, quality
 
 
@@ -313,11 +317,12 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
 
 
 def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None,
-                         system: local_runtimes.SystemTurn | None = None) -> None:
+                         system: local_runtimes.SystemTurn | None = None, needs: list[str] = ()) -> None:
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
     text = "# Running this model\n\n"
     if gguf_name:
-        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system)
+        text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system,
+                                             needs=needs)
     if safetensors:
         text += (
             "transformers:\n\n"

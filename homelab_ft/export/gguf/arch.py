@@ -17,9 +17,11 @@ transformers and gguf-py:
 What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per architecture
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
 permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
-no GGUF key (`smollm3`'s no-rope layers, Gemma's sliding pattern, Qwen3-MoE's weight
+no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
 normalisation). An architecture outside LAYOUTS is refused in one line: its conversion has not
-been read, and a GGUF with a silently wrong layout is worse than none.
+been read, and a GGUF with a silently wrong layout is worse than none. A setting only newer
+llama.cpp builds read from the file (Gemma 3's sliding pattern, `SwaPattern.since`) is written, and
+`runtime_needs` says in RUNNING.md which build a file that differs from the old built-in needs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,18 @@ def _gemma_scale(layers_27b: int) -> Callable[[dict], int]:
 
 
 @dataclass(frozen=True)
+class SwaPattern:
+    """llama.cpp reads the per-layer sliding pattern (`<arch>.attention.sliding_window_pattern`, one
+    bool per layer, True = windowed) from the file for this architecture."""
+
+    builtin: Callable[[dict], list] | None = None
+    """The pattern llama.cpp builds from before reading the key fixed in C++ (None: always read)."""
+    since: str = ""
+    """The llama.cpp build checked to read the key, where `builtin` is set."""
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class Layout:
     """What llama.cpp's graph for one architecture expects beyond gguf-py's tensor names."""
 
@@ -79,6 +93,8 @@ class Layout:
     sliding_window: bool = True
     """Whether llama.cpp's graph applies a config's sliding window (its `llama` graph has none,
     which llama.cpp's converter accepts for Mistral 7B v0.1's 4096-token window: a warning here)."""
+    swa_pattern: SwaPattern | None = None
+    """Where llama.cpp reads `layer_types` from the file (Olmo 2, Gemma 3), else None."""
 
 
 _SLIDING = {"other": "sliding_attention", "last": "full_attention"}
@@ -98,9 +114,11 @@ LAYOUTS = {
         Fixed("layer_types", _every(2, **_SLIDING), "llama-model.cpp: set_swa_pattern(2)"),
         Fixed("query_pre_attn_scalar", _gemma_scale(46), "llama-model.cpp: f_attention_scale"))),
     "gemma3": Layout(fixed=(
-        Fixed("layer_types", _every(6, **_SLIDING), "llama-model.cpp: set_swa_pattern(6)"),
-        Fixed("query_pre_attn_scalar", _gemma_scale(62), "llama-model.cpp: f_attention_scale"))),
-    "olmo2": Layout(),
+        Fixed("query_pre_attn_scalar", _gemma_scale(62), "llama-model.cpp: f_attention_scale"),),
+        swa_pattern=SwaPattern(builtin=_every(6, **_SLIDING), since="b11739",
+                               source="llama-model.cpp: set_swa_pattern(6), then gemma3.attention.sliding_window_pattern "
+                                      "(an array or a period) where the file has it")),
+    "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
@@ -177,6 +195,32 @@ def check_architecture(model_dir: Path) -> Target:
     _check_fixed(config, layout, where=where)
     return Target(model_type=model_type, arch_name=arch_name, layout=layout,
                   offset_norms=_offset_norms(model_dir, arch_name))
+
+
+def runtime_needs(model_dir: Path) -> list[str]:
+    """What running the GGUF of `model_dir` asks of llama.cpp beyond any build that has its
+    architecture, one sentence each for RUNNING.md: a sliding pattern other than the one older
+    builds fix in C++ is run as trained only by builds that read it from the file."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    names = arch_candidates(config.get("model_type", ""))
+    layout = LAYOUTS.get(names[0]) if names else None
+    pattern = layout.swa_pattern if layout else None
+    layer_types = config.get("layer_types")
+    if not (pattern and pattern.builtin and layer_types and config.get("sliding_window")):
+        return []
+    builtin = pattern.builtin(config)
+    if list(layer_types) == builtin:
+        return []
+
+    def full(kinds: list) -> str:
+        layers = [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+        return f"layers {layers}" if layers else "no layer"
+
+    return [f"This model attends to the full context on {full(layer_types)}, where the llama.cpp builds "
+            f"that fix {names[0]}'s pattern in C++ ({pattern.source.split(',')[0]}) use {full(builtin)}: "
+            f"run it on llama.cpp {pattern.since} or newer (checked to read "
+            f"`{names[0]}.attention.sliding_window_pattern`, which this file carries) or on an Ollama / LM Studio "
+            "built on one; an older build loads the file and runs another model."]
 
 
 def _check_fixed(config: dict, layout: Layout, *, where: str) -> None:

@@ -72,8 +72,8 @@ def _write_rope(writer, config, *, dim: int) -> None:
 
 def _write_attention_extras(writer, config, *, target: Target) -> None:
     """Soft-capping (Gemma 2) and sliding windows: the window wherever the config sets one, with
-    the per-layer pattern from `layer_types` (llama.cpp's Olmo2Model and Gemma 3 read it; the
-    others run every layer windowed or none)."""
+    the per-layer pattern from `layer_types` where llama.cpp reads it (`Layout.swa_pattern`: Olmo 2,
+    Gemma 3; the others run every layer windowed, none, or Gemma 2's fixed alternation)."""
     if getattr(config, "attn_logit_softcapping", None) is not None or target.arch_name == "gemma2":
         writer.add_attn_logit_softcapping(getattr(config, "attn_logit_softcapping", None) or 0.0)
     if getattr(config, "final_logit_softcapping", None) is not None or target.arch_name == "gemma2":
@@ -87,7 +87,7 @@ def _write_attention_extras(writer, config, *, target: Target) -> None:
         return
     writer.add_sliding_window(window)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types and target.arch_name == "olmo2":
+    if layer_types and target.layout.swa_pattern is not None:
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
 
 

@@ -5,6 +5,7 @@ reading, run against the merged model (f32 logits identical, q8_0 within its bou
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -157,13 +158,37 @@ def test_olmo3_sliding_pattern_and_smollm3_rope_layers(tiny, tmp_path):
         gguf_export.check_writable(odd)
 
 
-@pytest.mark.parametrize("model_type, key", [("qwen3_moe", "norm_topk_prob"), ("gemma3_text", "layer_types")])
-def test_a_setting_llama_cpp_fixes_otherwise_is_refused(tmp_path, model_type, key):
-    """transformers' default Qwen3-MoE config leaves the top-k weights unnormalised and the shrunk
-    Gemma 3 has a 3:1 sliding pattern: llama.cpp would run both as another model."""
-    model_dir = save_tiny(tmp_path / model_type, model_type)
-    with pytest.raises(gguf_arch.GgufUnsupported, match=f"{key} = .* but llama.cpp runs this architecture with"):
+def test_a_setting_llama_cpp_fixes_otherwise_is_refused(tmp_path):
+    """transformers' default Qwen3-MoE config leaves the top-k weights unnormalised, which
+    llama.cpp's qwen3moe graph always normalises: it would run another model."""
+    model_dir = save_tiny(tmp_path / "qwen3_moe", "qwen3_moe")
+    with pytest.raises(gguf_arch.GgufUnsupported, match="norm_topk_prob = .* but llama.cpp runs this architecture with"):
         gguf_export.check_writable(model_dir)
+
+
+def test_gemma3_sliding_pattern_is_written_and_a_new_one_names_the_build_it_needs(tiny, tmp_path):
+    """Gemma 3's pattern goes into `gemma3.attention.sliding_window_pattern` (llama.cpp b11739 reads
+    it; older builds fix every 6th layer full). The shrunk default config's 3:1 pattern was refused;
+    now it is written, checked in its own config, and RUNNING.md's sentence names both patterns.
+    The released 5:1 pattern is written too and needs no newer build."""
+    from gguf import GGUFReader
+
+    odd = save_tiny(tmp_path / "odd", "gemma3_text", query_pre_attn_scalar=16)
+    layer_types = json.loads((odd / "config.json").read_text())["layer_types"]
+    assert layer_types.count("full_attention") >= 1 and layer_types != AS_RELEASED["gemma3_text"]["layer_types"]
+    for model_dir in (odd, tiny("gemma3_text")):
+        path = tmp_path / f"{model_dir.name}.gguf"
+        gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+        kinds = json.loads((model_dir / "config.json").read_text())["layer_types"]
+        written = GGUFReader(path).fields["gemma3.attention.sliding_window_pattern"].contents()
+        assert written == [kind == "sliding_attention" for kind in kinds]
+        assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+    assert gguf_arch.runtime_needs(tiny("gemma3_text")) == []
+    [need] = gguf_arch.runtime_needs(odd)
+    full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    assert f"full context on layers {full}, where" in need and "b11739 or newer" in need
+    builtin = "no layer" if len(layer_types) < 6 else "layers [5"
+    assert f"set_swa_pattern(6)) use {builtin}" in need, need
 
 
 def test_a_family_llama_cpp_names_but_homelab_ft_has_not_read_is_refused(tiny):

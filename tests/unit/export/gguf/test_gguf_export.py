@@ -454,6 +454,19 @@ def test_a_mistral_window_shorter_than_the_checks_prompts_is_refused_in_one_line
     assert (out / "model.safetensors").is_file() and not list(out.glob("*.gguf"))
 
 
+def test_a_gemma3_pattern_older_llama_cpp_fixes_otherwise_is_exported_with_the_build_it_needs(tmp_path, capsys):
+    """A Gemma 3 whose sliding pattern is not every 6th layer full (once refused) is exported; the
+    export warns and RUNNING.md says which llama.cpp build runs it as trained."""
+    from families import save_tiny
+
+    run = make_run(tmp_path, save_tiny(tmp_path / "gemma3", "gemma3_text", query_pre_attn_scalar=16))
+    out = tmp_path / "out"
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf", "--gguf-type", "f32"]) == 0
+    running = (out / "RUNNING.md").read_text()
+    assert "llama.cpp b11739 or newer" in running and unknown_llama_cpp_flags(running) == []
+    assert "b11739 or newer" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------- adapter
 
 
