@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import shutil
 
+import build_recipe
 import pytest
-import yaml
 
 from homelab_ft.cli.main import main
 
@@ -63,9 +63,7 @@ def folder(tmp_path, tiny_model_dir, monkeypatch):
     shutil.copytree(tiny_model_dir, model)
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump({
-        "method": "lora", "model": {"path": str(model)}, "data": {"sources": [{"path": str(data)}], "max_length": 64},
-        "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}))
+    build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(model, rows=data, lora=None, train={"max_steps": 1}))
     (tmp_path / "typo.yaml").write_text("method: lora\ntrian:\n  lr: 1\n")
     (tmp_path / "empty.yaml").write_text("{}\n")
     (tmp_path / "afile").write_text("keep me")

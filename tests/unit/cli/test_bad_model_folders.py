@@ -9,8 +9,8 @@ import json
 import shutil
 import struct
 
+import build_recipe
 import pytest
-import yaml
 
 from homelab_ft.cli.main import main
 
@@ -97,10 +97,8 @@ def test_a_damaged_model_folder_is_one_line_and_writes_nothing(capsys, tmp_path,
     model = damaged(case)
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}\n' * 4)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"method": "lora", "model": {"path": str(model)},
-                                      "data": {"sources": [{"path": str(data)}], "max_length": 64},
-                                      "train": {"max_steps": 1, "device": "cpu"}, "output": {"tensorboard": False}}))
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        model, rows=data, lora=None, train={"max_steps": 1, "micro_batch_size": None}))
     run = tmp_path / "run"
     before = sorted(p.name for p in tmp_path.iterdir())
     argv = {"train": ["train", str(recipe), "--run-dir", str(run)], "data inspect": ["data", "inspect", str(recipe)],

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import build_recipe
 import pytest
-import yaml
 
 from homelab_ft.cli.main import main
 
@@ -23,10 +23,8 @@ def run_cli(capsys, *argv) -> str:
     return err
 
 
-def recipe_file(tmp: Path, body: dict | str, name: str = "r.yaml") -> Path:
-    path = tmp / name
-    path.write_text(body if isinstance(body, str) else yaml.safe_dump(body))
-    return path
+def recipe_file(tmp: Path, body: dict | str) -> Path:
+    return build_recipe.write_recipe(tmp / "r.yaml", body)
 
 
 def test_missing_recipe(capsys, tmp_path):
@@ -112,9 +110,7 @@ def good(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, model)
     data = tmp_path / "d.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
-    body = {"method": "lora", "model": {"path": str(model)}, "data": {"sources": [{"path": str(data)}], "max_length": 64},
-            "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}
-    return model, body
+    return model, build_recipe.tiny_run(model, rows=data, lora=None, train={"max_steps": 1})
 
 
 def refused(capsys, tmp_path, body, *extra) -> str:

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
-import yaml
 
 from homelab_ft import logs
 from homelab_ft.cli.main import EXIT_BROKEN_PIPE, build_parser, main, parse_args, subcommands
@@ -73,10 +73,8 @@ def test_quiet_hides_the_libraries_progress_bars(monkeypatch):
 def inspect_recipe(tmp_path: Path, model: Path) -> Path:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}) + "\n")
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"model": {"path": str(model)}, "data": {
-        "sources": [{"path": str(data)}], "max_length": 64, "cache_dir": str(tmp_path / "cache")}}))
-    return recipe
+    return build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        model, method="auto", rows=data, lora=None, data={"cache_dir": str(tmp_path / "cache")}, train=None, output=None))
 
 
 def test_data_inspect_quiet_in_a_fresh_process_draws_no_bars(tmp_path, tiny_model_dir):

@@ -15,11 +15,9 @@ def test_inspect_shows_counts_histogram_packing_and_trained_text(tmp_path, tiny_
             for i in range(12)]
     rows.append({"messages": [{"role": "user", "content": "x"}]})  # no assistant turn: skipped
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(
-        f"model:\n  path: {tiny_model_dir}\ndata:\n  sources:\n    - path: d.jsonl\n  bad_rows: skip\n"
-        f"  shuffle: false\n  max_length: 128\n  cache_dir: {tmp_path / 'c'}\n"
-    )
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_run(
+        tiny_model_dir, method="auto", rows="d.jsonl", lora=None, train=None, output=None,
+        data={"bad_rows": "skip", "shuffle": False, "max_length": 128, "cache_dir": str(tmp_path / "c")}))
     assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
     out = capsys.readouterr().out
     assert "train: d.jsonl" in out and " 13 " in out  # rows read
@@ -44,10 +42,9 @@ def test_inspect_and_plan_say_the_same_of_what_lora_trains(tmp_path, capsys):
     rows = [{"messages": [{"role": "user", "content": f"q {i}"}, {"role": "assistant", "content": f"a {i}"}]}
             for i in range(4)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"method: lora\nmodel:\n  path: {model_dir}\nlora:\n  r: 4\n  train_router: true\n"
-                      f"data:\n  sources:\n    - path: d.jsonl\n  max_length: 64\n  cache_dir: {tmp_path / 'c'}\n"
-                      "train:\n  device: cpu\n")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_run(
+        model_dir, rows="d.jsonl", lora={"alpha": None, "dropout": None, "train_router": True},
+        data={"cache_dir": str(tmp_path / "c")}, train={"max_steps": None, "micro_batch_size": None}, output=None))
     capsys.readouterr()
     assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
     inspected = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lora: "))

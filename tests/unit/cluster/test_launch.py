@@ -7,6 +7,7 @@ import shlex
 import time
 from pathlib import Path
 
+import build_recipe
 import pytest
 import torch
 
@@ -185,9 +186,9 @@ def test_launch_plans_here_and_hands_the_rung_to_every_node(tmp_path, tiny_model
     from homelab_ft.cli.main import main
 
     monkeypatch.chdir(tmp_path)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"method: auto\nmodel:\n  path: {tiny_model_dir}\ndata:\n  sources: [{{path: demo:train}}]\n"
-                      "cluster:\n  nodes: 2\n  gpus_per_node: 1\n  device: cpu\n")
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, method="auto", rows="demo:train", lora=None, data={"max_length": None}, train=None, output=None,
+        cluster={"nodes": 2, "gpus_per_node": 1, "device": "cpu"}))
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
     assert main(["launch", str(recipe), "--hosts", str(hosts), "--run-dir", "runs/mine"]) == 0

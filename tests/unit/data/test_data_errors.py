@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import build_recipe
 import pytest
 
 from homelab_ft.data import prepare_data
@@ -90,8 +91,9 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, tiny_model_dir, capsys):
     from homelab_ft.cli.main import main
 
     (tmp_path / "d.jsonl").write_bytes(lines(GOOD, {"messages": [{"role": "bot", "content": "x"}]}))
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  sources:\n    - path: d.jsonl\n  cache_dir: {tmp_path / 'c'}\n")
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, method="auto", rows="d.jsonl", lora=None, data={"max_length": None, "cache_dir": str(tmp_path / "c")},
+        train=None, output=None))
     assert main(["data", "inspect", str(recipe)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "row 2: field 'messages[0].role'" in err

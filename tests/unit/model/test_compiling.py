@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import sysconfig
 
+import build_recipe
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.errors import UserError
@@ -61,11 +61,9 @@ def test_cuda_without_triton(monkeypatch):
 
 def test_cli_refuses_before_the_run_directory(capsys, tmp_path, tiny_model_dir):
     (tmp_path / "train.jsonl").write_text('{"text": "the quick brown fox"}\n')
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "method": "lora", "model": {"path": str(tiny_model_dir)},
-        "data": {"sources": [{"path": "train.jsonl", "format": "text"}]},
-        "train": {"device": "cpu", "compile": True}}))
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        tiny_model_dir, lora=None, data={"sources": [{"path": "train.jsonl", "format": "text"}], "max_length": None},
+        train={"max_steps": None, "micro_batch_size": None, "compile": True}, output=None))
     run = tmp_path / "run"
     with inductor_config.patch(NO_CXX):
         code = main(["train", str(recipe), "--run-dir", str(run)])

@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import build_recipe
 import pytest
 import torch
 from families import tiny_config
@@ -53,11 +54,10 @@ def test_planner_choice_on_two_processes_is_one_the_trainer_builds(tmp_path):
     from homelab_ft.train import build
 
     tiny_config("qwen3_moe").save_pretrained(tmp_path)
-    recipe = recipe_from_dict({"method": "qlora", "model": {"path": str(tmp_path)},
-                               "data": {"sources": [{"path": str(tmp_path / "x.jsonl")}], "max_length": 64},
-                               "train": {"device": "cpu", "micro_batch_size": 1, "grad_accum_steps": 2},
-                               "cluster": {"nodes": 1, "gpus_per_node": 2},
-                               "sharding": {"pipeline_stages": "auto"}}, source="test")
+    recipe = recipe_from_dict(build_recipe.tiny_run(
+        tmp_path, method="qlora", rows=tmp_path / "x.jsonl", lora=None, output=None,
+        train={"max_steps": None, "micro_batch_size": 1, "grad_accum_steps": 2},
+        cluster={"nodes": 1, "gpus_per_node": 2}, sharding={"pipeline_stages": "auto"}), source="test")
     from homelab_ft.plan.planner import plan_for_recipe
 
     cpu = Cluster(device="cpu", nodes=1, gpus_per_node=2, device_bytes=4 << 30, host_ram_bytes=8 << 30)

@@ -9,8 +9,8 @@ import os
 import shutil
 import struct
 
+import build_recipe
 import pytest
-import yaml
 
 from homelab_ft import fsio
 from homelab_ft.cli.main import main
@@ -55,8 +55,7 @@ def test_an_unnamed_undecodable_file_is_one_line(capsys, monkeypatch, tmp_path):
 def test_hostfile_that_is_not_utf8(capsys, tmp_path, tiny_model_dir):
     hosts = tmp_path / "hosts"
     hosts.write_bytes(b"node1 slots=1\n\xff\xfe bad\n")
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"model": {"path": str(tiny_model_dir)}}))
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", {"model": {"path": str(tiny_model_dir)}})
     err = one_line(capsys, main(["launch", str(recipe), "--hosts", str(hosts)]))
     assert f"hostfile {hosts} is not UTF-8 text (byte 0xff at offset 14)" in err
 
@@ -71,14 +70,11 @@ def good(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, model)
     (tmp_path / "d.jsonl").write_text(
         '{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "yes"}]}\n' * 8)
-    body = {"method": "lora", "model": {"path": str(model)}, "data": {"sources": [{"path": "d.jsonl"}], "max_length": 64},
-            "train": {"max_steps": 1, "micro_batch_size": 2, "device": "cpu"}, "output": {"tensorboard": False}}
-    return model, body
+    return model, build_recipe.tiny_run(model, rows="d.jsonl", lora=None, train={"max_steps": 1})
 
 
 def refused(capsys, tmp_path, body) -> str:
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump(body))
+    recipe = build_recipe.write_recipe(tmp_path / "r.yaml", body)
     err = one_line(capsys, main(["train", str(recipe), "--run-dir", str(tmp_path / "run")]))
     assert not (tmp_path / "run").exists()
     return err

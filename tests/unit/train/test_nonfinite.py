@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from homelab_ft.cli.main import main
@@ -21,14 +21,10 @@ from homelab_ft.train.metrics import read_metrics
 
 def _recipe(tmp: Path, model_dir: Path, *, lora: dict | None = None, **train) -> Path:
     procs.write_chat_data(tmp / "train.jsonl", 16, answer_prefix="answer: ", max_q_words=8, max_a_words=6)
-    body = {"method": "lora", "model": {"path": str(model_dir)}, "lora": {"r": 4, "dropout": 0.0, **(lora or {})},
-            "data": {"sources": [{"path": str(tmp / "train.jsonl")}], "max_length": 64},
-            "train": {"max_steps": 4, "micro_batch_size": 2, "lr": 1e-3, "save_every": 1, "keep_last": 5,
-                      "device": "cpu", "num_threads": 1, **train},
-            "output": {"tensorboard": False}}
-    path = tmp / "recipe.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return path
+    body = build_recipe.tiny_run(model_dir, rows=tmp / "train.jsonl", lora={"alpha": None, **(lora or {})},
+                                 train={"max_steps": 4, "lr": 1e-3, "save_every": 1, "keep_last": 5, "num_threads": 1,
+                                        **train})
+    return build_recipe.write_recipe(tmp / "recipe.yaml", body)
 
 
 def test_decision_names_what_is_not_finite():

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import build_recipe
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from homelab_ft.cli.main import main
 from homelab_ft.export.gguf import arch as gguf_arch
@@ -271,8 +271,9 @@ def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) ->
     checkpoint.save(run, model=model, optimizer=optimizer, state=state, keep_last=2)
     RunDir(run).write_info(RunInfo(rung=Rung(method="lora", strategy="no_shard", cpu_offload=False),
                                    model_dir=str(model_dir), world_size=1, params=sum(p.numel() for p in base.parameters())))
-    data = {"sources": [{"path": "train.jsonl"}]} | ({"system_prompt": system_prompt} if system_prompt else {})
-    (run / "recipe.yaml").write_text(yaml.safe_dump({"method": "lora", "model": {"path": str(model_dir)}, "data": data}))
+    body = build_recipe.tiny_run(model_dir, lora=None, data={"max_length": None, "system_prompt": system_prompt or None},
+                                 train=None, output=None)
+    build_recipe.write_recipe(run / "recipe.yaml", body)
     return run
 
 

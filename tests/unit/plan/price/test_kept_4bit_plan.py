@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import build_recipe
 import pytest
 import torch
 from families import tiny_config
@@ -47,9 +48,8 @@ def built(tmp_path_factory):
     config = tiny_config("qwen3_moe")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
-    recipe = recipe_from_dict({"method": "qlora", "model": {"path": str(folder)},
-                               "data": {"sources": [{"path": str(folder / "x.jsonl")}], "max_length": 64},
-                               "train": {"device": "cpu"}}, source="test")
+    recipe = recipe_from_dict(build_recipe.tiny_run(folder, method="qlora", rows=folder / "x.jsonl", lora=None, output=None,
+                                                    train={"max_steps": None, "micro_batch_size": None}), source="test")
     rung = Rung("qlora", "no_shard", False)
     model = build._meta_architecture(recipe, config=build._config(recipe, model_dir=folder), rung=rung, dtype=torch.float32,
                                      storage_dtype=torch.uint8)

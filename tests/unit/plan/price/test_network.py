@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import build_recipe
 import procs
 import pytest
 
@@ -140,6 +141,10 @@ def _recipe(tmp_path: Path) -> Path:
     return recipe
 
 
+def _demo_recipe(tmp_path: Path, model, output: dict | None = None) -> Path:
+    """`method: auto` on the demo rows, every key the recipe does not name at its default."""
+    return build_recipe.write_recipe(tmp_path / "r.yaml", build_recipe.tiny_run(
+        model, method="auto", rows="demo:train", lora=None, data={"max_length": None}, train=None, output=output))
 
 
 def test_plan_takes_a_cluster_file_over_the_recipe_and_flags_over_the_file(tmp_path):
@@ -171,8 +176,7 @@ def test_plan_with_a_bad_cluster_file_is_one_line_exit_2(tmp_path, capsys):
 def test_launch_pins_the_measured_cluster_on_every_node(tmp_path, tiny_model_dir, capsys):
     """The other nodes need not have the file: its values are on their command lines."""
     path = _cluster_file(tmp_path)
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"method: auto\nmodel:\n  path: {tiny_model_dir}\ndata:\n  sources: [{{path: demo:train}}]\n")
+    recipe = _demo_recipe(tmp_path, tiny_model_dir)
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
     assert main(["launch", str(recipe), "--hosts", str(hosts), "--cluster", str(path)]) == 0
@@ -211,9 +215,7 @@ def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
 def test_train_and_launch_refuse_a_bad_cluster_file_before_anything_starts(tmp_path, capsys, command):
     bad = tmp_path / "c.yaml"
     bad.write_text("format: homelab-ft-cluster/1\ncluster: {inter_link_gbit: fast}\n")
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"method: auto\nmodel:\n  path: smollm2\ndata:\n  sources: [{{path: demo:train}}]\n"
-                      f"output:\n  dir: {tmp_path / 'run'}\n")
+    recipe = _demo_recipe(tmp_path, "smollm2", output={"tensorboard": None, "dir": str(tmp_path / "run")})
     hosts = tmp_path / "hosts"
     hosts.write_text("10.0.0.1\n10.0.0.2\n")
     extra = ["--hosts", str(hosts)] if command == "launch" else []
