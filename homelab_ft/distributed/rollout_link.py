@@ -103,15 +103,24 @@ class Link:
     trainer: int = 0
     staleness: int = 0
     """Steps ahead the trainer may send a request (the rung's rollout_staleness, grpo.max_staleness)."""
+    compute_dtype: torch.dtype = torch.float32
+    """The rollout rank's compute dtype: adapters wider than it cross rounded to it (rules/adapter_sync.py)."""
     due: tuple[int, bool] | None = None
     """The trainer's end: (micro-batches, with log-probs) of the request sent and not yet collected."""
 
     @classmethod
-    def open(cls, env, *, staleness: int = 0) -> Link:
+    def open(cls, env, *, staleness: int = 0, compute_dtype: torch.dtype = torch.float32) -> Link:
         """The two-rank group (every rank of the world calls this, as new_group requires)."""
         last = env.world_size - 1
         group = dist.new_group(ranks=[0, last], timeout=timedelta(seconds=LINK_TIMEOUT_S))
-        return cls(group=group, device=env.device, server=last, staleness=staleness)
+        return cls(group=group, device=env.device, server=last, staleness=staleness, compute_dtype=compute_dtype)
+
+    def synced_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype an adapter tensor of `dtype` crosses the link in, and is held in on the rollout rank."""
+        from homelab_ft.rules.adapter_sync import synced_bytes
+
+        narrower = synced_bytes(dtype.itemsize, self.compute_dtype.itemsize) < dtype.itemsize
+        return self.compute_dtype if dtype.is_floating_point and narrower else dtype
 
     def _cast(self, tensor: torch.Tensor, *, src: int) -> torch.Tensor:
         out = tensor.to(self.device)  # NCCL sends CUDA tensors only; gloo CPU ones

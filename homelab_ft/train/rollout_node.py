@@ -146,7 +146,7 @@ class Remote:
 
     def _changed(self, model) -> list[torch.Tensor] | None:
         """The adapter buffers when they differ from the last sync's (the first time: always), else None."""
-        buffers = flatten(adapter_tensors(model))
+        buffers = flatten([t.to(self.link.synced_dtype(t.dtype)) for t in adapter_tensors(model)])
         if self.sent is not None and all(torch.equal(a, b) for a, b in zip(buffers, self.sent, strict=True)):
             return None
         self.sent = buffers  # fresh tensors (torch.cat), never written to again
@@ -171,8 +171,11 @@ def run(recipe, *, env: DistEnv, rung: Rung, inputs, train: Callable):
     training ends. `inputs`: the checked inputs (preflight), with the model folder both ranks read."""
     check(recipe, rung=rung)
     comm.check_job(env, rung)
-    link = Link.open(env, staleness=rung.rollout_staleness)
+    from homelab_ft.train.build import dtypes_for
+
     one = trainer_rung(rung)
+    link = Link.open(env, staleness=rung.rollout_staleness,
+                     compute_dtype=dtypes_for(recipe, rung=one, device=env.device).compute)
     if env.rank == link.server:
         answered = serve(recipe, link=link, rung=one, inputs=inputs, device=env.device)
         log.debug("rollout rank answered %d requests", answered)
@@ -200,6 +203,9 @@ def serve(recipe, *, link: Link, rung: Rung, inputs, device: torch.device) -> in
     model = build.build_model(recipe, model_dir=inputs.model_dir, facts=inputs.facts, rung=rung, env=env)
     engine = Colocated(settings=recipe.grpo, tokenizer=tokenizer, device=device, distributed=False)
     tensors = adapter_tensors(model)
+    with torch.no_grad():  # held as they cross the link (rules/adapter_sync.py): the rank never trains
+        for t in tensors:
+            t.data = t.data.to(link.synced_dtype(t.dtype))
     buffers = empty_like_flat(tensors, device=device)
     ends = end_token_ids(tokenizer, model)
     log.info("rollout rank ready: %d adapter tensors, %d bytes", len(tensors),

@@ -54,6 +54,7 @@ from homelab_ft.plan.price.params import (
 )
 from homelab_ft.plan.price.rollout import Rollout, generation_bytes, rollout
 from homelab_ft.plan.shape.shapes import ModelShape
+from homelab_ft.rules.adapter_sync import synced_bytes
 from homelab_ft.rung import DEFER_SYNC_TRAINABLE_FRACTION, Rung
 
 GiB = 1024**3
@@ -308,7 +309,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
         bubble_s=0.0, stages=(),
         rollout=rollout(shape, rung=rung, request=request, cluster=cluster, act_bytes=sizes.act_bytes,
                         base_bytes=sizes.base_bytes,
-                        adapter_bytes=sizes.trainable * sizes.state_bytes if rung.adapters_enabled else 0),
+                        adapter_bytes=sizes.trainable * synced_bytes(sizes.state_bytes, sizes.act_bytes)
+                        if rung.adapters_enabled else 0),
     )
 
 
@@ -357,8 +359,9 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     # GRPO generates each micro-batch's rollouts between the previous one's backward and its own
     # forward: the earlier micro-batches' gradients are summed by then
     resident = held["weights"] + held["optimizer"] + held["gathered"] + held["gradients"] * (request.train.grad_accum_steps > 1)
-    if rung.rollout_node_enabled:  # the rollout node's GPU: the base and the adapters, nothing of training's
-        resident = held["weights"]
+    if rung.rollout_node_enabled:  # the rollout node's GPU: the base and the adapters, nothing of training's,
+        # the adapters held as they cross the link (rules/adapter_sync.py)
+        resident = held["weights"] - trainable * (state_bytes - synced_bytes(state_bytes, act_bytes))
     device = Memory(
         **held,
         activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0),

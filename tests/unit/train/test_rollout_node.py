@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from homelab_ft.distributed import rollout_link
 from homelab_ft.distributed.rollout_link import empty_like_flat, flatten, unflatten_into
 from homelab_ft.errors import UserError
 from homelab_ft.plan.inputs import Cluster
@@ -90,8 +91,11 @@ def test_adapter_buffers_round_trip_one_per_dtype():
 class _Link:
     """Stands in for rollout_link.Link: records what was sent, answers with the prompts and one end token."""
 
-    def __init__(self):
+    synced_dtype = rollout_link.Link.synced_dtype
+
+    def __init__(self, compute_dtype: torch.dtype = torch.float32):
         self.sent: list[list[torch.Tensor] | None] = []
+        self.compute_dtype = compute_dtype
 
     def request(self, ids, mask, *, seed, greedy, adapters):
         self.sent.append(adapters)
@@ -124,6 +128,23 @@ def test_remote_sends_the_adapters_only_when_they_changed():
     assert torch.equal(link.sent[-1][0], model.weight.reshape(-1))
     assert remote.sync_stats()["rollout/adapter_bytes"] == model.weight.numel() * model.weight.element_size()
     assert remote.sync_stats()["rollout/syncs"] == 0.0
+
+
+def test_adapters_cross_in_a_narrower_compute_dtype():
+    """A bf16 base: the fp32 adapters are sent rounded to bf16, half the bytes (rules/adapter_sync.py);
+    integer and already-narrow tensors keep their dtype, and an fp32 base sends fp32."""
+    model = torch.nn.Linear(3, 2)
+    local = Colocated(settings=GrpoConfig(num_generations=2), tokenizer=_Tokenizer(), device=torch.device("cpu"),
+                      distributed=False)
+    link = _Link(compute_dtype=torch.bfloat16)
+    remote = rollout_node.Remote(local=local, link=link)
+    remote.sample(model, [{"prompt": json.dumps("a"), "columns": "{}", "prompt_ids": [5, 6]}], seed=1)
+    [buffer] = link.sent[0]
+    assert buffer.dtype == torch.bfloat16
+    assert torch.equal(buffer, torch.cat([model.weight.reshape(-1), model.bias]).to(torch.bfloat16))
+    assert remote.sync_stats()["rollout/adapter_bytes"] == 2 * (model.weight.numel() + model.bias.numel())
+    assert link.synced_dtype(torch.int64) == torch.int64 and link.synced_dtype(torch.float16) == torch.float16
+    assert _Link().synced_dtype(torch.float32) == torch.float32
 
 
 class _AheadLink(_Link):

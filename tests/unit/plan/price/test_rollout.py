@@ -222,16 +222,17 @@ TWO_NODES = dataclasses.replace(ONE_GPU, nodes=2, inter_link_gbit=1.0)
 def test_a_rollout_node_moves_generation_off_the_trainer_and_adds_the_adapters_sync():
     """grpo.rollout=node (version 1, synchronous): the trainer is one process (no gradient
     collectives), the rollout node's GPU holds the base and adapters only (no optimizer state), and
-    the step adds the adapters' bytes over the 1 GbE link, once per sampled batch."""
+    the step adds the adapters' bytes over the 1 GbE link, once per sampled batch: PEFT's fp32
+    adapters cross, and are held on the node, in the base's bf16 (rules/adapter_sync.py)."""
     shape = _shape("qwen3-8b")
     colocated = priced(shape, grpo(method="lora"), TWO_NODES)
     node = priced(shape, grpo(method="lora", rollout="node"), TWO_NODES)
     x = node.rollout
-    adapter = node.trainable_params * 4  # fp32 adapters
-    assert x.node and x.adapter_bytes == adapter
+    adapter = node.trainable_params * 2  # fp32 adapters as bf16
+    assert x.node and x.adapter_bytes == adapter and adapter / 2**20 == pytest.approx(83.2, abs=0.05)
     assert x.sync_s == pytest.approx(adapter / TWO_NODES.inter_bytes_per_s + 4 * TWO_NODES.inter_hop_s)
     assert node.comm_s == 0 and colocated.comm_s > 0
-    assert node.memory.generation_peak == colocated.memory.generation_peak - colocated.memory.optimizer
+    assert node.memory.generation_peak == colocated.memory.generation_peak - colocated.memory.optimizer - adapter
     assert node.memory.training_peak == colocated.memory.training_peak
     assert x.generation_s == colocated.rollout.generation_s
     assert node.step_s == pytest.approx(node.training_s + x.seconds)
