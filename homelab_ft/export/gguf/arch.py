@@ -18,8 +18,10 @@ What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per 
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
 permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
 no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
-normalisation). An architecture outside LAYOUTS is refused in one line: its conversion has not
-been read, and a GGUF with a silently wrong layout is worse than none. A setting only newer
+normalisation, GLM-4.5's single expert group). An architecture outside LAYOUTS is refused in one
+line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none.
+One whose conversion was read but whose llama.cpp graph computes another model for every
+checkpoint (GRAPH_DIFFERS: PhiMoE) is refused with the reason. A setting only newer
 llama.cpp builds read from the file (Gemma 3's sliding pattern, `SwaPattern.since`) is written, and
 `runtime_needs` says in RUNNING.md which build a file that differs from the old built-in needs.
 """
@@ -95,6 +97,13 @@ class Layout:
     which llama.cpp's converter accepts for Mistral 7B v0.1's 4096-token window: a warning here)."""
     swa_pattern: SwaPattern | None = None
     """Where llama.cpp reads `layer_types` from the file (Olmo 2, Gemma 3), else None."""
+    expert_gating: str = ""
+    """The router's gating function as the converter writes it by hand (`<arch>.expert_gating_func`,
+    a gguf.ExpertGatingFuncType member name: GLM-4.5's SIGMOID), else none written."""
+    nextn_dropped: bool = False
+    """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5): they are left out
+    and `nextn_predict_layers` is not written, as convert_hf_to_gguf.py --no-mtp does
+    (transformers drops them on load, so a merged model has none)."""
 
 
 _SLIDING = {"other": "sliding_attention", "last": "full_attention"}
@@ -120,12 +129,25 @@ LAYOUTS = {
                                       "(an array or a period) where the file has it")),
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
+    "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True, fixed=(
+        Fixed("topk_group", lambda config: config.get("n_group", 1),
+              "models/glm4-moe.cpp: build_moe_ffn picks from every expert, no expert groups"),)),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets
-are derived, not listed. Every released checkpoint of these families has the fixed values
-(SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
+Olmo2Model, GraniteModel, Glm4MoeModel) and llama.cpp's load_hparams (src/models/glm4-moe.cpp for
+GLM-4.5). Names, hyperparameters and norm offsets are derived, not listed. Every released checkpoint
+of these families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
+GLM-4.5 and GLM-4.5-Air: one expert group); a config changed by hand may not."""
+
+GRAPH_DIFFERS = {
+    "phimoe": "convert_hf_to_gguf.py's PhiMoeModel writes it as Phi-3 with experts and llama.cpp runs it on "
+              "Phi-3's graph (src/models/phimoe.cpp: llama_model_phi3::graph), which normalises with RMSNorm plus "
+              "a bias where PhiMoE uses LayerNorm, and routes by softmax top-k renormalised where PhiMoE uses "
+              "sparsemixer",
+}
+"""Architectures whose llama.cpp conversion was read and whose graph computes another model than
+transformers' for every checkpoint (no config key tells them apart): refused with the reason."""
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """rope_type values llama.cpp reads from the keys gguf_hparams.py writes."""
@@ -180,6 +202,9 @@ def check_architecture(model_dir: Path) -> Target:
     where = f"{model_dir}/config.json"
     names = arch_candidates(model_type) if model_type else []
     arch_name = names[0] if names else None
+    if arch_name in GRAPH_DIFFERS:
+        raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft: "
+                              f"{GRAPH_DIFFERS[arch_name]}, so the file would run another model")
     if arch_name not in LAYOUTS:
         known = f"llama.cpp runs it as {arch_name!r} but homelab-ft has not read that conversion" if names else \
             "llama.cpp's gguf-py declares no architecture for it"

@@ -151,6 +151,8 @@ class Planned:
         return self.target.to_gguf(self.gguf_name, self.hf_values(), self.config).reshape(self.shape)
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
 _EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<tail>.+)$")
 """A per-expert tensor as transformers saves MoE checkpoints (`mlp.experts.3.down_proj.weight`);
 llama.cpp holds all of a block's experts in one 3-D tensor, the name gguf-py maps without the index."""
@@ -170,6 +172,9 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
         for hf_name, shape in _headers(file).items():
             if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # a tied head holds the embedding's values: llama.cpp reuses token_embd
+            layer = _LAYER.match(hf_name)
+            if target.layout.nextn_dropped and layer and int(layer[1]) >= config.num_hidden_layers:
+                continue  # a NextN/MTP layer (gguf_arch.Layout.nextn_dropped)
             match = _EXPERT.match(hf_name)
             key = f"{match['head']}.{match['tail']}" if match else hf_name
             groups.setdefault(key, []).append((int(match["index"]) if match else 0, file, hf_name))
@@ -178,7 +183,8 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
     allowed = set(gguf.MODEL_TENSORS[target.arch])
     plan = []
     for key, parts in groups.items():
-        mapped = name_map.get_type_and_name(key, try_suffixes=(".weight", ".bias"))
+        mapped = name_map.get_type_and_name(_SPELT.get(key.rsplit(".", 1)[-1], lambda k: k)(key),
+                                            try_suffixes=(".weight", ".bias"))
         if mapped is None or mapped[0] not in allowed:
             raise gguf_arch.GgufUnsupported(
                 f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
@@ -200,6 +206,12 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
         plan.append(Planned("rope_freqs.weight", gguf.MODEL_TENSOR.ROPE_FREQS, extra.shape, extra.shape, F32,
                             extra.nbytes, (), config, target, extra=extra))
     return plan
+
+
+_SPELT = {"e_score_correction_bias": lambda key: key.removesuffix("_bias") + ".bias"}
+"""Checkpoint names gguf-py's map spells otherwise: the router's selection bias of DeepSeek-style
+MoE (GLM-4.5), `mlp.gate.e_score_correction_bias`, which llama.cpp's converter renames to
+`e_score_correction.bias` before mapping it (`blk.N.exp_probs_b.bias`)."""
 
 
 def _headers(file: Path) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,7 @@ from homelab_ft.errors import UserError
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
 from homelab_ft.export.gguf import export as gguf_export
+from homelab_ft.export.gguf import hparams as gguf_hparams
 
 WRITTEN = {
     "smollm3": "smollm3",
@@ -27,6 +28,7 @@ WRITTEN = {
     "mixtral": "llama",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "glm4_moe": "glm4moe",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2 and Mixtral as llama): none of these was written before, except gemma3_text."""
@@ -41,11 +43,13 @@ AS_RELEASED = {
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
                     "query_pre_attn_scalar": 16},
     "qwen3_moe": {"norm_topk_prob": True},
+    "glm4_moe": {"attention_bias": True},
 }
 """What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
 (gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk by tests/families.py)
 differs: Gemma 3's 5:1 sliding pattern and query scale 1/sqrt(head_dim), Qwen3-MoE's normalised
-top-k weights (Qwen3-30B-A3B sets norm_topk_prob)."""
+top-k weights (Qwen3-30B-A3B sets norm_topk_prob); GLM-4.5(-Air)'s q/k/v biases (attention_bias
+true, which llama.cpp loads where the file has them)."""
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +196,83 @@ def test_gemma3_sliding_pattern_is_written_and_a_new_one_names_the_build_it_need
 
 
 def test_a_family_llama_cpp_names_but_homelab_ft_has_not_read_is_refused(tiny):
-    with pytest.raises(gguf_arch.GgufUnsupported, match="'phimoe' cannot be written as GGUF.*runs it as 'phimoe'"):
+    with pytest.raises(gguf_arch.GgufUnsupported, match="'gpt_oss' cannot be written as GGUF.*runs it as 'gpt-oss'"):
+        gguf_export.check_writable(tiny("gpt_oss"))
+
+
+def test_phimoe_is_refused_for_the_graph_llama_cpp_runs_it_on(tiny):
+    """llama.cpp runs PhiMoE on Phi-3's graph: RMSNorm plus bias for PhiMoE's LayerNorm, softmax
+    top-k for its sparsemixer router. Our own check would pass (it runs transformers' graph), so
+    the refusal is the only thing that keeps such a file from being written."""
+    with pytest.raises(gguf_arch.GgufUnsupported, match="'phimoe' cannot be written.*RMSNorm plus a bias.*LayerNorm"):
         gguf_export.check_writable(tiny("phimoe"))
+
+
+def test_glm4_moe_router_keys_are_read_back(tmp_path):
+    """GLM-4.5's DeepSeek-style router as Glm4MoeModel writes it and models/glm4-moe.cpp reads it:
+    leading dense blocks, shared experts, sigmoid gating, routed scaling, the selection bias as
+    `exp_probs_b.bias`, half the head rotated; q/k norms (GLM-4.5 355B) in their place."""
+    import gguf
+    import torch
+    from gguf import GGUFReader
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    model_dir = save_tiny(tmp_path / "glm", "glm4_moe", first_k_dense_replace=2, n_shared_experts=2,
+                          routed_scaling_factor=2.5, norm_topk_prob=False, use_qk_norm=True)
+    state = load_file(str(model_dir / "model.safetensors"))  # a trained selection bias: transformers inits zeros
+    for name in [n for n in state if n.endswith("e_score_correction_bias")]:
+        state[name] = torch.randn(state[name].shape, generator=torch.Generator().manual_seed(0))
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(model_dir)
+    path = tmp_path / "glm.gguf"
+    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+    reader = GGUFReader(path)
+    fields = {name[len("glm4moe."):]: field.contents() for name, field in reader.fields.items()
+              if name.startswith("glm4moe.")}
+    assert fields["leading_dense_block_count"] == config.first_k_dense_replace == 2
+    assert fields["expert_shared_count"] == config.n_shared_experts == 2
+    assert fields["expert_count"] == config.n_routed_experts and fields["expert_used_count"] == config.num_experts_per_tok
+    assert fields["expert_feed_forward_length"] == config.moe_intermediate_size
+    assert fields["expert_gating_func"] == gguf.ExpertGatingFuncType.SIGMOID
+    assert fields["expert_weights_scale"] == pytest.approx(config.routed_scaling_factor)
+    assert fields["expert_weights_norm"] is False
+    assert fields["rope.dimension_count"] == gguf_hparams.head_dim(config) // 2  # partial_rotary_factor 0.5
+    assert "nextn_predict_layers" not in fields  # none written: llama.cpp would skip that many real blocks
+    tensors = {t.name: t for t in reader.tensors}
+    assert "blk.1.ffn_gate.weight" in tensors and "blk.1.ffn_gate_inp.weight" not in tensors  # dense
+    assert "blk.2.ffn_gate_exps.weight" in tensors and "blk.0.attn_q_norm.weight" in tensors
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        bias = f.get_tensor("model.layers.2.mlp.gate.e_score_correction_bias").float().numpy()
+    np.testing.assert_array_equal(np.asarray(tensors["blk.2.exp_probs_b.bias"].data), bias)
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
+def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_refused(tiny, tmp_path):
+    """A released GLM-4.5 holds its MTP layer as model.layers.<num_hidden_layers>: left out, as
+    the converter's --no-mtp. llama.cpp's glm4moe graph has no expert groups: a config that picks
+    from fewer groups than it has is refused."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    model_dir = tmp_path / "glm"
+    shutil.copytree(tiny("glm4_moe"), model_dir)
+    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    state = load_file(str(model_dir / "model.safetensors"))
+    state[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    target = gguf_arch.check_architecture(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    names = {item.gguf_name for item in gguf_export.plan_tensors(model_dir, config, target=target, gguf_type="f32")}
+    assert not any(name.startswith(f"blk.{layers}.") for name in names) and f"blk.{layers - 1}.attn_q.weight" in names
+    grouped = save_tiny(tmp_path / "grouped", "glm4_moe", n_group=2, topk_group=1)
+    with pytest.raises(gguf_arch.GgufUnsupported, match="topk_group = 1 but llama.cpp runs this architecture with 2"):
+        gguf_export.check_writable(grouped)
+    gguf_export.check_writable(save_tiny(tmp_path / "all", "glm4_moe", n_group=2, topk_group=2))  # every group: none
 
 
 def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
