@@ -18,7 +18,7 @@ What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per 
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
 permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
 no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
-normalisation, GLM-4.5's single expert group). An architecture outside LAYOUTS is refused in one
+normalisation). An architecture outside LAYOUTS is refused in one
 line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none.
 One whose conversion was read but whose llama.cpp graph computes another model for every
 checkpoint (GRAPH_DIFFERS: PhiMoE) is refused with the reason. A setting only newer
@@ -129,16 +129,14 @@ LAYOUTS = {
                                       "(an array or a period) where the file has it")),
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
-    "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True, fixed=(
-        Fixed("topk_group", lambda config: config.get("n_group", 1),
-              "models/glm4-moe.cpp: build_moe_ffn picks from every expert, no expert groups"),)),
+    "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
 Olmo2Model, GraniteModel, Glm4MoeModel) and llama.cpp's load_hparams (src/models/glm4-moe.cpp for
 GLM-4.5). Names, hyperparameters and norm offsets are derived, not listed. Every released checkpoint
-of these families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
-GLM-4.5 and GLM-4.5-Air: one expert group); a config changed by hand may not."""
+of these families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B);
+a config changed by hand may not."""
 
 GRAPH_DIFFERS = {
     "phimoe": "convert_hf_to_gguf.py's PhiMoeModel writes it as Phi-3 with experts and llama.cpp runs it on "

@@ -112,12 +112,25 @@ def _write_experts(writer, config, *, target: Target) -> None:
         writer.add_expert_shared_count(config.n_shared_experts)
     if getattr(config, "first_k_dense_replace", None) is not None:
         writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    _write_expert_groups(writer, config)
     if getattr(config, "routed_scaling_factor", None) is not None:
         writer.add_expert_weights_scale(float(config.routed_scaling_factor))
     if getattr(config, "norm_topk_prob", None) is not None:
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
     if target.layout.expert_gating:
         writer.add_expert_gating_func(getattr(gguf.ExpertGatingFuncType, target.layout.expert_gating))
+
+
+def _write_expert_groups(writer, config) -> None:
+    """DeepSeek-style group-limited routing, `n_group` / `topk_group`, which TextModel writes for
+    every model that has them and llama.cpp's build_moe_ffn applies when there is more than one
+    group. Left out when every group is picked (no grouping: llama.cpp's loader asserts fewer)."""
+    groups, used = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    if groups is None or (groups > 1 and used is not None and used >= groups):
+        return
+    writer.add_expert_group_count(groups)
+    if used is not None:
+        writer.add_expert_group_used_count(used)
 
 
 MULTIPLIERS = {

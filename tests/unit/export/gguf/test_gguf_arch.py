@@ -249,13 +249,15 @@ def test_glm4_moe_router_keys_are_read_back(tmp_path):
     assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
-def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_refused(tiny, tmp_path):
+def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_written(tiny, tmp_path):
     """A released GLM-4.5 holds its MTP layer as model.layers.<num_hidden_layers>: left out, as
-    the converter's --no-mtp. llama.cpp's glm4moe graph has no expert groups: a config that picks
-    from fewer groups than it has is refused."""
+    the converter's --no-mtp. Expert groups are written as TextModel writes them, which llama.cpp's
+    build_moe_ffn applies; picking every group is no grouping, and is left out (llama.cpp's loader
+    asserts topk_group < n_group)."""
     import shutil
 
     import torch
+    from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
@@ -269,30 +271,12 @@ def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_refused(tiny, tmp_
     config = AutoConfig.from_pretrained(model_dir)
     names = {item.gguf_name for item in gguf_export.plan_tensors(model_dir, config, target=target, gguf_type="f32")}
     assert not any(name.startswith(f"blk.{layers}.") for name in names) and f"blk.{layers - 1}.attn_q.weight" in names
-    grouped = save_tiny(tmp_path / "grouped", "glm4_moe", n_group=2, topk_group=1)
-    with pytest.raises(gguf_arch.GgufUnsupported, match="topk_group = 1 but llama.cpp runs this architecture with 2"):
-        gguf_export.check_writable(grouped)
-    gguf_export.check_writable(save_tiny(tmp_path / "all", "glm4_moe", n_group=2, topk_group=2))  # every group: none
-
-
-def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
-    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (`gemma3`, a text_config and a
-    vision tower): refused from its config alone, before any weight is read."""
-    from transformers import Gemma3Config
-
-    Gemma3Config().save_pretrained(tmp_path)
-    with pytest.raises(gguf_arch.GgufUnsupported, match="multimodal checkpoint .'gemma3' with a text_config"):
-        gguf_arch.check_architecture(tmp_path)
-
-
-def test_a_window_llama_cpp_does_not_apply_is_said(tiny, tmp_path, caplog):
-    """Mistral as llama.cpp's `llama`, which has no sliding window (as its converter does it)."""
-    import logging
-
-    from gguf import GGUFReader
-
-    path = tmp_path / "mistral.gguf"
-    with caplog.at_level(logging.WARNING):
-        gguf_export.write_gguf(tiny("mistral"), path, gguf_type="f32", name="tiny")
-    assert "no sliding window: past 8 tokens" in caplog.text
-    assert "llama.attention.sliding_window" not in GGUFReader(path).fields
+    for groups, used, written in [(2, 1, (2, 1)), (2, 2, (None, None)), (1, 1, (1, 1))]:
+        model_dir = save_tiny(tmp_path / f"groups{groups}{used}", "glm4_moe", n_group=groups, topk_group=used)
+        path = model_dir / "model.gguf"
+        gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+        fields = GGUFReader(path).fields
+        got = tuple(fields[key].contents() if key in fields else None
+                    for key in ("glm4moe.expert_group_count", "glm4moe.expert_group_used_count"))
+        assert got == written, (groups, used)
+        assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
