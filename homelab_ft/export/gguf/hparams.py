@@ -4,7 +4,8 @@ The keys are those convert_hf_to_gguf.py's TextModel.set_gguf_parameters writes 
 model (context, widths, heads, norm epsilon, rope, expert counts), plus what its per-family
 classes add: Gemma 2's soft-capping, the sliding windows of Gemma 2/3, Phi-3 and Olmo 3 (the
 per-layer pattern from `layer_types`), Gemma 3's local rope base, Granite's multipliers, GLM-4.5's
-router (shared experts, leading dense blocks, scaling, sigmoid gating). Which keys apply is decided
+router (shared experts, leading dense blocks, scaling, sigmoid gating, expert groups), DeepSeek-V3's
+multi-head latent attention. Which keys apply is decided
 by what the config has, not by its name, except the few a family's converter writes by hand.
 """
 
@@ -36,11 +37,14 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(1 if target.layout.mla else config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     dim = head_dim(config)
-    if dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
+    if target.layout.mla:
+        _write_mla(writer, config)
+        dim = config.qk_rope_head_dim  # the rotated width
+    elif dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
         writer.add_key_length(dim)
         writer.add_value_length(dim)
     _write_rope(writer, config, dim=dim)
@@ -49,6 +53,19 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     _write_multipliers(writer, config)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_mla(writer, config) -> None:
+    """Multi-head latent attention as DeepseekV2Model writes it: one KV head of kv_lora_rank +
+    the rotated width (llama.cpp's absorbed attention), the decompressed head sizes as the `_mla`
+    lengths, and the two ranks (no q_lora_rank where the model projects q directly)."""
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    if getattr(config, "q_lora_rank", None) is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
 
 
 def _write_rope(writer, config, *, dim: int) -> None:

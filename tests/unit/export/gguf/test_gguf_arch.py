@@ -29,9 +29,10 @@ WRITTEN = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "glm4_moe": "glm4moe",
+    "deepseek_v3": "deepseek2",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
-olmo2 and Mixtral as llama): none of these was written before, except gemma3_text."""
+olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2): none of these was written before, except gemma3_text."""
 
 NOT_BIT_EXACT = {"qwen2_moe": 1e-7}
 """f32 logits of Qwen2-MoE read back by transformers' GGUF loader differ by 3e-8 from the merged
@@ -73,7 +74,7 @@ def test_the_architecture_comes_from_transformers_and_gguf_py():
     assert gguf_arch.arch_candidates("qwen3_moe")[0] == "qwen3moe"
     assert gguf_arch.arch_candidates("qwen3_5_text")[0] == "qwen35"
     assert gguf_arch.arch_candidates("gpt_oss")[0] == "gpt-oss"
-    assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]  # llama.cpp's registration; not written
+    assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]
     assert gguf_arch.arch_candidates("no_such_model") == []
 
 
@@ -208,13 +209,23 @@ def test_phimoe_is_refused_for_the_graph_llama_cpp_runs_it_on(tiny):
         gguf_export.check_writable(tiny("phimoe"))
 
 
+def _written(model_dir: Path, path: Path):
+    """(path, reader, the `<arch>.*` keys without the prefix) of `model_dir` written as f32."""
+    from gguf import GGUFReader
+
+    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    return path, reader, {name.removeprefix(f"{arch}."): field.contents() for name, field in reader.fields.items()
+                          if name.startswith(f"{arch}.")}
+
+
 def test_glm4_moe_router_keys_are_read_back(tmp_path):
     """GLM-4.5's DeepSeek-style router as Glm4MoeModel writes it and models/glm4-moe.cpp reads it:
     leading dense blocks, shared experts, sigmoid gating, routed scaling, the selection bias as
     `exp_probs_b.bias`, half the head rotated; q/k norms (GLM-4.5 355B) in their place."""
     import gguf
     import torch
-    from gguf import GGUFReader
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
@@ -226,11 +237,7 @@ def test_glm4_moe_router_keys_are_read_back(tmp_path):
         state[name] = torch.randn(state[name].shape, generator=torch.Generator().manual_seed(0))
     save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     config = AutoConfig.from_pretrained(model_dir)
-    path = tmp_path / "glm.gguf"
-    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
-    reader = GGUFReader(path)
-    fields = {name[len("glm4moe."):]: field.contents() for name, field in reader.fields.items()
-              if name.startswith("glm4moe.")}
+    path, reader, fields = _written(model_dir, tmp_path / "glm.gguf")
     assert fields["leading_dense_block_count"] == config.first_k_dense_replace == 2
     assert fields["expert_shared_count"] == config.n_shared_experts == 2
     assert fields["expert_count"] == config.n_routed_experts and fields["expert_used_count"] == config.num_experts_per_tok
@@ -280,3 +287,71 @@ def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_written(tiny, tmp_
                     for key in ("glm4moe.expert_group_count", "glm4moe.expert_group_used_count"))
         assert got == written, (groups, used)
         assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
+def _edited(tmp_path: Path, model_dir: Path, name: str, **config) -> Path:
+    """A copy of `model_dir` whose config.json has `config` changed (the checks read config.json alone)."""
+    import shutil
+
+    out = tmp_path / name
+    shutil.copytree(model_dir, out)
+    values = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**values, **config}))
+    return out
+
+
+def test_deepseek_v3_mla_is_split_as_llama_cpp_absorbs_it(tmp_path):
+    """DeepseekV2Model's MLA: one KV head of kv_lora_rank + the rotated width, the decompressed head
+    sizes as the `_mla` lengths, kv_b_proj split into attn_k_b (each head's nope rows transposed,
+    which llama.cpp multiplies q_nope by) and attn_v_b; the router as GLM's, with expert groups."""
+    import gguf
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    model_dir = save_tiny(tmp_path / "ds", "deepseek_v3", v_head_dim=24, n_group=2, topk_group=1, first_k_dense_replace=2)
+    config = AutoConfig.from_pretrained(model_dir)
+    path, reader, fields = _written(model_dir, tmp_path / "ds.gguf")
+    rank, rope, nope, v = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    assert fields["attention.head_count_kv"] == 1 and fields["attention.kv_lora_rank"] == rank
+    assert fields["attention.q_lora_rank"] == config.q_lora_rank
+    assert (fields["attention.key_length"], fields["attention.value_length"]) == (rank + rope, rank)
+    assert (fields["attention.key_length_mla"], fields["attention.value_length_mla"]) == (nope + rope, v)
+    assert fields["rope.dimension_count"] == rope
+    assert fields["expert_gating_func"] == gguf.ExpertGatingFuncType.SIGMOID
+    assert (fields["expert_group_count"], fields["expert_group_used_count"]) == (2, 1)
+    assert fields["leading_dense_block_count"] == 2 and fields["expert_shared_count"] == config.n_shared_experts
+    assert fields["expert_weights_scale"] == pytest.approx(config.routed_scaling_factor)
+    tensors = {t.name: t for t in reader.tensors}
+    heads = config.num_attention_heads
+    assert [int(d) for d in tensors["blk.2.attn_k_b.weight"].shape] == [nope, rank, heads]  # as deepseek2.cpp creates
+    assert [int(d) for d in tensors["blk.2.attn_v_b.weight"].shape] == [rank, v, heads]
+    assert "blk.2.attn_kv_b.weight" not in tensors
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        kv_b = f.get_tensor("model.layers.2.self_attn.kv_b_proj.weight").float().numpy().reshape(heads, nope + v, rank)
+    k_b = np.asarray(tensors["blk.2.attn_k_b.weight"].data).reshape(heads, rank, nope)
+    v_b = np.asarray(tensors["blk.2.attn_v_b.weight"].data).reshape(heads, v, rank)
+    rng = np.random.default_rng(0)
+    q_nope, latent = rng.standard_normal((heads, nope)), rng.standard_normal(rank)
+    for h in range(heads):  # llama.cpp's absorbed scores and values are the model's
+        np.testing.assert_allclose((k_b[h] @ q_nope[h]) @ latent, q_nope[h] @ (kv_b[h, :nope] @ latent), rtol=1e-5)
+        np.testing.assert_allclose(v_b[h] @ latent, kv_b[h, nope:] @ latent, rtol=1e-5)
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
+def test_deepseek2_refuses_what_llama_cpp_runs_otherwise(tiny, tmp_path):
+    """deepseek2.cpp ropes interleaved pairs, has no attention biases and reads no q_lora_rank for
+    a 26/27-layer model; DeepSeek-V3's YaRN is not written; of the several model types llama.cpp
+    runs as deepseek2, DeepSeek-V3's conversion is the one read."""
+    base = tiny("deepseek_v3")
+    for name, config, refusal in [
+        ("pairs", {"rope_interleave": False}, "rope_interleave = False but llama.cpp runs this architecture with True"),
+        ("bias", {"attention_bias": True}, "attention_bias = True but llama.cpp runs this architecture with False"),
+        ("lite", {"num_hidden_layers": 27}, "q_lora_rank = 32 but llama.cpp runs this architecture with None"),
+        ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
+                                      "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+         "rope type 'yarn' cannot be written as GGUF by homelab-ft for 'deepseek2'"),
+        ("v2", {"model_type": "deepseek_v2"}, "homelab-ft has read for deepseek_v3 only"),
+    ]:
+        with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
+            gguf_arch.check_architecture(_edited(tmp_path, base, name, **config))
+    gguf_arch.check_architecture(_edited(tmp_path, base, "moonlight", num_hidden_layers=27, q_lora_rank=None))
