@@ -18,10 +18,10 @@ What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per 
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
 permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
 no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
-normalisation). An architecture outside LAYOUTS is refused in one
-line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none.
-One whose conversion was read but whose llama.cpp graph computes another model for every
-checkpoint (GRAPH_DIFFERS: PhiMoE) is refused with the reason. A setting only newer
+normalisation, DeepSeek-V3's interleaved rope). An architecture outside LAYOUTS is refused in one
+line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none;
+so is one whose conversion was read but whose llama.cpp graph computes another model for every
+checkpoint (GRAPH_DIFFERS: PhiMoE), with the reason. A setting only newer
 llama.cpp builds read from the file (Gemma 3's sliding pattern, `SwaPattern.since`) is written, and
 `runtime_needs` says in RUNNING.md which build a file that differs from the old built-in needs.
 """
