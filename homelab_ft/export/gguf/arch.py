@@ -18,8 +18,10 @@ What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per 
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
 permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
 no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
-normalisation). An architecture outside LAYOUTS is refused in one line: its conversion has not
-been read, and a GGUF with a silently wrong layout is worse than none. A setting only newer
+normalisation, DeepSeek-V3's interleaved rope). An architecture outside LAYOUTS is refused in one
+line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none;
+so is one whose conversion was read but whose llama.cpp graph computes another model for every
+checkpoint (GRAPH_DIFFERS: PhiMoE), with the reason. A setting only newer
 llama.cpp builds read from the file (Gemma 3's sliding pattern, `SwaPattern.since`) is written, and
 `runtime_needs` says in RUNNING.md which build a file that differs from the old built-in needs.
 """
@@ -95,6 +97,26 @@ class Layout:
     which llama.cpp's converter accepts for Mistral 7B v0.1's 4096-token window: a warning here)."""
     swa_pattern: SwaPattern | None = None
     """Where llama.cpp reads `layer_types` from the file (Olmo 2, Gemma 3), else None."""
+    expert_gating: str = ""
+    """The router's gating function as the converter writes it by hand (`<arch>.expert_gating_func`,
+    a gguf.ExpertGatingFuncType member name: GLM-4.5's SIGMOID), else none written."""
+    model_types: tuple[str, ...] = ()
+    """The model types whose conversion was read for this architecture (DeepSeek-V3 of the several
+    llama.cpp runs as `deepseek2`); empty: any model type spelt as it."""
+    rope_types: tuple[str, ...] = ()
+    """The rope types written for this architecture where fewer than ROPE_TYPES (empty: those)."""
+    mla: bool = False
+    """Multi-head latent attention as convert_hf_to_gguf.py's DeepseekV2Model writes it: kv_b_proj
+    split into attn_k_b (transposed per head) and attn_v_b, one KV head, the MLA head sizes."""
+    nextn_dropped: bool = False
+    """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5): they are left out
+    and `nextn_predict_layers` is not written, as convert_hf_to_gguf.py --no-mtp does
+    (transformers drops them on load, so a merged model has none)."""
+
+
+def _deepseek2_lite(config: dict) -> bool:
+    layers = config["num_hidden_layers"]
+    return layers in (26, 27) or (layers == 48 and config.get("vocab_size") == 128256)
 
 
 _SLIDING = {"other": "sliding_attention", "last": "full_attention"}
@@ -120,12 +142,33 @@ LAYOUTS = {
                                       "(an array or a period) where the file has it")),
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
+    "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True),
+    "deepseek2": Layout(model_types=("deepseek_v3",), rope_types=("default",), mla=True, expert_gating="SIGMOID",
+                        nextn_dropped=True, fixed=(
+        Fixed("rope_interleave", lambda config: True, "llama-model.cpp: LLM_ARCH_DEEPSEEK2 ropes pairs (ROPE_TYPE_NORM)"),
+        Fixed("q_lora_rank", lambda c: None if _deepseek2_lite(c) else c["q_lora_rank"],
+              "models/deepseek2.cpp: a 26- or 27-layer model (48 with a 128256 vocabulary) is a lite one, "
+              "whose q_lora_rank is not read"),
+        Fixed("attention_bias", lambda config: False, "models/deepseek2.cpp: no attention biases"))),
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model, GraniteModel) and llama.cpp's load_hparams. Names, hyperparameters and norm offsets
-are derived, not listed. Every released checkpoint of these families has the fixed values
-(SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B); a config changed by hand may not."""
+Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model) and llama.cpp's load_hparams
+(src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp for DeepSeek-V3). Names,
+hyperparameters and norm offsets are derived, not listed. Every released checkpoint of these
+families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
+DeepSeek-V3 and Moonlight-16B-A3B); a config changed by hand may not. DeepSeek-V3 is written
+without rope scaling only: its YaRN (DeepSeek-V3/R1 themselves, Kimi K2) is refused, llama.cpp's
+mscale handling for it (deepseek2.cpp's kq_scale, rope.scaling.yarn_log_mul) not being written."""
+
+GRAPH_DIFFERS = {
+    "phimoe": "convert_hf_to_gguf.py's PhiMoeModel writes it as Phi-3 with experts and llama.cpp runs it on "
+              "Phi-3's graph (src/models/phimoe.cpp: llama_model_phi3::graph), which normalises with RMSNorm plus "
+              "a bias where PhiMoE uses LayerNorm, and routes by softmax top-k renormalised where PhiMoE uses "
+              "sparsemixer",
+}
+"""Architectures whose llama.cpp conversion was read and whose graph computes another model than
+transformers' for every checkpoint (no config key tells them apart): refused with the reason."""
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """rope_type values llama.cpp reads from the keys gguf_hparams.py writes."""
@@ -147,16 +190,19 @@ class Target:
         """gguf.MODEL_ARCH member."""
         return model_arch(self.arch_name)
 
-    def to_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
-        """A tensor in Hugging Face's layout -> llama.cpp's."""
-        array = self._permuted(gguf_name, array, config, forward=True)
-        return array + np.float32(1.0) if gguf_name in self.offset_norms else array
-
     def from_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
-        """The inverse of to_gguf (GGUF read back into Hugging Face's layout)."""
+        """The inverse of to_gguf (GGUF read back into Hugging Face's layout); a part of MLA's
+        kv_b is returned as it is (merge_kv_b joins the two)."""
         if gguf_name in self.offset_norms:
             array = array - np.float32(1.0)
         return self._permuted(gguf_name, array, config, forward=False)
+
+    def to_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
+        """A tensor in Hugging Face's layout -> llama.cpp's."""
+        if self.layout.mla and gguf_name.endswith(KV_B_PARTS):
+            return split_kv_b(array, config)[gguf_name.endswith(KV_B_PARTS[1])]
+        array = self._permuted(gguf_name, array, config, forward=True)
+        return array + np.float32(1.0) if gguf_name in self.offset_norms else array
 
     def _permuted(self, gguf_name: str, array: np.ndarray, config, *, forward: bool) -> np.ndarray:
         if not self.layout.permute_qk or not gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -180,6 +226,9 @@ def check_architecture(model_dir: Path) -> Target:
     where = f"{model_dir}/config.json"
     names = arch_candidates(model_type) if model_type else []
     arch_name = names[0] if names else None
+    if arch_name in GRAPH_DIFFERS:
+        raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft: "
+                              f"{GRAPH_DIFFERS[arch_name]}, so the file would run another model")
     if arch_name not in LAYOUTS:
         known = f"llama.cpp runs it as {arch_name!r} but homelab-ft has not read that conversion" if names else \
             "llama.cpp's gguf-py declares no architecture for it"
@@ -188,10 +237,15 @@ def check_architecture(model_dir: Path) -> Target:
         raise GgufUnsupported(f"{where}: a multimodal checkpoint ({model_type!r} with a text_config) cannot be written "
                               "as GGUF by homelab-ft, which writes text-only models (llama.cpp keeps the vision tower "
                               "in a separate mmproj file)")
-    rope = rope_parameters(config)
-    if rope.get("rope_type", "default") not in ROPE_TYPES:
-        raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft")
     layout = LAYOUTS[arch_name]
+    if layout.model_types and model_type not in layout.model_types:
+        raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft (llama.cpp "
+                              f"runs it as {arch_name!r}, whose conversion homelab-ft has read for "
+                              f"{', '.join(layout.model_types)} only)")
+    rope = rope_parameters(config)
+    if rope.get("rope_type", "default") not in (layout.rope_types or ROPE_TYPES):
+        raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft"
+                              + (f" for {arch_name!r}" if layout.rope_types else ""))
     _check_fixed(config, layout, where=where)
     return Target(model_type=model_type, arch_name=arch_name, layout=layout,
                   offset_norms=_offset_norms(model_dir, arch_name))
@@ -247,8 +301,8 @@ REGISTERED_AS = {
 """Hugging Face architectures llama.cpp's convert_hf_to_gguf.py registers under an architecture of
 another name (`@ModelBase.register(...)` on LlamaModel, Olmo2Model, DeepseekV2Model and
 GraniteHybridModel): llama.cpp's own choice, which neither transformers nor gguf-py records. Every
-other model type is found by its name. (The last two are not in LAYOUTS: listed so that their
-refusal names what llama.cpp runs them as.)"""
+other model type is found by its name. (The last is not in LAYOUTS: listed so that its refusal
+names what llama.cpp runs it as.)"""
 
 
 def arch_candidates(model_type: str) -> list[str]:
@@ -345,6 +399,24 @@ def unpermute_heads(weights: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weights.shape[0]
     return (weights.reshape(num_heads, rows // num_heads // 2, 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
+
+
+KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
+
+
+def split_kv_b(kv_b: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
+    """MLA's kv_b_proj (heads x (nope + v) rows, kv_lora_rank columns) as DeepseekV2Model splits it
+    for llama.cpp's absorbed attention: k_b (heads, kv_lora_rank, nope), each head's nope rows
+    transposed, and v_b (heads, v, kv_lora_rank)."""
+    nope = config.qk_nope_head_dim
+    kv = kv_b.reshape(config.num_attention_heads, nope + config.v_head_dim, kv_b.shape[-1])
+    return np.ascontiguousarray(kv[:, :nope].swapaxes(1, 2)), np.ascontiguousarray(kv[:, nope:])
+
+
+def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
+    """The inverse of split_kv_b."""
+    kv = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
+    return kv.reshape(-1, kv.shape[-1])
 
 
 def rope_parameters(config) -> dict:

@@ -242,8 +242,9 @@ def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str
     returns fused under other names, are left to the logits and to gguf_readback's bit check."""
     target = gguf_arch.check_architecture(reference_dir)
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
-        if len(item.sources) != 1 or item.sources[0][1] not in tensors:
-            continue  # a tied head, rotary buffers or experts: the load_state_dict check covers them
+        split = target.layout.mla and item.gguf_name.endswith(gguf_arch.KV_B_PARTS)
+        if len(item.sources) != 1 or item.sources[0][1] not in tensors or split:
+            continue  # a tied head, rotary buffers, experts or a part of MLA's kv_b: load_state_dict covers them
         name = item.sources[0][1]
         rounded = gguf_readback.round_trip(item.load(), item.qtype).reshape(item.hf_shape)
         want = target.from_gguf(item.gguf_name, rounded, config)

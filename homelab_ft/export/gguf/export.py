@@ -121,7 +121,7 @@ class Planned:
     shape: tuple[int, ...]
     """In the GGUF: the checkpoint's (experts stacked), less its unit dimensions."""
     hf_shape: tuple[int, ...]
-    """In Hugging Face's layout, experts stacked on axis 0."""
+    """In Hugging Face's layout, experts stacked on axis 0 (a part of MLA's kv_b: the part's own)."""
     qtype: object
     nbytes: int
     sources: tuple[tuple[Path, str], ...]
@@ -151,6 +151,8 @@ class Planned:
         return self.target.to_gguf(self.gguf_name, self.hf_values(), self.config).reshape(self.shape)
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
 _EXPERT = re.compile(r"^(?P<head>.*\.experts)\.(?P<index>\d+)\.(?P<tail>.+)$")
 """A per-expert tensor as transformers saves MoE checkpoints (`mlp.experts.3.down_proj.weight`);
 llama.cpp holds all of a block's experts in one 3-D tensor, the name gguf-py maps without the index."""
@@ -170,6 +172,9 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
         for hf_name, shape in _headers(file).items():
             if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # a tied head holds the embedding's values: llama.cpp reuses token_embd
+            layer = _LAYER.match(hf_name)
+            if target.layout.nextn_dropped and layer and int(layer[1]) >= config.num_hidden_layers:
+                continue  # a NextN/MTP layer (gguf_arch.Layout.nextn_dropped)
             match = _EXPERT.match(hf_name)
             key = f"{match['head']}.{match['tail']}" if match else hf_name
             groups.setdefault(key, []).append((int(match["index"]) if match else 0, file, hf_name))
@@ -178,17 +183,18 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
     allowed = set(gguf.MODEL_TENSORS[target.arch])
     plan = []
     for key, parts in groups.items():
-        mapped = name_map.get_type_and_name(key, try_suffixes=(".weight", ".bias"))
-        if mapped is None or mapped[0] not in allowed:
-            raise gguf_arch.GgufUnsupported(
-                f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
-                f"model_type {target.model_type!r} cannot be written as GGUF by homelab-ft")
         parts.sort()
+        sources = tuple((file, name) for _, file, name in parts)
         hf_shape = (len(parts), *shapes[key]) if len(parts) > 1 else shapes[key]
-        shape = tuple(d for d in hf_shape if d != 1) or (1,)  # as the converter's squeeze: Qwen2-MoE's (1, H) gate is H
-        qtype = tensor_qtype(mapped[0], shape, gguf_type)
-        plan.append(Planned(mapped[1], mapped[0], shape, hf_shape, qtype, _nbytes(shape, qtype),
-                            tuple((file, name) for _, file, name in parts), config, target))
+        for gguf_key, shape, in_hf in _gguf_shapes(key, hf_shape, config, target=target):
+            mapped = name_map.get_type_and_name(gguf_key, try_suffixes=(".weight", ".bias"))
+            if mapped is None or mapped[0] not in allowed:
+                raise gguf_arch.GgufUnsupported(
+                    f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
+                    f"model_type {target.model_type!r} cannot be written as GGUF by homelab-ft")
+            qtype = tensor_qtype(mapped[0], shape, gguf_type)
+            plan.append(Planned(mapped[1], mapped[0], shape, in_hf, qtype, _nbytes(shape, qtype), sources, config,
+                                target))
     names = {item.gguf_name for item in plan}
     if "token_embd.weight" not in names:
         raise UserError(f"{model_dir} holds no token embedding; is it a complete model?")
@@ -200,6 +206,26 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
         plan.append(Planned("rope_freqs.weight", gguf.MODEL_TENSOR.ROPE_FREQS, extra.shape, extra.shape, F32,
                             extra.nbytes, (), config, target, extra=extra))
     return plan
+
+
+def _gguf_shapes(key: str, hf_shape: tuple[int, ...], config, *, target: Target) -> list[tuple[str, tuple, tuple]]:
+    """(name to look up in gguf-py's map, shape in the GGUF, `Planned.hf_shape`) of each GGUF tensor
+    one checkpoint tensor (experts stacked) becomes: itself less its unit dimensions, as the
+    converter's squeeze (Qwen2-MoE's (1, H) gate is H), or MLA's kv_b_proj as its two parts
+    (gguf_arch.split_kv_b), each read back in its own shape (gguf_readback joins them)."""
+    if target.layout.mla and key.endswith("kv_b_proj.weight"):
+        heads, nope, v, rank = (config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
+                                config.kv_lora_rank)
+        return [(key.replace("kv_b_proj", "k_b_proj"), (heads, rank, nope), (heads, rank, nope)),
+                (key.replace("kv_b_proj", "v_b_proj"), (heads, v, rank), (heads, v, rank))]
+    key = _SPELT.get(key.rsplit(".", 1)[-1], lambda k: k)(key)
+    return [(key, tuple(d for d in hf_shape if d != 1) or (1,), hf_shape)]
+
+
+_SPELT = {"e_score_correction_bias": lambda key: key.removesuffix("_bias") + ".bias"}
+"""Checkpoint names gguf-py's map spells otherwise: the router's selection bias of DeepSeek-style
+MoE (GLM-4.5), `mlp.gate.e_score_correction_bias`, which llama.cpp's converter renames to
+`e_score_correction.bias` before mapping it (`blk.N.exp_probs_b.bias`)."""
 
 
 def _headers(file: Path) -> dict[str, tuple[int, ...]]:

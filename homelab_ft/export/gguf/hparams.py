@@ -3,7 +3,9 @@
 The keys are those convert_hf_to_gguf.py's TextModel.set_gguf_parameters writes for every text
 model (context, widths, heads, norm epsilon, rope, expert counts), plus what its per-family
 classes add: Gemma 2's soft-capping, the sliding windows of Gemma 2/3, Phi-3 and Olmo 3 (the
-per-layer pattern from `layer_types`), Gemma 3's local rope base, Granite's multipliers. Which keys apply is decided
+per-layer pattern from `layer_types`), Gemma 3's local rope base, Granite's multipliers, GLM-4.5's
+router (shared experts, leading dense blocks, scaling, sigmoid gating, expert groups), DeepSeek-V3's
+multi-head latent attention. Which keys apply is decided
 by what the config has, not by its name, except the few a family's converter writes by hand.
 """
 
@@ -35,19 +37,35 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(1 if target.layout.mla else config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     dim = head_dim(config)
-    if dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
+    if target.layout.mla:
+        _write_mla(writer, config)
+        dim = config.qk_rope_head_dim  # the rotated width
+    elif dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
         writer.add_key_length(dim)
         writer.add_value_length(dim)
     _write_rope(writer, config, dim=dim)
     _write_attention_extras(writer, config, target=target)
-    _write_experts(writer, config)
+    _write_experts(writer, config, target=target)
     _write_multipliers(writer, config)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_mla(writer, config) -> None:
+    """Multi-head latent attention as DeepseekV2Model writes it: one KV head of kv_lora_rank +
+    the rotated width (llama.cpp's absorbed attention), the decompressed head sizes as the `_mla`
+    lengths, and the two ranks (no q_lora_rank where the model projects q directly)."""
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    if getattr(config, "q_lora_rank", None) is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
 
 
 def _write_rope(writer, config, *, dim: int) -> None:
@@ -55,7 +73,8 @@ def _write_rope(writer, config, *, dim: int) -> None:
 
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
-    writer.add_rope_dimension_count(int(dim * getattr(config, "partial_rotary_factor", 1.0)))
+    partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    writer.add_rope_dimension_count(int(dim * partial))  # transformers 5 keeps GLM's in rope_parameters
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -91,8 +110,13 @@ def _write_attention_extras(writer, config, *, target: Target) -> None:
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
 
 
-def _write_experts(writer, config) -> None:
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+def _write_experts(writer, config, *, target: Target) -> None:
+    """Expert counts and sizes; for DeepSeek-style routers (GLM-4.5: Glm4MoeModel) also the shared
+    experts, the leading dense blocks, the routed scaling and the gating function."""
+    import gguf
+
+    num_experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+                   or getattr(config, "n_routed_experts", None))
     if not num_experts:
         return
     writer.add_expert_count(num_experts)
@@ -101,8 +125,29 @@ def _write_experts(writer, config) -> None:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if getattr(config, "n_shared_experts", None) is not None:
+        writer.add_expert_shared_count(config.n_shared_experts)
+    if getattr(config, "first_k_dense_replace", None) is not None:
+        writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    _write_expert_groups(writer, config)
+    if getattr(config, "routed_scaling_factor", None) is not None:
+        writer.add_expert_weights_scale(float(config.routed_scaling_factor))
     if getattr(config, "norm_topk_prob", None) is not None:
         writer.add_expert_weights_norm(bool(config.norm_topk_prob))
+    if target.layout.expert_gating:
+        writer.add_expert_gating_func(getattr(gguf.ExpertGatingFuncType, target.layout.expert_gating))
+
+
+def _write_expert_groups(writer, config) -> None:
+    """DeepSeek-style group-limited routing, `n_group` / `topk_group`, which TextModel writes for
+    every model that has them and llama.cpp's build_moe_ffn applies when there is more than one
+    group. Left out when every group is picked (no grouping: llama.cpp's loader asserts fewer)."""
+    groups, used = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+    if groups is None or (groups > 1 and used is not None and used >= groups):
+        return
+    writer.add_expert_group_count(groups)
+    if used is not None:
+        writer.add_expert_group_used_count(used)
 
 
 MULTIPLIERS = {

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from homelab_ft.export.gguf.arch import Target
+from homelab_ft.export.gguf.arch import KV_B_PARTS, Target, merge_kv_b
 from homelab_ft.export.gguf.export import plan_tensors
 
 _HPARAMS = {
@@ -84,7 +84,8 @@ def _check_keys(fields: dict, config, *, target: Target) -> None:
     for key, attribute in _HPARAMS.items():
         field = fields.get(f"{arch}.{key}")
         got = field.contents() if field is not None else None
-        if got != getattr(config, attribute):
+        want = 1 if key == "attention.head_count_kv" and target.layout.mla else getattr(config, attribute)
+        if got != want:  # MLA is written as one KV head (DeepseekV2Model)
             raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, the model has "
                                f"{attribute} = {getattr(config, attribute)}")
     eps = fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
@@ -105,11 +106,16 @@ def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_typ
 
     config = AutoConfig.from_pretrained(reference_dir)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    state = {}
+    state, kv_b = {}, {}
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
         if item.extra is not None:
             continue  # rope_freqs: computed from the config, not a weight
         array = target.from_gguf(item.gguf_name, stored(tensors[item.gguf_name]).reshape(item.hf_shape), config)
+        if target.layout.mla and item.gguf_name.endswith(KV_B_PARTS):  # k_b, then v_b: joined into kv_b_proj
+            kv_b.setdefault(item.sources[0][1], []).append(array)
+            if len(kv_b[item.sources[0][1]]) < 2:
+                continue
+            array = merge_kv_b(*kv_b.pop(item.sources[0][1]))
         parts = [array] if len(item.sources) == 1 else list(array)
         for (_, hf_name), part in zip(item.sources, parts, strict=True):
             state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32))  # a copy: the reader maps the file read-only

@@ -16,6 +16,7 @@ from homelab_ft.errors import UserError
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
 from homelab_ft.export.gguf import export as gguf_export
+from homelab_ft.export.gguf import hparams as gguf_hparams
 
 WRITTEN = {
     "smollm3": "smollm3",
@@ -27,9 +28,11 @@ WRITTEN = {
     "mixtral": "llama",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "glm4_moe": "glm4moe",
+    "deepseek_v3": "deepseek2",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
-olmo2 and Mixtral as llama): none of these was written before, except gemma3_text."""
+olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2): none of these was written before, except gemma3_text."""
 
 NOT_BIT_EXACT = {"qwen2_moe": 1e-7}
 """f32 logits of Qwen2-MoE read back by transformers' GGUF loader differ by 3e-8 from the merged
@@ -41,11 +44,13 @@ AS_RELEASED = {
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
                     "query_pre_attn_scalar": 16},
     "qwen3_moe": {"norm_topk_prob": True},
+    "glm4_moe": {"attention_bias": True},
 }
 """What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
 (gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk by tests/families.py)
 differs: Gemma 3's 5:1 sliding pattern and query scale 1/sqrt(head_dim), Qwen3-MoE's normalised
-top-k weights (Qwen3-30B-A3B sets norm_topk_prob)."""
+top-k weights (Qwen3-30B-A3B sets norm_topk_prob); GLM-4.5(-Air)'s q/k/v biases (attention_bias
+true, which llama.cpp loads where the file has them)."""
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,7 @@ def test_the_architecture_comes_from_transformers_and_gguf_py():
     assert gguf_arch.arch_candidates("qwen3_moe")[0] == "qwen3moe"
     assert gguf_arch.arch_candidates("qwen3_5_text")[0] == "qwen35"
     assert gguf_arch.arch_candidates("gpt_oss")[0] == "gpt-oss"
-    assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]  # llama.cpp's registration; not written
+    assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]
     assert gguf_arch.arch_candidates("no_such_model") == []
 
 
@@ -192,28 +197,161 @@ def test_gemma3_sliding_pattern_is_written_and_a_new_one_names_the_build_it_need
 
 
 def test_a_family_llama_cpp_names_but_homelab_ft_has_not_read_is_refused(tiny):
-    with pytest.raises(gguf_arch.GgufUnsupported, match="'phimoe' cannot be written as GGUF.*runs it as 'phimoe'"):
+    with pytest.raises(gguf_arch.GgufUnsupported, match="'gpt_oss' cannot be written as GGUF.*runs it as 'gpt-oss'"):
+        gguf_export.check_writable(tiny("gpt_oss"))
+
+
+def test_phimoe_is_refused_for_the_graph_llama_cpp_runs_it_on(tiny):
+    """llama.cpp runs PhiMoE on Phi-3's graph: RMSNorm plus bias for PhiMoE's LayerNorm, softmax
+    top-k for its sparsemixer router. Our own check would pass (it runs transformers' graph), so
+    the refusal is the only thing that keeps such a file from being written."""
+    with pytest.raises(gguf_arch.GgufUnsupported, match="'phimoe' cannot be written.*RMSNorm plus a bias.*LayerNorm"):
         gguf_export.check_writable(tiny("phimoe"))
 
 
-def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
-    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (`gemma3`, a text_config and a
-    vision tower): refused from its config alone, before any weight is read."""
-    from transformers import Gemma3Config
-
-    Gemma3Config().save_pretrained(tmp_path)
-    with pytest.raises(gguf_arch.GgufUnsupported, match="multimodal checkpoint .'gemma3' with a text_config"):
-        gguf_arch.check_architecture(tmp_path)
-
-
-def test_a_window_llama_cpp_does_not_apply_is_said(tiny, tmp_path, caplog):
-    """Mistral as llama.cpp's `llama`, which has no sliding window (as its converter does it)."""
-    import logging
-
+def _written(model_dir: Path, path: Path):
+    """(path, reader, the `<arch>.*` keys without the prefix) of `model_dir` written as f32."""
     from gguf import GGUFReader
 
-    path = tmp_path / "mistral.gguf"
-    with caplog.at_level(logging.WARNING):
-        gguf_export.write_gguf(tiny("mistral"), path, gguf_type="f32", name="tiny")
-    assert "no sliding window: past 8 tokens" in caplog.text
-    assert "llama.attention.sliding_window" not in GGUFReader(path).fields
+    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+    reader = GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    return path, reader, {name.removeprefix(f"{arch}."): field.contents() for name, field in reader.fields.items()
+                          if name.startswith(f"{arch}.")}
+
+
+def test_glm4_moe_router_keys_are_read_back(tmp_path):
+    """GLM-4.5's DeepSeek-style router as Glm4MoeModel writes it and models/glm4-moe.cpp reads it:
+    leading dense blocks, shared experts, sigmoid gating, routed scaling, the selection bias as
+    `exp_probs_b.bias`, half the head rotated; q/k norms (GLM-4.5 355B) in their place."""
+    import gguf
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    model_dir = save_tiny(tmp_path / "glm", "glm4_moe", first_k_dense_replace=2, n_shared_experts=2,
+                          routed_scaling_factor=2.5, norm_topk_prob=False, use_qk_norm=True)
+    state = load_file(str(model_dir / "model.safetensors"))  # a trained selection bias: transformers inits zeros
+    for name in [n for n in state if n.endswith("e_score_correction_bias")]:
+        state[name] = torch.randn(state[name].shape, generator=torch.Generator().manual_seed(0))
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = AutoConfig.from_pretrained(model_dir)
+    path, reader, fields = _written(model_dir, tmp_path / "glm.gguf")
+    assert fields["leading_dense_block_count"] == config.first_k_dense_replace == 2
+    assert fields["expert_shared_count"] == config.n_shared_experts == 2
+    assert fields["expert_count"] == config.n_routed_experts and fields["expert_used_count"] == config.num_experts_per_tok
+    assert fields["expert_feed_forward_length"] == config.moe_intermediate_size
+    assert fields["expert_gating_func"] == gguf.ExpertGatingFuncType.SIGMOID
+    assert fields["expert_weights_scale"] == pytest.approx(config.routed_scaling_factor)
+    assert fields["expert_weights_norm"] is False
+    assert fields["rope.dimension_count"] == gguf_hparams.head_dim(config) // 2  # partial_rotary_factor 0.5
+    assert "nextn_predict_layers" not in fields  # none written: llama.cpp would skip that many real blocks
+    tensors = {t.name: t for t in reader.tensors}
+    assert "blk.1.ffn_gate.weight" in tensors and "blk.1.ffn_gate_inp.weight" not in tensors  # dense
+    assert "blk.2.ffn_gate_exps.weight" in tensors and "blk.0.attn_q_norm.weight" in tensors
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        bias = f.get_tensor("model.layers.2.mlp.gate.e_score_correction_bias").float().numpy()
+    np.testing.assert_array_equal(np.asarray(tensors["blk.2.exp_probs_b.bias"].data), bias)
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
+def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_written(tiny, tmp_path):
+    """A released GLM-4.5 holds its MTP layer as model.layers.<num_hidden_layers>: left out, as
+    the converter's --no-mtp. Expert groups are written as TextModel writes them, which llama.cpp's
+    build_moe_ffn applies; picking every group is no grouping, and is left out (llama.cpp's loader
+    asserts topk_group < n_group)."""
+    import shutil
+
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    model_dir = tmp_path / "glm"
+    shutil.copytree(tiny("glm4_moe"), model_dir)
+    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    state = load_file(str(model_dir / "model.safetensors"))
+    state[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    target = gguf_arch.check_architecture(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    names = {item.gguf_name for item in gguf_export.plan_tensors(model_dir, config, target=target, gguf_type="f32")}
+    assert not any(name.startswith(f"blk.{layers}.") for name in names) and f"blk.{layers - 1}.attn_q.weight" in names
+    for groups, used, written in [(2, 1, (2, 1)), (2, 2, (None, None)), (1, 1, (1, 1))]:
+        model_dir = save_tiny(tmp_path / f"groups{groups}{used}", "glm4_moe", n_group=groups, topk_group=used)
+        path = model_dir / "model.gguf"
+        gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
+        fields = GGUFReader(path).fields
+        got = tuple(fields[key].contents() if key in fields else None
+                    for key in ("glm4moe.expert_group_count", "glm4moe.expert_group_used_count"))
+        assert got == written, (groups, used)
+        assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
+def _edited(tmp_path: Path, model_dir: Path, name: str, **config) -> Path:
+    """A copy of `model_dir` whose config.json has `config` changed (the checks read config.json alone)."""
+    import shutil
+
+    out = tmp_path / name
+    shutil.copytree(model_dir, out)
+    values = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**values, **config}))
+    return out
+
+
+def test_deepseek_v3_mla_is_split_as_llama_cpp_absorbs_it(tmp_path):
+    """DeepseekV2Model's MLA: one KV head of kv_lora_rank + the rotated width, the decompressed head
+    sizes as the `_mla` lengths, kv_b_proj split into attn_k_b (each head's nope rows transposed,
+    which llama.cpp multiplies q_nope by) and attn_v_b; the router as GLM's, with expert groups."""
+    import gguf
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    model_dir = save_tiny(tmp_path / "ds", "deepseek_v3", v_head_dim=24, n_group=2, topk_group=1, first_k_dense_replace=2)
+    config = AutoConfig.from_pretrained(model_dir)
+    path, reader, fields = _written(model_dir, tmp_path / "ds.gguf")
+    rank, rope, nope, v = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    assert fields["attention.head_count_kv"] == 1 and fields["attention.kv_lora_rank"] == rank
+    assert fields["attention.q_lora_rank"] == config.q_lora_rank
+    assert (fields["attention.key_length"], fields["attention.value_length"]) == (rank + rope, rank)
+    assert (fields["attention.key_length_mla"], fields["attention.value_length_mla"]) == (nope + rope, v)
+    assert fields["rope.dimension_count"] == rope
+    assert fields["expert_gating_func"] == gguf.ExpertGatingFuncType.SIGMOID
+    assert (fields["expert_group_count"], fields["expert_group_used_count"]) == (2, 1)
+    assert fields["leading_dense_block_count"] == 2 and fields["expert_shared_count"] == config.n_shared_experts
+    assert fields["expert_weights_scale"] == pytest.approx(config.routed_scaling_factor)
+    tensors = {t.name: t for t in reader.tensors}
+    heads = config.num_attention_heads
+    assert [int(d) for d in tensors["blk.2.attn_k_b.weight"].shape] == [nope, rank, heads]  # as deepseek2.cpp creates
+    assert [int(d) for d in tensors["blk.2.attn_v_b.weight"].shape] == [rank, v, heads]
+    assert "blk.2.attn_kv_b.weight" not in tensors
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        kv_b = f.get_tensor("model.layers.2.self_attn.kv_b_proj.weight").float().numpy().reshape(heads, nope + v, rank)
+    k_b = np.asarray(tensors["blk.2.attn_k_b.weight"].data).reshape(heads, rank, nope)
+    v_b = np.asarray(tensors["blk.2.attn_v_b.weight"].data).reshape(heads, v, rank)
+    rng = np.random.default_rng(0)
+    q_nope, latent = rng.standard_normal((heads, nope)), rng.standard_normal(rank)
+    for h in range(heads):  # llama.cpp's absorbed scores and values are the model's
+        np.testing.assert_allclose((k_b[h] @ q_nope[h]) @ latent, q_nope[h] @ (kv_b[h, :nope] @ latent), rtol=1e-5)
+        np.testing.assert_allclose(v_b[h] @ latent, kv_b[h, nope:] @ latent, rtol=1e-5)
+    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
+
+
+def test_deepseek2_refuses_what_llama_cpp_runs_otherwise(tiny, tmp_path):
+    """deepseek2.cpp ropes interleaved pairs, has no attention biases and reads no q_lora_rank for
+    a 26/27-layer model; DeepSeek-V3's YaRN is not written; of the several model types llama.cpp
+    runs as deepseek2, DeepSeek-V3's conversion is the one read."""
+    base = tiny("deepseek_v3")
+    for name, config, refusal in [
+        ("pairs", {"rope_interleave": False}, "rope_interleave = False but llama.cpp runs this architecture with True"),
+        ("bias", {"attention_bias": True}, "attention_bias = True but llama.cpp runs this architecture with False"),
+        ("lite", {"num_hidden_layers": 27}, "q_lora_rank = 32 but llama.cpp runs this architecture with None"),
+        ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
+                                      "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+         "rope type 'yarn' cannot be written as GGUF by homelab-ft for 'deepseek2'"),
+        ("v2", {"model_type": "deepseek_v2"}, "homelab-ft has read for deepseek_v3 only"),
+    ]:
+        with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
+            gguf_arch.check_architecture(_edited(tmp_path, base, name, **config))
+    gguf_arch.check_architecture(_edited(tmp_path, base, "moonlight", num_hidden_layers=27, q_lora_rank=None))

@@ -373,7 +373,7 @@ def test_refusals_write_nothing(models, tmp_path, capsys):
 
 
 def test_a_family_without_gguf_gets_its_safetensors_export_and_one_line(tmp_path, capsys):
-    """Phi-MoE: llama.cpp runs it as `phimoe`, whose conversion homelab-ft has not read. Asked for
+    """Phi-MoE: llama.cpp runs it as `phimoe`, on Phi-3's graph, which computes another model. Asked for
     a GGUF, export still writes (and checks) the safetensors export, then says so in one line, exit 2."""
     from families import save_tiny
     from transformers import AutoModelForCausalLM
