@@ -128,6 +128,7 @@ def main() -> int:
             (netns.shaped_link(args.netns) if args.netns else contextlib.nullcontext()) as link:
         tmp = Path(tmp_str)
         grpo_step.setup(tmp)
+        sys.path.insert(0, str(tmp))  # launch plans here, importing rewards.py as the nodes do (PYTHONPATH)
         best: dict[str, dict] = {}
         for _ in range(ROUNDS):
             for name, spec in CONTENDERS.items():

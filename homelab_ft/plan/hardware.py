@@ -176,9 +176,12 @@ def cpu_cores_per_process(cores: int, processes: int) -> float:
     return cores // processes
 
 
-def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str | None = None) -> Cluster:
+def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str | None = None,
+                    num_threads: int | None = None) -> Cluster:
     """The recipe's cluster section, with what it leaves open filled from `detected`.
-    `cluster_file`: the name of the `--cluster` file whose values the section holds, for the plan."""
+    `cluster_file`: the name of the `--cluster` file whose values the section holds, for the plan;
+    `num_threads`: train.num_threads, the threads each CPU process computes with (torch.set_num_threads
+    and the nodes' OMP_NUM_THREADS), which caps its cores: one thread on a node of 8 cores is one core."""
     device = cfg.device
     if device == "auto":
         device = "cuda" if cfg.vram_gib is not None or detected.gpu_count > 0 else "cpu"
@@ -189,6 +192,7 @@ def resolve_cluster(cfg: ClusterConfig, *, detected: Detected, cluster_file: str
     links = _links(cfg)
     if device == "cpu":
         cores = cpu_cores_per_process(detected.cpu_cores, cfg.gpus_per_node)
+        cores = min(cores, num_threads) if num_threads else cores
         tflops, tflops_source = cpu_throughput(cores, given=cfg.cpu_gflops_per_core, measured=detected.cpu_gflops_per_core)
         return Cluster(
             device="cpu", nodes=cfg.nodes, gpus_per_node=cfg.gpus_per_node,

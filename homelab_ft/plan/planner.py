@@ -434,7 +434,7 @@ def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str
         # one core's matmul rate, measured once per machine, for a plan that may be a CPU one and names none
         cpu_speed = recipe.cluster.device != "cuda" and recipe.cluster.cpu_gflops_per_core is None
         cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(cpu_speed=cpu_speed),
-                                           cluster_file=cluster_file)
+                                           cluster_file=cluster_file, num_threads=recipe.train.num_threads)
     return plan(shape, request=request_from_recipe(recipe, lengths=lengths), cluster=cluster, model=recipe.model.path,
                 config_source=source)
 

@@ -60,6 +60,24 @@ def test_a_given_rate_wins_and_nothing_measured_falls_back_to_the_default():
     assert "nothing measured" in default.tflops_source
 
 
+def test_train_num_threads_caps_the_cores_a_process_computes_on():
+    """Each process runs train.num_threads threads (torch.set_num_threads, the nodes' OMP_NUM_THREADS):
+    a rollout node's trainer on a 2-core node of its own with one thread computes on one core, as
+    the same job's two processes on one 2-core machine do (bench/grpo_node.py --netns planned 2x too fast)."""
+    one_thread = resolve_cluster(ClusterConfig(device="cpu", nodes=2), detected=dataclasses.replace(CPU2, cpu_gflops_per_core=150.0),
+                                 num_threads=1)
+    assert one_thread.tflops == pytest.approx(150.0 * CPU_TRAINING_EFFICIENCY / 1000)
+    assert "x 1 core(s) per process" in one_thread.tflops_source
+    shared = resolve_cluster(ClusterConfig(device="cpu", gpus_per_node=2), detected=dataclasses.replace(CPU2, cpu_gflops_per_core=150.0))
+    assert shared.tflops == one_thread.tflops
+    many = resolve_cluster(ClusterConfig(device="cpu"), detected=dataclasses.replace(CPU2, cpu_gflops_per_core=150.0),
+                           num_threads=8)
+    assert many.tflops == pytest.approx(150.0 * CPU_TRAINING_EFFICIENCY * 2 / 1000)  # no more cores than the node has
+    recipe = load_recipe(RECIPES / "smollm2-lora-cpu.yaml", ["train.num_threads=1"])
+    planned = plan_for_recipe(recipe, lengths=RowLengths(counts=((80, 320),)))
+    assert "x 1 core(s) per process" in planned.cluster.tflops_source
+
+
 def test_the_measurement_is_cached_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path))
     runs = []
