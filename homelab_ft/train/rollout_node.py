@@ -190,6 +190,16 @@ def run(recipe, *, env: DistEnv, rung: Rung, inputs, train: Callable):
             log.warning("could not send stop to the rollout rank: %s", str(err).splitlines()[0] if str(err) else err)
 
 
+def held_adapters(model, link: Link, *, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The rollout rank's adapter tensors, cast to the dtype they cross the link in (it never trains:
+    rules/adapter_sync.py), and the receive buffers the trainer's `Remote._changed` buffers fill."""
+    tensors = adapter_tensors(model)
+    with torch.no_grad():
+        for t in tensors:
+            t.data = t.data.to(link.synced_dtype(t.dtype))
+    return tensors, empty_like_flat(tensors, device=device)
+
+
 def serve(recipe, *, link: Link, rung: Rung, inputs, device: torch.device) -> int:
     """The rollout rank: build the model to generate with (the trainer's rung pieces: build.build_model
     as one process, so the same base, 4-bit or not, and the same adapters), then answer requests until
@@ -202,11 +212,7 @@ def serve(recipe, *, link: Link, rung: Rung, inputs, device: torch.device) -> in
     torch.manual_seed(recipe.train.seed)  # as the trainer draws its adapters; the first sync overwrites them
     model = build.build_model(recipe, model_dir=inputs.model_dir, facts=inputs.facts, rung=rung, env=env)
     engine = Colocated(settings=recipe.grpo, tokenizer=tokenizer, device=device, distributed=False)
-    tensors = adapter_tensors(model)
-    with torch.no_grad():  # held as they cross the link (rules/adapter_sync.py): the rank never trains
-        for t in tensors:
-            t.data = t.data.to(link.synced_dtype(t.dtype))
-    buffers = empty_like_flat(tensors, device=device)
+    tensors, buffers = held_adapters(model, link, device=device)
     ends = end_token_ids(tokenizer, model)
     log.info("rollout rank ready: %d adapter tensors, %d bytes", len(tensors),
              sum(b.numel() * b.element_size() for b in buffers))

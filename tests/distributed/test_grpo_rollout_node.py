@@ -136,22 +136,6 @@ def test_colocated_runs_log_no_syncs(runs):
     assert not any("rollout/syncs" in r for r in runs["colocated"]["steps"])
 
 
-def test_a_bf16_base_syncs_the_adapters_as_bf16(runs, tmp_path):
-    """On a bf16 base the rollout rank holds the adapters in bf16 and each sync sends them so: half
-    of PEFT's fp32 adapters' bytes (rules/adapter_sync.py), and the run trains to the end."""
-    if runs["method"] != "lora":
-        pytest.skip("one base dtype case is enough")
-    tmp = write_inputs(tmp_path)
-    body = build_recipe.merged(recipe(tmp, runs["model_dir"], "node_bf16", method="lora", rollout="node"),
-                               {"model": {"dtype": "bfloat16"}, "train": {"max_steps": 2, "eval_every": 0, "save_every": 0}})
-    node = train_here(tmp, body)
-    fp32 = runs["bytes"]
-    rows = node["steps"] + node["evals"]  # the held-out pass before step 1 sends the first adapters
-    assert sum(r["rollout/syncs"] for r in rows) >= 2
-    assert all(r["rollout/adapter_bytes"] == r["rollout/syncs"] * fp32 / 2 for r in rows), (fp32, rows)
-    assert all(r["loss"] == r["loss"] and r["grad_norm"] > 0 for r in node["steps"])
-
-
 def test_a_failing_trainer_stops_the_rollout_rank(tmp_path, tiny_model_dir):
     """The trainer's error (a reward function that raises, in the baseline held-out pass) ends the
     job with its one line and exit 2: the trainer sends stop in a finally, the rollout rank returns,

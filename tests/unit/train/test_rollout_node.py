@@ -147,6 +147,32 @@ def test_adapters_cross_in_a_narrower_compute_dtype():
     assert _Link().synced_dtype(torch.float32) == torch.float32
 
 
+def test_the_rollout_rank_holds_bf16_adapters_the_trainers_bf16_buffers_fill(tiny_model_dir):
+    """The two ends of a bf16 base's sync agree: the rollout rank's adapters (PEFT's fp32) are cast to
+    bf16 and its receive buffers are exactly the trainer's sent ones, dtype and size (half of fp32's)."""
+    from homelab_ft.train.build import load_whole
+
+    recipe = recipe_from_dict({"method": "lora", "model": {"path": str(tiny_model_dir), "dtype": "bfloat16"},
+                               "lora": {"r": 4, "dropout": 0.0}}, source="test")
+    rung, cpu = rung_for(recipe), torch.device("cpu")
+    trainer = load_whole(recipe, model_dir=tiny_model_dir, rung=rung, device=cpu, dtype=torch.bfloat16)
+    node = load_whole(recipe, model_dir=tiny_model_dir, rung=rung, device=cpu, dtype=torch.bfloat16)
+    fp32 = sum(t.numel() * t.element_size() for t in rollout_node.adapter_tensors(trainer))
+    assert {t.dtype for t in rollout_node.adapter_tensors(trainer)} == {torch.float32}
+    link = _Link(compute_dtype=torch.bfloat16)
+    local = Colocated(settings=GrpoConfig(num_generations=2), tokenizer=_Tokenizer(), device=cpu, distributed=False)
+    sent = rollout_node.Remote(local=local, link=link)._changed(trainer)
+    tensors, buffers = rollout_node.held_adapters(node, link, device=cpu)
+    assert {t.dtype for t in tensors} == {torch.bfloat16} and all(t.requires_grad for t in tensors)
+    assert [(b.dtype, b.numel()) for b in buffers] == [(b.dtype, b.numel()) for b in sent] == \
+        [(torch.bfloat16, fp32 // 4)]
+    for buffer, got in zip(buffers, sent, strict=True):
+        buffer.copy_(got)
+    unflatten_into(tensors, buffers)
+    assert all(torch.equal(a, b.to(torch.bfloat16)) for a, b in
+               zip(tensors, rollout_node.adapter_tensors(trainer), strict=True))
+
+
 class _AheadLink(_Link):
     """A stand-in link that also takes requests ahead of their step, and logs every call in order."""
 
