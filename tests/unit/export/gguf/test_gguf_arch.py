@@ -355,3 +355,26 @@ def test_deepseek2_refuses_what_llama_cpp_runs_otherwise(tiny, tmp_path):
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
             gguf_arch.check_architecture(_edited(tmp_path, base, name, **config))
     gguf_arch.check_architecture(_edited(tmp_path, base, "moonlight", num_hidden_layers=27, q_lora_rank=None))
+
+
+def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (`gemma3`, a text_config and a
+    vision tower): refused from its config alone, before any weight is read."""
+    from transformers import Gemma3Config
+
+    Gemma3Config().save_pretrained(tmp_path)
+    with pytest.raises(gguf_arch.GgufUnsupported, match="multimodal checkpoint .'gemma3' with a text_config"):
+        gguf_arch.check_architecture(tmp_path)
+
+
+def test_a_window_llama_cpp_does_not_apply_is_said(tiny, tmp_path, caplog):
+    """Mistral as llama.cpp's `llama`, which has no sliding window (as its converter does it)."""
+    import logging
+
+    from gguf import GGUFReader
+
+    path = tmp_path / "mistral.gguf"
+    with caplog.at_level(logging.WARNING):
+        gguf_export.write_gguf(tiny("mistral"), path, gguf_type="f32", name="tiny")
+    assert "no sliding window: past 8 tokens" in caplog.text
+    assert "llama.attention.sliding_window" not in GGUFReader(path).fields
