@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,7 @@ def _stop_tokens(model_dir: Path, tokenizer) -> list[str]:
 
 
 def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system: SystemTurn | None = None,
-                  needs: list[str] = ()) -> str:
+                  needs: Sequence[str] = ()) -> str:
     """The RUNNING.md section for the GGUF: llama.cpp, Ollama and LM Studio commands.
 
     `--jinja` everywhere: llama.cpp's built-in (non-Jinja) rendering of a chat template, the
@@ -100,7 +101,7 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system
     approximation; for SmolLM2 it drops the default system turn, so 0 of the demo's 48 prompts
     rendered as the model was trained on (issue 26). Current llama-cli is a chat by default and no
     longer takes `-cnv`; `-cnv` belongs to llama-completion. `needs`: the llama.cpp build the file
-    asks for (gguf.arch.runtime_needs), said first.
+    asks for (gguf.arch.runtime_needs), said right after the llama.cpp commands.
     """
     gguf = f"{name}/{gguf_name}"
     sys_flag = f" -sys {shlex.quote(system.text)}" if system and system.from_recipe else ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -317,7 +317,7 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
 
 
 def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None,
-                         system: local_runtimes.SystemTurn | None = None, needs: list[str] = ()) -> None:
+                         system: local_runtimes.SystemTurn | None = None, needs: Sequence[str] = ()) -> None:
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
     text = "# Running this model\n\n"
     if gguf_name:
