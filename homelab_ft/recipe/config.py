@@ -146,6 +146,14 @@ class DataConfig:
     """Shuffle the training rows each epoch (seeded by train.seed); false: file order."""
     cache_dir: str | None = None
     """Where tokenised data is cached; default: the `datasets` cache."""
+    image_max_pixels: PositiveInt | None = None
+    """Image-text models: the largest area (width x height, in pixels) an image is resized to keep
+    within before the model's processor reads it; the aspect ratio is kept. Image tokens grow with
+    the area (a Qwen2-VL-style model spends one token per 28x28 pixels), so this bounds what an image
+    costs in tokens and memory. Unset: the processor's own limit."""
+    image_min_pixels: PositiveInt | None = None
+    """Image-text models: the smallest area an image is enlarged to reach (aspect ratio kept), so a
+    tiny crop still yields the detail the processor needs. Unset: the processor's own limit."""
 
 
 DEFAULT_MAX_STEPS = 100
