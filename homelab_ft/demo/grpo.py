@@ -75,7 +75,8 @@ def held_out_reward(model_dir: Path, *, batch_prompts: int = 16) -> dict[str, fl
     from homelab_ft.data.prompts import prepare_prompts
     from homelab_ft.distributed import comm
     from homelab_ft.model import loading
-    from homelab_ft.recipe.config import DataConfig, GrpoConfig, ModelConfig
+    from homelab_ft.recipe.config import DataConfig, ModelConfig
+    from homelab_ft.recipe.objectives import GrpoConfig
     from homelab_ft.train import grpo, rewards
     from homelab_ft.train.rollout import Colocated
 

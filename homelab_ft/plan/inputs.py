@@ -14,8 +14,6 @@ from typing import Literal
 from homelab_ft.plan import gpus
 from homelab_ft.recipe.config import (
     DataConfig,
-    DpoConfig,
-    GrpoConfig,
     LoraConfig,
     ModelConfig,
     PlannerConfig,
@@ -23,6 +21,7 @@ from homelab_ft.recipe.config import (
     ShardingConfig,
     TrainConfig,
 )
+from homelab_ft.recipe.objectives import DpoConfig, GrpoConfig
 
 # Effective bandwidths in bytes/s. PCIe: NCCL busbw on PCIe 4.0 x16 without peer-to-peer (GeForce
 # cards route through host memory) is ~10 GB/s in nccl-tests. NVLink: the 3090/A6000 bridge gives

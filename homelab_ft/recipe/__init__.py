@@ -2,6 +2,7 @@
 
     config        every section as a frozen pydantic dataclass, every default once with its docstring
                   (model, lora, quant, data, train, sharding, cluster, eval ...); `load_recipe`
+    objectives    the objectives' own sections: `dpo` (DPO, IPO, ORPO, SimPO, KTO) and `grpo`
     objective_checks  what each objective needs of the other sections (pairs or unpaired rows for
                   preference tuning in its loss's format, rewards for GRPO), checked once they validate
     io            YAML in and out, `section.key=value` overrides, the nearest-key error messages

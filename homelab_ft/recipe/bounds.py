@@ -1,6 +1,6 @@
 """What each kind of numeric recipe value can be, named once (config.py uses these types).
 
-Every float in a recipe is finite as well (config.py's `allow_inf_nan=False`): an infinite
+Every float in a recipe is finite as well (`STRICT`'s `allow_inf_nan=False`): an infinite
 learning rate, LoRA alpha or DPO beta validated and trained to NaN with exit 0 (issue 23).
 """
 
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
+
+STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
+"""Every recipe section's pydantic config (config.py, objectives.py): an unknown key is an error, a
+field's docstring is its help, and no float is infinite or NaN."""
 
 MAX_INT64 = 2**63 - 1
 """Counts end up in torch int64 tensors and numpy int64 arrays (steps, rows, tokens); past this

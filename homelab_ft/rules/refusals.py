@@ -18,7 +18,7 @@ context of the recipe and the model.
 
 from __future__ import annotations
 
-from homelab_ft.recipe.config import KTO_MIN_STEP_ROWS
+from homelab_ft.recipe.objectives import KTO_MIN_STEP_ROWS
 from homelab_ft.rules import embedding_offload, moe_routers
 from homelab_ft.rung import Rung, RungError
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from homelab_ft.distributed import comm
-from homelab_ft.recipe.config import GrpoConfig
+from homelab_ft.recipe.objectives import GrpoConfig
 from homelab_ft.train import grpo_loss, rewards
 from homelab_ft.train.loss import completion_logprobs
 from homelab_ft.train.preference import adapters_off

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from homelab_ft.recipe.config import GRPO_LOSS_TYPES, IS_CORRECTION_MODES, SCALE_REWARDS, GrpoConfig
+from homelab_ft.recipe.objectives import GRPO_LOSS_TYPES, IS_CORRECTION_MODES, SCALE_REWARDS, GrpoConfig
 
 IS_METRICS = ("sampling/importance_sampling_ratio/mean", "sampling/sampling_logp_difference/mean")
 """policy_loss's metrics when it corrects a stale batch (TRL's names)."""

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from homelab_ft.distributed import comm
 from homelab_ft.labels import IGNORE_INDEX
-from homelab_ft.recipe.config import DpoConfig
+from homelab_ft.recipe.objectives import DpoConfig
 
 METRICS = ("loss", "reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy", "logp_chosen", "logp_rejected")
 """Per-pair quantities summed over a step and divided by its pair count (metrics.jsonl keys, with

@@ -26,7 +26,7 @@ import torch
 
 from homelab_ft.data.prompts import decoded
 from homelab_ft.distributed import parallelize
-from homelab_ft.recipe.config import GrpoConfig
+from homelab_ft.recipe.objectives import GrpoConfig
 from homelab_ft.train.samples import preserved, root_gathered
 
 

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from homelab_ft.errors import UserError
-from homelab_ft.recipe.config import GrpoConfig, recipe_from_dict
+from homelab_ft.recipe.config import recipe_from_dict
+from homelab_ft.recipe.objectives import GrpoConfig
 
 TRL_1_16_DEFAULTS = {  # trl/trainer/grpo_config.py of trl 1.16.0
     "num_generations": 8, "max_completion_length": 512, "temperature": 1.0, "top_p": 1.0, "beta": 0.0,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from homelab_ft.recipe.config import GRPO_LOSS_TYPES, SCALE_REWARDS, GrpoConfig
+from homelab_ft.recipe.objectives import GRPO_LOSS_TYPES, SCALE_REWARDS, GrpoConfig
 from homelab_ft.train import grpo_loss
 
 TOL = 1e-6

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from homelab_ft.recipe.config import DpoConfig
+from homelab_ft.recipe.objectives import DpoConfig
 from homelab_ft.train import preference
 
 # 5 unpaired rows, desirable and undesirable: completion log-probs under policy and reference, and

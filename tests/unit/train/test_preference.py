@@ -12,7 +12,8 @@ import torch
 
 from homelab_ft.data import IGNORE_INDEX, collate_pairs, prepare_pairs
 from homelab_ft.errors import UserError
-from homelab_ft.recipe.config import DataConfig, DpoConfig, SourceConfig, recipe_from_dict
+from homelab_ft.recipe.config import DataConfig, SourceConfig, recipe_from_dict
+from homelab_ft.recipe.objectives import DpoConfig
 from homelab_ft.train import preference
 
 # (policy chosen, policy rejected, reference chosen, reference rejected) sequence log-probabilities

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from homelab_ft.recipe.config import DpoConfig
+from homelab_ft.recipe.objectives import DpoConfig
 from homelab_ft.train import preference
 
 # 3 pairs: summed log-probs of the chosen rows, then the rejected ones, and their token counts

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from homelab_ft.recipe.config import GrpoConfig
+from homelab_ft.recipe.objectives import GrpoConfig
 from homelab_ft.train.loss import completion_logprobs
 from homelab_ft.train.rollout import Colocated, end_token_ids, seed_for
 

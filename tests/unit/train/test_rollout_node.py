@@ -18,7 +18,8 @@ from homelab_ft.plan.inputs import Cluster
 from homelab_ft.plan.planner import default_request, plan
 from homelab_ft.plan.price.memory import GiB
 from homelab_ft.plan.shape.shapes import model_shape
-from homelab_ft.recipe.config import GrpoConfig, recipe_from_dict
+from homelab_ft.recipe.config import recipe_from_dict
+from homelab_ft.recipe.objectives import GrpoConfig
 from homelab_ft.rules import refusals
 from homelab_ft.rung import Rung, RungError, rung_for
 from homelab_ft.train import rollout_node
