@@ -62,11 +62,11 @@ TOP = {"gemma3": {"mm_tokens_per_image": 4}, "internvl": {"image_seq_length": 4}
 """Top-level keys tying the image-token count to the tiny geometry."""
 
 
-def tiny_vlm_config(model_type: str, **vision_overrides):
+def tiny_vlm_config(model_type: str, *, text_overrides: dict | None = None, **vision_overrides):
     """`model_type`'s default image-text config with tiny text and vision parts."""
     from families import tiny_config
 
-    config = tiny_config(model_type, **TEXT.get(model_type, {}))
+    config = tiny_config(model_type, **TEXT.get(model_type, {}), **(text_overrides or {}))
     vision = config.vision_config
     present = vision.to_dict()
     for key, value in {**VISION_SIZES, **vision_overrides}.items():
@@ -79,14 +79,15 @@ def tiny_vlm_config(model_type: str, **vision_overrides):
     return config
 
 
-def save_tiny_vlm(out_dir: Path, model_type: str, *, seed: int = 0, **vision_overrides) -> Path:
+def save_tiny_vlm(out_dir: Path, model_type: str, *, seed: int = 0, text_overrides: dict | None = None,
+                  **vision_overrides) -> Path:
     """Save a tiny random image-text `model_type` (and, for Idefics3, its tokenizer and processor)."""
     import torch
     from tiny import make_tokenizer
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     out_dir = Path(out_dir)
-    config = tiny_vlm_config(model_type, **vision_overrides)
+    config = tiny_vlm_config(model_type, text_overrides=text_overrides, **vision_overrides)
     if model_type == "idefics3":
         tokenizer = _idefics3_processor(out_dir).tokenizer
         config.image_token_id = tokenizer.convert_tokens_to_ids("<image>")

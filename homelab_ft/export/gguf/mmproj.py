@@ -60,6 +60,9 @@ class Projector:
     """Regex of parameters the converter leaves out."""
     plus_one: tuple[str, ...] = ()
     """GGUF names written as 1 + w: an RMSNorm that computes x * (1 + w), whose graph in clip.cpp is x * w."""
+    first_row_last: tuple[str, ...] = ()
+    """GGUF names whose first row is written last: a position table whose class-token row llama.cpp's
+    graph reads after the patches' rows (module docstring of PROJECTORS' InternVL entry)."""
     keep_f32: tuple[str, ...] = ()
     """Substrings of GGUF names always written in f32 (the converter's tensor_force_quant)."""
     keep_f16: tuple[str, ...] = ()
@@ -116,10 +119,17 @@ PROJECTORS = {
         renames=((r"^multi_modal_projector\.layer_norm\.", "mlp1.0."), (r"^multi_modal_projector\.linear_1\.", "mlp1.1."),
                  (r"^multi_modal_projector\.linear_2\.", "mlp1.3."),
                  (r"(\.lambda_\d|position_embeddings)$", r"\1.weight")),  # the converter's `name += ".weight"`
-        keep_f32=(".position_embd.",), extra_keys=_internvl_keys),
+        first_row_last=("v.position_embd.weight",), keep_f32=(".position_embd.",), extra_keys=_internvl_keys),
 }
 """Image-text class -> its mmproj conversion, read from llama.cpp's converter (`source`); the class
-names are those its converter registers the MmprojModel subclass under."""
+names are those its converter registers the MmprojModel subclass under.
+
+One departure from the converter, measured: llama.cpp b11739's InternVL graph (models/internvl.cpp)
+appends the class token after the patches and adds the position table's rows in order, so the
+converter's file (class-token row first, as transformers adds it) gives each patch its neighbour's
+position: on the tiny test model llama.cpp's image embeddings then differ from transformers' by 9% of
+their largest value. Written with the class-token row last, llama.cpp computes transformers' model
+(2.4e-5 of 0.094 in f32; tests/unit/export/gguf/test_gguf_mmproj_llama_cpp.py)."""
 
 NO_GRAPH = {
     "Qwen2VLForConditionalGeneration": "its language model is llama.cpp's `qwen2vl` (M-RoPE sections), a text "
@@ -155,10 +165,14 @@ class MmprojPlan:
 
     def to_gguf(self, item: MmprojTensor, array: np.ndarray) -> np.ndarray:
         array = array.reshape(item.shape)
+        if item.gguf_name in self.projector.first_row_last:
+            array = np.roll(array, -1, axis=0)
         return array + np.float32(1.0) if item.gguf_name in self.projector.plus_one else array
 
     def from_gguf(self, item: MmprojTensor, array: np.ndarray) -> np.ndarray:
         array = array - np.float32(1.0) if item.gguf_name in self.projector.plus_one else array
+        if item.gguf_name in self.projector.first_row_last:
+            array = np.roll(array, 1, axis=0)
         return array.reshape(item.hf_shape)
 
 
