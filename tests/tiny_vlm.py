@@ -127,11 +127,9 @@ def _image_processor(model_type: str):
 
 
 def _idefics3_processor(out_dir: Path):
-    from tiny import make_tokenizer
+    from tiny import CORPUS, make_tokenizer
     from transformers import Idefics3Processor
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-
-    from tiny import CORPUS
 
     tokenizer = make_tokenizer(out_dir, chat_template=IDEFICS3_TEMPLATE, corpus=CORPUS + IMAGE_CORPUS)
     tokenizer.add_special_tokens({"additional_special_tokens": list(IMAGE_TOKENS)})

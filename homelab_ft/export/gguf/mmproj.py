@@ -249,11 +249,19 @@ def _qtype(mapped, shape: tuple[int, ...], gguf_type: str, projector: Projector)
     return tensor_qtype(kind, shape, gguf_type)
 
 
+PROCESSOR_FILES = (("preprocessor_config.json", None), ("processor_config.json", "image_processor"))
+"""Where an image processor's settings are saved, and the key holding them inside the file (None: the file)."""
+
+
+def has_processor(model_dir: Path) -> bool:
+    return any((Path(model_dir) / file).is_file() for file, _ in PROCESSOR_FILES)
+
+
 def processor_settings(model_dir: Path) -> dict:
     """The image processor's settings as the converter reads them: preprocessor_config.json, then
     processor_config.json's `image_processor` over it."""
     settings = {}
-    for file, inner in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+    for file, inner in PROCESSOR_FILES:
         path = Path(model_dir) / file
         if path.is_file():
             values = json.loads(path.read_text())
@@ -287,15 +295,18 @@ def _vision_hparams(config, processor: dict) -> dict[str, object]:
     }
 
 
-def mmproj_keys(plan: MmprojPlan, model_dir: Path) -> dict[str, object]:
-    """GGUFWriter method -> value for every hyperparameter the mmproj holds."""
-    processor = processor_settings(model_dir)
+def mmproj_keys(plan: MmprojPlan, processor_dir: Path) -> dict[str, object]:
+    """GGUFWriter method -> value for every hyperparameter the mmproj holds (`processor_dir`: the
+    folder with the model's image processor settings)."""
+    processor = processor_settings(processor_dir)
     return {**_vision_hparams(plan.config, processor), "add_clip_projector_type": plan.projector.projector_type,
             **plan.projector.extra_keys(plan.config, processor)}
 
 
-def write_mmproj(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) -> MmprojPlan:
-    """Write the vision tower and projector of `model_dir` as llama.cpp's mmproj GGUF at `out_path`."""
+def write_mmproj(model_dir: Path, out_path: Path, *, gguf_type: str, name: str,
+                 processor_dir: Path | None = None) -> MmprojPlan:
+    """Write the vision tower and projector of `model_dir` as llama.cpp's mmproj GGUF at `out_path`;
+    the image processor's settings are read from `processor_dir` (default: `model_dir`)."""
     import gguf
     import torch
     from transformers import AutoModelForImageTextToText
@@ -304,7 +315,7 @@ def write_mmproj(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) 
     from homelab_ft.model.checkpoint_keys import CheckpointKeys
 
     plan = plan_mmproj(model_dir, gguf_type=gguf_type)
-    keys = mmproj_keys(plan, model_dir)
+    keys = mmproj_keys(plan, processor_dir or model_dir)
     with torch.device("meta"):
         checkpoint = CheckpointKeys(AutoModelForImageTextToText.from_config(plan.config), model_dir)
     writer = gguf.GGUFWriter(out_path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])

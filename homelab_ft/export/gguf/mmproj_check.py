@@ -39,7 +39,8 @@ class MmprojCheck:
                 f"(bound {self.bound:.2e}, matrices stored down to {self.stored_as})")
 
 
-def read_back(path: Path, model_dir: Path, *, gguf_type: str) -> gguf_mmproj.MmprojPlan:
+def read_back(path: Path, model_dir: Path, *, gguf_type: str, processor_dir: Path | None = None
+              ) -> gguf_mmproj.MmprojPlan:
     """Raise RuntimeError on any difference between the file and what `model_dir` should give."""
     import gguf
     import torch
@@ -54,7 +55,7 @@ def read_back(path: Path, model_dir: Path, *, gguf_type: str) -> gguf_mmproj.Mmp
         if key not in fields or fields[key].contents() != want:
             raise RuntimeError(f"mmproj check failed: {key} is {fields[key].contents() if key in fields else None}, "
                                f"meant {want!r}")
-    _check_keys(fields, _written_keys(plan, model_dir))
+    _check_keys(fields, _written_keys(plan, processor_dir or model_dir))
     tensors = {t.name: t for t in reader.tensors}
     meant = {item.gguf_name for item in plan.tensors}
     if set(tensors) != meant:
@@ -72,12 +73,12 @@ def read_back(path: Path, model_dir: Path, *, gguf_type: str) -> gguf_mmproj.Mmp
     return plan
 
 
-def _written_keys(plan: gguf_mmproj.MmprojPlan, model_dir: Path) -> dict[str, object]:
+def _written_keys(plan: gguf_mmproj.MmprojPlan, processor_dir: Path) -> dict[str, object]:
     """The `clip.*` key -> value the writer's methods put in the file, from a dry writer."""
     import gguf
 
     writer = gguf.GGUFWriter(None, "clip")
-    for method, value in gguf_mmproj.mmproj_keys(plan, model_dir).items():
+    for method, value in gguf_mmproj.mmproj_keys(plan, processor_dir).items():
         getattr(writer, method)(value)
     return {key: value.value for key, value in writer.kv_data[0].items()}
 
@@ -92,7 +93,8 @@ def _check_keys(fields: dict, want: dict[str, object]) -> None:
             raise RuntimeError(f"mmproj check failed: {key} reads back as {got}, meant {value}")
 
 
-def compare_vision(path: Path, model_dir: Path, plan: gguf_mmproj.MmprojPlan, *, image) -> MmprojCheck:
+def compare_vision(path: Path, model_dir: Path, plan: gguf_mmproj.MmprojPlan, *, image,
+                   processor_dir: Path | None = None) -> MmprojCheck:
     """The model's image features with its vision side read back from `path`, against its own."""
     import gguf
     import torch
@@ -100,7 +102,7 @@ def compare_vision(path: Path, model_dir: Path, plan: gguf_mmproj.MmprojPlan, *,
 
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(model_dir)
+    processor = AutoImageProcessor.from_pretrained(processor_dir or model_dir)
     wanted = set(inspect.signature(model.get_image_features).parameters)
     inputs = {k: v for k, v in processor(images=[image], return_tensors="pt").items() if k in wanted}
     expected = _features(model, inputs)
@@ -150,7 +152,7 @@ def probe_image(side: int = 64):
     return Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
 
 
-def verify_mmproj(path: Path, model_dir: Path, *, gguf_type: str) -> MmprojCheck:
+def verify_mmproj(path: Path, model_dir: Path, *, gguf_type: str, processor_dir: Path | None = None) -> MmprojCheck:
     """read_back, then compare_vision on probe_image: the one call export makes."""
-    plan = read_back(path, model_dir, gguf_type=gguf_type)
-    return compare_vision(path, model_dir, plan, image=probe_image())
+    plan = read_back(path, model_dir, gguf_type=gguf_type, processor_dir=processor_dir)
+    return compare_vision(path, model_dir, plan, image=probe_image(), processor_dir=processor_dir)

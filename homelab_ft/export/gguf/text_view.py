@@ -27,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from homelab_ft.errors import UserError
+from homelab_ft.export.gguf.arch import GgufUnsupported
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def image_text_config(model_dir: Path):
 
 def text_names(config) -> dict[str, str]:
     """Each tensor of the image-text model's language model and head (transformers' names) -> its
-    name in the causal LM of `config.get_text_config()`; UserError where transformers has no causal
+    name in the causal LM of `config.get_text_config()`; GgufUnsupported where transformers has no causal
     LM for the text config or the two do not line up tensor for tensor."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -62,19 +63,18 @@ def text_names(config) -> dict[str, str]:
         try:
             causal = AutoModelForCausalLM.from_config(text_config)
         except ValueError as err:
-            raise UserError(f"{config.model_type}: transformers has no causal LM for its text config "
+            raise GgufUnsupported(f"{config.model_type}: transformers has no causal LM for its text config "
                             f"{text_config.model_type!r}, so its language model cannot be written as a text GGUF "
                             "by homelab-ft") from err
-    source = _parts(image_text)
-    target = _parts(causal)
+    source, target = _parts(image_text), _parts(causal)
     names = {}
     for part in ("decoder", "head"):
-        (src_prefix, src_module), (dst_prefix, dst_module) = source[part], target[part]
+        (src_prefix, src_module), dst_prefix = source[part], target[part][0]
         for name, _ in src_module.named_parameters():
             names[f"{src_prefix}.{name}"] = f"{dst_prefix}.{name}"
     wanted = {name for name, _ in causal.named_parameters(remove_duplicate=False)}
     if set(names.values()) != wanted:
-        raise UserError(f"{config.model_type}: its language model's tensors do not line up with "
+        raise GgufUnsupported(f"{config.model_type}: its language model's tensors do not line up with "
                         f"{type(causal).__name__}'s ({sorted(wanted ^ set(names.values()))[:3]}), so homelab-ft "
                         "cannot write it as a text GGUF")
     return names
@@ -104,12 +104,11 @@ def write_text_view(model_dir: Path, out_dir: Path) -> Path:
     with torch.device("meta"):
         image_text = AutoModelForImageTextToText.from_config(config)
     keys = CheckpointKeys(image_text, model_dir)
-    # tied as the image-text model ties them (InternVL ties at the top level, its Qwen2 text config not)
-    tied = image_text.get_output_embeddings().weight is image_text.get_input_embeddings().weight
+    tied = _tied(image_text)
     wanted = [name for name, text_name in names.items() if not (tied and text_name == "lm_head.weight")]
     converted = [name for name in wanted if name in keys.names() and keys.converted(name)]
     if converted:
-        raise UserError(f"{model_dir}: {converted[0]} is converted by transformers on load (stacked experts), which "
+        raise GgufUnsupported(f"{model_dir}: {converted[0]} is converted by transformers on load (stacked experts), which "
                         "the text GGUF of an image-text checkpoint does not write yet")
     out_dir.mkdir(parents=True, exist_ok=True)
     shards, shard, size = [], {}, 0
@@ -121,7 +120,7 @@ def write_text_view(model_dir: Path, out_dir: Path) -> Path:
             shard, size = {}, 0
     shards.append(shard)
     _save_shards(shards, out_dir, save_file)
-    _write_config(config, model_dir, out_dir, tied=tied)
+    write_text_config(config, model_dir, out_dir, tied=tied)
     log.info("the language model of %s (%s, %d tensors) laid out as a %s folder for its text GGUF", model_dir,
              config.model_type, sum(len(s) for s in shards), config.get_text_config().model_type)
     return out_dir
@@ -139,10 +138,24 @@ def _save_shards(shards: list[dict], out_dir: Path, save_file) -> None:
     (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _write_config(config, model_dir: Path, out_dir: Path, *, tied: bool) -> None:
+def _tied(image_text) -> bool:
+    """Whether the head is the input embedding as the image-text model ties them (InternVL ties at
+    the top level of its config, where its Qwen2 text config says untied)."""
+    return image_text.get_output_embeddings().weight is image_text.get_input_embeddings().weight
+
+
+def write_text_config(config, model_dir: Path, out_dir: Path, *, tied: bool | None = None) -> None:
     """The text config as a causal LM's config.json (its architecture named as the causal-LM
-    mapping names it), the generation config, and the tokenizer's files."""
+    mapping names it), the generation config, and the tokenizer's files: the text view less its
+    weights, which is all the GGUF writer's architecture checks read."""
+    import torch
+    from transformers import AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if tied is None:
+        with torch.device("meta"):
+            tied = _tied(AutoModelForImageTextToText.from_config(config))
+    out_dir.mkdir(parents=True, exist_ok=True)
 
     text = config.get_text_config()
     values = text.to_dict()

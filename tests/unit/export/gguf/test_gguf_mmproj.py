@@ -4,6 +4,7 @@ the model; the families llama.cpp's converter writes otherwise are refused in on
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -149,3 +150,40 @@ def test_families_whose_conversion_is_not_written_are_refused_in_one_line(model_
 def test_mmproj_types():
     assert [mmproj.mmproj_type(t) for t in ("f32", "f16", "bf16", "q8_0", "q5_1", "q4_0")] == [
         "f32", "f16", "bf16", "q8_0", "f16", "f16"]
+
+
+def test_export_of_an_image_text_run_writes_the_text_gguf_and_its_mmproj(vlm, tmp_path, capsys):
+    """`homelab-ft export --format gguf` of a Gemma 3 LoRA run: the merged language model as a
+    gemma3 GGUF, the (untrained) vision tower as its mmproj, both checked, RUNNING.md giving llama.cpp
+    both files and no Modelfile (Ollama does not load the pair)."""
+    from lora_run import make_lora_run
+
+    from homelab_ft.cli.main import main
+    from homelab_ft.export.local_runtimes import unknown_llama_cpp_flags
+
+    # transformers' causal-LM class for Gemma 3 is its image-text class: main trains the language model
+    run = make_lora_run(tmp_path, vlm("gemma3"), target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    out = tmp_path / "gguf"
+    assert main(["export", str(run), "--out", str(out), "--format", "gguf", "--gguf-type", "f32"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["RUNNING.md", "homelab_ft_export.json", "mmproj-f32.gguf",
+                                                     "model-f32.gguf"]
+    meta = json.loads((out / "homelab_ft_export.json").read_text())
+    assert meta["gguf"]["max_abs_diff"] < 1e-4
+    assert meta["gguf"]["mmproj"]["projector"] == "gemma3" and meta["gguf"]["mmproj"]["max_abs_diff"] <= meta["gguf"]["mmproj"]["bound"]
+    assert gguf.GGUFReader(out / "model-f32.gguf").fields["general.architecture"].contents() == "gemma3"
+    running = (out / "RUNNING.md").read_text()
+    assert f"llama-mtmd-cli -m {out.name}/model-f32.gguf --mmproj {out.name}/mmproj-f32.gguf --image" in running
+    assert unknown_llama_cpp_flags(running) == []
+    assert "mmproj check" in capsys.readouterr().out
+
+
+def test_an_image_text_checkpoint_llama_cpp_has_no_conversion_for_is_refused_before_writing(tmp_path):
+    """Qwen2-VL: refused from its config alone (export/run.py then writes the safetensors asked
+    beside the GGUF and gives this line)."""
+    from tiny_vlm import tiny_vlm_config
+
+    from homelab_ft.export.gguf import image_text
+
+    tiny_vlm_config("qwen2_vl").save_pretrained(tmp_path)
+    with pytest.raises(gguf_arch.GgufUnsupported, match="`qwen2vl`"):
+        image_text.check_writable(tmp_path)
