@@ -121,9 +121,14 @@ def _image_processor(model_type: str):
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
     size = {"height": IMAGE, "width": IMAGE}
     return {"gemma3": lambda: Gemma3ImageProcessorPil(size=size),
-            "internvl": lambda: GotOcr2ImageProcessorPil(size=size, crop_to_patches=False)}[model_type]()
+            "internvl": lambda: GotOcr2ImageProcessorPil(size=size, crop_to_patches=False),
+            # SmolVLM2's own processor needs num2words (not installed); its image side is Idefics3's
+            "smolvlm": lambda: Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE},
+                                                         max_image_size={"longest_edge": IMAGE})}[model_type]()
 
 
 def _idefics3_processor(out_dir: Path):

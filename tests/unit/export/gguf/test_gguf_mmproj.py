@@ -34,7 +34,7 @@ def vlm(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", (*FAMILIES, "smolvlm"))
 def test_an_f32_mmproj_holds_the_vision_tower_exactly(vlm, model_type, tmp_path):
     """Every vision-side tensor in the file bit for bit, and the features of the tower loaded back
     from it equal the model's (Gemma 3's input projection is f16 as llama.cpp's converter keeps it)."""
