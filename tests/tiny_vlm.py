@@ -120,7 +120,6 @@ def _image_processor(model_type: str):
     mmproj's image mean and std are read from, as llama.cpp's converter reads them)."""
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     size = {"height": IMAGE, "width": IMAGE}
