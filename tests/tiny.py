@@ -26,8 +26,9 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(out_dir: Path, *, chat_template: str = CHATML_TEMPLATE, vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained on a few lines, with ChatML specials and a template."""
+def make_tokenizer(out_dir: Path, *, chat_template: str = CHATML_TEMPLATE, vocab_size: int = 320,
+                   corpus: list[str] = CORPUS):
+    """A byte-level BPE tokenizer trained on a few lines (`corpus`), with ChatML specials and a template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,7 +42,7 @@ def make_tokenizer(out_dir: Path, *, chat_template: str = CHATML_TEMPLATE, vocab
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|im_start|>",

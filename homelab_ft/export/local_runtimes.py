@@ -19,7 +19,7 @@ _CHATML_TEMPLATE = (
 """Ollama's own ChatML template (Go text/template): Ollama cannot run the Jinja template itself."""
 
 FLAGS_FILE = Path(__file__).with_name("llama_cpp_flags.txt")
-LLAMA_CPP_TOOLS = ("llama-cli", "llama-server", "llama-completion")
+LLAMA_CPP_TOOLS = ("llama-cli", "llama-server", "llama-completion", "llama-mtmd-cli")
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,44 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system
         text += (f"A k-quant needs llama.cpp's llama-quantize (gguf-py cannot write one); run it before `ollama create`\n"
                  f"or `lms import` (the Modelfile already names the file it writes):\n\n    {k_quant_hint}\n\n")
     return text
+
+
+def image_text_running_notes(name: str, *, gguf_name: str, mmproj_name: str, k_quant_hint: str | None,
+                             system: SystemTurn | None = None) -> str:
+    """The RUNNING.md section for an image-text model's GGUF pair: the language model and the mmproj
+    (export/gguf/mmproj.py) that llama.cpp's multimodal library loads beside it; what Ollama can
+    and cannot load (no Modelfile is written, see OLLAMA_SPLIT_VISION)."""
+    gguf, mmproj = f"{name}/{gguf_name}", f"{name}/{mmproj_name}"
+    sys_flag = f" -sys {shlex.quote(system.text)}" if system and system.from_recipe else ""
+    text = (
+        f"GGUF of an image-text model: the language model ({gguf_name}, with the chat template and stop tokens\n"
+        f"in its metadata) and its vision tower and projector ({mmproj_name}, llama.cpp's mmproj file).\n"
+        "Give llama.cpp both: without --mmproj it runs the language model alone, blind to images.\n\n"
+        "llama.cpp: describe an image once, chat about images in the terminal, or an OpenAI-compatible\n"
+        "server on port 8080 that takes images as image_url parts of a chat message:\n\n"
+        f"    llama-mtmd-cli -m {gguf} --mmproj {mmproj} --image photo.png -p 'Describe this image.'\n"
+        f"    llama-cli -m {gguf} --mmproj {mmproj} --image photo.png --jinja{sys_flag}\n"
+        f"    llama-server -m {gguf} --mmproj {mmproj} --jinja --port 8080\n\n"
+    )
+    if system:
+        text += _system_caveat(system)
+    text += OLLAMA_SPLIT_VISION
+    if k_quant_hint:
+        text += (f"\nA k-quant needs llama.cpp's llama-quantize (gguf-py cannot write one); the mmproj stays as it is:"
+                 f"\n\n    {k_quant_hint}\n")
+    return text
+
+
+OLLAMA_SPLIT_VISION = (
+    "\nOllama: not from these two files, so no Modelfile is written. Ollama's own engine ignores a separate\n"
+    "projector and would answer without seeing the image, so Ollama runs a GGUF + mmproj pair only on its\n"
+    "older llama.cpp-based engine (ollama/ollama pull request #12241), which its maintainers keep for legacy\n"
+    "models and do not extend to new ones (pull request #13306). Ollama's own engine runs vision models it\n"
+    "converts itself: `ollama create` from the safetensors folder (Modelfile `FROM <folder>`, Ollama's\n"
+    "docs/import) for the architectures its converter knows; users report Gemma 3 keeping its vision that\n"
+    "way (ollama/ollama issue #9967). Export with --format safetensors for that route.\n"
+)
+"""What Ollama can and cannot load of an image-text export, with the sources read (2026-12)."""
 
 
 def _system_caveat(system: SystemTurn) -> str:

@@ -22,6 +22,7 @@ from homelab_ft.export import local_runtimes, merged, target
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
 from homelab_ft.export.gguf import export as gguf_export
+from homelab_ft.export.gguf import image_text
 from homelab_ft.export.gguf import quality as gguf_quality
 from homelab_ft.model import files, loading
 from homelab_ft.recipe.config import Recipe
@@ -179,7 +180,10 @@ def _without_unwritable_gguf(request: _Request, model_dir: Path | None) -> tuple
     if model_dir is None:
         return request, None
     try:
-        gguf_check.check_window(model_dir, target=gguf_export.check_writable(model_dir))
+        if image_text.is_image_text(model_dir):  # the language model's GGUF and the vision tower's mmproj
+            image_text.check_writable(model_dir)
+        else:
+            gguf_check.check_window(model_dir, target=gguf_export.check_writable(model_dir))
     except gguf_arch.GgufUnsupported as err:
         return replace(request, formats=("safetensors",), gguf_type=None, k_quant=None), err
     return request, None
@@ -228,27 +232,33 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
     record = {"method": source.rung.method, "max_abs_diff": diff}
     quality = system = None
     needs: list[str] = []
+    mmproj = None
     if request.gguf_type:
-        _, check = _write_gguf(hf_dir, tmp, file_name=request.gguf_name, gguf_type=request.gguf_type, name=name,
-                               system_prompt=recipe.data.system_prompt, k_quant=request.k_quant)
+        text_dir = image_text.text_model(hf_dir, tmp / ".text-model")  # hf_dir, or an image-text model's language model
+        _, check = _write_gguf(text_dir, tmp, file_name=request.gguf_name, gguf_type=request.gguf_type, name=name,
+                               system_prompt=recipe.data.system_prompt, k_quant=request.k_quant,
+                               modelfile=text_dir == hf_dir)
         record["gguf"] = {"file": request.gguf_name, "type": request.gguf_type, "max_abs_diff": check.max_abs_diff,
                           "bound": check.bound}
-        quality = _measure_quality(tmp / request.gguf_name, hf_dir, gguf_type=request.gguf_type, rows=eval_rows)
+        if text_dir != hf_dir:
+            mmproj = image_text.write_mmproj(hf_dir, tmp, gguf_type=request.gguf_type, name=name, base_dir=model_dir)
+            record["gguf"]["mmproj"] = mmproj.as_dict()
+        quality = _measure_quality(tmp / request.gguf_name, text_dir, gguf_type=request.gguf_type, rows=eval_rows)
         if quality:
             record["gguf"]["quality"] = quality.as_dict()
-        system = local_runtimes.trained_system_turn(hf_dir, system_prompt=recipe.data.system_prompt)
-        needs = gguf_arch.runtime_needs(hf_dir)
+        system = local_runtimes.trained_system_turn(text_dir, system_prompt=recipe.data.system_prompt)
+        needs = gguf_arch.runtime_needs(text_dir)
         for need in needs:
             log.warning("%s (RUNNING.md says so too)", need)
-        if hf_dir != tmp:
-            shutil.rmtree(hf_dir)
+        for scratch in {text_dir, hf_dir} - {tmp}:
+            shutil.rmtree(scratch)
     if request.adapter_gguf:
         record["gguf"] = {"file": request.adapter_gguf, "type": "lora-adapter", "max_rel_diff": _write_adapter_gguf(
             source.ckpt, model_dir, recipe, tmp / request.adapter_gguf, name=name)}
         (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(name, base=recipe.model.path))
     if not request.adapter_only:
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
-                             k_quant_hint=hint, system=system, needs=needs)
+                             k_quant_hint=hint, system=system, needs=needs, mmproj=mmproj)
     return record, quality
 
 
@@ -284,9 +294,10 @@ def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: 
 
 
 def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name: str, system_prompt: str | None,
-                k_quant: str | None):
+                k_quant: str | None, modelfile: bool = True):
     """The GGUF beside the export, checked against the merged model, plus an Ollama Modelfile (for
-    a k-quant, naming the file llama-quantize will write from this one)."""
+    a k-quant, naming the file llama-quantize will write from this one) unless `modelfile` is off
+    (an image-text model's pair, which Ollama does not load: local_runtimes.OLLAMA_SPLIT_VISION)."""
     path = out / file_name
     gguf_export.write_gguf(hf_dir, path, gguf_type=gguf_type, name=name)
     check = gguf_check.verify_gguf(path, hf_dir, gguf_type=gguf_type)
@@ -295,8 +306,9 @@ def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name
     if k_quant:
         loads = gguf_export.gguf_file_name(k_quant)
         run_first = gguf_export.quantize_command(Path(file_name), k_quant)
-    (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=loads, system_prompt=system_prompt,
-                                                            run_first=run_first))
+    if modelfile:
+        (out / "Modelfile").write_text(local_runtimes.modelfile(hf_dir, file_name=loads, system_prompt=system_prompt,
+                                                                run_first=run_first))
     return path, check
 
 
@@ -317,10 +329,14 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
 
 
 def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None,
-                         system: local_runtimes.SystemTurn | None = None, needs: Sequence[str] = ()) -> None:
+                         system: local_runtimes.SystemTurn | None = None, needs: Sequence[str] = (),
+                         mmproj: image_text.WrittenMmproj | None = None) -> None:
     """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
     text = "# Running this model\n\n"
-    if gguf_name:
+    if gguf_name and mmproj:
+        text += local_runtimes.image_text_running_notes(name, gguf_name=gguf_name, mmproj_name=mmproj.file,
+                                                        k_quant_hint=k_quant_hint, system=system)
+    elif gguf_name:
         text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system,
                                              needs=needs)
     if safetensors:

@@ -150,7 +150,17 @@ def probe_lengths(model_dir: Path) -> list[int]:
 
 
 def _probe_texts(tokenizer) -> list[str]:
-    return [tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in PROBE_CHATS]
+    return [_probe_text(tokenizer, chat) for chat in PROBE_CHATS]
+
+
+def _probe_text(tokenizer, chat: list[dict]) -> str:
+    """A probe chat rendered by the model's template; with content parts (`{"type": "text"}`) where
+    the template reads those, as image-text models' do (SmolVLM's renders a plain string as no text)."""
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if all(message["content"] in text for message in chat):
+        return text
+    typed = [{**message, "content": [{"type": "text", "text": message["content"]}]} for message in chat]
+    return tokenizer.apply_chat_template(typed, tokenize=False, add_generation_prompt=True)
 
 
 def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:

@@ -25,9 +25,11 @@ def test_flags_file_names_its_llama_cpp_commit_and_parses_per_tool():
     header = local_runtimes.FLAGS_FILE.read_text()
     assert re.search(r"commit [0-9a-f]{40}", header) and "common/arg.cpp" in header
     flags = local_runtimes.llama_cpp_flags()
-    assert set(flags) == {"llama-cli", "llama-server", "llama-completion"}
-    for tool in flags:
+    assert set(flags) == {"llama-cli", "llama-server", "llama-completion", "llama-mtmd-cli"}
+    for tool in ("llama-cli", "llama-server", "llama-completion"):
         assert {"-m", "--model", "--jinja", "--lora", "-ngl", "--temp"} <= flags[tool], tool
+    # llama-mtmd-cli: only the flags RUNNING.md gives it, each read from common/arg.cpp
+    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio"}
     assert "-cnv" not in flags["llama-cli"] and "-cnv" in flags["llama-completion"]
     assert "--port" in flags["llama-server"] and "--port" not in flags["llama-cli"]
     assert "-sys" in flags["llama-cli"] and "-sys" not in flags["llama-server"]
@@ -91,3 +93,20 @@ def test_a_gguf_base_is_its_own_file(tmp_path):
 def test_docs_export_commands_work_in_current_llama_cpp():
     docs = (Path(__file__).resolve().parents[3] / "docs" / "export.md").read_text()
     assert len(commands(docs)) >= 3 and unknown_llama_cpp_flags(docs) == []
+
+
+def test_an_image_text_export_runs_with_its_mmproj_and_says_what_ollama_cannot_load():
+    """Both files in every llama.cpp command (flags checked against llama.cpp's own), and no Ollama
+    route from the GGUF pair: Ollama's own engine ignores a separate projector (its PR #12241)."""
+    text = local_runtimes.image_text_running_notes(
+        "tuned", gguf_name="model-q8_0.gguf", mmproj_name="mmproj-q8_0.gguf", k_quant_hint=None,
+        system=SystemTurn("Name the shapes.", from_recipe=True))
+    found = commands(text)
+    assert [c[0] for c in found] == ["llama-mtmd-cli", "llama-cli", "llama-server"]
+    for command in found:
+        assert command[command.index("-m") + 1] == "tuned/model-q8_0.gguf"
+        assert command[command.index("--mmproj") + 1] == "tuned/mmproj-q8_0.gguf"
+    assert unknown_llama_cpp_flags(text) == []
+    assert "-sys 'Name the shapes.'" in text
+    assert "ollama create" in text and "pull request #12241" in text and "Modelfile" in text
+    assert unknown_llama_cpp_flags("    llama-mtmd-cli -m a.gguf --mmproj b.gguf --jinja\n") == ["llama-mtmd-cli: --jinja"]

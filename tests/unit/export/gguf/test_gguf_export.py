@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import build_recipe
 import numpy as np
 import pytest
 import torch
@@ -17,8 +16,6 @@ from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
 from homelab_ft.export.gguf import export as gguf_export
 from homelab_ft.export.local_runtimes import unknown_llama_cpp_flags
-from homelab_ft.rung import Rung
-from homelab_ft.store.layout import RunDir, RunInfo
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512, vocab_size=320)
@@ -254,27 +251,10 @@ def test_k_quant_and_unknown_types():
 
 
 def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) -> Path:
-    """A LoRA run directory as the trainer leaves it (checkpoint.save: DCP state, adapter,
-    manifest), with a random (non-zero) adapter and no training."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    """A LoRA run directory as the trainer leaves it, with a random (non-zero) adapter and no training."""
+    from lora_run import make_lora_run
 
-    from homelab_ft.store import checkpoint
-
-    run = tmp / "run"
-    torch.manual_seed(1)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
-    model = get_peft_model(base, lora)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    state = checkpoint.TrainerState(step=2, scheduler={}, sampler={}, model_fingerprint="lora", world_size=1)
-    checkpoint.save(run, model=model, optimizer=optimizer, state=state, keep_last=2)
-    RunDir(run).write_info(RunInfo(rung=Rung(method="lora", strategy="no_shard", cpu_offload=False),
-                                   model_dir=str(model_dir), world_size=1, params=sum(p.numel() for p in base.parameters())))
-    body = build_recipe.tiny_run(model_dir, lora=None, data={"max_length": None, "system_prompt": system_prompt or None},
-                                 train=None, output=None)
-    build_recipe.write_recipe(run / "recipe.yaml", body)
-    return run
+    return make_lora_run(tmp, model_dir, system_prompt=system_prompt)
 
 
 def test_export_gguf_only_and_both(models, tmp_path, capsys):
