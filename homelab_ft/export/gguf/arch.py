@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
+from homelab_ft.export.gguf.reshape import GPT_OSS, MLA_KV_B, SELECTION_BIAS, Reshaped
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +107,18 @@ class Layout:
     rope_types: tuple[str, ...] = ()
     """The rope types written for this architecture where fewer than ROPE_TYPES (empty: those)."""
     mla: bool = False
-    """Multi-head latent attention as convert_hf_to_gguf.py's DeepseekV2Model writes it: kv_b_proj
-    split into attn_k_b (transposed per head) and attn_v_b, one KV head, the MLA head sizes."""
+    """Multi-head latent attention as convert_hf_to_gguf.py's DeepseekV2Model writes it: one KV
+    head and the MLA head sizes (kv_b_proj's split is the `reshaped` rule gguf_reshape.MLA_KV_B)."""
+    reshaped: tuple[Reshaped, ...] = ()
+    """The checkpoint tensors llama.cpp holds under other names, in another layout, or as several
+    (gguf_reshape.py)."""
     nextn_dropped: bool = False
     """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5): they are left out
     and `nextn_predict_layers` is not written, as convert_hf_to_gguf.py --no-mtp does
     (transformers drops them on load, so a merged model has none)."""
+    expert_ff_key: str = "moe_intermediate_size"
+    """The config key `expert_feed_forward_length` is written from (gpt-oss's experts are
+    `intermediate_size` wide: GptOssModel.set_gguf_parameters writes that)."""
 
 
 def _deepseek2_lite(config: dict) -> bool:
@@ -143,8 +150,13 @@ LAYOUTS = {
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
     "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True),
+    "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(
+        Fixed("layer_types", _every(2, **_SLIDING), "models/openai-moe.cpp: set_swa_pattern(2)"),
+        Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),
+        Fixed("swiglu_alpha", lambda config: 1.702, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's alpha"),
+        Fixed("attention_bias", lambda config: True, "models/openai-moe.cpp: q/k/v/o biases required"))),
     "deepseek2": Layout(model_types=("deepseek_v3",), rope_types=("default",), mla=True, expert_gating="SIGMOID",
-                        nextn_dropped=True, fixed=(
+                        nextn_dropped=True, reshaped=(MLA_KV_B,), fixed=(
         Fixed("rope_interleave", lambda config: True, "llama-model.cpp: LLM_ARCH_DEEPSEEK2 ropes pairs (ROPE_TYPE_NORM)"),
         Fixed("q_lora_rank", lambda c: None if _deepseek2_lite(c) else c["q_lora_rank"],
               "models/deepseek2.cpp: a 26- or 27-layer model (48 with a 128256 vocabulary) is a lite one, "
@@ -153,8 +165,9 @@ LAYOUTS = {
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model) and llama.cpp's load_hparams
-(src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp for DeepSeek-V3). Names,
+Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model, GptOssModel) and llama.cpp's load_hparams
+(src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp for DeepSeek-V3, src/models/openai-moe.cpp
+and llama-graph.cpp's build_moe_ffn for gpt-oss). Names,
 hyperparameters and norm offsets are derived, not listed. Every released checkpoint of these
 families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
 DeepSeek-V3 and Moonlight-16B-A3B); a config changed by hand may not. DeepSeek-V3 is written
@@ -191,18 +204,20 @@ class Target:
         return model_arch(self.arch_name)
 
     def from_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
-        """The inverse of to_gguf (GGUF read back into Hugging Face's layout); a part of MLA's
-        kv_b is returned as it is (merge_kv_b joins the two)."""
+        """The inverse of to_gguf (GGUF read back into Hugging Face's layout; a part of a
+        `Reshaped` tensor is returned as its part, which the rule's join puts back together)."""
         if gguf_name in self.offset_norms:
             array = array - np.float32(1.0)
         return self._permuted(gguf_name, array, config, forward=False)
 
     def to_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
-        """A tensor in Hugging Face's layout -> llama.cpp's."""
-        if self.layout.mla and gguf_name.endswith(KV_B_PARTS):
-            return split_kv_b(array, config)[gguf_name.endswith(KV_B_PARTS[1])]
+        """A tensor (a part of a `Reshaped` one: its part) in Hugging Face's layout -> llama.cpp's."""
         array = self._permuted(gguf_name, array, config, forward=True)
         return array + np.float32(1.0) if gguf_name in self.offset_norms else array
+
+    def reshaped(self, key: str) -> Reshaped | None:
+        """The rule that cuts checkpoint tensor `key` (experts stacked) into its GGUF parts, if any."""
+        return next((rule for rule in (*self.layout.reshaped, SELECTION_BIAS) if rule.applies(key)), None)
 
     def _permuted(self, gguf_name: str, array: np.ndarray, config, *, forward: bool) -> np.ndarray:
         if not self.layout.permute_qk or not gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -253,8 +268,17 @@ def check_architecture(model_dir: Path) -> Target:
 
 def runtime_needs(model_dir: Path) -> list[str]:
     """What running the GGUF of `model_dir` asks of llama.cpp beyond any build that has its
-    architecture, one sentence each for RUNNING.md: a sliding pattern other than the one older
-    builds fix in C++ is run as trained only by builds that read it from the file."""
+    architecture, or where every build runs it otherwise, one sentence each for RUNNING.md (and
+    the export's warnings): a sliding pattern other than the one older builds fix in C++ is run as
+    trained only by builds that read it from the file; llama.cpp rounds a YaRN range the config
+    does not (gguf_rope.yarn_rounding: gpt-oss)."""
+    from homelab_ft.export.gguf.rope import yarn_rounding
+
+    rounding = yarn_rounding(model_dir)
+    return _swa_needs(model_dir) + ([rounding] if rounding else [])
+
+
+def _swa_needs(model_dir: Path) -> list[str]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     names = arch_candidates(config.get("model_type", ""))
     layout = LAYOUTS.get(names[0]) if names else None
@@ -399,24 +423,6 @@ def unpermute_heads(weights: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weights.shape[0]
     return (weights.reshape(num_heads, rows // num_heads // 2, 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
-
-
-KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
-
-
-def split_kv_b(kv_b: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
-    """MLA's kv_b_proj (heads x (nope + v) rows, kv_lora_rank columns) as DeepseekV2Model splits it
-    for llama.cpp's absorbed attention: k_b (heads, kv_lora_rank, nope), each head's nope rows
-    transposed, and v_b (heads, v, kv_lora_rank)."""
-    nope = config.qk_nope_head_dim
-    kv = kv_b.reshape(config.num_attention_heads, nope + config.v_head_dim, kv_b.shape[-1])
-    return np.ascontiguousarray(kv[:, :nope].swapaxes(1, 2)), np.ascontiguousarray(kv[:, nope:])
-
-
-def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
-    """The inverse of split_kv_b."""
-    kv = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
-    return kv.reshape(-1, kv.shape[-1])
 
 
 def rope_parameters(config) -> dict:

@@ -105,7 +105,12 @@ def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
 
 def transformers_reads(gguf_path: Path) -> bool:
     """Whether transformers' GGUF loader reads this file's architecture (it raises otherwise),
-    asked of a copy of the metadata without the token list, which it would parse in Python."""
+    asked of a copy of the metadata without the token list, which it would parse in Python.
+
+    A loader that knows the architecture but fails on its keys counts as not reading it, said in
+    one line: transformers 5.25 reads gpt-oss's `rope.scaling.*` values from the wrong part of
+    gguf-py's field (`parts[0]`, the key's length) and raises TypeError on every gpt-oss GGUF with
+    YaRN, llama.cpp's own included. gguf-py's reading (gguf_readback) checks the file then."""
     import tempfile
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -118,6 +123,10 @@ def transformers_reads(gguf_path: Path) -> bool:
             if "not supported" in str(err):
                 return False
             raise
+        except (TypeError, KeyError) as err:
+            log.info("transformers' GGUF loader fails on %s's metadata (%s: %s); reading it with gguf-py", gguf_path,
+                     type(err).__name__, err)
+            return False
     return True
 
 
@@ -242,12 +251,14 @@ def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str
     returns fused under other names, are left to the logits and to gguf_readback's bit check."""
     target = gguf_arch.check_architecture(reference_dir)
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
-        split = target.layout.mla and item.gguf_name.endswith(gguf_arch.KV_B_PARTS)
+        split = item.reshaped is not None and len(item.reshaped.parts) > 1
         if len(item.sources) != 1 or item.sources[0][1] not in tensors or split:
-            continue  # a tied head, rotary buffers, experts or a part of MLA's kv_b: load_state_dict covers them
+            continue  # a tied head, rotary buffers, experts or one of several parts: load_state_dict covers them
         name = item.sources[0][1]
         rounded = gguf_readback.round_trip(item.load(), item.qtype).reshape(item.hf_shape)
         want = target.from_gguf(item.gguf_name, rounded, config)
+        if item.reshaped is not None:
+            want = item.reshaped.join([want], config)
         got = tensors[name].numpy()
         if got.shape != want.shape or not np.array_equal(got, want):
             raise RuntimeError(f"GGUF check failed: {name} reads back different from what was meant to be written")

@@ -21,7 +21,7 @@ from homelab_ft.export.gguf.arch import Target, rope_parameters
 log = logging.getLogger(__name__)
 
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
-              "q4_0": "MOSTLY_Q4_0", "q5_1": "MOSTLY_Q5_1"}
+              "q4_0": "MOSTLY_Q4_0", "q5_1": "MOSTLY_Q5_1", "mxfp4_moe": "MOSTLY_MXFP4_MOE"}
 """gguf type -> gguf.LlamaFileType member, `general.file_type`."""
 
 
@@ -84,6 +84,9 @@ def _write_rope(writer, config, *, dim: int) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         if rope.get("attention_factor") is not None:  # Olmo2Model writes it
             writer.add_rope_scaling_attn_factors(rope["attention_factor"])
+        for key, method in (("beta_fast", "add_rope_scaling_yarn_beta_fast"), ("beta_slow", "add_rope_scaling_yarn_beta_slow")):
+            if rope.get(key) is not None:  # TextModel writes them where the config has them (gpt-oss: 32, 1)
+                getattr(writer, method)(float(rope[key]))
     swa = rope.get("swa") or {}
     if swa.get("rope_theta") is not None and swa["rope_theta"] != rope["rope_theta"]:
         writer.add_rope_freq_base_swa(float(swa["rope_theta"]))  # Gemma 3's local layers
@@ -121,8 +124,8 @@ def _write_experts(writer, config, *, target: Target) -> None:
         return
     writer.add_expert_count(num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if getattr(config, "moe_intermediate_size", None):
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, target.layout.expert_ff_key, None):
+        writer.add_expert_feed_forward_length(getattr(config, target.layout.expert_ff_key))
     if getattr(config, "shared_expert_intermediate_size", None):
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if getattr(config, "n_shared_experts", None) is not None:

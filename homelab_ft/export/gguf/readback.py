@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from homelab_ft.export.gguf.arch import KV_B_PARTS, Target, merge_kv_b
+from homelab_ft.export.gguf.arch import Target
 from homelab_ft.export.gguf.export import plan_tensors
 
 _HPARAMS = {
@@ -106,19 +106,20 @@ def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_typ
 
     config = AutoConfig.from_pretrained(reference_dir)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    state, kv_b = {}, {}
+    state, pieces = {}, {}
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
         if item.extra is not None:
             continue  # rope_freqs: computed from the config, not a weight
         array = target.from_gguf(item.gguf_name, stored(tensors[item.gguf_name]).reshape(item.hf_shape), config)
-        if target.layout.mla and item.gguf_name.endswith(KV_B_PARTS):  # k_b, then v_b: joined into kv_b_proj
-            kv_b.setdefault(item.sources[0][1], []).append(array)
-            if len(kv_b[item.sources[0][1]]) < 2:
+        if item.reshaped is not None:  # the parts of one checkpoint tensor come in order: joined by its rule
+            got = pieces.setdefault(item.sources, [])
+            got.append(array)
+            if len(got) < len(item.reshaped.parts):
                 continue
-            array = merge_kv_b(*kv_b.pop(item.sources[0][1]))
+            array = item.reshaped.join(pieces.pop(item.sources), config)
         parts = [array] if len(item.sources) == 1 else list(array)
         for (_, hf_name), part in zip(item.sources, parts, strict=True):
-            state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32))  # a copy: the reader maps the file read-only
+            state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32, order="C"))  # a copy: the reader maps the file read-only
     with tempfile.TemporaryDirectory(prefix="gguf-readback-") as folder:
         save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
         (Path(folder) / "config.json").write_text(json.dumps(json.loads((Path(reference_dir) / "config.json").read_text())))
