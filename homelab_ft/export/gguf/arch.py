@@ -39,7 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf.reshape import GPT_OSS, MLA_KV_B, SELECTION_BIAS, Reshaped
+from homelab_ft.export.gguf.reshape import (
+    GPT_OSS,
+    MLA_KV_B,
+    QWEN3NEXT_DELTA_NET,
+    QWEN35_DELTA_NET,
+    SELECTION_BIAS,
+    Reshaped,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +120,24 @@ class Layout:
     """The checkpoint tensors llama.cpp holds under other names, in another layout, or as several
     (gguf_reshape.py)."""
     nextn_dropped: bool = False
-    """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5): they are left out
-    and `nextn_predict_layers` is not written, as convert_hf_to_gguf.py --no-mtp does
-    (transformers drops them on load, so a merged model has none)."""
+    """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5, DeepSeek-V3) or
+    under `mtp.` (Qwen 3.5, Qwen3-Next): they are left out and `nextn_predict_layers` is not
+    written, as convert_hf_to_gguf.py --no-mtp does (transformers drops them on load; a merge that
+    keeps the base's files keeps them)."""
+    rope_sections: tuple[int, ...] = ()
+    """The M-RoPE sections llama.cpp requires (`rope.dimension_sections`) where the config names none
+    (Qwen 3.5: _Qwen35MRopeMixin's [11, 11, 10, 0]); text positions are the same on every section,
+    so for text they only have to cover the rotated pairs."""
     expert_ff_key: str = "moe_intermediate_size"
     """The config key `expert_feed_forward_length` is written from (gpt-oss's experts are
     `intermediate_size` wide: GptOssModel.set_gguf_parameters writes that)."""
+
+
+def _linear_every(config: dict) -> list[str]:
+    """Qwen 3.5 / Qwen3-Next's layer pattern as llama.cpp builds it from full_attention_interval
+    (the converter writes the config's, else 4): linear attention except every interval-th layer."""
+    interval = config.get("full_attention_interval") or 4
+    return _every(interval, other="linear_attention", last="full_attention")(config)
 
 
 def _deepseek2_lite(config: dict) -> bool:
@@ -127,6 +146,14 @@ def _deepseek2_lite(config: dict) -> bool:
 
 
 _SLIDING = {"other": "sliding_attention", "last": "full_attention"}
+
+_DELTA_NET = (
+    Fixed("layer_types", _linear_every, "models/qwen35.cpp, qwen3next.cpp: recurrent unless (i + 1) % "
+          "full_attention_interval == 0 (attention.recurrent_layers: no gguf-py 0.19 key)"),
+    Fixed("linear_value_head_dim", lambda config: config["linear_key_head_dim"],
+          "models/qwen35.cpp, qwen3next.cpp: head_v_dim = ssm_d_state, the key head size"),
+    Fixed("attention_bias", lambda config: False, "models/qwen35.cpp, qwen3next.cpp: q/k/v without biases"),
+)
 
 LAYOUTS = {
     "llama": Layout(permute_qk=True, sliding_window=False),
@@ -150,6 +177,13 @@ LAYOUTS = {
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
     "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True),
+    "qwen35": Layout(reshaped=QWEN35_DELTA_NET, rope_sections=(11, 11, 10, 0), nextn_dropped=True, fixed=_DELTA_NET),
+    "qwen35moe": Layout(reshaped=QWEN35_DELTA_NET, rope_sections=(11, 11, 10, 0), nextn_dropped=True,
+                        fixed=_DELTA_NET),
+    "qwen3next": Layout(reshaped=QWEN3NEXT_DELTA_NET, nextn_dropped=True, fixed=(*_DELTA_NET,
+        Fixed("norm_topk_prob", lambda config: True, "models/qwen3next.cpp: build_moe_ffn(..., norm_w = true)"),
+        Fixed("decoder_sparse_step", lambda config: 1, "models/qwen3next.cpp: ffn_gate_inp required on every layer"),
+        Fixed("mlp_only_layers", lambda config: [], "models/qwen3next.cpp: ffn_gate_inp required on every layer"))),
     "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(
         Fixed("layer_types", _every(2, **_SLIDING), "models/openai-moe.cpp: set_swa_pattern(2)"),
         Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),
@@ -165,9 +199,10 @@ LAYOUTS = {
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model, GptOssModel) and llama.cpp's load_hparams
-(src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp for DeepSeek-V3, src/models/openai-moe.cpp
-and llama-graph.cpp's build_moe_ffn for gpt-oss). Names,
+Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model, GptOssModel, Qwen3NextModel, Qwen3_5TextModel,
+Qwen3_5MoeTextModel) and llama.cpp's load_hparams (src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp
+for DeepSeek-V3, src/models/openai-moe.cpp and llama-graph.cpp's build_moe_ffn for gpt-oss, src/models/qwen35.cpp,
+qwen35moe.cpp and qwen3next.cpp for the gated delta net). Names,
 hyperparameters and norm offsets are derived, not listed. Every released checkpoint of these
 families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
 DeepSeek-V3 and Moonlight-16B-A3B); a config changed by hand may not. DeepSeek-V3 is written

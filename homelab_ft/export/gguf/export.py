@@ -181,7 +181,8 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
             if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # a tied head holds the embedding's values: llama.cpp reuses token_embd
             layer = _LAYER.match(hf_name)
-            if target.layout.nextn_dropped and layer and int(layer[1]) >= config.num_hidden_layers:
+            beyond = (layer and int(layer[1]) >= config.num_hidden_layers) or hf_name.startswith(("mtp.", "model.mtp."))
+            if target.layout.nextn_dropped and beyond:
                 continue  # a NextN/MTP layer (gguf_arch.Layout.nextn_dropped)
             match = _EXPERT.match(hf_name)
             key = f"{match['head']}.{match['tail']}" if match else hf_name

@@ -35,7 +35,8 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if getattr(config, "intermediate_size", None):  # none in a model of experts alone (Qwen 3.5 MoE)
+        writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(1 if target.layout.mla else config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
@@ -47,9 +48,10 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     elif dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
         writer.add_key_length(dim)
         writer.add_value_length(dim)
-    _write_rope(writer, config, dim=dim)
+    _write_rope(writer, config, dim=dim, target=target)
     _write_attention_extras(writer, config, target=target)
     _write_experts(writer, config, target=target)
+    _write_linear_attention(writer, config)
     _write_multipliers(writer, config)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -68,7 +70,7 @@ def _write_mla(writer, config) -> None:
     writer.add_value_length_mla(config.v_head_dim)
 
 
-def _write_rope(writer, config, *, dim: int) -> None:
+def _write_rope(writer, config, *, dim: int, target: Target) -> None:
     import gguf
 
     rope = rope_parameters(config)
@@ -87,6 +89,9 @@ def _write_rope(writer, config, *, dim: int) -> None:
         for key, method in (("beta_fast", "add_rope_scaling_yarn_beta_fast"), ("beta_slow", "add_rope_scaling_yarn_beta_slow")):
             if rope.get(key) is not None:  # TextModel writes them where the config has them (gpt-oss: 32, 1)
                 getattr(writer, method)(float(rope[key]))
+    if target.layout.rope_sections:
+        sections = list(rope.get("mrope_section") or target.layout.rope_sections)
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     swa = rope.get("swa") or {}
     if swa.get("rope_theta") is not None and swa["rope_theta"] != rope["rope_theta"]:
         writer.add_rope_freq_base_swa(float(swa["rope_theta"]))  # Gemma 3's local layers
@@ -151,6 +156,20 @@ def _write_expert_groups(writer, config) -> None:
     writer.add_expert_group_count(groups)
     if used is not None:
         writer.add_expert_group_used_count(used)
+
+
+def _write_linear_attention(writer, config) -> None:
+    """The gated delta net's sizes as Qwen3NextModel writes them (Qwen 3.5, Qwen3-Next): the conv
+    kernel, key head size as the state size, key heads as groups, value heads as the time-step
+    rank, and the layer pattern as full_attention_interval (gguf_arch's `fixed` refuses another)."""
+    if not getattr(config, "linear_conv_kernel_dim", None):
+        return
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(getattr(config, "full_attention_interval", None) or 4)
 
 
 MULTIPLIERS = {

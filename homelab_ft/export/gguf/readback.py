@@ -84,10 +84,11 @@ def _check_keys(fields: dict, config, *, target: Target) -> None:
     for key, attribute in _HPARAMS.items():
         field = fields.get(f"{arch}.{key}")
         got = field.contents() if field is not None else None
-        want = 1 if key == "attention.head_count_kv" and target.layout.mla else getattr(config, attribute)
+        value = getattr(config, attribute, None)  # no intermediate_size in a model of experts alone
+        want = 1 if key == "attention.head_count_kv" and target.layout.mla else value
         if got != want:  # MLA is written as one KV head (DeepseekV2Model)
             raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, the model's "
-                               f"{attribute} = {getattr(config, attribute)} is written as {want}")
+                               f"{attribute} = {value} is written as {want}")
     eps = fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
     if eps is None or not math.isclose(eps.contents(), config.rms_norm_eps, rel_tol=1e-6):
         raise RuntimeError(f"GGUF check failed: {arch}.attention.layer_norm_rms_epsilon differs from rms_norm_eps")

@@ -17,7 +17,7 @@ model, so a rule that loses or moves a value fails the check). The rules are:
 - Qwen 3.5's gated delta net (Qwen3NextModel + _LinearAttentionVReorderBase): A_log written as
   A = -exp(A_log), and the value heads reordered from grouped by key head to tiled
   (`v_heads_tiled`), which llama.cpp's broadcast expects;
-- Qwen3-Next's fused `in_proj_qkvz`, regrouped from per-key-head [q k v z] into [q | k | v] and z.
+- Qwen3-Next's A = -exp(A_log) and its dt_bias renamed.
 """
 
 from __future__ import annotations
@@ -200,3 +200,14 @@ QWEN35_DELTA_NET = (
 """Qwen 3.5 (dense and MoE) as Qwen3_5TextModel converts it: Qwen3NextModel's A = -exp(A_log) and
 dt_bias renamed to dt_proj.bias, then every value-head axis reordered. -exp and log round-trip in
 float64 to within one float32 ulp, not bit for bit: the read-back is exact for every other tensor."""
+
+QWEN3NEXT_DELTA_NET = (
+    renamed("linear_attn.dt_bias", "linear_attn.dt_proj.bias"),
+    Reshaped("linear_attn.A_log", ("linear_attn.A_log",), shapes=lambda shape, config: (shape,),
+             split=lambda array, config: (_a_from_log(array),), join=lambda parts, config: _log_from_a(parts[0])),
+)
+"""Qwen3-Next as Qwen3NextModel converts it, less the split of in_proj_qkvz: that is written whole as
+`ssm_in`, which gguf-py 0.19 maps it to and every llama.cpp build with qwen3next reads (models/
+qwen3next.cpp's legacy path cuts it per key head as transformers does); newer converters write it
+as attn_qkv + attn_gate, an optimisation. Its value heads stay grouped by key head: qwen3next.cpp
+repeats q and k interleaved to match."""

@@ -11,6 +11,8 @@ from homelab_ft.errors import UserError
 _PRE_TOKENIZERS = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Qwen 3.5: Qwen2's with combining marks (\p{M}) kept in the word (llama-vocab.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35)
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 """llama.cpp's name for a byte-level BPE split regex (its converter finds the same names by hashing
 the ids of a probe text; we read the regex from tokenizer.json instead, which also works for
