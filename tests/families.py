@@ -78,6 +78,26 @@ RUNNABLE = {
 }
 """The few families whose default config is not a model anyone ships: what the released ones have."""
 
+AS_RELEASED = {
+    "gemma2": {"query_pre_attn_scalar": 16},
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                    "query_pre_attn_scalar": 16},
+    "qwen3_moe": {"norm_topk_prob": True},
+    "glm4_moe": {"attention_bias": True},
+}
+"""What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
+(gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk below) differs: Gemma 2/3's
+query scale 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), Gemma 3's 5:1 sliding pattern, Qwen3-MoE's normalised top-k weights
+(Qwen3-30B-A3B sets norm_topk_prob); GLM-4.5(-Air)'s q/k/v biases (attention_bias true, which
+llama.cpp loads where the file has them). The GGUF tests build these families so."""
+
+ALL_EXPERTS = {"gpt_oss": {"num_experts_per_tok": 4}}
+"""A tiny gpt-oss whose every token takes all 4 experts, for the q8_0 logit bound: with 2 of 4 a
+random router leaves near-ties that q8_0's rounding of the layers before it flips at a few of the
+check's ~200 positions (measured: 0.17-0.29 against the 0.1 bound, on seeds 0-2), and each flip
+moves that position's logits by the whole expert's output, which in a random model is as large as
+the residual stream. f32 is bit-exact either way and is tested with the default 2 of 4."""
+
 LAYERS = 4
 """Decoder blocks of every tiny model: enough for a repeating pattern (3 linear + 1 full attention)."""
 

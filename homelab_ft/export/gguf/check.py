@@ -88,6 +88,27 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
     return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
 
 
+def reader_diffs(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> dict[str, float | None]:
+    """Max |logit difference| from the reference on the check's prompts, for each reader of the
+    file, both loaded into the reference's config: gguf-py's (every architecture) and transformers'
+    GGUF loader (None where it does not read the file or cannot map its names). verify_gguf
+    compares one; this is the family table of issue 38 (bench/gguf_families.py, tests/e2e)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reference_dir = Path(reference_dir)
+    tokenizer = AutoTokenizer.from_pretrained(reference_dir)
+    probes = [torch.tensor([tokenizer(text)["input_ids"]]) for text in _probe_texts(tokenizer)]
+    expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
+    target = gguf_arch.check_architecture(reference_dir)
+    readers = {"gguf-py": gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type),
+               "transformers": _transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=False)
+               if transformers_reads(gguf_path) else None}
+    return {name: None if model is None else max(float((g - e).abs().max())
+                                                 for g, e in zip(_logits(model, probes), expected, strict=True))
+            for name, model in readers.items()}
+
+
 def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
     """The GGUF's model in fp32, loaded as verify_gguf loads it: into the reference's own config
     (as llama.cpp runs it, `_as_gguf_arch`), through transformers' GGUF loader where it reads the

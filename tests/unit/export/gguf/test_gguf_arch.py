@@ -1,7 +1,6 @@
-"""GGUF for the families llama.cpp runs beyond the original seven: tiny random models of each
-(tests/families.py, built from transformers' own default configs) written as GGUF, read back with
-gguf-py (every tensor in place, bit for bit) and, through transformers' GGUF loader or gguf-py's
-reading, run against the merged model (f32 logits identical, q8_0 within its bound)."""
+"""GGUF for the families llama.cpp runs beyond the original seven: how each is found, laid out and
+refused (tests/families.py's tiny models). Every family written and run against the merged model
+(f32 identical, q8_0 within its bound, the default export's quality line) is tests/e2e/test_gguf_families.py."""
 
 from __future__ import annotations
 
@@ -10,47 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from families import save_tiny
+from families import AS_RELEASED, save_tiny
 
 from homelab_ft.errors import UserError
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
 from homelab_ft.export.gguf import export as gguf_export
 from homelab_ft.export.gguf import hparams as gguf_hparams
-
-WRITTEN = {
-    "smollm3": "smollm3",
-    "olmo2": "olmo2",
-    "olmo3": "olmo2",
-    "gemma": "gemma",
-    "gemma3_text": "gemma3",
-    "granite": "granite",
-    "mixtral": "llama",
-    "qwen2_moe": "qwen2moe",
-    "qwen3_moe": "qwen3moe",
-    "glm4_moe": "glm4moe",
-    "deepseek_v3": "deepseek2",
-}
-"""model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
-olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2): none of these was written before, except gemma3_text."""
-
-NOT_BIT_EXACT = {"qwen2_moe": 1e-7}
-"""f32 logits of Qwen2-MoE read back by transformers' GGUF loader differ by 3e-8 from the merged
-model's though every tensor it returns is bit-exact (gguf_check._check_tensors and gguf_readback
-prove it): not our file. Every other family's f32 logits are identical."""
-
-
-AS_RELEASED = {
-    "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-                    "query_pre_attn_scalar": 16},
-    "qwen3_moe": {"norm_topk_prob": True},
-    "glm4_moe": {"attention_bias": True},
-}
-"""What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
-(gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk by tests/families.py)
-differs: Gemma 3's 5:1 sliding pattern and query scale 1/sqrt(head_dim), Qwen3-MoE's normalised
-top-k weights (Qwen3-30B-A3B sets norm_topk_prob); GLM-4.5(-Air)'s q/k/v biases (attention_bias
-true, which llama.cpp loads where the file has them)."""
 
 
 @pytest.fixture(scope="module")
@@ -76,29 +41,6 @@ def test_the_architecture_comes_from_transformers_and_gguf_py():
     assert gguf_arch.arch_candidates("gpt_oss")[0] == "gpt-oss"
     assert gguf_arch.arch_candidates("deepseek_v3") == ["deepseek2"]
     assert gguf_arch.arch_candidates("no_such_model") == []
-
-
-@pytest.mark.parametrize("model_type", sorted(WRITTEN))
-def test_family_reads_back_and_runs_as_the_merged_model(tiny, tmp_path, model_type):
-    from gguf import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES, GGUFReader
-
-    model_dir = tiny(model_type)
-    path = tmp_path / "f32.gguf"
-    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
-    reader = GGUFReader(path)
-    arch_name = reader.fields["general.architecture"].contents()
-    assert arch_name == WRITTEN[model_type]
-    arch = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name)
-    layers = reader.fields[f"{arch_name}.block_count"].contents()
-    allowed = {f"{TENSOR_NAMES[kind].format(bid=i)}{suffix}" for kind in MODEL_TENSORS[arch] for i in range(layers)
-               for suffix in (".weight", ".bias")}
-    names = {t.name for t in reader.tensors}
-    assert names and names <= allowed, sorted(names - allowed)  # every tensor has its place in llama.cpp's layout
-    assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff <= NOT_BIT_EXACT.get(model_type, 0.0)
-    q8 = tmp_path / "q8_0.gguf"
-    gguf_export.write_gguf(model_dir, q8, gguf_type="q8_0", name="tiny")
-    check = gguf_check.verify_gguf(q8, model_dir, gguf_type="q8_0")
-    assert 0.0 < check.max_abs_diff <= check.bound
 
 
 def test_experts_are_stacked_as_llama_cpp_holds_them(tiny, tmp_path):
