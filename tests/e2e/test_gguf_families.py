@@ -38,9 +38,11 @@ WRITTEN = {
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
 
-READ_BY_TRANSFORMERS = {"gemma3_text", "qwen2_moe", "qwen3_moe"}
-"""The written families whose GGUF transformers 5.25's loader reads and maps onto the model (the
-others: an architecture it does not know, Mixtral's names, gpt-oss's YaRN keys it fails on)."""
+READ_BY_TRANSFORMERS = {"gemma3_text", "qwen2_moe", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"}
+"""The written families whose GGUF transformers 5.25 reads and maps onto the model: its legacy
+loader (Gemma 3, Qwen2/3-MoE) or its newer one (Qwen 3.5, which undoes the tiled value heads with
+its own code). The others: an architecture it does not know, Mixtral's names, gpt-oss's YaRN keys
+its legacy loader fails on."""
 
 NOT_BIT_EXACT = {"qwen2_moe": 1e-7, "qwen3_5_text": 1e-6, "qwen3_5_moe_text": 1e-6, "qwen3_next": 1e-6}
 """f32 logits of Qwen2-MoE read back by transformers' GGUF loader differ by 3e-8 from the merged

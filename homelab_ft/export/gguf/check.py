@@ -82,7 +82,8 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
         if not reads:
             file = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True).name
         probes = _check_tokenizer(folder, file, reference_dir)
-    model = _transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=True) if reads else None
+    model = (_transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=True) if reads
+             else _newer_loader_model(gguf_path, reference_dir))
     if model is None:
         model = gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
     return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
@@ -103,7 +104,7 @@ def reader_diffs(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> dic
     target = gguf_arch.check_architecture(reference_dir)
     readers = {"gguf-py": gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type),
                "transformers": _transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=False)
-               if transformers_reads(gguf_path) else None}
+               if transformers_reads(gguf_path) else _newer_loader_model(gguf_path, reference_dir)}
     return {name: None if model is None else max(float((g - e).abs().max())
                                                  for g, e in zip(_logits(model, probes), expected, strict=True))
             for name, model in readers.items()}
@@ -117,7 +118,8 @@ def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
     expert sizes, head_dim or query_pre_attn_scalar; Mixtral as a dense Llama), which ran another
     model than the file holds (issue 38)."""
     reference_dir = Path(reference_dir)
-    model = _transformers_model(path, reference_dir, gguf_type=gguf_type, check=False) if transformers_reads(path) else None
+    model = (_transformers_model(path, reference_dir, gguf_type=gguf_type, check=False) if transformers_reads(path)
+             else _newer_loader_model(path, reference_dir))
     if model is None:
         target = gguf_arch.check_architecture(reference_dir)
         model = gguf_readback.load_model(path, reference_dir, target=target, gguf_type=gguf_type)
@@ -204,6 +206,28 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
                                f"(first difference at token {at}: {want[at:at + 3]} vs {got[at:at + 3]})")
         probes.append(torch.tensor([want]))
     return probes
+
+
+def _newer_loader_model(path: Path, reference_dir: Path):
+    """The GGUF through transformers 5.25's newer GGUF loader (integrations/gguf, behind
+    `from_pretrained(gguf_file=...)` for Qwen 3.5 dense and MoE and LFM2), which undoes llama.cpp's
+    layout with its own code (norm offsets, A = -exp(A_log), Qwen 3.5's tiled value heads), loaded
+    into the reference's config; None for an architecture it does not handle (the legacy loader's
+    `transformers_reads`, or gguf-py's reading then)."""
+    import tempfile
+
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.gguf import is_gguf_arch_supported
+
+    arch = str(gguf.GGUFReader(path).fields["general.architecture"].contents())
+    if not is_gguf_arch_supported(arch):
+        return None
+    with tempfile.TemporaryDirectory(prefix="gguf-load-") as alone:
+        (Path(alone) / "model.gguf").symlink_to(Path(path).resolve())  # alone: see verify_gguf
+        return AutoModelForCausalLM.from_pretrained(alone, gguf_file="model.gguf", dtype=torch.float32,
+                                                    config=AutoConfig.from_pretrained(reference_dir))
 
 
 def _transformers_model(path: Path, reference_dir: Path, *, gguf_type: str, check: bool):

@@ -45,8 +45,8 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     if target.layout.mla:
         _write_mla(writer, config)
         dim = config.qk_rope_head_dim  # the rotated width
-    elif dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
-        writer.add_key_length(dim)
+    elif getattr(config, "head_dim", None) or target.arch_name.startswith("gemma"):
+        writer.add_key_length(dim)  # TextModel writes them wherever config.json names head_dim
         writer.add_value_length(dim)
     _write_rope(writer, config, dim=dim, target=target)
     _write_attention_extras(writer, config, target=target)
