@@ -9,7 +9,8 @@ through transformers' GGUF loader ("-" where transformers does not read the arch
 loaded into the model's own config; the default q8_0 export's check (max |logit difference| and its
 bound) and its quality line (greedy next-token agreement and eval loss against the merged model on
 the held-out prompts, gguf_quality.measure). The models are those the GGUF tests build
-(families.AS_RELEASED; gpt-oss's q8_0 with every expert taken, families.ALL_EXPERTS). Printed as a
+(families.AS_RELEASED; the q8_0 one with gpt-oss taking every expert, families.ALL_EXPERTS, and
+Gemma 4's q/k norms as trained, families.AS_TRAINED). Printed as a
 markdown table, with the seconds each family took.
 """
 
@@ -46,7 +47,8 @@ def family_row(model_type: str, folder: Path) -> list[str]:
     gguf_export.write_gguf(model_dir, f32, gguf_type="f32", name=model_type)
     gguf_check.verify_gguf(f32, model_dir, gguf_type="f32")
     diffs = gguf_check.reader_diffs(f32, model_dir, gguf_type="f32")
-    q8_dir = save_tiny(folder / f"{model_type}-q8", model_type, **released, **ALL_EXPERTS.get(model_type, {}))
+    q8_dir = save_tiny(folder / f"{model_type}-q8", model_type, as_trained=True, **released,
+                       **ALL_EXPERTS.get(model_type, {}))
     q8 = q8_dir / "model-q8_0.gguf"
     gguf_export.write_gguf(q8_dir, q8, gguf_type="q8_0", name=model_type)
     check = gguf_check.verify_gguf(q8, q8_dir, gguf_type="q8_0")

@@ -34,6 +34,7 @@ WRITTEN = {
     "qwen3_5_text": "qwen35",
     "qwen3_5_moe_text": "qwen35moe",
     "qwen3_next": "qwen3next",
+    "gemma4_text": "gemma4",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
@@ -50,7 +51,7 @@ model's though every tensor it returns is bit-exact (gguf_check._check_tensors a
 prove it): not our file. The delta-net models' A = -exp(A_log) comes back through log within a
 float32 ulp. Every other family's f32 logits are identical."""
 
-ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text")
 """Families issue 38 added: the default export of a run of each goes through the CLI."""
 
 
@@ -76,7 +77,8 @@ def test_family_reads_back_and_runs_as_the_merged_model(tmp_path, model_type):
     assert diffs["gguf-py"] <= bound
     assert (diffs["transformers"] is not None) == (model_type in READ_BY_TRANSFORMERS)
     assert diffs["transformers"] is None or diffs["transformers"] <= bound
-    q8_dir = save_tiny(tmp_path / "q8", model_type, **AS_RELEASED.get(model_type, {}), **ALL_EXPERTS.get(model_type, {}))
+    q8_dir = save_tiny(tmp_path / "q8", model_type, as_trained=True, **AS_RELEASED.get(model_type, {}),
+                       **ALL_EXPERTS.get(model_type, {}))
     q8 = tmp_path / "q8_0.gguf"
     gguf_export.write_gguf(q8_dir, q8, gguf_type="q8_0", name="tiny")
     check = gguf_check.verify_gguf(q8, q8_dir, gguf_type="q8_0")
@@ -85,7 +87,7 @@ def test_family_reads_back_and_runs_as_the_merged_model(tmp_path, model_type):
 
 @pytest.mark.parametrize("model_type", ADDED)
 def test_the_default_export_of_a_run_completes_with_its_quality_line(tmp_path, capsys, model_type):
-    model_dir = save_tiny(tmp_path / model_type, model_type, **ALL_EXPERTS.get(model_type, {}))
+    model_dir = save_tiny(tmp_path / model_type, model_type, as_trained=True, **ALL_EXPERTS.get(model_type, {}))
     run = build_recipe.lora_run(tmp_path, model_dir)
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0

@@ -40,6 +40,7 @@ import numpy as np
 
 from homelab_ft.errors import UserError
 from homelab_ft.export.gguf.reshape import (
+    GEMMA4,
     GPT_OSS,
     MLA_KV_B,
     QWEN3NEXT_DELTA_NET,
@@ -128,6 +129,9 @@ class Layout:
     """The M-RoPE sections llama.cpp requires (`rope.dimension_sections`) where the config names none
     (Qwen 3.5: _Qwen35MRopeMixin's [11, 11, 10, 0]); text positions are the same on every section,
     so for text they only have to cover the rotated pairs."""
+    tokenizer_kinds: tuple[str, ...] = ()
+    """The tokenizers (gguf_vocab's kinds: gpt2, llama) written for this architecture where not
+    every one is, else empty."""
     expert_ff_key: str = "moe_intermediate_size"
     """The config key `expert_feed_forward_length` is written from (gpt-oss's experts are
     `intermediate_size` wide: GptOssModel.set_gguf_parameters writes that)."""
@@ -138,6 +142,17 @@ def _linear_every(config: dict) -> list[str]:
     (the converter writes the config's, else 4): linear attention except every interval-th layer."""
     interval = config.get("full_attention_interval") or 4
     return _every(interval, other="linear_attention", last="full_attention")(config)
+
+
+def _gemma4_shared_kv(config: dict) -> object:
+    """The KV-sharing tail llama.cpp runs as transformers does: each shared layer reads the last
+    layer of its type that keeps its own cache (Gemma4TextConfig.kv_sharing_modes), which llama.cpp
+    takes to be the last two such layers, sliding then full."""
+    shared = config["num_kv_shared_layers"]
+    kept = config["layer_types"][: config["num_hidden_layers"] - shared]
+    if not shared or kept[-2:] == ["sliding_attention", "full_attention"]:
+        return shared
+    return "0, or a count that leaves a sliding then a full layer last among those with their own KV cache"
 
 
 def _deepseek2_lite(config: dict) -> bool:
@@ -184,6 +199,15 @@ LAYOUTS = {
         Fixed("norm_topk_prob", lambda config: True, "models/qwen3next.cpp: build_moe_ffn(..., norm_w = true)"),
         Fixed("decoder_sparse_step", lambda config: 1, "models/qwen3next.cpp: ffn_gate_inp required on every layer"),
         Fixed("mlp_only_layers", lambda config: [], "models/qwen3next.cpp: ffn_gate_inp required on every layer"))),
+    "gemma4": Layout(reshaped=GEMMA4, rope_types=("proportional",), tokenizer_kinds=("gpt2",), swa_pattern=SwaPattern(
+        source="models/gemma4.cpp: sliding_window_pattern, one bool per layer, always read"), fixed=(
+        Fixed("hidden_activation", lambda config: "gelu_pytorch_tanh", "models/gemma4.cpp: LLM_FFN_GELU (tanh)"),
+        Fixed("attention_bias", lambda config: False, "models/gemma4.cpp: q/k/v/o without biases"),
+        Fixed("use_bidirectional_attention", lambda config: config["use_bidirectional_attention"]
+              if config["use_bidirectional_attention"] != "all" else "causal text attention (None or 'vision')",
+              "models/gemma4.cpp: a causal graph"),
+        Fixed("num_kv_shared_layers", _gemma4_shared_kv, "llama-model.cpp: a shared sliding layer reuses layer "
+              "n_layer_kv_from_start - 2, a shared full one n_layer_kv_from_start - 1"))),
     "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(
         Fixed("layer_types", _every(2, **_SLIDING), "models/openai-moe.cpp: set_swa_pattern(2)"),
         Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),
@@ -292,10 +316,8 @@ def check_architecture(model_dir: Path) -> Target:
         raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft (llama.cpp "
                               f"runs it as {arch_name!r}, whose conversion homelab-ft has read for "
                               f"{', '.join(layout.model_types)} only)")
-    rope = rope_parameters(config)
-    if rope.get("rope_type", "default") not in (layout.rope_types or ROPE_TYPES):
-        raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft"
-                              + (f" for {arch_name!r}" if layout.rope_types else ""))
+    _check_rope(rope_parameters(config), layout, where=where, arch_name=arch_name)
+    _check_sizes_by_layer_type(config, where=where)
     _check_fixed(config, layout, where=where)
     return Target(model_type=model_type, arch_name=arch_name, layout=layout,
                   offset_norms=_offset_norms(model_dir, arch_name))
@@ -334,6 +356,34 @@ def _swa_needs(model_dir: Path) -> list[str]:
             f"run it on llama.cpp {pattern.since} or newer (checked to read "
             f"`{names[0]}.attention.sliding_window_pattern`, which this file carries) or on an Ollama / LM Studio "
             "built on one; an older build loads the file and runs another model."]
+
+
+def _check_rope(rope: dict, layout: Layout, *, where: str, arch_name: str) -> None:
+    """The rope types gguf_hparams writes (the sliding layers' too, which llama.cpp turns by the
+    plain rope with their own base); a proportional rope only unscaled (Gemma 4's)."""
+    kind = rope.get("rope_type", "default")
+    if kind not in (layout.rope_types or ROPE_TYPES):
+        raise GgufUnsupported(f"{where}: rope type {kind!r} cannot be written as GGUF by homelab-ft"
+                              + (f" for {arch_name!r}" if layout.rope_types else ""))
+    swa = (rope.get("swa") or {}).get("rope_type", "default")
+    if swa != "default" or (kind == "proportional" and rope.get("factor", 1.0) != 1.0):
+        raise GgufUnsupported(f"{where}: rope type {swa!r} on the sliding layers, or a scaled proportional rope, cannot "
+                              "be written as GGUF by homelab-ft")
+
+
+def _check_sizes_by_layer_type(config: dict, *, where: str) -> None:
+    """Sizes transformers keeps per layer (per_layer_config: Gemma 4's full-attention head_dim) must
+    be one per layer type: llama.cpp reads one head size for the full layers and one for the
+    sliding ones (`key_length`, `key_length_swa`)."""
+    overrides = config.get("per_layer_config") or {}
+    for key in ("head_dim",):
+        sizes = {}
+        for layer, kind in enumerate(config.get("layer_types") or []):
+            sizes.setdefault(kind, set()).add((overrides.get(str(layer)) or {}).get(key, config.get(key)))
+        mixed = {kind: sorted(values) for kind, values in sizes.items() if len(values) > 1}
+        if mixed:
+            raise GgufUnsupported(f"{where}: {key} differs between layers of one type ({mixed}); llama.cpp reads one "
+                                  "per layer type, so it cannot be written as GGUF")
 
 
 def _check_fixed(config: dict, layout: Layout, *, where: str) -> None:

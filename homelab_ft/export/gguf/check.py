@@ -133,20 +133,24 @@ def transformers_reads(gguf_path: Path) -> bool:
     A loader that knows the architecture but fails on its keys counts as not reading it, said in
     one line: transformers 5.25 reads gpt-oss's `rope.scaling.*` values from the wrong part of
     gguf-py's field (`parts[0]`, the key's length) and raises TypeError on every gpt-oss GGUF with
-    YaRN, llama.cpp's own included. gguf-py's reading (gguf_readback) checks the file then."""
+    YaRN, llama.cpp's own included; its Gemma 4 config takes no per-layer `head_count_kv` (26B-A4B's
+    num_global_key_value_heads). gguf-py's reading (gguf_readback) checks the file then."""
     import tempfile
 
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="gguf-arch-") as folder:
         twin = gguf_readback.metadata_twin(gguf_path, Path(folder) / "metadata.gguf", tokenizer=False)
         try:
             load_gguf_checkpoint(str(twin), return_tensors=False)
+            AutoConfig.from_pretrained(folder, gguf_file=twin.name)  # the config class it builds from the keys
         except ValueError as err:
             if "not supported" in str(err):
                 return False
             raise
-        except (TypeError, KeyError) as err:
+        except (TypeError, KeyError, StrictDataclassError) as err:
             log.info("transformers' GGUF loader fails on %s's metadata (%s: %s); reading it with gguf-py", gguf_path,
                      type(err).__name__, err)
             return False
@@ -254,6 +258,10 @@ def _transformers_model(path: Path, reference_dir: Path, *, gguf_type: str, chec
         _check_tensors(tensors, reference_dir, reference_config, gguf_type=gguf_type)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     del parsed, tensors
+    buffers = {name for name, _ in model.named_buffers()} & set(missing)
+    if buffers:  # Gemma 4's layer_scalar: gguf_readback read it; transformers 5.25's reader maps none
+        log.info("transformers' GGUF loader does not read %s's %s; reading it with gguf-py", path, sorted(buffers)[0])
+        return None
     tied = {"lm_head.weight"} if reference_config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"GGUF check failed: transformers reads back missing {sorted(missing)[:3]}, "

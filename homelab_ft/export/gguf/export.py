@@ -80,6 +80,7 @@ def check_writable(model_dir: Path) -> Target:
     from transformers import AutoConfig
 
     target = gguf_arch.check_architecture(model_dir)
+    gguf_vocab.check_tokenizer(model_dir, target=target)
     plan_tensors(model_dir, AutoConfig.from_pretrained(model_dir), target=target, gguf_type="f32")
     return target
 
@@ -91,6 +92,7 @@ def write_gguf(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) ->
 
     model_dir = Path(model_dir)
     target = gguf_arch.check_architecture(model_dir)
+    gguf_vocab.check_tokenizer(model_dir, target=target)
     config = AutoConfig.from_pretrained(model_dir)
     writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
@@ -197,7 +199,7 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
         hf_shape = (len(parts), *shapes[key]) if len(parts) > 1 else shapes[key]
         rule = target.reshaped(key)
         for index, (gguf_key, in_hf) in enumerate(_gguf_parts(key, hf_shape, config, rule=rule)):
-            mapped = name_map.get_type_and_name(gguf_key, try_suffixes=(".weight", ".bias"))
+            mapped = name_map.get_type_and_name(gguf_key, try_suffixes=(".weight", ".bias", ".scale"))
             if mapped is None or mapped[0] not in allowed:
                 raise gguf_arch.GgufUnsupported(
                     f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "

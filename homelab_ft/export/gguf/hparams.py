@@ -29,32 +29,90 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def per_layer(config, key: str) -> list:
+    """`key` of every layer. transformers 5.25 keeps a size that differs by layer in the config's
+    per_layer_config (Gemma 4: the full-attention layers' head_dim, and their KV heads where
+    num_global_key_value_heads is set), where reading it off the config raises; a homogeneous
+    config gives its one value for every layer."""
+    if getattr(config, "is_heterogeneous", False):
+        return [getattr(layer, key) for layer in config.per_layer_config]
+    return [getattr(config, key, None)] * config.num_hidden_layers
+
+
+def kv_heads(config, *, target: Target) -> int | list[int]:
+    """`attention.head_count_kv`: one value, or one per layer where they differ (as
+    Gemma4Model writes num_global_key_value_heads); MLA is one KV head (DeepseekV2Model)."""
+    if target.layout.mla:
+        return 1
+    heads = per_layer(config, "num_key_value_heads")
+    return heads[0] if len(set(heads)) == 1 else heads
+
+
+def ff_lengths(config) -> int | list[int] | None:
+    """`feed_forward_length`: the MLP's width, per layer where Gemma 4's use_double_wide_mlp doubles
+    it on the layers that reuse another layer's KV cache (as Gemma4Model writes it); None in a
+    model of experts alone (Qwen 3.5 MoE)."""
+    size = getattr(config, "intermediate_size", None)
+    if not size or not getattr(config, "use_double_wide_mlp", False):
+        return size or None
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    return [size * (2 if layer >= first_shared else 1) for layer in range(config.num_hidden_layers)]
+
+
 def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     import gguf
 
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    if getattr(config, "intermediate_size", None):  # none in a model of experts alone (Qwen 3.5 MoE)
-        writer.add_feed_forward_length(config.intermediate_size)
+    if ff_lengths(config):
+        writer.add_feed_forward_length(ff_lengths(config))
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(1 if target.layout.mla else config.num_key_value_heads)
+    writer.add_head_count_kv(kv_heads(config, target=target))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    dim = head_dim(config)
-    if target.layout.mla:
+    swa_dim = None
+    if getattr(config, "is_heterogeneous", False):
+        dim, swa_dim = _write_heads_by_layer_type(writer, config)
+    elif target.layout.mla:
         _write_mla(writer, config)
         dim = config.qk_rope_head_dim  # the rotated width
-    elif getattr(config, "head_dim", None) or target.arch_name.startswith("gemma"):
-        writer.add_key_length(dim)  # TextModel writes them wherever config.json names head_dim
-        writer.add_value_length(dim)
-    _write_rope(writer, config, dim=dim, target=target)
+    else:
+        dim = head_dim(config)
+        if getattr(config, "head_dim", None) or target.arch_name.startswith("gemma"):
+            writer.add_key_length(dim)  # TextModel writes them wherever config.json names head_dim
+            writer.add_value_length(dim)
+    _write_rope(writer, config, dim=dim, swa_dim=swa_dim, target=target)
     _write_attention_extras(writer, config, target=target)
+    _write_per_layer_inputs(writer, config)
     _write_experts(writer, config, target=target)
     _write_linear_attention(writer, config)
     _write_multipliers(writer, config)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_heads_by_layer_type(writer, config) -> tuple[int, int]:
+    """Gemma 4's head sizes, one per layer type (Gemma4Model): the full-attention layers' as
+    `key_length` / `value_length`, the sliding ones' as the `_swa` lengths (gguf_arch refuses a
+    type whose layers differ). Returns (full, sliding)."""
+    sizes = dict(zip(config.layer_types, per_layer(config, "head_dim"), strict=True))
+    full = sizes.get("full_attention") or sizes["sliding_attention"]
+    swa = sizes.get("sliding_attention") or full
+    writer.add_key_length(full)
+    writer.add_value_length(full)
+    writer.add_key_length_swa(swa)
+    writer.add_value_length_swa(swa)
+    return full, swa
+
+
+def _write_per_layer_inputs(writer, config) -> None:
+    """Gemma 4's per-layer embeddings width (0 without them, a key its loader requires) and the
+    layers at the end that reuse an earlier layer's KV cache, as Gemma4Model writes them."""
+    if hasattr(config, "hidden_size_per_layer_input"):
+        writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    if getattr(config, "num_kv_shared_layers", None) is not None:
+        writer.add_shared_kv_layers(config.num_kv_shared_layers)
 
 
 def _write_mla(writer, config) -> None:
@@ -70,13 +128,17 @@ def _write_mla(writer, config) -> None:
     writer.add_value_length_mla(config.v_head_dim)
 
 
-def _write_rope(writer, config, *, dim: int, target: Target) -> None:
+def _write_rope(writer, config, *, dim: int, swa_dim: int | None, target: Target) -> None:
     import gguf
 
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    if rope.get("rope_type") == "proportional":  # every pair counted; rope_freqs holds the unrotated ones still
+        partial = 1.0
     writer.add_rope_dimension_count(int(dim * partial))  # transformers 5 keeps GLM's in rope_parameters
+    if swa_dim is not None:
+        writer.add_rope_dimension_count_swa(int(swa_dim * ((rope.get("swa") or {}).get("partial_rotary_factor") or 1.0)))
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -128,7 +190,7 @@ def _write_experts(writer, config, *, target: Target) -> None:
     if not num_experts:
         return
     writer.add_expert_count(num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_used_count(getattr(config, "num_experts_per_tok", None) or config.top_k_experts)  # Gemma 4: top_k
     if getattr(config, target.layout.expert_ff_key, None):
         writer.add_expert_feed_forward_length(getattr(config, target.layout.expert_ff_key))
     if getattr(config, "shared_expert_intermediate_size", None):
@@ -188,10 +250,23 @@ def _write_multipliers(writer, config) -> None:
             getattr(writer, method)(float(getattr(config, key)))
 
 
+PROPORTIONAL_STILL = 1e30
+"""The divisor Gemma4Model's rope_freqs gives the pairs proportional rope leaves unrotated: their
+angle pos * theta / 1e30 is 0 to float precision at any position llama.cpp runs."""
+
+
 def rope_freqs(config) -> np.ndarray | None:
-    """Llama 3.1+ frequency scaling as llama.cpp's `rope_freqs` tensor (per-pair divisors), the
-    same formula as transformers' `_compute_llama3_parameters`."""
+    """llama.cpp's `rope_freqs` tensor (per-pair divisors of the angle): Llama 3.1+ frequency
+    scaling, the same formula as transformers' `_compute_llama3_parameters`; Gemma 4's proportional
+    rope on its full-attention layers, which turns the first int(partial * head_dim // 2) of the
+    head's pairs (i, i + head_dim / 2) at base^(-2i / head_dim) and leaves the rest
+    (`_compute_proportional_rope_parameters`; ggml's neox rope cannot skip pairs, Gemma4Model's
+    generate_extra_tensors divides them by PROPORTIONAL_STILL instead)."""
     rope = rope_parameters(config)
+    if rope.get("rope_type") == "proportional":
+        full = dict(zip(config.layer_types, per_layer(config, "head_dim"), strict=True))["full_attention"]
+        turned = int(rope["partial_rotary_factor"] * full // 2)
+        return np.array([1.0] * turned + [PROPORTIONAL_STILL] * (full // 2 - turned), dtype=np.float32)
     if rope.get("rope_type") != "llama3":
         return None
     dim = head_dim(config)

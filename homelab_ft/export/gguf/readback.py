@@ -19,19 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.export.gguf.arch import Target
+from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads
 from homelab_ft.export.gguf.export import plan_tensors
-
-_HPARAMS = {
-    "block_count": "num_hidden_layers",
-    "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "context_length": "max_position_embeddings",
-    "vocab_size": "vocab_size",
-}
-"""`{arch}.<key>` -> the config attribute it must equal."""
-
 
 def stored(tensor) -> np.ndarray:
     """A GGUF tensor dequantized to float32, in numpy's (outermost first) order."""
@@ -81,14 +70,15 @@ def _check_keys(fields: dict, config, *, target: Target) -> None:
     arch = str(fields["general.architecture"].contents())
     if arch != target.arch_name:
         raise RuntimeError(f"GGUF check failed: general.architecture is {arch!r}, meant {target.arch_name!r}")
-    for key, attribute in _HPARAMS.items():
+    want = {"block_count": config.num_hidden_layers, "embedding_length": config.hidden_size,
+            "feed_forward_length": ff_lengths(config), "attention.head_count": config.num_attention_heads,
+            "attention.head_count_kv": kv_heads(config, target=target),
+            "context_length": config.max_position_embeddings, "vocab_size": config.vocab_size}
+    for key, value in want.items():  # as gguf_hparams writes them: one value, or one per layer
         field = fields.get(f"{arch}.{key}")
         got = field.contents() if field is not None else None
-        value = getattr(config, attribute, None)  # no intermediate_size in a model of experts alone
-        want = 1 if key == "attention.head_count_kv" and target.layout.mla else value
-        if got != want:  # MLA is written as one KV head (DeepseekV2Model)
-            raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, the model's "
-                               f"{attribute} = {value} is written as {want}")
+        if got != value:
+            raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, written from the model as {value}")
     eps = fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
     if eps is None or not math.isclose(eps.contents(), config.rms_norm_eps, rel_tol=1e-6):
         raise RuntimeError(f"GGUF check failed: {arch}.attention.layer_norm_rms_epsilon differs from rms_norm_eps")

@@ -17,7 +17,8 @@ model, so a rule that loses or moves a value fails the check). The rules are:
 - Qwen 3.5's gated delta net (Qwen3NextModel + _LinearAttentionVReorderBase): A_log written as
   A = -exp(A_log), and the value heads reordered from grouped by key head to tiled
   (`v_heads_tiled`), which llama.cpp's broadcast expects;
-- Qwen3-Next's A = -exp(A_log) and its dt_bias renamed.
+- Qwen3-Next's A = -exp(A_log) and its dt_bias renamed;
+- Gemma 4's layer scale, stacked experts and router scales renamed.
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ GPT_OSS = (
 """GptOssModel.modify_tensors on a checkpoint not in MXFP4 (a merged fine-tune): gate_up's even
 columns are the gate, its odd ones up (transformers' GptOssExperts._apply_gate), each written as
 llama.cpp's (experts, ff, hidden); the sinks get the `.weight` gguf-py's name ends in."""
+
+GEMMA4 = (
+    renamed("layer_scalar", "layer_scalar.weight"),
+    renamed("experts.gate_up_proj", "experts.gate_up_proj.weight"),
+    renamed("experts.down_proj", "experts.down_proj.weight"),
+    renamed("router.scale", "router.proj.scale"),
+    renamed("router.per_expert_scale", "experts.down_proj.scale"),
+)
+"""Gemma4Model's names: the layer's output scale and the stacked experts get the `.weight` gguf-py's
+names end in (filter_tensors); the router's input scale becomes `ffn_gate_inp.scale` and its
+per-expert weight scale `ffn_down_exps.scale`, which models/gemma4.cpp multiplies each expert's
+output by (modify_tensors). The experts keep transformers' layout: gate_up_proj (experts, 2 x ff,
+hidden) is llama.cpp's ffn_gate_up_exps, gate rows first."""
 
 SELECTION_BIAS = renamed("mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction.bias")
 """The router's selection bias of DeepSeek-style MoE (GLM-4.5, DeepSeek-V3), which llama.cpp's

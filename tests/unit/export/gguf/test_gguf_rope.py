@@ -74,3 +74,27 @@ def test_running_md_says_what_the_rounding_does_to_gpt_oss(released, tmp_path):
     config["rope_parameters"]["truncate"] = True
     (truncated / "config.json").write_text(json.dumps(config))
     assert gguf_arch.runtime_needs(truncated) == []  # rounded in the config too: llama.cpp runs it as trained
+
+
+def test_gemma4s_proportional_rope_is_llama_cpps_neox_rope_with_rope_freqs():
+    """ggml's neox rope over the whole head (n_rot = head_dim, Gemma4Model's rope.dimension_count)
+    turns pair (i, i + head_dim/2) by pos * base^(-2i/head_dim) / rope_freqs[i]: with the rope_freqs
+    gguf_hparams writes it is transformers' proportional rope: its first partial * head_dim / 2 pairs
+    at transformers' frequencies (to float32 precision), the rest still at any of Gemma 4's 131072
+    positions."""
+    import torch
+    from families import tiny_config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from homelab_ft.export.gguf import hparams as gguf_hparams
+
+    config = tiny_config("gemma4_text")
+    full = config.per_layer_config[config.layer_types.index("full_attention")]
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["proportional"](config, layer_type="full_attention")
+    head_dim, base = full.head_dim, config.rope_parameters["full_attention"]["rope_theta"]
+    factors = gguf_hparams.rope_freqs(config)
+    ggml = base ** (-2.0 * np.arange(head_dim // 2) / head_dim) / factors.astype(np.float64)  # per position
+    turned = int(0.25 * head_dim // 2)
+    np.testing.assert_allclose(ggml[:turned], inv_freq[:turned].double().numpy(), rtol=1e-6)
+    assert (inv_freq[turned:] == 0).all() and (131072 * ggml[turned:]).max() < 1e-20  # still at any position
+    assert scaling == 1.0 and torch.count_nonzero(inv_freq) == turned
