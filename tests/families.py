@@ -253,3 +253,15 @@ def save_tiny(
         AS_TRAINED[model_type](state)
         save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def with_config(out_dir: Path, model_dir: Path, **config) -> Path:
+    """A copy of `model_dir` at `out_dir` whose config.json has `config` changed: what the GGUF
+    refusals read (they read config.json alone, before any weight)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    values = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**values, **config}))
+    return out_dir

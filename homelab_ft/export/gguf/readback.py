@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.export.gguf.arch import Target
-from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads
 from homelab_ft.export.gguf.export import plan_tensors
+from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads
+
 
 def stored(tensor) -> np.ndarray:
     """A GGUF tensor dequantized to float32, in numpy's (outermost first) order."""

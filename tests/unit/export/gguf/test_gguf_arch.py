@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from families import AS_RELEASED, save_tiny
+from families import AS_RELEASED, save_tiny, with_config
 
 from homelab_ft.errors import UserError
 from homelab_ft.export.gguf import arch as gguf_arch
@@ -231,17 +231,6 @@ def test_glm4_moe_nextn_layers_are_left_out_and_expert_groups_written(tiny, tmp_
         assert gguf_check.verify_gguf(path, model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
-def _edited(tmp_path: Path, model_dir: Path, name: str, **config) -> Path:
-    """A copy of `model_dir` whose config.json has `config` changed (the checks read config.json alone)."""
-    import shutil
-
-    out = tmp_path / name
-    shutil.copytree(model_dir, out)
-    values = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**values, **config}))
-    return out
-
-
 def test_deepseek_v3_mla_is_split_as_llama_cpp_absorbs_it(tmp_path):
     """DeepseekV2Model's MLA: one KV head of kv_lora_rank + the rotated width, the decompressed head
     sizes as the `_mla` lengths, kv_b_proj split into attn_k_b (each head's nope rows transposed,
@@ -295,8 +284,8 @@ def test_deepseek2_refuses_what_llama_cpp_runs_otherwise(tiny, tmp_path):
         ("v2", {"model_type": "deepseek_v2"}, "homelab-ft has read for deepseek_v3 only"),
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
-            gguf_arch.check_architecture(_edited(tmp_path, base, name, **config))
-    gguf_arch.check_architecture(_edited(tmp_path, base, "moonlight", num_hidden_layers=27, q_lora_rank=None))
+            gguf_arch.check_architecture(with_config(tmp_path / name, base, **config))
+    gguf_arch.check_architecture(with_config(tmp_path / "moonlight", base, num_hidden_layers=27, q_lora_rank=None))
 
 
 def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):

@@ -4,11 +4,9 @@ Qwen3_5TextModel write them and models/qwen35.cpp, qwen35moe.cpp, qwen3next.cpp 
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from families import save_tiny
+from families import save_tiny, with_config
 
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
@@ -88,16 +86,6 @@ def test_qwen3_next_keeps_in_proj_qkvz_whole_as_ssm_in(tiny, tmp_path):
     assert gguf_check.verify_gguf(tmp_path / "next.gguf", model_dir, gguf_type="f32").max_abs_diff <= 1e-6
 
 
-def _edited(tmp_path, model_dir, name, **config):
-    import shutil
-
-    out = tmp_path / name
-    shutil.copytree(model_dir, out)
-    values = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**values, **config}))
-    return out
-
-
 def test_what_llama_cpp_runs_otherwise_is_refused(tiny, tmp_path):
     base = tiny("qwen3_5_moe_text")
     for name, config, refusal in [
@@ -106,10 +94,10 @@ def test_what_llama_cpp_runs_otherwise_is_refused(tiny, tmp_path):
         ("bias", {"attention_bias": True}, "attention_bias = True but llama.cpp runs this architecture with False"),
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
-            gguf_arch.check_architecture(_edited(tmp_path, base, name, **config))
+            gguf_arch.check_architecture(with_config(tmp_path / name, base, **config))
     with pytest.raises(gguf_arch.GgufUnsupported, match="norm_topk_prob = False but llama.cpp runs this architecture"):
-        gguf_arch.check_architecture(_edited(tmp_path, tiny("qwen3_next"), "norm", norm_topk_prob=False))
-    interval = _edited(tmp_path, base, "interval", full_attention_interval=2,
+        gguf_arch.check_architecture(with_config(tmp_path / "norm", tiny("qwen3_next"), norm_topk_prob=False))
+    interval = with_config(tmp_path / "interval", base, full_attention_interval=2,
                        layer_types=["linear_attention", "full_attention"] * 2)
     gguf_arch.check_architecture(interval)  # the pattern llama.cpp builds from the interval the file carries
 

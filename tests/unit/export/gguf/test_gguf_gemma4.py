@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from families import save_tiny
+from families import save_tiny, with_config
 
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
@@ -86,16 +86,6 @@ def test_moe_block_router_scales_and_values_from_keys(written):
     assert gguf_check.verify_gguf(model_dir / "f32.gguf", model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
-def _edited(tmp_path, model_dir, name, **config):
-    import shutil
-
-    out = tmp_path / name
-    shutil.copytree(model_dir, out)
-    values = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**values, **config}))
-    return out
-
-
 def test_what_llama_cpp_runs_otherwise_is_refused(written, tmp_path):
     base = written["base"][0]
     rope = json.loads((base / "config.json").read_text())["rope_parameters"]
@@ -108,12 +98,12 @@ def test_what_llama_cpp_runs_otherwise_is_refused(written, tmp_path):
         ("heads", {"per_layer_config": {"3": {"head_dim": 512}, "1": {"head_dim": 32}}}, "head_dim differs between layers"),
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
-            gguf_arch.check_architecture(_edited(tmp_path, base, name, **config))
+            gguf_arch.check_architecture(with_config(tmp_path / name, base, **config))
 
 
 def test_gemma4s_own_tokenizer_is_refused_in_one_line(written, tmp_path):
     """A SentencePiece-style BPE (byte fallback) is llama.cpp's `gemma4` tokenizer model, not written yet."""
-    model_dir = _edited(tmp_path, written["base"][0], "spm")
+    model_dir = with_config(tmp_path / "spm", written["base"][0])
     spec = json.loads((model_dir / "tokenizer.json").read_text())
     spec["model"]["byte_fallback"] = True
     (model_dir / "tokenizer.json").write_text(json.dumps(spec))

@@ -5,11 +5,9 @@ MXFP4_MOE layout (`--gguf-type mxfp4_moe`)."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from families import save_tiny
+from families import save_tiny, with_config
 
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import check as gguf_check
@@ -79,16 +77,6 @@ def test_mxfp4_moe_holds_the_experts_in_mxfp4_and_the_rest_as_llama_quantize_doe
     assert check.bound is None and check.max_abs_diff > 0
 
 
-def _edited(tmp_path, model_dir, **config):
-    import shutil
-
-    out = tmp_path / "edited"
-    shutil.copytree(model_dir, out)
-    values = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**values, **config}))
-    return out
-
-
 @pytest.mark.parametrize(("config", "refusal"), [
     ({"swiglu_limit": 5.0}, "swiglu_limit = 5.0 but llama.cpp runs this architecture with 7.0"),
     ({"swiglu_alpha": 1.5}, "swiglu_alpha = 1.5 but llama.cpp runs this architecture with 1.702"),
@@ -99,4 +87,4 @@ def test_a_gpt_oss_llama_cpp_runs_otherwise_is_refused(gpt_oss, tmp_path, config
     """openai-moe.cpp fixes the swiglu's alpha and limit, requires the attention biases and
     alternates sliding and full layers, with no GGUF key for any of them."""
     with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
-        gguf_arch.check_architecture(_edited(tmp_path, gpt_oss, **config))
+        gguf_arch.check_architecture(with_config(tmp_path / "edited", gpt_oss, **config))
