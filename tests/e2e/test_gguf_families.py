@@ -35,6 +35,7 @@ WRITTEN = {
     "qwen3_5_moe_text": "qwen35moe",
     "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4",
+    "granitemoehybrid": "granitehybrid",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
@@ -51,7 +52,7 @@ model's though every tensor it returns is bit-exact (gguf_check._check_tensors a
 prove it): not our file. The delta-net models' A = -exp(A_log) comes back through log within a
 float32 ulp. Every other family's f32 logits are identical."""
 
-ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text")
+ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid")
 """Families issue 38 added: the default export of a run of each goes through the CLI."""
 
 

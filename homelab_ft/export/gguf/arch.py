@@ -42,11 +42,13 @@ from homelab_ft.errors import UserError
 from homelab_ft.export.gguf.reshape import (
     GEMMA4,
     GPT_OSS,
+    GRANITE_HYBRID,
     MLA_KV_B,
     QWEN3NEXT_DELTA_NET,
     QWEN35_DELTA_NET,
     SELECTION_BIAS,
     Reshaped,
+    mamba2,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +131,12 @@ class Layout:
     """The M-RoPE sections llama.cpp requires (`rope.dimension_sections`) where the config names none
     (Qwen 3.5: _Qwen35MRopeMixin's [11, 11, 10, 0]); text positions are the same on every section,
     so for text they only have to cover the rotated pairs."""
+    recurrent_kv_heads: bool = False
+    """llama.cpp tells the recurrent layers by `attention.head_count_kv` 0 (Granite 4 hybrid:
+    GraniteHybridModel writes one count per layer)."""
+    rope_switch: bool = False
+    """llama.cpp turns q/k only where `rope.scaling.finetuned` is true, its default (Granite 4
+    hybrid's graph); written from position_embedding_type."""
     tokenizer_kinds: tuple[str, ...] = ()
     """The tokenizers (gguf_vocab's kinds: gpt2, llama) written for this architecture where not
     every one is, else empty."""
@@ -208,6 +216,12 @@ LAYOUTS = {
               "models/gemma4.cpp: a causal graph"),
         Fixed("num_kv_shared_layers", _gemma4_shared_kv, "llama-model.cpp: a shared sliding layer reuses layer "
               "n_layer_kv_from_start - 2, a shared full one n_layer_kv_from_start - 1"))),
+    "granitehybrid": Layout(permute_qk=True, reshaped=(*GRANITE_HYBRID, *mamba2("mamba")), recurrent_kv_heads=True,
+                            rope_switch=True, fixed=(
+        Fixed("mamba_expand", lambda config: 2, "models/granite-hybrid.cpp: GGML_ASSERT(2 * n_embd == d_inner)"),
+        Fixed("mamba_conv_bias", lambda config: True, "llm_build_mamba_base: the conv's bias added"),
+        Fixed("mamba_proj_bias", lambda config: False, "models/granite-hybrid.cpp: in/out projections without biases"),
+        Fixed("hidden_act", lambda config: "silu", "models/granite-hybrid.cpp: LLM_FFN_SILU"))),
     "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(
         Fixed("layer_types", _every(2, **_SLIDING), "models/openai-moe.cpp: set_swa_pattern(2)"),
         Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),

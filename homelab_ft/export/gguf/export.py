@@ -204,7 +204,8 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
                 raise gguf_arch.GgufUnsupported(
                     f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
                     f"model_type {target.model_type!r} cannot be written as GGUF by homelab-ft")
-            shape = tuple(d for d in in_hf if d != 1) or (1,)  # the converter's squeeze: Qwen2-MoE's (1, H) gate is H
+            squeeze = rule is None or rule.squeeze  # the converter's squeeze: Qwen2-MoE's (1, H) gate is H
+            shape = (tuple(d for d in in_hf if d != 1) or (1,)) if squeeze else in_hf
             qtype = tensor_qtype(mapped[0], shape, gguf_type, gguf_name=mapped[1])
             plan.append(Planned(mapped[1], mapped[0], shape, in_hf, qtype, _nbytes(shape, qtype), sources, config,
                                 target, reshaped=rule, part=index))
@@ -226,7 +227,7 @@ def _gguf_parts(key: str, hf_shape: tuple[int, ...], config, *, rule: Reshaped |
     tensor (experts stacked) becomes: itself, or the parts its `Reshaped` rule cuts it into."""
     if rule is None:
         return [(key, hf_shape)]
-    return list(zip(rule.names(key), rule.shapes(hf_shape, config), strict=True))
+    return list(zip(rule.names(key, config), rule.shapes(hf_shape, config), strict=True))
 
 
 def _headers(file: Path) -> dict[str, tuple[int, ...]]:
@@ -243,8 +244,9 @@ whose rounding would move which experts a token takes, and the short convolution
 linear-attention and Mamba layers."""
 
 
-def tensor_qtype(kind, shape: tuple[int, ...], gguf_type: str, *, gguf_name: str = ""):
-    """llama.cpp's choices: 1-D tensors, biases, norms and ALWAYS_F32 stay f32; a row length that
+def tensor_qtype(kind, shape: tuple[int, ...], gguf_type: str, *, gguf_name: str):
+    """llama.cpp's choices: 1-D tensors, norms, ALWAYS_F32 and whatever is not a `.weight` (biases,
+    scales, Mamba's A and D columns) stay f32, as prepare_tensors keeps them; a row length that
     is not a whole number of quant blocks falls back to f16. For q4_0/q5_1 the embedding and the
     head stay q8_0, as llama-quantize keeps them at higher precision (it uses q6_K for the head):
     4 bits there cost far more accuracy than in the blocks' weights. mxfp4_moe is llama-quantize's
@@ -254,7 +256,8 @@ def tensor_qtype(kind, shape: tuple[int, ...], gguf_type: str, *, gguf_name: str
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    if len(shape) <= 1 or gguf_name.endswith((".bias", "_norm.weight")) or kind.name in ALWAYS_F32:
+    if len(shape) <= 1 or not gguf_name.endswith(".weight") or gguf_name.endswith("_norm.weight") or \
+            kind.name in ALWAYS_F32:
         return Q.F32
     wanted = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_1": Q.Q5_1,
               "mxfp4_moe": Q.MXFP4 if len(shape) == 3 and shape[0] > 1 else Q.Q8_0}[gguf_type]

@@ -45,7 +45,13 @@ def kv_heads(config, *, target: Target) -> int | list[int]:
     if target.layout.mla:
         return 1
     heads = per_layer(config, "num_key_value_heads")
+    if target.layout.recurrent_kv_heads:  # 0 marks a Mamba layer (GraniteHybridModel)
+        heads = [0 if kind in RECURRENT else count for kind, count in zip(config.layer_types, heads, strict=True)]
     return heads[0] if len(set(heads)) == 1 else heads
+
+
+RECURRENT = ("linear_attention", "mamba")
+"""layer_types of a recurrent mixer (transformers 5.25 spells Granite 4 hybrid's Mamba layers linear_attention)."""
 
 
 def ff_lengths(config) -> int | list[int] | None:
@@ -53,6 +59,8 @@ def ff_lengths(config) -> int | list[int] | None:
     it on the layers that reuse another layer's KV cache (as Gemma4Model writes it); None in a
     model of experts alone (Qwen 3.5 MoE)."""
     size = getattr(config, "intermediate_size", None)
+    if getattr(config, "shared_intermediate_size", None) and not getattr(config, "num_local_experts", None):
+        return config.shared_intermediate_size  # Granite 4 hybrid without experts: its shared MLP is the MLP
     if not size or not getattr(config, "use_double_wide_mlp", False):
         return size or None
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
@@ -87,7 +95,10 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     _write_per_layer_inputs(writer, config)
     _write_experts(writer, config, target=target)
     _write_linear_attention(writer, config)
+    _write_mamba2(writer, config)
     _write_multipliers(writer, config)
+    if target.layout.rope_switch:
+        writer.add_rope_scaling_finetuned(getattr(config, "position_embedding_type", None) == "rope")
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -193,8 +204,9 @@ def _write_experts(writer, config, *, target: Target) -> None:
     writer.add_expert_used_count(getattr(config, "num_experts_per_tok", None) or config.top_k_experts)  # Gemma 4: top_k
     if getattr(config, target.layout.expert_ff_key, None):
         writer.add_expert_feed_forward_length(getattr(config, target.layout.expert_ff_key))
-    if getattr(config, "shared_expert_intermediate_size", None):
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    shared = getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size", None)
+    if shared:  # Granite's is shared_intermediate_size (GraniteMoeModel)
+        writer.add_expert_shared_feed_forward_length(shared)
     if getattr(config, "n_shared_experts", None) is not None:
         writer.add_expert_shared_count(config.n_shared_experts)
     if getattr(config, "first_k_dense_replace", None) is not None:
@@ -232,6 +244,19 @@ def _write_linear_attention(writer, config) -> None:
     writer.add_ssm_time_step_rank(config.linear_num_value_heads)
     writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
     writer.add_full_attention_interval(getattr(config, "full_attention_interval", None) or 4)
+
+
+def _write_mamba2(writer, config) -> None:
+    """A hybrid's Mamba 2 mixers as GraniteHybridModel writes them: conv kernel, state size,
+    groups, inner width (heads x head size) and the heads as the time-step rank."""
+    state = getattr(config, "mamba_d_state", None)
+    if not state:
+        return
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(config.mamba_n_heads * config.mamba_d_head)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
 
 
 MULTIPLIERS = {

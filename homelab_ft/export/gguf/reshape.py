@@ -44,14 +44,21 @@ class Reshaped:
     is squeezed."""
     split: Callable[[np.ndarray, object], tuple[np.ndarray, ...]]
     join: Callable[[Sequence[np.ndarray], object], np.ndarray]
+    squeeze: bool = True
+    """Whether the parts lose their unit dimensions as the converter's squeeze does (not Mamba 2's
+    A and D, which llama.cpp holds as (heads, 1) columns)."""
+    dense_parts: tuple[str, ...] = ()
+    """`parts` in a model without routed experts, where they differ (Granite 4 hybrid's shared MLP
+    is then its MLP: GraniteMoeModel.modify_tensors); as many as `parts`."""
 
     def applies(self, key: str) -> bool:
         return key.endswith("." + self.suffix)
 
-    def names(self, key: str) -> list[str]:
+    def names(self, key: str, config) -> list[str]:
         """The names gguf-py's map looks up for the parts of checkpoint tensor `key`."""
         prefix = key[: len(key) - len(self.suffix)]
-        return [prefix + part for part in self.parts]
+        dense = self.dense_parts and not getattr(config, "num_local_experts", None)
+        return [prefix + part for part in (self.dense_parts if dense else self.parts)]
 
 
 def renamed(suffix: str, to: str) -> Reshaped:
@@ -113,6 +120,52 @@ names end in (filter_tensors); the router's input scale becomes `ffn_gate_inp.sc
 per-expert weight scale `ffn_down_exps.scale`, which models/gemma4.cpp multiplies each expert's
 output by (modify_tensors). The experts keep transformers' layout: gate_up_proj (experts, 2 x ff,
 hidden) is llama.cpp's ffn_gate_up_exps, gate rows first."""
+
+def _halves_of_rows(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return tuple(np.split(array, 2, axis=-2))
+
+
+def _row_halves(shape: Shape, config) -> tuple[Shape, Shape]:
+    half = (*shape[:-2], shape[-2] // 2, shape[-1])
+    return half, half
+
+
+GRANITE_HYBRID = (
+    Reshaped("block_sparse_moe.input_linear.weight", ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight"),
+             shapes=_row_halves, split=lambda array, config: _halves_of_rows(array),
+             join=lambda parts, config: np.concatenate(parts, axis=-2)),
+    Reshaped("shared_mlp.input_linear.weight", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+             dense_parts=("mlp.gate_proj.weight", "mlp.up_proj.weight"), shapes=_row_halves,
+             split=lambda array, config: _halves_of_rows(array), join=lambda parts, config: np.concatenate(parts, axis=-2)),
+    Reshaped("shared_mlp.output_linear.weight", ("shared_mlp.output_linear.weight",), dense_parts=("mlp.down_proj.weight",),
+             shapes=lambda shape, config: (shape,), split=lambda array, config: (array,), join=lambda parts, config: parts[0]),
+)
+"""GraniteMoeModel.modify_tensors: the experts' fused input_linear (experts, 2 x ff, hidden) cut into
+gate (first half of the rows) and up; the shared MLP's likewise, as the shared expert's, or as
+the MLP itself in a model without routed experts (Granite 4.0-H Micro)."""
+
+
+def _ssm_groups(config) -> int:
+    return getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", None) or 1
+
+
+def mamba2(prefix: str) -> tuple[Reshaped, ...]:
+    """Mamba2Model.modify_tensors on a hybrid's Mamba 2 mixer (`<prefix>.*`: Granite 4 hybrid's
+    `mamba`): dt_bias as dt_proj.bias; A = -exp(A_log) and D as (heads, 1) columns, never squeezed;
+    the gated norm's weight as (groups, inner / groups), which llama.cpp normalises group by group."""
+    column = {"shapes": lambda shape, config: ((*shape, 1),), "squeeze": False}
+    return (
+        renamed(f"{prefix}.dt_bias", f"{prefix}.dt_proj.bias"),
+        Reshaped(f"{prefix}.A_log", (f"{prefix}.A_log",), split=lambda array, config: (_a_from_log(array)[:, None],),
+                 join=lambda parts, config: _log_from_a(parts[0][:, 0]), **column),
+        Reshaped(f"{prefix}.D", (f"{prefix}.D",), split=lambda array, config: (array[:, None],),
+                 join=lambda parts, config: parts[0][:, 0], **column),
+        Reshaped(f"{prefix}.norm.weight", (f"{prefix}.norm.weight",), squeeze=False,
+                 shapes=lambda shape, config: ((_ssm_groups(config), shape[0] // _ssm_groups(config)),),
+                 split=lambda array, config: (array.reshape(_ssm_groups(config), -1),),
+                 join=lambda parts, config: parts[0].reshape(-1)),
+    )
+
 
 SELECTION_BIAS = renamed("mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction.bias")
 """The router's selection bias of DeepSeek-style MoE (GLM-4.5, DeepSeek-V3), which llama.cpp's

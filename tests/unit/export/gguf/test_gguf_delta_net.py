@@ -27,18 +27,7 @@ def tiny(tmp_path_factory):
     return get
 
 
-def _written(model_dir, path):
-    from gguf import GGUFReader
-
-    gguf_export.write_gguf(model_dir, path, gguf_type="f32", name="tiny")
-    reader = GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    fields = {name.removeprefix(f"{arch}."): field.contents() for name, field in reader.fields.items()}
-    tensors = {t.name: np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
-    return arch, fields, tensors
-
-
-def test_qwen35_linear_attention_is_written_with_llama_cpps_sizes_and_value_head_order(tiny, tmp_path):
+def test_qwen35_linear_attention_is_written_with_llama_cpps_sizes_and_value_head_order(tiny, tmp_path, write_f32):
     """The tiny model has 2 key heads and 4 value heads, so the value heads are reordered to the
     tiled order (gguf_reshape.v_heads_tiled) wherever they run along an axis, and A is -exp(A_log)."""
     from safetensors import safe_open
@@ -46,7 +35,7 @@ def test_qwen35_linear_attention_is_written_with_llama_cpps_sizes_and_value_head
 
     model_dir = tiny("qwen3_5_text")
     config = AutoConfig.from_pretrained(model_dir)
-    arch, fields, tensors = _written(model_dir, tmp_path / "q35.gguf")
+    arch, fields, tensors = write_f32(model_dir, tmp_path / "q35.gguf")
     assert arch == "qwen35"
     assert (fields["ssm.conv_kernel"], fields["ssm.state_size"], fields["ssm.group_count"], fields["ssm.time_step_rank"],
             fields["ssm.inner_size"]) == (config.linear_conv_kernel_dim, config.linear_key_head_dim,
@@ -68,13 +57,13 @@ def test_qwen35_linear_attention_is_written_with_llama_cpps_sizes_and_value_head
     assert gguf_check.verify_gguf(tmp_path / "q35.gguf", model_dir, gguf_type="f32").max_abs_diff <= 1e-6
 
 
-def test_qwen3_next_keeps_in_proj_qkvz_whole_as_ssm_in(tiny, tmp_path):
+def test_qwen3_next_keeps_in_proj_qkvz_whole_as_ssm_in(tiny, tmp_path, write_f32):
     """gguf-py 0.19 maps in_proj_qkvz to ssm_in, which qwen3next.cpp cuts per key head as
     transformers does (its value heads stay grouped; it repeats q and k interleaved to match)."""
     from safetensors import safe_open
 
     model_dir = tiny("qwen3_next")
-    arch, fields, tensors = _written(model_dir, tmp_path / "next.gguf")
+    arch, fields, tensors = write_f32(model_dir, tmp_path / "next.gguf")
     assert arch == "qwen3next"
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         qkvz = f.get_tensor("model.layers.0.linear_attn.in_proj_qkvz.weight").numpy()

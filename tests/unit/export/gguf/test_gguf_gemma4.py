@@ -27,17 +27,11 @@ MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_inte
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    from gguf import GGUFReader
-
+def written(tmp_path_factory, write_f32):
     out = {}
     for name, config in (("base", {}), ("shared", SHARED), ("moe", MOE)):
         model_dir = save_tiny(tmp_path_factory.mktemp(name), "gemma4_text", **config)
-        gguf_export.write_gguf(model_dir, model_dir / "f32.gguf", gguf_type="f32", name="tiny")
-        reader = GGUFReader(model_dir / "f32.gguf")
-        fields = {k.removeprefix("gemma4."): f.contents() for k, f in reader.fields.items() if k.startswith("gemma4.")}
-        tensors = {t.name: np.asarray(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
-        out[name] = model_dir, fields, tensors
+        out[name] = model_dir, *write_f32(model_dir, model_dir / "f32.gguf")[1:]
     return out
 
 

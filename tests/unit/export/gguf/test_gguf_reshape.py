@@ -12,7 +12,7 @@ from homelab_ft.export.gguf import reshape as gguf_reshape
 
 CONFIG = SimpleNamespace(num_attention_heads=4, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16,
                          linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=4,
-                         linear_value_head_dim=3)
+                         linear_value_head_dim=3, mamba_n_groups=3, num_local_experts=3)
 """Enough of a config for every rule: MLA's sizes, and a gated delta net with 3 value heads per key head."""
 
 SHAPES = {
@@ -31,12 +31,25 @@ SHAPES = {
     "linear_attn.out_proj.weight": (8, 6 * 3),
     "linear_attn.dt_bias": (6,),
     "linear_attn.A_log": (6,),
+    "block_sparse_moe.input_linear.weight": (3, 10, 8),
+    "shared_mlp.input_linear.weight": (10, 8),
+    "shared_mlp.output_linear.weight": (8, 5),
+    "mamba.dt_bias": (4,),
+    "mamba.A_log": (4,),
+    "mamba.D": (4,),
+    "mamba.norm.weight": (12,),
+    "layer_scalar": (1,),
+    "experts.gate_up_proj": (3, 10, 8),
+    "experts.down_proj": (3, 8, 5),
+    "router.scale": (8,),
+    "router.per_expert_scale": (3,),
 }
 
-RULES = (*gguf_reshape.GPT_OSS, gguf_reshape.SELECTION_BIAS, gguf_reshape.MLA_KV_B, *gguf_reshape.QWEN35_DELTA_NET)
+RULES = (*gguf_reshape.GPT_OSS, gguf_reshape.SELECTION_BIAS, gguf_reshape.MLA_KV_B, *gguf_reshape.QWEN35_DELTA_NET,
+         *gguf_reshape.QWEN3NEXT_DELTA_NET, *gguf_reshape.GEMMA4, *gguf_reshape.GRANITE_HYBRID, *gguf_reshape.mamba2("mamba"))
 
 
-@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.suffix)
+@pytest.mark.parametrize("rule", RULES, ids=lambda rule: f"{rule.suffix}-{rule.parts[0]}")
 def test_join_undoes_split_and_the_shapes_are_the_splits(rule):
     array = np.random.default_rng(0).standard_normal(SHAPES[rule.suffix]).astype(np.float32)
     parts = rule.split(array, CONFIG)
@@ -48,7 +61,7 @@ def test_join_undoes_split_and_the_shapes_are_the_splits(rule):
         np.testing.assert_array_equal(back, array)
     key = f"model.layers.3.{rule.suffix}"
     assert rule.applies(key) and not rule.applies(key + "x")
-    assert rule.names(key) == [f"model.layers.3.{part}" for part in rule.parts]
+    assert rule.names(key, CONFIG) == [f"model.layers.3.{part}" for part in rule.parts]
 
 
 def test_gpt_oss_gate_and_up_are_the_even_and_odd_columns():
