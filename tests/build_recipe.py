@@ -48,9 +48,10 @@ def write_recipe(path: Path, body: dict | str) -> Path:
     return path
 
 
-def lora_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) -> Path:
+def lora_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None,
+             targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")) -> Path:
     """A LoRA run directory as the trainer leaves it (checkpoint.save: DCP state, adapter,
-    manifest) in `tmp / "run"`, with a random (non-zero) adapter on q/k/v and no training, and
+    manifest) in `tmp / "run"`, with a random (non-zero) adapter on `targets` and no training, and
     a recipe for `model_dir` (export reads both)."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -63,7 +64,7 @@ def lora_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) ->
     run = tmp / "run"
     torch.manual_seed(1)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
     model = get_peft_model(base, lora)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     state = checkpoint.TrainerState(step=2, scheduler={}, sampler={}, model_fingerprint="lora", world_size=1)

@@ -99,3 +99,53 @@ def test_the_default_export_of_a_run_completes_with_its_quality_line(tmp_path, c
     running = (out / "RUNNING.md").read_text()
     rounding = "llama.cpp rounds YaRN's correction range" in running  # gpt-oss's truncate = false
     assert rounding == (model_type == "gpt_oss") == ("llama.cpp rounds YaRN's correction range" in captured.err)
+
+
+ADAPTED = {
+    "qwen3_5_text": ("in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj"),
+    "granitemoehybrid": ("input_linear", "output_linear", "q_proj", "k_proj"),
+    "gpt_oss": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "gemma4_text": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+"""LoRA targets per family: Qwen 3.5's reordered value heads (rows of in_proj_qkv / in_proj_z,
+columns of out_proj) and Granite 4 hybrid's fused gate/up (the shared MLP's input_linear, cut in
+row halves) beside plain attention weights. (Granite's experts are parameters PEFT does not wrap:
+`input_linear` matches the shared MLP's Linear only.)"""
+
+
+@pytest.mark.parametrize("model_type", sorted(ADAPTED))
+def test_adapter_gguf_plus_the_base_gguf_is_the_merged_gguf(tmp_path, model_type):
+    """llama.cpp's LoRA sum done in numpy: base GGUF + alpha / r * B @ A from the adapter GGUF
+    equals the GGUF of the merged model, tensor by tensor, with the weights llama.cpp holds in
+    another layout cut the same way in both files (gguf_adapter follows gguf_reshape's rules)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    model_dir = save_tiny(tmp_path / model_type, model_type)
+    run = build_recipe.lora_run(tmp_path, model_dir, targets=ADAPTED[model_type])
+    assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only", "--format", "gguf"]) == 0
+    assert main(["export", str(run), "--out", str(tmp_path / "merged"), "--format", "gguf", "--gguf-type", "f32"]) == 0
+    gguf_export.write_gguf(model_dir, tmp_path / "base.gguf", gguf_type="f32", name="base")
+
+    def tensors(path):
+        return {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in GGUFReader(path).tensors}
+
+    reader = GGUFReader(tmp_path / "adapter" / "adapter.gguf")
+    alpha, lora = reader.fields["adapter.lora.alpha"].contents(), tensors(tmp_path / "adapter" / "adapter.gguf")
+    base, want = tensors(tmp_path / "base.gguf"), tensors(tmp_path / "merged" / "model-f32.gguf")
+    adapted = {name.removesuffix(".lora_a") for name in lora if name.endswith(".lora_a")}
+    assert adapted <= set(want) and len(adapted) > len(ADAPTED[model_type])
+    for name in want:
+        got = base[name] + (alpha / 4 * lora[f"{name}.lora_b"] @ lora[f"{name}.lora_a"] if name in adapted else 0)
+        np.testing.assert_allclose(got, want[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_an_adapter_on_a_weight_llama_cpp_splits_both_ways_is_refused_in_one_line(tmp_path, capsys):
+    """DeepSeek-V3's kv_b_proj is attn_k_b (transposed per head) and attn_v_b in the base GGUF: no
+    LoRA pair holds that, so the adapter GGUF is refused and the merged export is the way."""
+    model_dir = save_tiny(tmp_path / "ds", "deepseek_v3")
+    run = build_recipe.lora_run(tmp_path, model_dir, targets=("kv_b_proj",))
+    assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only", "--format", "gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA on model.layers.0.self_attn.kv_b_proj cannot be written as a llama.cpp LoRA GGUF" in err
+    assert "export the merged model" in err

@@ -47,6 +47,10 @@ class Reshaped:
     squeeze: bool = True
     """Whether the parts lose their unit dimensions as the converter's squeeze does (not Mamba 2's
     A and D, which llama.cpp holds as (heads, 1) columns)."""
+    lora: str = ""
+    """How a LoRA pair of the weight follows the rule into llama.cpp's LoRA GGUF (gguf_adapter):
+    "rows" where the rule moves or cuts whole rows (B's rows go with them, A is shared), "columns"
+    where it moves whole columns (A's), empty where it mixes both (no LoRA pair can hold it)."""
     dense_parts: tuple[str, ...] = ()
     """`parts` in a model without routed experts, where they differ (Granite 4 hybrid's shared MLP
     is then its MLP: GraniteMoeModel.modify_tensors); as many as `parts`."""
@@ -64,7 +68,7 @@ class Reshaped:
 def renamed(suffix: str, to: str) -> Reshaped:
     """A tensor gguf-py's map knows under another name, values untouched."""
     return Reshaped(suffix, (to,), shapes=lambda shape, config: (shape,), split=lambda array, config: (array,),
-                    join=lambda parts, config: parts[0])
+                    join=lambda parts, config: parts[0], lora="rows")
 
 
 def transposed(suffix: str, to: str) -> Reshaped:
@@ -135,9 +139,10 @@ GRANITE_HYBRID = (
              shapes=_row_halves, split=lambda array, config: _halves_of_rows(array),
              join=lambda parts, config: np.concatenate(parts, axis=-2)),
     Reshaped("shared_mlp.input_linear.weight", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
-             dense_parts=("mlp.gate_proj.weight", "mlp.up_proj.weight"), shapes=_row_halves,
+             dense_parts=("mlp.gate_proj.weight", "mlp.up_proj.weight"), shapes=_row_halves, lora="rows",
              split=lambda array, config: _halves_of_rows(array), join=lambda parts, config: np.concatenate(parts, axis=-2)),
     Reshaped("shared_mlp.output_linear.weight", ("shared_mlp.output_linear.weight",), dense_parts=("mlp.down_proj.weight",),
+             lora="rows",
              shapes=lambda shape, config: (shape,), split=lambda array, config: (array,), join=lambda parts, config: parts[0]),
 )
 """GraniteMoeModel.modify_tensors: the experts' fused input_linear (experts, 2 x ff, hidden) cut into
@@ -227,7 +232,7 @@ def _per_v_head(suffix: str, to: str, *, axis: int, head_dim: Callable[[object],
     """A tensor whose `axis` runs over the value heads (`head_dim` each), reordered; `values` maps
     the numbers written and back."""
     forward, back = values or (lambda a: a, lambda a: a)
-    return Reshaped(suffix, (to,), shapes=lambda shape, config: (shape,),
+    return Reshaped(suffix, (to,), shapes=lambda shape, config: (shape,), lora="" if values else ("rows", "columns")[axis],
                     split=lambda array, config: (forward(v_heads_tiled(array, config, axis=axis,
                                                                        head_dim=head_dim(config))),),
                     join=lambda parts, config: v_heads_tiled(back(parts[0]), config, axis=axis,
@@ -251,7 +256,7 @@ def _one(config) -> int:
 
 
 QWEN35_DELTA_NET = (
-    Reshaped("linear_attn.in_proj_qkv.weight", ("linear_attn.in_proj_qkv.weight",),
+    Reshaped("linear_attn.in_proj_qkv.weight", ("linear_attn.in_proj_qkv.weight",), lora="rows",
              shapes=lambda shape, config: (shape,), split=lambda array, config: (_qkv_rows(array, config, inverse=False),),
              join=lambda parts, config: _qkv_rows(parts[0], config, inverse=True)),
     Reshaped("linear_attn.conv1d.weight", ("linear_attn.conv1d.weight",),
