@@ -116,6 +116,8 @@ class Layout:
     llama.cpp runs as `deepseek2`); empty: any model type spelt as it."""
     rope_types: tuple[str, ...] = ()
     """The rope types written for this architecture where fewer than ROPE_TYPES (empty: those)."""
+    rope_refusal: str = ""
+    """Why the others are not, said in the refusal."""
     mla: bool = False
     """Multi-head latent attention as convert_hf_to_gguf.py's DeepseekV2Model writes it: one KV
     head and the MLA head sizes (kv_b_proj's split is the `reshaped` rule gguf_reshape.MLA_KV_B)."""
@@ -227,7 +229,10 @@ LAYOUTS = {
         Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),
         Fixed("swiglu_alpha", lambda config: 1.702, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's alpha"),
         Fixed("attention_bias", lambda config: True, "models/openai-moe.cpp: q/k/v/o biases required"))),
-    "deepseek2": Layout(model_types=("deepseek_v3",), rope_types=("default",), mla=True, expert_gating="SIGMOID",
+    "deepseek2": Layout(model_types=("deepseek_v3",), rope_types=("default",), rope_refusal=(
+        "llama.cpp scales DeepSeek's YaRN attention by rope.scaling.yarn_log_multiplier m, read as (1 + m ln s)^2 "
+        "before its PR 17945 and (1 + 0.1 m ln s)^2 after (models/deepseek2.cpp kq_scale), so one file runs with "
+        "another attention scale on older and newer builds"), mla=True, expert_gating="SIGMOID",
                         nextn_dropped=True, reshaped=(MLA_KV_B,), fixed=(
         Fixed("rope_interleave", lambda config: True, "llama-model.cpp: LLM_ARCH_DEEPSEEK2 ropes pairs (ROPE_TYPE_NORM)"),
         Fixed("q_lora_rank", lambda c: None if _deepseek2_lite(c) else c["q_lora_rank"],
@@ -378,7 +383,8 @@ def _check_rope(rope: dict, layout: Layout, *, where: str, arch_name: str) -> No
     kind = rope.get("rope_type", "default")
     if kind not in (layout.rope_types or ROPE_TYPES):
         raise GgufUnsupported(f"{where}: rope type {kind!r} cannot be written as GGUF by homelab-ft"
-                              + (f" for {arch_name!r}" if layout.rope_types else ""))
+                              + (f" for {arch_name!r}" if layout.rope_types else "")
+                              + (f": {layout.rope_refusal}" if layout.rope_refusal else ""))
     swa = (rope.get("swa") or {}).get("rope_type", "default")
     if swa != "default" or (kind == "proportional" and rope.get("factor", 1.0) != 1.0):
         raise GgufUnsupported(f"{where}: rope type {swa!r} on the sliding layers, or a scaled proportional rope, cannot "

@@ -280,7 +280,7 @@ def test_deepseek2_refuses_what_llama_cpp_runs_otherwise(tiny, tmp_path):
         ("lite", {"num_hidden_layers": 27}, "q_lora_rank = 32 but llama.cpp runs this architecture with None"),
         ("yarn", {"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 128,
                                       "rope_theta": 10000.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
-         "rope type 'yarn' cannot be written as GGUF by homelab-ft for 'deepseek2'"),
+         "rope type 'yarn' cannot be written as GGUF by homelab-ft for 'deepseek2': llama.cpp scales .* PR 17945"),
         ("v2", {"model_type": "deepseek_v2"}, "homelab-ft has read for deepseek_v3 only"),
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
