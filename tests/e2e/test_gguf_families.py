@@ -36,6 +36,7 @@ WRITTEN = {
     "qwen3_next": "qwen3next",
     "gemma4_text": "gemma4",
     "granitemoehybrid": "granitehybrid",
+    "falcon_h1": "falcon-h1",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
@@ -52,7 +53,7 @@ model's though every tensor it returns is bit-exact (gguf_check._check_tensors a
 prove it): not our file. The delta-net models' A = -exp(A_log) comes back through log within a
 float32 ulp. Every other family's f32 logits are identical."""
 
-ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid")
+ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid", "falcon_h1")
 """Families issue 38 added: the default export of a run of each goes through the CLI."""
 
 
@@ -106,11 +107,16 @@ ADAPTED = {
     "granitemoehybrid": ("input_linear", "output_linear", "q_proj", "k_proj"),
     "gpt_oss": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "gemma4_text": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "falcon_h1": ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"),
 }
 """LoRA targets per family: Qwen 3.5's reordered value heads (rows of in_proj_qkv / in_proj_z,
 columns of out_proj) and Granite 4 hybrid's fused gate/up (the shared MLP's input_linear, cut in
-row halves) beside plain attention weights. (Granite's experts are parameters PEFT does not wrap:
-`input_linear` matches the shared MLP's Linear only.)"""
+row halves) beside plain attention weights, and Falcon-H1's weights with their muP multipliers
+folded in (FALCON_MULTIPLIERS). (Granite's experts are parameters PEFT does not wrap: `input_linear`
+matches the shared MLP's Linear only.)"""
+
+FALCON_MULTIPLIERS = {"mlp_multipliers": [0.5, 1.7], "attention_in_multiplier": 0.9, "key_multiplier": 0.3,
+                      "attention_out_multiplier": 1.3}
 
 
 @pytest.mark.parametrize("model_type", sorted(ADAPTED))
@@ -121,7 +127,8 @@ def test_adapter_gguf_plus_the_base_gguf_is_the_merged_gguf(tmp_path, model_type
     import numpy as np
     from gguf import GGUFReader
 
-    model_dir = save_tiny(tmp_path / model_type, model_type)
+    model_dir = save_tiny(tmp_path / model_type, model_type,
+                          **(FALCON_MULTIPLIERS if model_type == "falcon_h1" else {}))
     run = build_recipe.lora_run(tmp_path, model_dir, targets=ADAPTED[model_type])
     assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only", "--format", "gguf"]) == 0
     assert main(["export", str(run), "--out", str(tmp_path / "merged"), "--format", "gguf", "--gguf-type", "f32"]) == 0

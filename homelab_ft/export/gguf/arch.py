@@ -40,6 +40,7 @@ import numpy as np
 
 from homelab_ft.errors import UserError
 from homelab_ft.export.gguf.reshape import (
+    FALCON_H1,
     GEMMA4,
     GPT_OSS,
     GRANITE_HYBRID,
@@ -224,6 +225,13 @@ LAYOUTS = {
         Fixed("mamba_conv_bias", lambda config: True, "llm_build_mamba_base: the conv's bias added"),
         Fixed("mamba_proj_bias", lambda config: False, "models/granite-hybrid.cpp: in/out projections without biases"),
         Fixed("hidden_act", lambda config: "silu", "models/granite-hybrid.cpp: LLM_FFN_SILU"))),
+    "falcon-h1": Layout(reshaped=(*FALCON_H1, *mamba2("mamba")), fixed=(
+        Fixed("mamba_norm_before_gate", lambda config: config["mamba_norm_before_gate"]
+              if not config.get("mamba_rms_norm") else False, "llm_build_mamba_base: the gate, then the group norm"),
+        Fixed("tie_word_embeddings", lambda config: config["tie_word_embeddings"]
+              if config.get("embedding_multiplier") == config.get("lm_head_multiplier") else False,
+              "one token_embd cannot carry both the embedding's and the head's multiplier"),
+        Fixed("hidden_act", lambda config: "silu", "models/falcon-h1.cpp: LLM_FFN_SILU"))),
     "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(
         Fixed("layer_types", _every(2, **_SLIDING), "models/openai-moe.cpp: set_swa_pattern(2)"),
         Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),

@@ -247,15 +247,16 @@ def _write_linear_attention(writer, config) -> None:
 
 
 def _write_mamba2(writer, config) -> None:
-    """A hybrid's Mamba 2 mixers as GraniteHybridModel writes them: conv kernel, state size,
-    groups, inner width (heads x head size) and the heads as the time-step rank."""
+    """A hybrid's Mamba 2 mixers as GraniteHybridModel and FalconH1Model write them: conv kernel,
+    state size, groups, inner width (Falcon-H1's mamba_d_ssm, else heads x head size) and the heads
+    as the time-step rank."""
     state = getattr(config, "mamba_d_state", None)
     if not state:
         return
     writer.add_ssm_conv_kernel(config.mamba_d_conv)
     writer.add_ssm_state_size(state)
     writer.add_ssm_group_count(config.mamba_n_groups)
-    writer.add_ssm_inner_size(config.mamba_n_heads * config.mamba_d_head)
+    writer.add_ssm_inner_size(getattr(config, "mamba_d_ssm", None) or config.mamba_n_heads * config.mamba_d_head)
     writer.add_ssm_time_step_rank(config.mamba_n_heads)
 
 

@@ -56,7 +56,7 @@ class Reshaped:
     is then its MLP: GraniteMoeModel.modify_tensors); as many as `parts`."""
 
     def applies(self, key: str) -> bool:
-        return key.endswith("." + self.suffix)
+        return key == self.suffix or key.endswith("." + self.suffix)
 
     def names(self, key: str, config) -> list[str]:
         """The names gguf-py's map looks up for the parts of checkpoint tensor `key`."""
@@ -148,6 +148,43 @@ GRANITE_HYBRID = (
 """GraniteMoeModel.modify_tensors: the experts' fused input_linear (experts, 2 x ff, hidden) cut into
 gate (first half of the rows) and up; the shared MLP's likewise, as the shared expert's, or as
 the MLP itself in a model without routed experts (Granite 4.0-H Micro)."""
+
+
+def _scaled(suffix: str, factor: Callable[[object], float]) -> Reshaped:
+    """A weight written times a multiplier the model applies to its input or output, which
+    llama.cpp's graph does not (Falcon-H1's muP multipliers): the same product, one multiply less."""
+    return Reshaped(suffix, (suffix,), shapes=lambda shape, config: (shape,), lora="rows",
+                    split=lambda array, config: (array * np.float32(factor(config)),),
+                    join=lambda parts, config: parts[0] / np.float32(factor(config)))
+
+
+def _in_proj_rows(config) -> np.ndarray:
+    """Falcon-H1's mamba in_proj row multipliers: ssm_in_multiplier times the z, x, B, C and dt
+    blocks' ssm_multipliers (transformers' compute_mup_vector)."""
+    inner, state = config.mamba_d_ssm, config.mamba_n_groups * config.mamba_d_state
+    sizes = (inner, inner, state, state, config.mamba_n_heads)
+    rows = np.concatenate([np.full(size, m, dtype=np.float64) for size, m in zip(sizes, config.ssm_multipliers,
+                                                                                 strict=True)])
+    return (rows * config.ssm_in_multiplier).astype(np.float32)[:, None]
+
+
+FALCON_H1 = (
+    _scaled("feed_forward.gate_proj.weight", lambda config: config.mlp_multipliers[0]),
+    _scaled("feed_forward.down_proj.weight", lambda config: config.mlp_multipliers[1]),
+    _scaled("self_attn.q_proj.weight", lambda config: config.attention_in_multiplier),
+    _scaled("self_attn.k_proj.weight", lambda config: config.attention_in_multiplier * config.key_multiplier),
+    _scaled("self_attn.v_proj.weight", lambda config: config.attention_in_multiplier),
+    _scaled("self_attn.o_proj.weight", lambda config: config.attention_out_multiplier),
+    _scaled("mamba.out_proj.weight", lambda config: config.ssm_out_multiplier),
+    _scaled("embed_tokens.weight", lambda config: config.embedding_multiplier),
+    _scaled("lm_head.weight", lambda config: config.lm_head_multiplier),
+    Reshaped("mamba.in_proj.weight", ("mamba.in_proj.weight",), shapes=lambda shape, config: (shape,), lora="rows",
+             split=lambda array, config: (array * _in_proj_rows(config),),
+             join=lambda parts, config: parts[0] / _in_proj_rows(config)),
+)
+"""FalconH1Model.modify_tensors: every muP multiplier of Falcon-H1 folded into the weight it
+multiplies the input or output of (llama.cpp's falcon-h1 graph applies none); a multiplier that
+is not a power of two makes the read-back divide back within a float32 ulp, not bit for bit."""
 
 
 def _ssm_groups(config) -> int:

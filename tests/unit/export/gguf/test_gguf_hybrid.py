@@ -1,6 +1,7 @@
 """Hybrids of Mamba 2 and attention layers written as llama.cpp reads them: Granite 4 hybrid
 (granitemoehybrid) as convert_hf_to_gguf.py's GraniteHybridModel writes it (Mamba2Model's mixer
-tensors, GraniteMoeModel's fused experts) and models/granite-hybrid.cpp reads it."""
+tensors, GraniteMoeModel's fused experts) and models/granite-hybrid.cpp reads it; Falcon-H1 as
+FalconH1Model writes it (its muP multipliers folded into the weights) and models/falcon-h1.cpp."""
 
 from __future__ import annotations
 
@@ -70,6 +71,48 @@ def test_rope_is_switched_on_by_the_config_and_what_llama_cpp_runs_otherwise_is_
     for name, config, refusal in [
         ("expand", {"mamba_expand": 3}, "mamba_expand = 3 but llama.cpp runs this architecture with 2"),
         ("conv", {"mamba_conv_bias": False}, "mamba_conv_bias = False but llama.cpp runs"),
+    ]:
+        with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
+            gguf_arch.check_architecture(with_config(tmp_path / name, model_dir, **config))
+
+
+MULTIPLIERS = {"mlp_multipliers": [0.5, 1.7], "attention_in_multiplier": 0.9, "key_multiplier": 0.3,
+               "attention_out_multiplier": 1.3, "ssm_out_multiplier": 0.7, "ssm_in_multiplier": 1.1,
+               "ssm_multipliers": [0.5, 0.8, 1.2, 1.3, 0.6], "embedding_multiplier": 3.0, "lm_head_multiplier": 0.2}
+"""Falcon-H1's muP multipliers, none 1 (transformers' default config has all 1)."""
+
+
+def test_falcon_h1s_multipliers_are_folded_into_the_weights(tmp_path, write_f32):
+    """llama.cpp's falcon-h1 graph multiplies by none of them: each is in the weight whose input or
+    output it scales, the mamba in_proj's per block (z, x, B, C, dt: compute_mup_vector)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    model_dir = save_tiny(tmp_path / "falcon", "falcon_h1", **MULTIPLIERS)
+    config = AutoConfig.from_pretrained(model_dir)
+    _, fields, tensors = write_f32(model_dir, tmp_path / "falcon.gguf")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        raw = {name: f.get_tensor(name).numpy() for name in ("model.embed_tokens.weight", "lm_head.weight",
+                                                            "model.layers.1.self_attn.k_proj.weight",
+                                                            "model.layers.1.mamba.in_proj.weight")}
+    np.testing.assert_allclose(tensors["token_embd.weight"], raw["model.embed_tokens.weight"] * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(tensors["output.weight"], raw["lm_head.weight"] * 0.2, rtol=1e-6)
+    np.testing.assert_allclose(tensors["blk.1.attn_k.weight"], raw["model.layers.1.self_attn.k_proj.weight"] * 0.9 * 0.3,
+                               rtol=1e-6)
+    inner, bc = config.mamba_d_ssm, config.mamba_n_groups * config.mamba_d_state
+    in_proj = raw["model.layers.1.mamba.in_proj.weight"]
+    for start, stop, block in ((0, inner, 0.5), (2 * inner, 2 * inner + bc, 1.2), (2 * inner + 2 * bc, None, 0.6)):
+        np.testing.assert_allclose(tensors["blk.1.ssm_in.weight"][start:stop], in_proj[start:stop] * 1.1 * block, rtol=1e-6)
+    assert fields["ssm.inner_size"] == inner and fields["attention.head_count_kv"] == config.num_key_value_heads
+    check = gguf_check.verify_gguf(tmp_path / "falcon.gguf", model_dir, gguf_type="f32")
+    assert check.max_abs_diff <= 1e-6  # multiplied, then divided back: float32 ulps
+
+
+def test_a_falcon_h1_llama_cpp_runs_otherwise_is_refused(tmp_path):
+    model_dir = save_tiny(tmp_path / "falcon", "falcon_h1")
+    for name, config, refusal in [
+        ("gate", {"mamba_rms_norm": True, "mamba_norm_before_gate": True}, "mamba_norm_before_gate = True but"),
+        ("tied", {"tie_word_embeddings": True, "lm_head_multiplier": 0.5}, "tie_word_embeddings = True but"),
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
             gguf_arch.check_architecture(with_config(tmp_path / name, model_dir, **config))

@@ -12,7 +12,10 @@ from homelab_ft.export.gguf import reshape as gguf_reshape
 
 CONFIG = SimpleNamespace(num_attention_heads=4, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16,
                          linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=4,
-                         linear_value_head_dim=3, mamba_n_groups=3, num_local_experts=3)
+                         linear_value_head_dim=3, mamba_n_groups=3, num_local_experts=3, mlp_multipliers=[0.5, 1.7],
+                         attention_in_multiplier=0.9, key_multiplier=0.3, attention_out_multiplier=1.3,
+                         ssm_out_multiplier=0.7, embedding_multiplier=3.0, lm_head_multiplier=0.2, ssm_in_multiplier=1.1,
+                         ssm_multipliers=[0.5, 0.8, 1.2, 1.3, 0.6], mamba_d_ssm=4, mamba_d_state=2, mamba_n_heads=2)
 """Enough of a config for every rule: MLA's sizes, and a gated delta net with 3 value heads per key head."""
 
 SHAPES = {
@@ -43,10 +46,21 @@ SHAPES = {
     "experts.down_proj": (3, 8, 5),
     "router.scale": (8,),
     "router.per_expert_scale": (3,),
+    "feed_forward.gate_proj.weight": (6, 4),
+    "feed_forward.down_proj.weight": (4, 6),
+    "self_attn.q_proj.weight": (8, 4),
+    "self_attn.k_proj.weight": (4, 4),
+    "self_attn.v_proj.weight": (4, 4),
+    "self_attn.o_proj.weight": (4, 8),
+    "mamba.out_proj.weight": (4, 4),
+    "embed_tokens.weight": (10, 4),
+    "lm_head.weight": (10, 4),
+    "mamba.in_proj.weight": (2 * 4 + 2 * 3 * 2 + 2, 4),
 }
 
 RULES = (*gguf_reshape.GPT_OSS, gguf_reshape.SELECTION_BIAS, gguf_reshape.MLA_KV_B, *gguf_reshape.QWEN35_DELTA_NET,
-         *gguf_reshape.QWEN3NEXT_DELTA_NET, *gguf_reshape.GEMMA4, *gguf_reshape.GRANITE_HYBRID, *gguf_reshape.mamba2("mamba"))
+         *gguf_reshape.QWEN3NEXT_DELTA_NET, *gguf_reshape.GEMMA4, *gguf_reshape.GRANITE_HYBRID, *gguf_reshape.mamba2("mamba"),
+         *gguf_reshape.FALCON_H1)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda rule: f"{rule.suffix}-{rule.parts[0]}")
@@ -55,7 +69,7 @@ def test_join_undoes_split_and_the_shapes_are_the_splits(rule):
     parts = rule.split(array, CONFIG)
     assert [p.shape for p in parts] == list(rule.shapes(array.shape, CONFIG))
     back = rule.join(parts, CONFIG)
-    if rule.suffix.endswith("A_log"):  # -exp then log: float32 ulps, not bits
+    if rule.suffix.endswith("A_log") or rule in gguf_reshape.FALCON_H1:  # -exp then log, x m / m: float32 ulps
         np.testing.assert_allclose(back, array, rtol=1e-6)
     else:
         np.testing.assert_array_equal(back, array)
