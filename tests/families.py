@@ -79,6 +79,7 @@ RUNNABLE = {
 """The few families whose default config is not a model anyone ships: what the released ones have."""
 
 AS_RELEASED = {
+    "mistral": {"sliding_window": None},
     "gemma2": {"query_pre_attn_scalar": 16},
     "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
                     "query_pre_attn_scalar": 16},
@@ -88,7 +89,8 @@ AS_RELEASED = {
 """What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
 (gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk below) differs: Gemma 2/3's
 query scale 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), Gemma 3's 5:1 sliding pattern, Qwen3-MoE's normalised top-k weights
-(Qwen3-30B-A3B sets norm_topk_prob); GLM-4.5(-Air)'s q/k/v biases (attention_bias true, which
+(Qwen3-30B-A3B sets norm_topk_prob); Mistral's unwindowed attention (7B v0.2 on, Nemo, Small: the
+tiny default's 8-token window is refused as shorter than the check's prompts); GLM-4.5(-Air)'s q/k/v biases (attention_bias true, which
 llama.cpp loads where the file has them). The GGUF tests build these families so."""
 
 ALL_EXPERTS = {"gpt_oss": {"num_experts_per_tok": 4}}

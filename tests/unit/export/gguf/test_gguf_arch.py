@@ -298,7 +298,7 @@ def test_a_multimodal_checkpoint_is_refused_in_one_line(tmp_path):
         gguf_arch.check_architecture(tmp_path)
 
 
-def test_a_window_llama_cpp_does_not_apply_is_said(tiny, tmp_path, caplog):
+def test_a_window_llama_cpp_does_not_apply_is_said(tmp_path, caplog):
     """Mistral as llama.cpp's `llama`, which has no sliding window (as its converter does it)."""
     import logging
 
@@ -306,6 +306,6 @@ def test_a_window_llama_cpp_does_not_apply_is_said(tiny, tmp_path, caplog):
 
     path = tmp_path / "mistral.gguf"
     with caplog.at_level(logging.WARNING):
-        gguf_export.write_gguf(tiny("mistral"), path, gguf_type="f32", name="tiny")
+        gguf_export.write_gguf(save_tiny(tmp_path / "windowed", "mistral"), path, gguf_type="f32", name="tiny")
     assert "no sliding window: past 8 tokens" in caplog.text
     assert "llama.attention.sliding_window" not in GGUFReader(path).fields
