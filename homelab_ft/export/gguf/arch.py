@@ -16,14 +16,18 @@ transformers and gguf-py:
 
 What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per architecture
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
-permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
+permutation of the `llama` graphs; the tensors it splits, transposes, reorders or scales, as
+gguf_reshape.py rules: gpt-oss's experts, MLA's kv_b, Qwen 3.5's value heads, Granite's fused
+gate/up, Falcon-H1's multipliers) and the settings llama.cpp's C++ fixes per architecture with
 no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
-normalisation, DeepSeek-V3's interleaved rope). An architecture outside LAYOUTS is refused in one
-line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none;
-so is one whose conversion was read but whose llama.cpp graph computes another model for every
-checkpoint (GRAPH_DIFFERS: PhiMoE), with the reason. A setting only newer
-llama.cpp builds read from the file (Gemma 3's sliding pattern, `SwaPattern.since`) is written, and
-`runtime_needs` says in RUNNING.md which build a file that differs from the old built-in needs.
+normalisation, DeepSeek-V3's interleaved rope, gpt-oss's swiglu constants). An architecture
+outside LAYOUTS is refused in one line: its conversion has not been read, and a GGUF with a
+silently wrong layout is worse than none; so is one whose conversion was read but whose llama.cpp
+graph computes another model for every checkpoint (GRAPH_DIFFERS: PhiMoE), with the reason. A
+setting only newer llama.cpp builds read from the file (Gemma 3's sliding pattern,
+`SwaPattern.since`) is written, and `runtime_needs` says in RUNNING.md which build a file that
+differs from the old built-in needs, or where every build computes otherwise (gpt-oss's YaRN
+rounding, gguf_rope.py).
 """
 
 from __future__ import annotations
