@@ -46,3 +46,35 @@ def write_recipe(path: Path, body: dict | str) -> Path:
     path = Path(path)
     path.write_text(body if isinstance(body, str) else yaml.safe_dump(body))
     return path
+
+
+def lora_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None,
+             targets: tuple[str, ...] | str = ("q_proj", "k_proj", "v_proj")) -> Path:
+    """A LoRA run directory as the trainer leaves it (checkpoint.save: DCP state, adapter,
+    manifest) in `tmp / "run"`, with a random (non-zero) adapter on `targets` (PEFT's module names,
+    or one regex: an image-text model's language-model layers) and no training, and a recipe for
+    `model_dir` (export reads both). The base is transformers' causal-LM class (an image-text class
+    for Gemma 3)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.rung import Rung
+    from homelab_ft.store import checkpoint
+    from homelab_ft.store.layout import RunDir, RunInfo
+
+    run = tmp / "run"
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets if isinstance(targets, str) else list(targets),
+                      init_lora_weights=False)
+    model = get_peft_model(base, lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    state = checkpoint.TrainerState(step=2, scheduler={}, sampler={}, model_fingerprint="lora", world_size=1)
+    checkpoint.save(run, model=model, optimizer=optimizer, state=state, keep_last=2)
+    RunDir(run).write_info(RunInfo(rung=Rung(method="lora", strategy="no_shard", cpu_offload=False),
+                                   model_dir=str(model_dir), world_size=1, params=sum(p.numel() for p in base.parameters())))
+    body = tiny_run(model_dir, lora=None, data={"max_length": None, "system_prompt": system_prompt or None},
+                    train=None, output=None)
+    write_recipe(run / "recipe.yaml", body)
+    return run

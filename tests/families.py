@@ -78,6 +78,41 @@ RUNNABLE = {
 }
 """The few families whose default config is not a model anyone ships: what the released ones have."""
 
+AS_RELEASED = {
+    "mistral": {"sliding_window": None},
+    "gemma2": {"query_pre_attn_scalar": 16},
+    "gemma3_text": {"num_hidden_layers": 6, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                    "query_pre_attn_scalar": 16},
+    "qwen3_moe": {"norm_topk_prob": True},
+    "glm4_moe": {"attention_bias": True},
+}
+"""What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
+(gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk below) differs: Gemma 2/3's
+query scale 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), Gemma 3's 5:1 sliding pattern, Qwen3-MoE's normalised top-k weights
+(Qwen3-30B-A3B sets norm_topk_prob); Mistral's unwindowed attention (7B v0.2 on, Nemo, Small: the
+tiny default's 8-token window is refused as shorter than the check's prompts); GLM-4.5(-Air)'s q/k/v biases (attention_bias true, which
+llama.cpp loads where the file has them). The GGUF tests build these families so."""
+
+ALL_EXPERTS = {"gpt_oss": {"num_experts_per_tok": 4}}
+"""A tiny gpt-oss whose every token takes all 4 experts, for the q8_0 logit bound: with 2 of 4 a
+random router leaves near-ties that q8_0's rounding of the layers before it flips at a few of the
+check's ~200 positions (measured: 0.17-0.29 against the 0.1 bound, on seeds 0-2), and each flip
+moves that position's logits by the whole expert's output, which in a random model is as large as
+the residual stream. f32 is bit-exact either way and is tested with the default 2 of 4."""
+
+def _qk_norms_scaled(state: dict) -> None:
+    """Gemma 4 attends with scaling 1.0 (Gemma4TextAttention.scaling): a trained checkpoint's q/k
+    norm weights carry the 1/sqrt(head_dim) that random init's ones lack, without which the
+    attention logits of a 512-wide full-attention head are so sharp that q8_0's rounding of q or k
+    moves the model's logits by 0.26 against the 0.1 bound (scaled: 0.04-0.05, seeds 0-2)."""
+    for name in [n for n in state if n.endswith(("q_norm.weight", "k_norm.weight"))]:
+        state[name] = state[name] * state[name].shape[0] ** -0.25
+
+
+AS_TRAINED = {"gemma4_text": _qk_norms_scaled}
+"""Weights a trained checkpoint of the family has where random init has others that a lossy GGUF
+type's bound cannot stand (save_tiny(as_trained=True)); the layout under test is the same."""
+
 LAYERS = 4
 """Decoder blocks of every tiny model: enough for a repeating pattern (3 linear + 1 full attention)."""
 
@@ -195,10 +230,12 @@ DENSE = tuple(f for f in FAMILIES if f not in MOE and f not in HYBRID)
 
 
 def save_tiny(
-    out_dir: Path, model_type: str, *, seed: int = 0, with_tokenizer: bool = True, **overrides
+    out_dir: Path, model_type: str, *, seed: int = 0, with_tokenizer: bool = True, as_trained: bool = False,
+    **overrides
 ) -> Path:
     """Save a tiny random `model_type` causal LM (and the tests' tokenizer) the way `save_pretrained`
-    writes a real checkpoint, so loading it goes through the same `from_pretrained` path users hit."""
+    writes a real checkpoint, so loading it goes through the same `from_pretrained` path users hit;
+    `as_trained` applies AS_TRAINED's weights."""
     import torch
     from tiny import make_tokenizer
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -211,4 +248,22 @@ def save_tiny(
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(out_dir)
+    if as_trained and model_type in AS_TRAINED:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(out_dir / "model.safetensors"))
+        AS_TRAINED[model_type](state)
+        save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def with_config(out_dir: Path, model_dir: Path, **config) -> Path:
+    """A copy of `model_dir` at `out_dir` whose config.json has `config` changed: what the GGUF
+    refusals read (they read config.json alone, before any weight)."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    values = json.loads((out_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps({**values, **config}))
     return out_dir

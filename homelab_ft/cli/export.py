@@ -21,7 +21,7 @@ def add_export(sub) -> None:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--format", default="safetensors", metavar="safetensors|gguf|safetensors,gguf",
                    help="what to write: merged safetensors (default), a GGUF file for llama.cpp / Ollama / LM Studio, or both")
-    p.add_argument("--gguf-type", metavar="f32|f16|bf16|q8_0|q4_0|q5_1",
+    p.add_argument("--gguf-type", metavar="f32|f16|bf16|q8_0|q4_0|q5_1|mxfp4_moe",
                    help="GGUF weight type (default q8_0); a k-quant such as q4_k_m writes f16 and prints the llama-quantize command")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="allow the model's own Python code when the run's recipe asks for it")

@@ -86,8 +86,11 @@ def _stop_tokens(model_dir: Path, tokenizer) -> list[str]:
         ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
+    template = tokenizer.chat_template or ""
     for token in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
-        if token in (tokenizer.chat_template or "") and token in tokenizer.get_vocab():
+        if token == "<|end|>" and "<|return|>" in template:
+            continue  # gpt-oss's harmony: <|end|> closes every message, its reasoning too; a turn ends at <|return|>
+        if token in template and token in tokenizer.get_vocab():
             ids.append(tokenizer.convert_tokens_to_ids(token))
     return [tokenizer.convert_ids_to_tokens(i) for i in ids]
 

@@ -323,7 +323,7 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
                         "export the merged model (gguf of the merged weights) instead")
     peft_model = merged.load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     write_adapter_gguf(ckpt / checkpoint.ADAPTER, model_dir, path, name=name)
-    diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
+    diff = check_adapter_gguf(path, peft_model, model_dir)
     log.info("adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference %.1e", diff)
     return diff
 

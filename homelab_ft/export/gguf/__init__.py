@@ -2,6 +2,8 @@
 
     export    a Hugging Face folder -> one GGUF file (`write_gguf`), streamed tensor by tensor
     arch      which llama.cpp architecture a model is written as (from transformers and gguf-py), its layouts
+    reshape   the checkpoint tensors llama.cpp holds under other names, in another layout or as several
+    rope      where llama.cpp's rotary angles differ from transformers' (YaRN's rounding), for RUNNING.md
     hparams   the hyperparameter keys of a GGUF file, from the model's config, as llama.cpp reads them
     vocab     the tokenizer in GGUF: tokens, types, scores, merges, the pre-tokenizer
     check     the written file read back (readback; and transformers' GGUF loader) and compared

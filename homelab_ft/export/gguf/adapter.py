@@ -6,8 +6,14 @@ two tensors, `blk.N.attn_q.weight.lora_a` (PEFT's lora_A, r x in) and `.lora_b` 
 llama.cpp adds `alpha / r * B @ A` to the base weight, so B's rows are permuted like the base's
 q/k rows (A's columns are the input features, which the permutation does not touch).
 
+A weight llama.cpp holds in another layout (gguf_reshape.py) takes its pair along where the rule
+moves whole rows (B's rows: Qwen 3.5's value heads, Granite 4 hybrid's fused gate/up halves) or
+whole columns (A's: Qwen 3.5's out_proj), and is checked the same way against PEFT's delta.
+
 What llama.cpp's adapter format cannot hold is refused: DoRA (a per-column magnitude, not a
-low-rank sum), per-module ranks or alphas, and fully trained extra modules (`modules_to_save`).
+low-rank sum), per-module ranks or alphas, fully trained extra modules (`modules_to_save`), and
+LoRA on a weight whose rule mixes rows and columns (MLA's kv_b_proj, which DeepseekV2Model splits
+into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have).
 rsLoRA's scale alpha / sqrt(r) is written as alpha' = alpha * sqrt(r), so alpha' / r equals it.
 """
 
@@ -20,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf.arch import LAYOUTS, check_architecture, model_arch, permute_heads
+from homelab_ft.export.gguf.arch import check_architecture, permute_heads
 
 _PREFIX = "base_model.model."
 
@@ -35,21 +41,17 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
     target = check_architecture(base_dir)
     config = AutoConfig.from_pretrained(base_dir)
     alpha = adapter_alpha(adapter_dir)
-    arch = target.arch
-    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
-    pairs: dict[str, dict[str, np.ndarray]] = {}
+    name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)
+    adapted: dict[str, dict[str, np.ndarray]] = {}
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as f:
         for key in f.keys():
             module, part = _split(key, adapter_dir)
-            mapped = name_map.get_type_and_name(module + ".weight", try_suffixes=(".weight",))
-            if mapped is None or mapped[0] not in gguf.MODEL_TENSORS[arch]:
-                raise UserError(f"{adapter_dir}: LoRA on {module} has no place in llama.cpp's {target.arch_name} layout")
-            array = f.get_tensor(key).to(torch.float32).numpy()
-            gguf_name = mapped[1]
-            if part == "lora_b" and target.layout.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
-                array = permute_heads(array, heads)
-            pairs.setdefault(gguf_name, {})[part] = array
+            adapted.setdefault(module, {})[part] = f.get_tensor(key).to(torch.float32).numpy()
+    pairs: dict[str, dict[str, np.ndarray]] = {}
+    for module, ab in adapted.items():
+        for gguf_name, a, b in _llama_cpp_pairs(module, ab["lora_a"], ab["lora_b"], target=target, config=config,
+                                                name_map=name_map, where=adapter_dir):
+            pairs[gguf_name] = {"lora_a": a, "lora_b": b}
 
     writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
@@ -65,6 +67,44 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
         writer.write_tensors_to_file()
     finally:
         writer.close()
+
+
+def _llama_cpp_pairs(module: str, a: np.ndarray, b: np.ndarray, *, target, config, name_map, where: Path):
+    """(GGUF name, A, B) of each base tensor llama.cpp holds for the weight `module` adapts: the
+    weight itself, or the parts its reshaping rule (gguf_reshape.py) cuts it into, where the rule
+    moves whole rows (B's rows go with them: Qwen 3.5's value heads, Granite's gate/up halves) or
+    whole columns (A's: Qwen 3.5's out_proj); B's q/k rows permuted as the base's. A rule that
+    mixes rows and columns (MLA's kv_b, transposed experts) cannot hold B @ A as one LoRA pair."""
+    import gguf
+
+    key = f"{module}.weight"
+    rule = target.reshaped(key)
+    names = rule.names(key, config) if rule else [key]
+    if rule is None:
+        parts = [(a, b)]
+    elif rule.lora == "rows":
+        parts = [(a, part) for part in rule.split(b, config)]
+    elif rule.lora == "columns":
+        parts = [(part, b) for part in rule.split(a, config)]
+    else:
+        raise UserError(f"{where}: LoRA on {module} cannot be written as a llama.cpp LoRA GGUF: llama.cpp holds that "
+                        f"weight as {', '.join(rule.parts)} in another layout; export the merged model (gguf of the "
+                        "merged weights) instead")
+    out = []
+    for name, (part_a, part_b) in zip(names, parts, strict=True):
+        mapped = name_map.get_type_and_name(name, try_suffixes=(".weight",))
+        if mapped is None or mapped[0] not in gguf.MODEL_TENSORS[target.arch]:
+            raise UserError(f"{where}: LoRA on {module} has no place in llama.cpp's {target.arch_name} layout")
+        out.append((mapped[1], np.ascontiguousarray(part_a), np.ascontiguousarray(_permuted(mapped[1], part_b, target, config))))
+    return out
+
+
+def _permuted(gguf_name: str, array: np.ndarray, target, config) -> np.ndarray:
+    """llama.cpp's q/k rows (gguf_arch.permute_heads) where the base's are permuted."""
+    if not (target.layout.permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight"))):
+        return array
+    heads = config.num_attention_heads if gguf_name.endswith("attn_q.weight") else config.num_key_value_heads
+    return permute_heads(array, heads)
 
 
 def adapter_alpha(adapter_dir: Path) -> float:
@@ -94,40 +134,41 @@ def _split(key: str, adapter_dir: Path) -> tuple[str, str]:
     raise UserError(f"{adapter_dir}: adapter tensor {key} is not a LoRA A/B matrix; only plain LoRA can be written as GGUF")
 
 
-def check_adapter_gguf(path: Path, peft_model, base_config) -> float:
+def check_adapter_gguf(path: Path, peft_model, base_dir: Path) -> float:
     """Largest |alpha / r * B @ A - PEFT's delta| over the adapted weights, read back from the file.
 
     PEFT's `get_delta_weight` is the reference (it applies its own scaling, rsLoRA included); the
-    delta is compared in llama.cpp's layout (q/k rows permuted). Raises RuntimeError above 1e-5
-    per unit of the delta's magnitude.
+    delta is compared in llama.cpp's layout: cut by the weight's reshaping rule where it has one,
+    q/k rows permuted. Raises RuntimeError above 1e-5 per unit of the delta's magnitude.
     """
     import gguf
     import torch
+    from transformers import AutoConfig
 
     reader = gguf.GGUFReader(path)
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     stored = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
-    arch_name = str(reader.fields["general.architecture"].contents())
-    arch = model_arch(arch_name)
-    permute_qk = LAYOUTS[arch_name].permute_qk
-    name_map = gguf.get_tensor_name_map(arch, base_config.num_hidden_layers)
+    target = check_architecture(base_dir)
+    config = AutoConfig.from_pretrained(base_dir)
+    name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)
     worst, checked = 0.0, 0
     for module_name, module in peft_model.named_modules():
         if not hasattr(module, "get_delta_weight") or "default" not in getattr(module, "lora_A", {}):
             continue
-        hf_name = module_name.removeprefix(_PREFIX) + ".weight"
-        gguf_name = name_map.get_type_and_name(hf_name, try_suffixes=(".weight",))[1]
+        key = module_name.removeprefix(_PREFIX) + ".weight"
         with torch.no_grad():
-            want = module.get_delta_weight("default").float().numpy()
-        if permute_qk and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = base_config.num_attention_heads if gguf_name.endswith("attn_q.weight") else base_config.num_key_value_heads
-            want = permute_heads(want, heads)
-        a, b = stored.pop(f"{gguf_name}.lora_a"), stored.pop(f"{gguf_name}.lora_b")
-        got = alpha / a.shape[0] * (b @ a)
-        diff = float(np.abs(got - want).max()) / max(1e-12, float(np.abs(want).max()))
-        if not diff <= 1e-5:
-            raise RuntimeError(f"adapter GGUF check failed: {gguf_name} differs from PEFT's delta by {diff:.2e} (relative)")
-        worst, checked = max(worst, diff), checked + 1
+            delta = module.get_delta_weight("default").float().numpy()
+        rule = target.reshaped(key)
+        wants = rule.split(delta, config) if rule else [delta]
+        for name, want in zip(rule.names(key, config) if rule else [key], wants, strict=True):
+            gguf_name = name_map.get_type_and_name(name, try_suffixes=(".weight",))[1]
+            want = _permuted(gguf_name, want, target, config)
+            a, b = stored.pop(f"{gguf_name}.lora_a"), stored.pop(f"{gguf_name}.lora_b")
+            got = alpha / a.shape[0] * (b @ a)
+            diff = float(np.abs(got - want).max()) / max(1e-12, float(np.abs(want).max()))
+            if not diff <= 1e-5:
+                raise RuntimeError(f"adapter GGUF check failed: {gguf_name} differs from PEFT's delta by {diff:.2e} (relative)")
+            worst, checked = max(worst, diff), checked + 1
     if stored or not checked:
         raise RuntimeError(f"adapter GGUF check failed: tensors without a LoRA module: {sorted(stored)[:3]}")
     return worst

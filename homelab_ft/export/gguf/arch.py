@@ -16,14 +16,18 @@ transformers and gguf-py:
 
 What cannot be read from either is llama.cpp's graph itself: LAYOUTS holds, per architecture
 homelab-ft writes, what convert_hf_to_gguf.py does to the tensors beyond renaming (the q/k row
-permutation of the `llama` graphs) and the settings llama.cpp's C++ fixes per architecture with
+permutation of the `llama` graphs; the tensors it splits, transposes, reorders or scales, as
+gguf_reshape.py rules: gpt-oss's experts, MLA's kv_b, Qwen 3.5's value heads, Granite's fused
+gate/up, Falcon-H1's multipliers) and the settings llama.cpp's C++ fixes per architecture with
 no GGUF key (`smollm3`'s no-rope layers, Gemma 2's sliding pattern, Qwen3-MoE's weight
-normalisation, DeepSeek-V3's interleaved rope). An architecture outside LAYOUTS is refused in one
-line: its conversion has not been read, and a GGUF with a silently wrong layout is worse than none;
-so is one whose conversion was read but whose llama.cpp graph computes another model for every
-checkpoint (GRAPH_DIFFERS: PhiMoE), with the reason. A setting only newer
-llama.cpp builds read from the file (Gemma 3's sliding pattern, `SwaPattern.since`) is written, and
-`runtime_needs` says in RUNNING.md which build a file that differs from the old built-in needs.
+normalisation, DeepSeek-V3's interleaved rope, gpt-oss's swiglu constants). An architecture
+outside LAYOUTS is refused in one line: its conversion has not been read, and a GGUF with a
+silently wrong layout is worse than none; so is one whose conversion was read but whose llama.cpp
+graph computes another model for every checkpoint (GRAPH_DIFFERS: PhiMoE), with the reason. A
+setting only newer llama.cpp builds read from the file (Gemma 3's sliding pattern,
+`SwaPattern.since`) is written, and `runtime_needs` says in RUNNING.md which build a file that
+differs from the old built-in needs, or where every build computes otherwise (gpt-oss's YaRN
+rounding, gguf_rope.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,18 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
+from homelab_ft.export.gguf.reshape import (
+    FALCON_H1,
+    GEMMA4,
+    GPT_OSS,
+    GRANITE_HYBRID,
+    MLA_KV_B,
+    QWEN3NEXT_DELTA_NET,
+    QWEN35_DELTA_NET,
+    SELECTION_BIAS,
+    Reshaped,
+    mamba2,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,13 +121,53 @@ class Layout:
     llama.cpp runs as `deepseek2`); empty: any model type spelt as it."""
     rope_types: tuple[str, ...] = ()
     """The rope types written for this architecture where fewer than ROPE_TYPES (empty: those)."""
+    rope_refusal: str = ""
+    """Why the others are not, said in the refusal."""
     mla: bool = False
-    """Multi-head latent attention as convert_hf_to_gguf.py's DeepseekV2Model writes it: kv_b_proj
-    split into attn_k_b (transposed per head) and attn_v_b, one KV head, the MLA head sizes."""
+    """Multi-head latent attention as convert_hf_to_gguf.py's DeepseekV2Model writes it: one KV
+    head and the MLA head sizes (kv_b_proj's split is the `reshaped` rule gguf_reshape.MLA_KV_B)."""
+    reshaped: tuple[Reshaped, ...] = ()
+    """The checkpoint tensors llama.cpp holds under other names, in another layout, or as several
+    (gguf_reshape.py)."""
     nextn_dropped: bool = False
-    """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5): they are left out
-    and `nextn_predict_layers` is not written, as convert_hf_to_gguf.py --no-mtp does
-    (transformers drops them on load, so a merged model has none)."""
+    """The checkpoint may hold NextN/MTP layers past num_hidden_layers (GLM-4.5, DeepSeek-V3) or
+    under `mtp.` (Qwen 3.5, Qwen3-Next): they are left out and `nextn_predict_layers` is not
+    written, as convert_hf_to_gguf.py --no-mtp does (transformers drops them on load; a merge that
+    keeps the base's files keeps them)."""
+    rope_sections: tuple[int, ...] = ()
+    """The M-RoPE sections llama.cpp requires (`rope.dimension_sections`) where the config names none
+    (Qwen 3.5: _Qwen35MRopeMixin's [11, 11, 10, 0]); text positions are the same on every section,
+    so for text they only have to cover the rotated pairs."""
+    recurrent_kv_heads: bool = False
+    """llama.cpp tells the recurrent layers by `attention.head_count_kv` 0 (Granite 4 hybrid:
+    GraniteHybridModel writes one count per layer)."""
+    rope_switch: bool = False
+    """llama.cpp turns q/k only where `rope.scaling.finetuned` is true, its default (Granite 4
+    hybrid's graph); written from position_embedding_type."""
+    tokenizer_kinds: tuple[str, ...] = ()
+    """The tokenizers (gguf_vocab's kinds: gpt2, llama) written for this architecture where not
+    every one is, else empty."""
+    expert_ff_key: str = "moe_intermediate_size"
+    """The config key `expert_feed_forward_length` is written from (gpt-oss's experts are
+    `intermediate_size` wide: GptOssModel.set_gguf_parameters writes that)."""
+
+
+def _linear_every(config: dict) -> list[str]:
+    """Qwen 3.5 / Qwen3-Next's layer pattern as llama.cpp builds it from full_attention_interval
+    (the converter writes the config's, else 4): linear attention except every interval-th layer."""
+    interval = config.get("full_attention_interval") or 4
+    return _every(interval, other="linear_attention", last="full_attention")(config)
+
+
+def _gemma4_shared_kv(config: dict) -> object:
+    """The KV-sharing tail llama.cpp runs as transformers does: each shared layer reads the last
+    layer of its type that keeps its own cache (Gemma4TextConfig.kv_sharing_modes), which llama.cpp
+    takes to be the last two such layers, sliding then full."""
+    shared = config["num_kv_shared_layers"]
+    kept = config["layer_types"][: config["num_hidden_layers"] - shared]
+    if not shared or kept[-2:] == ["sliding_attention", "full_attention"]:
+        return shared
+    return "0, or a count that leaves a sliding then a full layer last among those with their own KV cache"
 
 
 def _deepseek2_lite(config: dict) -> bool:
@@ -120,6 +176,14 @@ def _deepseek2_lite(config: dict) -> bool:
 
 
 _SLIDING = {"other": "sliding_attention", "last": "full_attention"}
+
+_DELTA_NET = (
+    Fixed("layer_types", _linear_every, "models/qwen35.cpp, qwen3next.cpp: recurrent unless (i + 1) % "
+          "full_attention_interval == 0 (attention.recurrent_layers: no gguf-py 0.19 key)"),
+    Fixed("linear_value_head_dim", lambda config: config["linear_key_head_dim"],
+          "models/qwen35.cpp, qwen3next.cpp: head_v_dim = ssm_d_state, the key head size"),
+    Fixed("attention_bias", lambda config: False, "models/qwen35.cpp, qwen3next.cpp: q/k/v without biases"),
+)
 
 LAYOUTS = {
     "llama": Layout(permute_qk=True, sliding_window=False),
@@ -143,8 +207,45 @@ LAYOUTS = {
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
     "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True),
-    "deepseek2": Layout(model_types=("deepseek_v3",), rope_types=("default",), mla=True, expert_gating="SIGMOID",
-                        nextn_dropped=True, fixed=(
+    "qwen35": Layout(reshaped=QWEN35_DELTA_NET, rope_sections=(11, 11, 10, 0), nextn_dropped=True, fixed=_DELTA_NET),
+    "qwen35moe": Layout(reshaped=QWEN35_DELTA_NET, rope_sections=(11, 11, 10, 0), nextn_dropped=True,
+                        fixed=_DELTA_NET),
+    "qwen3next": Layout(reshaped=QWEN3NEXT_DELTA_NET, nextn_dropped=True, fixed=(*_DELTA_NET,
+        Fixed("norm_topk_prob", lambda config: True, "models/qwen3next.cpp: build_moe_ffn(..., norm_w = true)"),
+        Fixed("decoder_sparse_step", lambda config: 1, "models/qwen3next.cpp: ffn_gate_inp required on every layer"),
+        Fixed("mlp_only_layers", lambda config: [], "models/qwen3next.cpp: ffn_gate_inp required on every layer"))),
+    "gemma4": Layout(reshaped=GEMMA4, rope_types=("proportional",), tokenizer_kinds=("gpt2",), swa_pattern=SwaPattern(
+        source="models/gemma4.cpp: sliding_window_pattern, one bool per layer, always read"), fixed=(
+        Fixed("hidden_activation", lambda config: "gelu_pytorch_tanh", "models/gemma4.cpp: LLM_FFN_GELU (tanh)"),
+        Fixed("attention_bias", lambda config: False, "models/gemma4.cpp: q/k/v/o without biases"),
+        Fixed("use_bidirectional_attention", lambda config: config["use_bidirectional_attention"]
+              if config["use_bidirectional_attention"] != "all" else "causal text attention (None or 'vision')",
+              "models/gemma4.cpp: a causal graph"),
+        Fixed("num_kv_shared_layers", _gemma4_shared_kv, "llama-model.cpp: a shared sliding layer reuses layer "
+              "n_layer_kv_from_start - 2, a shared full one n_layer_kv_from_start - 1"))),
+    "granitehybrid": Layout(permute_qk=True, reshaped=(*GRANITE_HYBRID, *mamba2("mamba")), recurrent_kv_heads=True,
+                            rope_switch=True, fixed=(
+        Fixed("mamba_expand", lambda config: 2, "models/granite-hybrid.cpp: GGML_ASSERT(2 * n_embd == d_inner)"),
+        Fixed("mamba_conv_bias", lambda config: True, "llm_build_mamba_base: the conv's bias added"),
+        Fixed("mamba_proj_bias", lambda config: False, "models/granite-hybrid.cpp: in/out projections without biases"),
+        Fixed("hidden_act", lambda config: "silu", "models/granite-hybrid.cpp: LLM_FFN_SILU"))),
+    "falcon-h1": Layout(reshaped=(*FALCON_H1, *mamba2("mamba")), fixed=(
+        Fixed("mamba_norm_before_gate", lambda config: config["mamba_norm_before_gate"]
+              if not config.get("mamba_rms_norm") else False, "llm_build_mamba_base: the gate, then the group norm"),
+        Fixed("tie_word_embeddings", lambda config: config["tie_word_embeddings"]
+              if config.get("embedding_multiplier") == config.get("lm_head_multiplier") else False,
+              "one token_embd cannot carry both the embedding's and the head's multiplier"),
+        Fixed("hidden_act", lambda config: "silu", "models/falcon-h1.cpp: LLM_FFN_SILU"))),
+    "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(
+        Fixed("layer_types", _every(2, **_SLIDING), "models/openai-moe.cpp: set_swa_pattern(2)"),
+        Fixed("swiglu_limit", lambda config: 7.0, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's limit"),
+        Fixed("swiglu_alpha", lambda config: 1.702, "llama-graph.cpp build_moe_ffn: LLM_FFN_SWIGLU_OAI_MOE's alpha"),
+        Fixed("attention_bias", lambda config: True, "models/openai-moe.cpp: q/k/v/o biases required"))),
+    "deepseek2": Layout(model_types=("deepseek_v3",), rope_types=("default",), rope_refusal=(
+        "llama.cpp scales DeepSeek's YaRN attention by rope.scaling.yarn_log_multiplier m, read as (1 + m ln s)^2 "
+        "before its PR 17945 and (1 + 0.1 m ln s)^2 after (models/deepseek2.cpp kq_scale), so one file runs with "
+        "another attention scale on older and newer builds"), mla=True, expert_gating="SIGMOID",
+                        nextn_dropped=True, reshaped=(MLA_KV_B,), fixed=(
         Fixed("rope_interleave", lambda config: True, "llama-model.cpp: LLM_ARCH_DEEPSEEK2 ropes pairs (ROPE_TYPE_NORM)"),
         Fixed("q_lora_rank", lambda c: None if _deepseek2_lite(c) else c["q_lora_rank"],
               "models/deepseek2.cpp: a 26- or 27-layer model (48 with a 128256 vocabulary) is a lite one, "
@@ -153,8 +254,10 @@ LAYOUTS = {
 }
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
-Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model) and llama.cpp's load_hparams
-(src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp for DeepSeek-V3). Names,
+Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model, GptOssModel, Qwen3NextModel, Qwen3_5TextModel,
+Qwen3_5MoeTextModel) and llama.cpp's load_hparams (src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp
+for DeepSeek-V3, src/models/openai-moe.cpp and llama-graph.cpp's build_moe_ffn for gpt-oss, src/models/qwen35.cpp,
+qwen35moe.cpp and qwen3next.cpp for the gated delta net). Names,
 hyperparameters and norm offsets are derived, not listed. Every released checkpoint of these
 families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
 DeepSeek-V3 and Moonlight-16B-A3B); a config changed by hand may not. DeepSeek-V3 is written
@@ -191,18 +294,20 @@ class Target:
         return model_arch(self.arch_name)
 
     def from_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
-        """The inverse of to_gguf (GGUF read back into Hugging Face's layout); a part of MLA's
-        kv_b is returned as it is (merge_kv_b joins the two)."""
+        """The inverse of to_gguf (GGUF read back into Hugging Face's layout; a part of a
+        `Reshaped` tensor is returned as its part, which the rule's join puts back together)."""
         if gguf_name in self.offset_norms:
             array = array - np.float32(1.0)
         return self._permuted(gguf_name, array, config, forward=False)
 
     def to_gguf(self, gguf_name: str, array: np.ndarray, config) -> np.ndarray:
-        """A tensor in Hugging Face's layout -> llama.cpp's."""
-        if self.layout.mla and gguf_name.endswith(KV_B_PARTS):
-            return split_kv_b(array, config)[gguf_name.endswith(KV_B_PARTS[1])]
+        """A tensor (a part of a `Reshaped` one: its part) in Hugging Face's layout -> llama.cpp's."""
         array = self._permuted(gguf_name, array, config, forward=True)
         return array + np.float32(1.0) if gguf_name in self.offset_norms else array
+
+    def reshaped(self, key: str) -> Reshaped | None:
+        """The rule that cuts checkpoint tensor `key` (experts stacked) into its GGUF parts, if any."""
+        return next((rule for rule in (*self.layout.reshaped, SELECTION_BIAS) if rule.applies(key)), None)
 
     def _permuted(self, gguf_name: str, array: np.ndarray, config, *, forward: bool) -> np.ndarray:
         if not self.layout.permute_qk or not gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -242,10 +347,8 @@ def check_architecture(model_dir: Path) -> Target:
         raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft (llama.cpp "
                               f"runs it as {arch_name!r}, whose conversion homelab-ft has read for "
                               f"{', '.join(layout.model_types)} only)")
-    rope = rope_parameters(config)
-    if rope.get("rope_type", "default") not in (layout.rope_types or ROPE_TYPES):
-        raise GgufUnsupported(f"{where}: rope type {rope.get('rope_type')!r} cannot be written as GGUF by homelab-ft"
-                              + (f" for {arch_name!r}" if layout.rope_types else ""))
+    _check_rope(rope_parameters(config), layout, where=where, arch_name=arch_name)
+    _check_sizes_by_layer_type(config, where=where)
     _check_fixed(config, layout, where=where)
     return Target(model_type=model_type, arch_name=arch_name, layout=layout,
                   offset_norms=_offset_norms(model_dir, arch_name))
@@ -253,8 +356,17 @@ def check_architecture(model_dir: Path) -> Target:
 
 def runtime_needs(model_dir: Path) -> list[str]:
     """What running the GGUF of `model_dir` asks of llama.cpp beyond any build that has its
-    architecture, one sentence each for RUNNING.md: a sliding pattern other than the one older
-    builds fix in C++ is run as trained only by builds that read it from the file."""
+    architecture, or where every build runs it otherwise, one sentence each for RUNNING.md (and
+    the export's warnings): a sliding pattern other than the one older builds fix in C++ is run as
+    trained only by builds that read it from the file; llama.cpp rounds a YaRN range the config
+    does not (gguf_rope.yarn_rounding: gpt-oss)."""
+    from homelab_ft.export.gguf.rope import yarn_rounding
+
+    rounding = yarn_rounding(model_dir)
+    return _swa_needs(model_dir) + ([rounding] if rounding else [])
+
+
+def _swa_needs(model_dir: Path) -> list[str]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     names = arch_candidates(config.get("model_type", ""))
     layout = LAYOUTS.get(names[0]) if names else None
@@ -275,6 +387,35 @@ def runtime_needs(model_dir: Path) -> list[str]:
             f"run it on llama.cpp {pattern.since} or newer (checked to read "
             f"`{names[0]}.attention.sliding_window_pattern`, which this file carries) or on an Ollama / LM Studio "
             "built on one; an older build loads the file and runs another model."]
+
+
+def _check_rope(rope: dict, layout: Layout, *, where: str, arch_name: str) -> None:
+    """The rope types gguf_hparams writes (the sliding layers' too, which llama.cpp turns by the
+    plain rope with their own base); a proportional rope only unscaled (Gemma 4's)."""
+    kind = rope.get("rope_type", "default")
+    if kind not in (layout.rope_types or ROPE_TYPES):
+        raise GgufUnsupported(f"{where}: rope type {kind!r} cannot be written as GGUF by homelab-ft"
+                              + (f" for {arch_name!r}" if layout.rope_types else "")
+                              + (f": {layout.rope_refusal}" if layout.rope_refusal else ""))
+    swa = (rope.get("swa") or {}).get("rope_type", "default")
+    if swa != "default" or (kind == "proportional" and rope.get("factor", 1.0) != 1.0):
+        raise GgufUnsupported(f"{where}: rope type {swa!r} on the sliding layers, or a scaled proportional rope, cannot "
+                              "be written as GGUF by homelab-ft")
+
+
+def _check_sizes_by_layer_type(config: dict, *, where: str) -> None:
+    """Sizes transformers keeps per layer (per_layer_config: Gemma 4's full-attention head_dim) must
+    be one per layer type: llama.cpp reads one head size for the full layers and one for the
+    sliding ones (`key_length`, `key_length_swa`)."""
+    overrides = config.get("per_layer_config") or {}
+    for key in ("head_dim",):
+        sizes = {}
+        for layer, kind in enumerate(config.get("layer_types") or []):
+            sizes.setdefault(kind, set()).add((overrides.get(str(layer)) or {}).get(key, config.get(key)))
+        mixed = {kind: sorted(values) for kind, values in sizes.items() if len(values) > 1}
+        if mixed:
+            raise GgufUnsupported(f"{where}: {key} differs between layers of one type ({mixed}); llama.cpp reads one "
+                                  "per layer type, so it cannot be written as GGUF")
 
 
 def _check_fixed(config: dict, layout: Layout, *, where: str) -> None:
@@ -399,24 +540,6 @@ def unpermute_heads(weights: np.ndarray, num_heads: int) -> np.ndarray:
     rows = weights.shape[0]
     return (weights.reshape(num_heads, rows // num_heads // 2, 2, *weights.shape[1:])
             .swapaxes(1, 2).reshape(weights.shape))
-
-
-KV_B_PARTS = ("attn_k_b.weight", "attn_v_b.weight")
-
-
-def split_kv_b(kv_b: np.ndarray, config) -> tuple[np.ndarray, np.ndarray]:
-    """MLA's kv_b_proj (heads x (nope + v) rows, kv_lora_rank columns) as DeepseekV2Model splits it
-    for llama.cpp's absorbed attention: k_b (heads, kv_lora_rank, nope), each head's nope rows
-    transposed, and v_b (heads, v, kv_lora_rank)."""
-    nope = config.qk_nope_head_dim
-    kv = kv_b.reshape(config.num_attention_heads, nope + config.v_head_dim, kv_b.shape[-1])
-    return np.ascontiguousarray(kv[:, :nope].swapaxes(1, 2)), np.ascontiguousarray(kv[:, nope:])
-
-
-def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
-    """The inverse of split_kv_b."""
-    kv = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
-    return kv.reshape(-1, kv.shape[-1])
 
 
 def rope_parameters(config) -> dict:

@@ -82,10 +82,32 @@ def verify_gguf(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> Gguf
         if not reads:
             file = gguf_readback.metadata_twin(gguf_path, folder / "tokenizer-only.gguf", tokenizer=True).name
         probes = _check_tokenizer(folder, file, reference_dir)
-    model = _transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=True) if reads else None
+    model = (_transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=True) if reads
+             else _newer_loader_model(gguf_path, reference_dir))
     if model is None:
         model = gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type)
     return _compare_logits(model, reference_dir, probes, gguf_type=gguf_type)
+
+
+def reader_diffs(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> dict[str, float | None]:
+    """Max |logit difference| from the reference on the check's prompts, for each reader of the
+    file, both loaded into the reference's config: gguf-py's (every architecture) and transformers'
+    GGUF loader (None where it does not read the file or cannot map its names). verify_gguf
+    compares one; this is the family table of issue 38 (bench/gguf_families.py, tests/e2e)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reference_dir = Path(reference_dir)
+    tokenizer = AutoTokenizer.from_pretrained(reference_dir)
+    probes = [torch.tensor([tokenizer(text)["input_ids"]]) for text in _probe_texts(tokenizer)]
+    expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
+    target = gguf_arch.check_architecture(reference_dir)
+    readers = {"gguf-py": gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type),
+               "transformers": _transformers_model(gguf_path, reference_dir, gguf_type=gguf_type, check=False)
+               if transformers_reads(gguf_path) else _newer_loader_model(gguf_path, reference_dir)}
+    return {name: None if model is None else max(float((g - e).abs().max())
+                                                 for g, e in zip(_logits(model, probes), expected, strict=True))
+            for name, model in readers.items()}
 
 
 def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
@@ -96,7 +118,8 @@ def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
     expert sizes, head_dim or query_pre_attn_scalar; Mixtral as a dense Llama), which ran another
     model than the file holds (issue 38)."""
     reference_dir = Path(reference_dir)
-    model = _transformers_model(path, reference_dir, gguf_type=gguf_type, check=False) if transformers_reads(path) else None
+    model = (_transformers_model(path, reference_dir, gguf_type=gguf_type, check=False) if transformers_reads(path)
+             else _newer_loader_model(path, reference_dir))
     if model is None:
         target = gguf_arch.check_architecture(reference_dir)
         model = gguf_readback.load_model(path, reference_dir, target=target, gguf_type=gguf_type)
@@ -105,19 +128,32 @@ def load_gguf_model(path: Path, reference_dir: Path, *, gguf_type: str):
 
 def transformers_reads(gguf_path: Path) -> bool:
     """Whether transformers' GGUF loader reads this file's architecture (it raises otherwise),
-    asked of a copy of the metadata without the token list, which it would parse in Python."""
+    asked of a copy of the metadata without the token list, which it would parse in Python.
+
+    A loader that knows the architecture but fails on its keys counts as not reading it, said in
+    one line: transformers 5.25 reads gpt-oss's `rope.scaling.*` values from the wrong part of
+    gguf-py's field (`parts[0]`, the key's length) and raises TypeError on every gpt-oss GGUF with
+    YaRN, llama.cpp's own included; its Gemma 4 config takes no per-layer `head_count_kv` (26B-A4B's
+    num_global_key_value_heads). gguf-py's reading (gguf_readback) checks the file then."""
     import tempfile
 
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="gguf-arch-") as folder:
         twin = gguf_readback.metadata_twin(gguf_path, Path(folder) / "metadata.gguf", tokenizer=False)
         try:
             load_gguf_checkpoint(str(twin), return_tensors=False)
+            AutoConfig.from_pretrained(folder, gguf_file=twin.name)  # the config class it builds from the keys
         except ValueError as err:
             if "not supported" in str(err):
                 return False
             raise
+        except (TypeError, KeyError, StrictDataclassError) as err:
+            log.info("transformers' GGUF loader fails on %s's metadata (%s: %s); reading it with gguf-py", gguf_path,
+                     type(err).__name__, err)
+            return False
     return True
 
 
@@ -186,6 +222,28 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
     return probes
 
 
+def _newer_loader_model(path: Path, reference_dir: Path):
+    """The GGUF through transformers 5.25's newer GGUF loader (integrations/gguf, behind
+    `from_pretrained(gguf_file=...)` for Qwen 3.5 dense and MoE and LFM2), which undoes llama.cpp's
+    layout with its own code (norm offsets, A = -exp(A_log), Qwen 3.5's tiled value heads), loaded
+    into the reference's config; None for an architecture it does not handle (the legacy loader's
+    `transformers_reads`, or gguf-py's reading then)."""
+    import tempfile
+
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.gguf import is_gguf_arch_supported
+
+    arch = str(gguf.GGUFReader(path).fields["general.architecture"].contents())
+    if not is_gguf_arch_supported(arch):
+        return None
+    with tempfile.TemporaryDirectory(prefix="gguf-load-") as alone:
+        (Path(alone) / "model.gguf").symlink_to(Path(path).resolve())  # alone: see verify_gguf
+        return AutoModelForCausalLM.from_pretrained(alone, gguf_file="model.gguf", dtype=torch.float32,
+                                                    config=AutoConfig.from_pretrained(reference_dir))
+
+
 def _transformers_model(path: Path, reference_dir: Path, *, gguf_type: str, check: bool):
     """The tensors as transformers' own GGUF reader returns them (its inverse permutation and norm
     offset), loaded into the reference's config; with `check`, the hyperparameters it reads and
@@ -210,6 +268,10 @@ def _transformers_model(path: Path, reference_dir: Path, *, gguf_type: str, chec
         _check_tensors(tensors, reference_dir, reference_config, gguf_type=gguf_type)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     del parsed, tensors
+    buffers = {name for name, _ in model.named_buffers()} & set(missing)
+    if buffers:  # Gemma 4's layer_scalar: gguf_readback read it; transformers 5.25's reader maps none
+        log.info("transformers' GGUF loader does not read %s's %s; reading it with gguf-py", path, sorted(buffers)[0])
+        return None
     tied = {"lm_head.weight"} if reference_config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"GGUF check failed: transformers reads back missing {sorted(missing)[:3]}, "
@@ -252,12 +314,14 @@ def _check_tensors(tensors: dict, reference_dir: Path, config, *, gguf_type: str
     returns fused under other names, are left to the logits and to gguf_readback's bit check."""
     target = gguf_arch.check_architecture(reference_dir)
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
-        split = target.layout.mla and item.gguf_name.endswith(gguf_arch.KV_B_PARTS)
+        split = item.reshaped is not None and len(item.reshaped.parts) > 1
         if len(item.sources) != 1 or item.sources[0][1] not in tensors or split:
-            continue  # a tied head, rotary buffers, experts or a part of MLA's kv_b: load_state_dict covers them
+            continue  # a tied head, rotary buffers, experts or one of several parts: load_state_dict covers them
         name = item.sources[0][1]
         rounded = gguf_readback.round_trip(item.load(), item.qtype).reshape(item.hf_shape)
         want = target.from_gguf(item.gguf_name, rounded, config)
+        if item.reshaped is not None:
+            want = item.reshaped.join([want], config)
         got = tensors[name].numpy()
         if got.shape != want.shape or not np.array_equal(got, want):
             raise RuntimeError(f"GGUF check failed: {name} reads back different from what was meant to be written")

@@ -28,10 +28,11 @@ from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import hparams as gguf_hparams
 from homelab_ft.export.gguf import vocab as gguf_vocab
 from homelab_ft.export.gguf.arch import Target
+from homelab_ft.export.gguf.reshape import Reshaped
 
 logger = logging.getLogger(__name__)
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_1")
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q5_1", "mxfp4_moe")
 DEFAULT_GGUF_TYPE = "q8_0"
 """8.5 bits per weight; on SmolLM2-135M greedy replies match the f32 model's (docs/export.md)."""
 
@@ -79,6 +80,7 @@ def check_writable(model_dir: Path) -> Target:
     from transformers import AutoConfig
 
     target = gguf_arch.check_architecture(model_dir)
+    gguf_vocab.check_tokenizer(model_dir, target=target)
     plan_tensors(model_dir, AutoConfig.from_pretrained(model_dir), target=target, gguf_type="f32")
     return target
 
@@ -90,6 +92,7 @@ def write_gguf(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) ->
 
     model_dir = Path(model_dir)
     target = gguf_arch.check_architecture(model_dir)
+    gguf_vocab.check_tokenizer(model_dir, target=target)
     config = AutoConfig.from_pretrained(model_dir)
     writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
@@ -119,9 +122,9 @@ class Planned:
     kind: object
     """gguf.MODEL_TENSOR."""
     shape: tuple[int, ...]
-    """In the GGUF: the checkpoint's (experts stacked), less its unit dimensions."""
+    """In the GGUF: the checkpoint's (experts stacked; a `Reshaped` part's), less its unit dimensions."""
     hf_shape: tuple[int, ...]
-    """In Hugging Face's layout, experts stacked on axis 0 (a part of MLA's kv_b: the part's own)."""
+    """In Hugging Face's layout, experts stacked on axis 0 (a `Reshaped` part: the part's own)."""
     qtype: object
     nbytes: int
     sources: tuple[tuple[Path, str], ...]
@@ -130,9 +133,13 @@ class Planned:
     target: Target
     extra: np.ndarray | None = None
     """Values not in the checkpoint (llama.cpp's rope_freqs)."""
+    reshaped: Reshaped | None = None
+    """The rule this tensor is part `part` of (gguf_reshape.py), if its checkpoint tensor has one."""
+    part: int = 0
 
     def hf_values(self) -> np.ndarray:
-        """Float32 values in Hugging Face's layout (experts stacked as llama.cpp's `*_exps`)."""
+        """Float32 values of the checkpoint tensor in Hugging Face's layout (experts stacked as
+        llama.cpp's `*_exps`; the whole tensor a `Reshaped` part is cut from)."""
         if self.extra is not None:
             return self.extra
         import torch
@@ -148,7 +155,10 @@ class Planned:
         """Float32 values converted to llama.cpp's layout."""
         if self.extra is not None:
             return self.extra
-        return self.target.to_gguf(self.gguf_name, self.hf_values(), self.config).reshape(self.shape)
+        values = self.hf_values()
+        if self.reshaped is not None:
+            values = self.reshaped.split(values, self.config)[self.part]
+        return self.target.to_gguf(self.gguf_name, values, self.config).reshape(self.shape)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -173,7 +183,8 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
             if (tied and hf_name == "lm_head.weight") or hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # a tied head holds the embedding's values: llama.cpp reuses token_embd
             layer = _LAYER.match(hf_name)
-            if target.layout.nextn_dropped and layer and int(layer[1]) >= config.num_hidden_layers:
+            beyond = (layer and int(layer[1]) >= config.num_hidden_layers) or hf_name.startswith(("mtp.", "model.mtp."))
+            if target.layout.nextn_dropped and beyond:
                 continue  # a NextN/MTP layer (gguf_arch.Layout.nextn_dropped)
             match = _EXPERT.match(hf_name)
             key = f"{match['head']}.{match['tail']}" if match else hf_name
@@ -186,15 +197,18 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
         parts.sort()
         sources = tuple((file, name) for _, file, name in parts)
         hf_shape = (len(parts), *shapes[key]) if len(parts) > 1 else shapes[key]
-        for gguf_key, shape, in_hf in _gguf_shapes(key, hf_shape, config, target=target):
-            mapped = name_map.get_type_and_name(gguf_key, try_suffixes=(".weight", ".bias"))
+        rule = target.reshaped(key)
+        for index, (gguf_key, in_hf) in enumerate(_gguf_parts(key, hf_shape, config, rule=rule)):
+            mapped = name_map.get_type_and_name(gguf_key, try_suffixes=(".weight", ".bias", ".scale"))
             if mapped is None or mapped[0] not in allowed:
                 raise gguf_arch.GgufUnsupported(
                     f"{model_dir}: tensor {parts[0][2]} has no place in llama.cpp's {target.arch_name} layout, so "
                     f"model_type {target.model_type!r} cannot be written as GGUF by homelab-ft")
-            qtype = tensor_qtype(mapped[0], shape, gguf_type)
+            squeeze = rule is None or rule.squeeze  # the converter's squeeze: Qwen2-MoE's (1, H) gate is H
+            shape = (tuple(d for d in in_hf if d != 1) or (1,)) if squeeze else in_hf
+            qtype = tensor_qtype(mapped[0], shape, gguf_type, gguf_name=mapped[1])
             plan.append(Planned(mapped[1], mapped[0], shape, in_hf, qtype, _nbytes(shape, qtype), sources, config,
-                                target))
+                                target, reshaped=rule, part=index))
     names = {item.gguf_name for item in plan}
     if "token_embd.weight" not in names:
         raise UserError(f"{model_dir} holds no token embedding; is it a complete model?")
@@ -208,24 +222,12 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
     return plan
 
 
-def _gguf_shapes(key: str, hf_shape: tuple[int, ...], config, *, target: Target) -> list[tuple[str, tuple, tuple]]:
-    """(name to look up in gguf-py's map, shape in the GGUF, `Planned.hf_shape`) of each GGUF tensor
-    one checkpoint tensor (experts stacked) becomes: itself less its unit dimensions, as the
-    converter's squeeze (Qwen2-MoE's (1, H) gate is H), or MLA's kv_b_proj as its two parts
-    (gguf_arch.split_kv_b), each read back in its own shape (gguf_readback joins them)."""
-    if target.layout.mla and key.endswith("kv_b_proj.weight"):
-        heads, nope, v, rank = (config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
-                                config.kv_lora_rank)
-        return [(key.replace("kv_b_proj", "k_b_proj"), (heads, rank, nope), (heads, rank, nope)),
-                (key.replace("kv_b_proj", "v_b_proj"), (heads, v, rank), (heads, v, rank))]
-    key = _SPELT.get(key.rsplit(".", 1)[-1], lambda k: k)(key)
-    return [(key, tuple(d for d in hf_shape if d != 1) or (1,), hf_shape)]
-
-
-_SPELT = {"e_score_correction_bias": lambda key: key.removesuffix("_bias") + ".bias"}
-"""Checkpoint names gguf-py's map spells otherwise: the router's selection bias of DeepSeek-style
-MoE (GLM-4.5), `mlp.gate.e_score_correction_bias`, which llama.cpp's converter renames to
-`e_score_correction.bias` before mapping it (`blk.N.exp_probs_b.bias`)."""
+def _gguf_parts(key: str, hf_shape: tuple[int, ...], config, *, rule: Reshaped | None) -> list[tuple[str, tuple]]:
+    """(name to look up in gguf-py's map, `Planned.hf_shape`) of each GGUF tensor one checkpoint
+    tensor (experts stacked) becomes: itself, or the parts its `Reshaped` rule cuts it into."""
+    if rule is None:
+        return [(key, hf_shape)]
+    return list(zip(rule.names(key, config), rule.shapes(hf_shape, config), strict=True))
 
 
 def _headers(file: Path) -> dict[str, tuple[int, ...]]:
@@ -235,17 +237,30 @@ def _headers(file: Path) -> dict[str, tuple[int, ...]]:
         return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
-def tensor_qtype(kind, shape: tuple[int, ...], gguf_type: str):
-    """llama.cpp's choices: 1-D tensors (norms, biases) stay f32; a row length that is not a
-    whole number of quant blocks falls back to f16. For q4_0/q5_1 the embedding and the head stay
-    q8_0, as llama-quantize keeps them at higher precision (it uses q6_K for the head): 4 bits there
-    cost far more accuracy than in the blocks' weights."""
+ALWAYS_F32 = ("FFN_GATE_INP", "SSM_CONV1D", "POS_EMBD", "TOKEN_TYPES")
+"""gguf.MODEL_TENSOR kinds convert_hf_to_gguf.py's prepare_tensors keeps in f32 whatever the type
+asked ("conditions should closely match those in llama_model_quantize_internal"): the MoE routers,
+whose rounding would move which experts a token takes, and the short convolutions of the
+linear-attention and Mamba layers."""
+
+
+def tensor_qtype(kind, shape: tuple[int, ...], gguf_type: str, *, gguf_name: str):
+    """llama.cpp's choices: 1-D tensors, norms, ALWAYS_F32 and whatever is not a `.weight` (biases,
+    scales, Mamba's A and D columns) stay f32, as prepare_tensors keeps them; a row length that
+    is not a whole number of quant blocks falls back to f16. For q4_0/q5_1 the embedding and the
+    head stay q8_0, as llama-quantize keeps them at higher precision (it uses q6_K for the head):
+    4 bits there cost far more accuracy than in the blocks' weights. mxfp4_moe is llama-quantize's
+    MXFP4_MOE (llama-quant.cpp: a tensor of more than one expert MXFP4, any other Q8_0), the type
+    gpt-oss is released and run in: 4.25 bits per expert weight (gpt-oss-20b's experts are 19 of its
+    21B parameters)."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    if len(shape) <= 1:
+    if len(shape) <= 1 or not gguf_name.endswith(".weight") or gguf_name.endswith("_norm.weight") or \
+            kind.name in ALWAYS_F32:
         return Q.F32
-    wanted = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_1": Q.Q5_1}[gguf_type]
+    wanted = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_1": Q.Q5_1,
+              "mxfp4_moe": Q.MXFP4 if len(shape) == 3 and shape[0] > 1 else Q.Q8_0}[gguf_type]
     if wanted in (Q.Q4_0, Q.Q5_1) and kind in (gguf.MODEL_TENSOR.TOKEN_EMBD, gguf.MODEL_TENSOR.OUTPUT):
         wanted = Q.Q8_0
     block, _ = gguf.GGML_QUANT_SIZES[wanted]

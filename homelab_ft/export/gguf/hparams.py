@@ -21,12 +21,50 @@ from homelab_ft.export.gguf.arch import Target, rope_parameters
 log = logging.getLogger(__name__)
 
 FILE_TYPES = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16", "q8_0": "MOSTLY_Q8_0",
-              "q4_0": "MOSTLY_Q4_0", "q5_1": "MOSTLY_Q5_1"}
+              "q4_0": "MOSTLY_Q4_0", "q5_1": "MOSTLY_Q5_1", "mxfp4_moe": "MOSTLY_MXFP4_MOE"}
 """gguf type -> gguf.LlamaFileType member, `general.file_type`."""
 
 
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def per_layer(config, key: str) -> list:
+    """`key` of every layer. transformers 5.25 keeps a size that differs by layer in the config's
+    per_layer_config (Gemma 4: the full-attention layers' head_dim, and their KV heads where
+    num_global_key_value_heads is set), where reading it off the config raises; a homogeneous
+    config gives its one value for every layer."""
+    if getattr(config, "is_heterogeneous", False):
+        return [getattr(layer, key) for layer in config.per_layer_config]
+    return [getattr(config, key, None)] * config.num_hidden_layers
+
+
+def kv_heads(config, *, target: Target) -> int | list[int]:
+    """`attention.head_count_kv`: one value, or one per layer where they differ (as
+    Gemma4Model writes num_global_key_value_heads); MLA is one KV head (DeepseekV2Model)."""
+    if target.layout.mla:
+        return 1
+    heads = per_layer(config, "num_key_value_heads")
+    if target.layout.recurrent_kv_heads:  # 0 marks a Mamba layer (GraniteHybridModel)
+        heads = [0 if kind in RECURRENT else count for kind, count in zip(config.layer_types, heads, strict=True)]
+    return heads[0] if len(set(heads)) == 1 else heads
+
+
+RECURRENT = ("linear_attention", "mamba")
+"""layer_types of a recurrent mixer (transformers 5.25 spells Granite 4 hybrid's Mamba layers linear_attention)."""
+
+
+def ff_lengths(config) -> int | list[int] | None:
+    """`feed_forward_length`: the MLP's width, per layer where Gemma 4's use_double_wide_mlp doubles
+    it on the layers that reuse another layer's KV cache (as Gemma4Model writes it); None in a
+    model of experts alone (Qwen 3.5 MoE)."""
+    size = getattr(config, "intermediate_size", None)
+    if getattr(config, "shared_intermediate_size", None) and not getattr(config, "num_local_experts", None):
+        return config.shared_intermediate_size  # Granite 4 hybrid without experts: its shared MLP is the MLP
+    if not size or not getattr(config, "use_double_wide_mlp", False):
+        return size or None
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    return [size * (2 if layer >= first_shared else 1) for layer in range(config.num_hidden_layers)]
 
 
 def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
@@ -35,24 +73,57 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if ff_lengths(config):
+        writer.add_feed_forward_length(ff_lengths(config))
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(1 if target.layout.mla else config.num_key_value_heads)
+    writer.add_head_count_kv(kv_heads(config, target=target))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    dim = head_dim(config)
-    if target.layout.mla:
+    swa_dim = None
+    if getattr(config, "is_heterogeneous", False):
+        dim, swa_dim = _write_heads_by_layer_type(writer, config)
+    elif target.layout.mla:
         _write_mla(writer, config)
         dim = config.qk_rope_head_dim  # the rotated width
-    elif dim != config.hidden_size // config.num_attention_heads or target.arch_name.startswith("gemma"):
-        writer.add_key_length(dim)
-        writer.add_value_length(dim)
-    _write_rope(writer, config, dim=dim)
+    else:
+        dim = head_dim(config)
+        if getattr(config, "head_dim", None) or target.arch_name.startswith("gemma"):
+            writer.add_key_length(dim)  # TextModel writes them wherever config.json names head_dim
+            writer.add_value_length(dim)
+    _write_rope(writer, config, dim=dim, swa_dim=swa_dim, target=target)
     _write_attention_extras(writer, config, target=target)
+    _write_per_layer_inputs(writer, config)
     _write_experts(writer, config, target=target)
+    _write_linear_attention(writer, config)
+    _write_mamba2(writer, config)
     _write_multipliers(writer, config)
+    if target.layout.rope_switch:
+        writer.add_rope_scaling_finetuned(getattr(config, "position_embedding_type", None) == "rope")
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_heads_by_layer_type(writer, config) -> tuple[int, int]:
+    """Gemma 4's head sizes, one per layer type (Gemma4Model): the full-attention layers' as
+    `key_length` / `value_length`, the sliding ones' as the `_swa` lengths (gguf_arch refuses a
+    type whose layers differ). Returns (full, sliding)."""
+    sizes = dict(zip(config.layer_types, per_layer(config, "head_dim"), strict=True))
+    full = sizes.get("full_attention") or sizes["sliding_attention"]
+    swa = sizes.get("sliding_attention") or full
+    writer.add_key_length(full)
+    writer.add_value_length(full)
+    writer.add_key_length_swa(swa)
+    writer.add_value_length_swa(swa)
+    return full, swa
+
+
+def _write_per_layer_inputs(writer, config) -> None:
+    """Gemma 4's per-layer embeddings width (0 without them, a key its loader requires) and the
+    layers at the end that reuse an earlier layer's KV cache, as Gemma4Model writes them."""
+    if hasattr(config, "hidden_size_per_layer_input"):
+        writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    if getattr(config, "num_kv_shared_layers", None) is not None:
+        writer.add_shared_kv_layers(config.num_kv_shared_layers)
 
 
 def _write_mla(writer, config) -> None:
@@ -68,13 +139,17 @@ def _write_mla(writer, config) -> None:
     writer.add_value_length_mla(config.v_head_dim)
 
 
-def _write_rope(writer, config, *, dim: int) -> None:
+def _write_rope(writer, config, *, dim: int, swa_dim: int | None, target: Target) -> None:
     import gguf
 
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
+    if rope.get("rope_type") == "proportional":  # every pair counted; rope_freqs holds the unrotated ones still
+        partial = 1.0
     writer.add_rope_dimension_count(int(dim * partial))  # transformers 5 keeps GLM's in rope_parameters
+    if swa_dim is not None:
+        writer.add_rope_dimension_count_swa(int(swa_dim * ((rope.get("swa") or {}).get("partial_rotary_factor") or 1.0)))
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -84,6 +159,12 @@ def _write_rope(writer, config, *, dim: int) -> None:
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         if rope.get("attention_factor") is not None:  # Olmo2Model writes it
             writer.add_rope_scaling_attn_factors(rope["attention_factor"])
+        for key, method in (("beta_fast", "add_rope_scaling_yarn_beta_fast"), ("beta_slow", "add_rope_scaling_yarn_beta_slow")):
+            if rope.get(key) is not None:  # TextModel writes them where the config has them (gpt-oss: 32, 1)
+                getattr(writer, method)(float(rope[key]))
+    if target.layout.rope_sections:
+        sections = list(rope.get("mrope_section") or target.layout.rope_sections)
+        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
     swa = rope.get("swa") or {}
     if swa.get("rope_theta") is not None and swa["rope_theta"] != rope["rope_theta"]:
         writer.add_rope_freq_base_swa(float(swa["rope_theta"]))  # Gemma 3's local layers
@@ -120,11 +201,12 @@ def _write_experts(writer, config, *, target: Target) -> None:
     if not num_experts:
         return
     writer.add_expert_count(num_experts)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    if getattr(config, "moe_intermediate_size", None):
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if getattr(config, "shared_expert_intermediate_size", None):
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    writer.add_expert_used_count(getattr(config, "num_experts_per_tok", None) or config.top_k_experts)  # Gemma 4: top_k
+    if getattr(config, target.layout.expert_ff_key, None):
+        writer.add_expert_feed_forward_length(getattr(config, target.layout.expert_ff_key))
+    shared = getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size", None)
+    if shared:  # Granite's is shared_intermediate_size (GraniteMoeModel)
+        writer.add_expert_shared_feed_forward_length(shared)
     if getattr(config, "n_shared_experts", None) is not None:
         writer.add_expert_shared_count(config.n_shared_experts)
     if getattr(config, "first_k_dense_replace", None) is not None:
@@ -150,6 +232,34 @@ def _write_expert_groups(writer, config) -> None:
         writer.add_expert_group_used_count(used)
 
 
+def _write_linear_attention(writer, config) -> None:
+    """The gated delta net's sizes as Qwen3NextModel writes them (Qwen 3.5, Qwen3-Next): the conv
+    kernel, key head size as the state size, key heads as groups, value heads as the time-step
+    rank, and the layer pattern as full_attention_interval (gguf_arch's `fixed` refuses another)."""
+    if not getattr(config, "linear_conv_kernel_dim", None):
+        return
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_num_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_num_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
+    writer.add_full_attention_interval(getattr(config, "full_attention_interval", None) or 4)
+
+
+def _write_mamba2(writer, config) -> None:
+    """A hybrid's Mamba 2 mixers as GraniteHybridModel and FalconH1Model write them: conv kernel,
+    state size, groups, inner width (Falcon-H1's mamba_d_ssm, else heads x head size) and the heads
+    as the time-step rank."""
+    state = getattr(config, "mamba_d_state", None)
+    if not state:
+        return
+    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_group_count(config.mamba_n_groups)
+    writer.add_ssm_inner_size(getattr(config, "mamba_d_ssm", None) or config.mamba_n_heads * config.mamba_d_head)
+    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+
+
 MULTIPLIERS = {
     "attention_multiplier": "add_attention_scale",
     "embedding_multiplier": "add_embedding_scale",
@@ -166,10 +276,23 @@ def _write_multipliers(writer, config) -> None:
             getattr(writer, method)(float(getattr(config, key)))
 
 
+PROPORTIONAL_STILL = 1e30
+"""The divisor Gemma4Model's rope_freqs gives the pairs proportional rope leaves unrotated: their
+angle pos * theta / 1e30 is 0 to float precision at any position llama.cpp runs."""
+
+
 def rope_freqs(config) -> np.ndarray | None:
-    """Llama 3.1+ frequency scaling as llama.cpp's `rope_freqs` tensor (per-pair divisors), the
-    same formula as transformers' `_compute_llama3_parameters`."""
+    """llama.cpp's `rope_freqs` tensor (per-pair divisors of the angle): Llama 3.1+ frequency
+    scaling, the same formula as transformers' `_compute_llama3_parameters`; Gemma 4's proportional
+    rope on its full-attention layers, which turns the first int(partial * head_dim // 2) of the
+    head's pairs (i, i + head_dim / 2) at base^(-2i / head_dim) and leaves the rest
+    (`_compute_proportional_rope_parameters`; ggml's neox rope cannot skip pairs, Gemma4Model's
+    generate_extra_tensors divides them by PROPORTIONAL_STILL instead)."""
     rope = rope_parameters(config)
+    if rope.get("rope_type") == "proportional":
+        full = dict(zip(config.layer_types, per_layer(config, "head_dim"), strict=True))["full_attention"]
+        turned = int(rope["partial_rotary_factor"] * full // 2)
+        return np.array([1.0] * turned + [PROPORTIONAL_STILL] * (full // 2 - turned), dtype=np.float32)
     if rope.get("rope_type") != "llama3":
         return None
     dim = head_dim(config)

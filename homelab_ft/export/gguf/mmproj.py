@@ -246,7 +246,7 @@ def _qtype(mapped, shape: tuple[int, ...], gguf_type: str, projector: Projector)
         return Q.F16
     if len(shape) > 1 and ".patch_embd." in name:  # MmprojModel.tensor_force_quant: f16 in an f16 file, else f32
         return Q.F16 if gguf_type == "f16" else Q.F32
-    return tensor_qtype(kind, shape, gguf_type)
+    return tensor_qtype(kind, shape, gguf_type, gguf_name=name)
 
 
 PROCESSOR_FILES = (("preprocessor_config.json", None), ("processor_config.json", "image_processor"))

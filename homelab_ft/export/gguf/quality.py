@@ -22,13 +22,14 @@ from homelab_ft.labels import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
-MEASURED_TYPES = ("q8_0", "q5_1", "q4_0")
+MEASURED_TYPES = ("q8_0", "q5_1", "q4_0", "mxfp4_moe")
 """The quantized types: the float types (f32, f16, bf16) keep every logit within a bound that
 gguf_check enforces, so there is nothing more to report for them."""
 
 BY_FIDELITY = ("q4_0", "q5_1", "q8_0", "bf16", "f16", "f32")
 """GGUF types homelab-ft writes, from the most lossy (4 bits + one fp16 scale per 32 weights) to
-exact; the warning names the next two after the type written."""
+exact; the warning names the next two after the type written. mxfp4_moe (4.25 bits in the experts,
+q8_0 elsewhere) ranks as q4_0 here and is never suggested: it is for MoE models only."""
 
 AGREEMENT_WARN = 0.995
 """Greedy next-token agreement below which the export warns. Scored teacher-forced, each
@@ -96,7 +97,7 @@ class GgufQuality:
 
 def less_lossy(gguf_type: str) -> tuple[str, ...]:
     """The next two types that keep more of the model than `gguf_type`."""
-    at = BY_FIDELITY.index(gguf_type)
+    at = BY_FIDELITY.index("q4_0" if gguf_type == "mxfp4_moe" else gguf_type)
     return BY_FIDELITY[at + 1 : at + 3]
 
 

@@ -18,19 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from homelab_ft.export.gguf.arch import KV_B_PARTS, Target, merge_kv_b
+from homelab_ft.export.gguf.arch import Target
 from homelab_ft.export.gguf.export import plan_tensors
-
-_HPARAMS = {
-    "block_count": "num_hidden_layers",
-    "embedding_length": "hidden_size",
-    "feed_forward_length": "intermediate_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "context_length": "max_position_embeddings",
-    "vocab_size": "vocab_size",
-}
-"""`{arch}.<key>` -> the config attribute it must equal."""
+from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads
 
 
 def stored(tensor) -> np.ndarray:
@@ -81,13 +71,15 @@ def _check_keys(fields: dict, config, *, target: Target) -> None:
     arch = str(fields["general.architecture"].contents())
     if arch != target.arch_name:
         raise RuntimeError(f"GGUF check failed: general.architecture is {arch!r}, meant {target.arch_name!r}")
-    for key, attribute in _HPARAMS.items():
+    want = {"block_count": config.num_hidden_layers, "embedding_length": config.hidden_size,
+            "feed_forward_length": ff_lengths(config), "attention.head_count": config.num_attention_heads,
+            "attention.head_count_kv": kv_heads(config, target=target),
+            "context_length": config.max_position_embeddings, "vocab_size": config.vocab_size}
+    for key, value in want.items():  # as gguf_hparams writes them: one value, or one per layer
         field = fields.get(f"{arch}.{key}")
         got = field.contents() if field is not None else None
-        want = 1 if key == "attention.head_count_kv" and target.layout.mla else getattr(config, attribute)
-        if got != want:  # MLA is written as one KV head (DeepseekV2Model)
-            raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, the model's "
-                               f"{attribute} = {getattr(config, attribute)} is written as {want}")
+        if got != value:
+            raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, written from the model as {value}")
     eps = fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
     if eps is None or not math.isclose(eps.contents(), config.rms_norm_eps, rel_tol=1e-6):
         raise RuntimeError(f"GGUF check failed: {arch}.attention.layer_norm_rms_epsilon differs from rms_norm_eps")
@@ -106,19 +98,20 @@ def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_typ
 
     config = AutoConfig.from_pretrained(reference_dir)
     tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
-    state, kv_b = {}, {}
+    state, pieces = {}, {}
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
         if item.extra is not None:
             continue  # rope_freqs: computed from the config, not a weight
         array = target.from_gguf(item.gguf_name, stored(tensors[item.gguf_name]).reshape(item.hf_shape), config)
-        if target.layout.mla and item.gguf_name.endswith(KV_B_PARTS):  # k_b, then v_b: joined into kv_b_proj
-            kv_b.setdefault(item.sources[0][1], []).append(array)
-            if len(kv_b[item.sources[0][1]]) < 2:
+        if item.reshaped is not None:  # the parts of one checkpoint tensor come in order: joined by its rule
+            got = pieces.setdefault(item.sources, [])
+            got.append(array)
+            if len(got) < len(item.reshaped.parts):
                 continue
-            array = merge_kv_b(*kv_b.pop(item.sources[0][1]))
+            array = item.reshaped.join(pieces.pop(item.sources), config)
         parts = [array] if len(item.sources) == 1 else list(array)
         for (_, hf_name), part in zip(item.sources, parts, strict=True):
-            state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32))  # a copy: the reader maps the file read-only
+            state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32, order="C"))  # a copy: the reader maps the file read-only
     with tempfile.TemporaryDirectory(prefix="gguf-readback-") as folder:
         save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
         (Path(folder) / "config.json").write_text(json.dumps(json.loads((Path(reference_dir) / "config.json").read_text())))

@@ -11,10 +11,27 @@ from homelab_ft.errors import UserError
 _PRE_TOKENIZERS = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    # Qwen 3.5: Qwen2's with combining marks (\p{M}) kept in the word (llama-vocab.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35)
+    "qwen35": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 """llama.cpp's name for a byte-level BPE split regex (its converter finds the same names by hashing
 the ids of a probe text; we read the regex from tokenizer.json instead, which also works for
 tokenizers trained from scratch)."""
+
+
+def check_tokenizer(model_dir: Path, *, target) -> None:
+    """Refuse (GgufUnsupported) a tokenizer this architecture is not written with (gguf_arch.Layout.
+    tokenizer_kinds): Gemma 4's own is llama.cpp's `gemma4` tokenizer model (BPE merges over raw
+    UTF-8 with spaces as U+2581, Gemma4Model.set_vocab), which homelab-ft does not write."""
+    from homelab_ft.export.gguf.arch import GgufUnsupported
+
+    model_dir = Path(model_dir)
+    spec = json.loads((model_dir / "tokenizer.json").read_text()) if (model_dir / "tokenizer.json").is_file() else None
+    kind = _tokenizer_kind(model_dir, spec)
+    if target.layout.tokenizer_kinds and kind not in target.layout.tokenizer_kinds:
+        raise GgufUnsupported(f"{model_dir}: a {target.arch_name} model with a {kind!r}-kind tokenizer cannot be written "
+                              f"as GGUF by homelab-ft, which writes {target.arch_name} with a byte-level BPE one only "
+                              "(llama.cpp reads Gemma 4's own as its `gemma4` tokenizer model, not written yet)")
 
 
 def write_vocab(writer, model_dir: Path, *, vocab_size: int) -> None:

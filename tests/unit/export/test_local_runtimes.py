@@ -110,3 +110,22 @@ def test_an_image_text_export_runs_with_its_mmproj_and_says_what_ollama_cannot_l
     assert "-sys 'Name the shapes.'" in text
     assert "ollama create" in text and "pull request #12241" in text and "Modelfile" in text
     assert unknown_llama_cpp_flags("    llama-mtmd-cli -m a.gguf --mmproj b.gguf --jinja\n") == ["llama-mtmd-cli: --jinja"]
+
+
+def test_a_harmony_template_does_not_stop_at_the_end_of_a_message(tmp_path):
+    """gpt-oss's chat format (harmony) ends every message with <|end|>, the reasoning (analysis
+    channel) too, and a turn with <|return|> or <|call|>: a Modelfile stopping at <|end|> would cut
+    the answer off after the reasoning. Phi-3's <|end|> ends its turn and stays a stop."""
+    from tiny import make_tokenizer
+
+    from homelab_ft.export.local_runtimes import modelfile
+
+    harmony = ("{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>"
+               "{% endfor %}<|start|>assistant<|return|>")
+    phi3 = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}<|assistant|>"
+    for name, template, stops in (("harmony", harmony, False), ("phi3", phi3, True)):
+        folder = tmp_path / name
+        tokenizer = make_tokenizer(folder, chat_template=template)
+        tokenizer.add_tokens(["<|end|>", "<|return|>"], special_tokens=True)
+        tokenizer.save_pretrained(folder)
+        assert ('PARAMETER stop "<|end|>"' in modelfile(folder, file_name="m.gguf", system_prompt=None)) is stops, name

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import build_recipe
 import numpy as np
 import pytest
 import torch
@@ -250,17 +251,10 @@ def test_k_quant_and_unknown_types():
 # ------------------------------------------------------------------------------------------- CLI
 
 
-def make_run(tmp: Path, model_dir: Path, *, system_prompt: str | None = None) -> Path:
-    """A LoRA run directory as the trainer leaves it, with a random (non-zero) adapter and no training."""
-    from lora_run import make_lora_run
-
-    return make_lora_run(tmp, model_dir, system_prompt=system_prompt)
-
-
 def test_export_gguf_only_and_both(models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    run = make_run(tmp_path, models("llama"), system_prompt="Answer briefly.")
+    run = build_recipe.lora_run(tmp_path, models("llama"), system_prompt="Answer briefly.")
     only = tmp_path / "gguf"
     assert main(["export", str(run), "--out", str(only), "--format", "gguf"]) == 0
     assert sorted(p.name for p in only.iterdir()) == ["Modelfile", "RUNNING.md", "homelab_ft_export.json", "model-q8_0.gguf"]
@@ -300,7 +294,7 @@ def test_generate_reads_the_gguf_of_a_safetensors_and_gguf_export(models, tmp_pa
     from transformers import AutoTokenizer
 
     monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
-    run = make_run(tmp_path, models("llama"))
+    run = build_recipe.lora_run(tmp_path, models("llama"))
     out = tmp_path / "X"
     assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 0
     capsys.readouterr()
@@ -311,7 +305,7 @@ def test_generate_reads_the_gguf_of_a_safetensors_and_gguf_export(models, tmp_pa
 
 
 def test_k_quant_writes_f16_and_prints_the_llama_quantize_command(models, tmp_path, capsys):
-    run = make_run(tmp_path, models("qwen2-tied"))
+    run = build_recipe.lora_run(tmp_path, models("qwen2-tied"))
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf", "--gguf-type", "q4_k_m"]) == 0
     assert (out / "model-f16.gguf").is_file()
@@ -335,7 +329,7 @@ def refused(capsys, *argv) -> str:
 
 
 def test_refusals_write_nothing(models, tmp_path, capsys):
-    run = make_run(tmp_path, models("llama"))
+    run = build_recipe.lora_run(tmp_path, models("llama"))
     out = tmp_path / "out"
     capsys.readouterr()
     assert "'q3_0' is not a GGUF type" in refused(capsys, "export", run, "--out", out, "--format", "gguf", "--gguf-type", "q3_0")
@@ -358,7 +352,7 @@ def test_a_family_without_gguf_gets_its_safetensors_export_and_one_line(tmp_path
     from families import save_tiny
     from transformers import AutoModelForCausalLM
 
-    run = make_run(tmp_path, save_tiny(tmp_path / "phimoe", "phimoe"))
+    run = build_recipe.lora_run(tmp_path, save_tiny(tmp_path / "phimoe", "phimoe"))
     out = tmp_path / "out"
     capsys.readouterr()
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 2
@@ -378,7 +372,7 @@ def test_export_of_a_family_transformers_cannot_read_back(tmp_path, capsys):
     is checked and measured from gguf-py's reading of the file."""
     from families import save_tiny
 
-    run = make_run(tmp_path, save_tiny(tmp_path / "smollm3", "smollm3"))
+    run = build_recipe.lora_run(tmp_path, save_tiny(tmp_path / "smollm3", "smollm3"))
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
     meta = json.loads((out / "homelab_ft_export.json").read_text())
@@ -392,7 +386,7 @@ def test_default_export_of_qwen3_moe_completes_with_its_quality_line(tmp_path, c
     experts of 32) crashed in its quality step (ignore_mismatched_sizes) and wrote nothing."""
     from families import save_tiny
 
-    run = make_run(tmp_path, save_tiny(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=True))
+    run = build_recipe.lora_run(tmp_path, save_tiny(tmp_path / "qwen3_moe", "qwen3_moe", norm_topk_prob=True))
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
     quality = json.loads((out / "homelab_ft_export.json").read_text())["gguf"]["quality"]
@@ -407,7 +401,7 @@ def test_a_quality_report_that_cannot_run_keeps_the_checked_export(models, tmp_p
         raise RuntimeError("no memory left for the second model\nsecond line")
 
     monkeypatch.setattr(gguf_quality, "load_gguf_model", broken)
-    run = make_run(tmp_path, models("llama"))
+    run = build_recipe.lora_run(tmp_path, models("llama"))
     out = tmp_path / "out"
     capsys.readouterr()
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
@@ -424,7 +418,7 @@ def test_a_mistral_window_shorter_than_the_checks_prompts_is_refused_in_one_line
     the safetensors asked beside it still delivered."""
     from families import save_tiny
 
-    run = make_run(tmp_path, save_tiny(tmp_path / "mistral", "mistral"))  # sliding_window 8
+    run = build_recipe.lora_run(tmp_path, save_tiny(tmp_path / "mistral", "mistral"))  # sliding_window 8
     out = tmp_path / "out"
     capsys.readouterr()
     assert main(["export", str(run), "--out", str(out), "--format", "safetensors,gguf"]) == 2
@@ -440,7 +434,7 @@ def test_a_gemma3_pattern_older_llama_cpp_fixes_otherwise_is_exported_with_the_b
     export warns and RUNNING.md says which llama.cpp build runs it as trained."""
     from families import save_tiny
 
-    run = make_run(tmp_path, save_tiny(tmp_path / "gemma3", "gemma3_text", query_pre_attn_scalar=16))
+    run = build_recipe.lora_run(tmp_path, save_tiny(tmp_path / "gemma3", "gemma3_text", query_pre_attn_scalar=16))
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf", "--gguf-type", "f32"]) == 0
     running = (out / "RUNNING.md").read_text()
@@ -462,7 +456,7 @@ def test_adapter_gguf_in_llama_cpp_layout_reproduces_the_merged_weights(models, 
     model_dir = save_tiny(tmp_path / family, family, num_hidden_layers=2, no_rope_layers=[1, 1],
                           layer_types=["full_attention"] * 2) \
         if family == "smollm3" else models(family)
-    run = make_run(tmp_path, model_dir)
+    run = build_recipe.lora_run(tmp_path, model_dir)
     out = tmp_path / "adapter"
     assert main(["export", str(run), "--out", str(out), "--adapter-only", "--format", "gguf"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["RUNNING.md", "adapter.gguf", "homelab_ft_export.json"]
@@ -507,7 +501,7 @@ def test_adapter_gguf_refuses_dora(tmp_path):
 def test_a_failed_check_leaves_nothing(models, tmp_path, monkeypatch):
     from dataclasses import replace
 
-    run = make_run(tmp_path, models("llama"))
+    run = build_recipe.lora_run(tmp_path, models("llama"))
     monkeypatch.setitem(gguf_arch.LAYOUTS, "llama", replace(gguf_arch.LAYOUTS["llama"], permute_qk=False))
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="GGUF check failed"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import build_recipe
 import gguf
 import numpy as np
 import pytest
@@ -156,13 +157,12 @@ def test_export_of_an_image_text_run_writes_the_text_gguf_and_its_mmproj(vlm, tm
     """`homelab-ft export --format gguf` of a Gemma 3 LoRA run: the merged language model as a
     gemma3 GGUF, the (untrained) vision tower as its mmproj, both checked, RUNNING.md giving llama.cpp
     both files and no Modelfile (Ollama does not load the pair)."""
-    from lora_run import make_lora_run
 
     from homelab_ft.cli.main import main
     from homelab_ft.export.local_runtimes import unknown_llama_cpp_flags
 
     # transformers' causal-LM class for Gemma 3 is its image-text class: main trains the language model
-    run = make_lora_run(tmp_path, vlm("gemma3"), target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    run = build_recipe.lora_run(tmp_path, vlm("gemma3"), targets=r".*language_model.*\.(q_proj|v_proj)")
     out = tmp_path / "gguf"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf", "--gguf-type", "f32"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["RUNNING.md", "homelab_ft_export.json", "mmproj-f32.gguf",
