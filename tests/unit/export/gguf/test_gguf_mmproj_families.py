@@ -1,0 +1,85 @@
+"""The Qwen-VL and Pixtral conversions' own transforms, on tiny random Qwen2-VL, Qwen3-VL and
+Mistral 3 checkpoints: the tensors llama.cpp's converter splits, permutes or copies out of the
+language model, each against the checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from homelab_ft.export.gguf import arch as gguf_arch
+from homelab_ft.export.gguf import mmproj
+
+
+def _stored(path: Path) -> dict[str, np.ndarray]:
+    return {t.name: np.array(t.data).reshape([int(d) for d in reversed(t.shape)]) for t in gguf.GGUFReader(path).tensors}
+
+
+def _checkpoint(model_dir: Path) -> dict[str, np.ndarray]:
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return {name: f.get_tensor(name).float().numpy() for name in f.keys()}
+
+
+def test_qwen2_vl_splits_fused_qkv_and_the_conv3d_kernel_as_llama_cpp_reads_them(vlm, tmp_path):
+    """Qwen2VLVisionModel's splits: attn.qkv's rows in thirds (q, k, v), the Conv3d patch kernel's
+    two time steps as v.patch_embd.weight and v.patch_embd.weight.1 (the graph adds the two
+    convolutions of a still image, which transformers feeds twice)."""
+    path = tmp_path / "mmproj.gguf"
+    mmproj.write_mmproj(vlm("qwen2_vl"), path, gguf_type="f32", name="tiny")
+    stored, weights = _stored(path), _checkpoint(vlm("qwen2_vl"))
+    key = next(k for k in weights if k.endswith("blocks.0.attn.qkv.weight"))
+    q, k, v = np.split(weights[key], 3)
+    for part, want in (("q", q), ("k", k), ("v", v)):
+        np.testing.assert_array_equal(stored[f"v.blk.0.attn_{part}.weight"], want)
+    kernel = weights[next(k for k in weights if k.endswith("patch_embed.proj.weight"))]
+    np.testing.assert_array_equal(stored["v.patch_embd.weight"], kernel[:, :, 0])
+    np.testing.assert_array_equal(stored["v.patch_embd.weight.1"], kernel[:, :, 1])
+
+
+def test_qwen3_vl_numbers_its_deepstack_mergers_by_the_block_they_tap(vlm, tmp_path):
+    """deepstack_merger_list.0 taps block deepstack_visual_indexes[0]: written as v.deepstack.<block>
+    (the converter's absolute index, which clip.vision.is_deepstack_layers marks); q/k/v stay fused."""
+    from tiny_vlm import save_tiny_vlm
+
+    model_dir = save_tiny_vlm(tmp_path / "model", "qwen3_vl", deepstack_visual_indexes=[1])
+    path = tmp_path / "mmproj.gguf"
+    mmproj.write_mmproj(model_dir, path, gguf_type="f32", name="tiny")
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {"v.deepstack.1.fc1.weight", "v.deepstack.1.norm.weight", "v.blk.1.attn_qkv.weight"} <= names
+    assert not any(name.startswith("v.deepstack.0.") for name in names)
+    assert reader.fields["clip.vision.is_deepstack_layers"].contents() == [False, True]
+
+
+def test_pixtral_permutes_q_and_k_and_carries_the_img_break_embedding(vlm, tmp_path):
+    """LlavaVisionModel's Pixtral: q/k rows permuted per head (llama.cpp ropes interleaved pairs, as
+    for a llama text model), and the language model's [IMG_BREAK] embedding row as
+    v.token_embd.img_break, which the graph puts after each row of patches."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "mmproj.gguf"
+    mmproj.write_mmproj(vlm("mistral3"), path, gguf_type="f32", name="tiny")
+    stored, weights = _stored(path), _checkpoint(vlm("mistral3"))
+    q = weights[next(k for k in weights if k.endswith("layers.0.attention.q_proj.weight"))]
+    np.testing.assert_array_equal(stored["v.blk.0.attn_q.weight"], gguf_arch.permute_heads(q, 2))
+    assert not np.array_equal(stored["v.blk.0.attn_q.weight"], q)
+    table = weights[next(k for k in weights if k.endswith("embed_tokens.weight"))]
+    row = AutoTokenizer.from_pretrained(vlm("mistral3")).convert_tokens_to_ids("[IMG_BREAK]")
+    np.testing.assert_array_equal(stored["v.token_embd.img_break"], table[row])
+
+
+def test_a_pixtral_tower_llama_cpp_runs_otherwise_is_refused(tmp_path):
+    """llama.cpp's pixtral graph reads the tower's last layer and fixes its rope base at 10000."""
+    from tiny_vlm import tiny_vlm_config
+
+    from homelab_ft.export.gguf import text_view
+
+    config = tiny_vlm_config("mistral3")
+    config.vision_feature_layer = -2
+    config.save_pretrained(tmp_path)
+    with pytest.raises(gguf_arch.GgufUnsupported, match="vision_feature_layer = -2"):
+        mmproj.projector_for(text_view.image_text_config(tmp_path))
