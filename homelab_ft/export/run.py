@@ -255,7 +255,8 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
     if request.adapter_gguf:
         record["gguf"] = {"file": request.adapter_gguf, "type": "lora-adapter", "max_rel_diff": _write_adapter_gguf(
             source.ckpt, model_dir, recipe, tmp / request.adapter_gguf, name=name)}
-        (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(name, base=recipe.model.path))
+        (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(
+            name, base=recipe.model.path, image_text=image_text.is_image_text(model_dir)))
     if not request.adapter_only:
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
                              k_quant_hint=hint, system=system, needs=needs, mmproj=mmproj)
@@ -323,7 +324,7 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
                         "export the merged model (gguf of the merged weights) instead")
     peft_model = merged.load_base_with_adapter(ckpt, model_dir, recipe)  # refuses an adapter that does not fit the base
     write_adapter_gguf(ckpt / checkpoint.ADAPTER, model_dir, path, name=name)
-    diff = check_adapter_gguf(path, peft_model, peft_model.base_model.model.config)
+    diff = check_adapter_gguf(path, peft_model, model_dir)
     log.info("adapter GGUF check: alpha / r * B @ A vs PEFT's delta, max relative difference %.1e", diff)
     return diff
 

@@ -29,7 +29,7 @@ def test_flags_file_names_its_llama_cpp_commit_and_parses_per_tool():
     for tool in ("llama-cli", "llama-server", "llama-completion"):
         assert {"-m", "--model", "--jinja", "--lora", "-ngl", "--temp"} <= flags[tool], tool
     # llama-mtmd-cli: only the flags RUNNING.md gives it, each read from common/arg.cpp
-    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio"}
+    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio", "--lora"}
     assert "-cnv" not in flags["llama-cli"] and "-cnv" in flags["llama-completion"]
     assert "--port" in flags["llama-server"] and "--port" not in flags["llama-cli"]
     assert "-sys" in flags["llama-cli"] and "-sys" not in flags["llama-server"]
@@ -81,6 +81,22 @@ def test_adapter_notes_give_the_command_that_writes_a_folder_base(tmp_path):
     assert unknown_llama_cpp_flags(text) == []
     assert f"python convert_hf_to_gguf.py {base} --outfile my-base-f16.gguf --outtype f16" in text
     assert all(words[words.index("-m") + 1] == "my-base-f16.gguf" for words in commands(text))
+
+
+def test_an_image_text_adapter_runs_on_the_bases_text_gguf_and_mmproj(tmp_path):
+    """The converter run twice (the text GGUF, then --mmproj), both files and the adapter in every
+    llama.cpp command, and no Ollama Modelfile (Ollama does not load a GGUF + mmproj pair)."""
+    base = tmp_path / "qwen-vl"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    text = local_runtimes.adapter_running_notes("adapter-out", base=str(base), image_text=True)
+    assert unknown_llama_cpp_flags(text) == []
+    assert f"python convert_hf_to_gguf.py {base} --mmproj --outfile mmproj-qwen-vl-f16.gguf --outtype f16" in text
+    for words in commands(text):
+        assert words[words.index("-m") + 1] == "qwen-vl-f16.gguf"
+        assert words[words.index("--mmproj") + 1] == "mmproj-qwen-vl-f16.gguf"
+        assert words[words.index("--lora") + 1] == "adapter-out/adapter.gguf"
+    assert "ADAPTER" not in text and local_runtimes.OLLAMA_SPLIT_VISION in text
 
 
 def test_a_gguf_base_is_its_own_file(tmp_path):

@@ -1,6 +1,7 @@
 """The Qwen-VL and Pixtral conversions' own transforms, on tiny random Qwen2-VL, Qwen3-VL and
 Mistral 3 checkpoints: the tensors llama.cpp's converter splits, permutes or copies out of the
-language model, each against the checkpoint."""
+language model, each against the checkpoint; and the LoRA GGUF of an image-text model's language
+model (what llama.cpp then computes with them: test_gguf_mmproj_llama_cpp.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from safetensors import safe_open
 
+from homelab_ft.errors import UserError
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import mmproj
+from homelab_ft.export.gguf.adapter import check_adapter_gguf, write_adapter_gguf
 
 
 def _stored(path: Path) -> dict[str, np.ndarray]:
@@ -83,3 +87,55 @@ def test_a_pixtral_tower_llama_cpp_runs_otherwise_is_refused(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(gguf_arch.GgufUnsupported, match="vision_feature_layer = -2"):
         mmproj.projector_for(text_view.image_text_config(tmp_path))
+
+
+def _adapter(model_dir: Path, out: Path, target_modules: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(1)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target_modules, init_lora_weights=False))
+    peft.save_pretrained(out)
+    return peft
+
+
+def test_the_adapter_gguf_of_an_image_text_model_is_its_language_models(vlm, tmp_path):
+    """A LoRA on Qwen2-VL's language model: named as its text GGUF's tensors, under `qwen2vl` (llama.cpp
+    loads an adapter only onto a base of its architecture), alpha / r * B @ A equal to PEFT's delta."""
+    peft = _adapter(vlm("qwen2_vl"), tmp_path / "adapter", r".*language_model.*\.(q_proj|v_proj)")
+    write_adapter_gguf(tmp_path / "adapter", vlm("qwen2_vl"), tmp_path / "adapter.gguf", name="tiny")
+    assert check_adapter_gguf(tmp_path / "adapter.gguf", peft, vlm("qwen2_vl")) <= 1e-5
+    reader = gguf.GGUFReader(tmp_path / "adapter.gguf")
+    assert reader.fields["general.architecture"].contents() == "qwen2vl"
+    assert {t.name for t in reader.tensors} >= {"blk.0.attn_q.weight.lora_a", "blk.3.attn_v.weight.lora_b"}
+
+
+@pytest.mark.parametrize("model_type,targets,refusal", [
+    ("qwen2_vl", r".*visual.*\.qkv", "outside the language model"),
+    ("mistral3", r".*language_model.*\.q_proj", "as 'mistral3', homelab-ft as a Mistral decoder"),
+])
+def test_an_adapter_llama_cpp_cannot_apply_is_refused_in_one_line(vlm, model_type, targets, refusal, tmp_path):
+    """LoRA on the vision tower (the mmproj takes none), and Mistral 3, whose language model llama.cpp's
+    converter writes as `mistral3` where homelab-ft writes `llama`: no base GGUF takes both."""
+    _adapter(vlm(model_type), tmp_path / "adapter", targets)
+    with pytest.raises(UserError, match=refusal) as err:
+        write_adapter_gguf(tmp_path / "adapter", vlm(model_type), tmp_path / "adapter.gguf", name="tiny")
+    assert "\n" not in str(err.value)
+
+
+def test_adapter_only_export_of_an_image_text_run_runs_on_the_bases_pair(vlm, tmp_path):
+    """`homelab-ft export --adapter-only --format gguf` of a Gemma 3 LoRA run: adapter.gguf under
+    `gemma3`, checked against PEFT, and a RUNNING.md loading it with the base's text GGUF and mmproj."""
+    from lora_run import make_lora_run
+
+    from homelab_ft.cli.main import main
+    from homelab_ft.export.local_runtimes import unknown_llama_cpp_flags
+
+    run = make_lora_run(tmp_path, vlm("gemma3"), target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    out = tmp_path / "adapter"
+    assert main(["export", str(run), "--out", str(out), "--adapter-only", "--format", "gguf"]) == 0
+    assert gguf.GGUFReader(out / "adapter.gguf").fields["general.architecture"].contents() == "gemma3"
+    running = (out / "RUNNING.md").read_text()
+    assert "--mmproj" in running and f"--lora {out.name}/adapter.gguf" in running
+    assert unknown_llama_cpp_flags(running) == []
