@@ -50,10 +50,12 @@ class SideBySide:
 
 
 def compare(model_dir: Path, gguf_path: Path, mmproj_path: Path, image: Path, *, python: str,
-            max_new_tokens: int = 12, lora: Path | None = None) -> SideBySide:
+            max_new_tokens: int = 12, lora: Path | None = None,
+            image_tokens: tuple[int, int] | None = None) -> SideBySide:
     """One user turn holding `image` and a question, rendered by the model's chat template (and its
     processor, where one loads here), run greedily by transformers (`model_dir`) and by llama.cpp
-    (the GGUF pair, with the LoRA GGUF `lora` applied where given)."""
+    (the GGUF pair, with the LoRA GGUF `lora` applied where given, images sized into `image_tokens`
+    as llama.cpp's --image-min-tokens / --image-max-tokens size them)."""
     import inspect
 
     import torch
@@ -61,7 +63,7 @@ def compare(model_dir: Path, gguf_path: Path, mmproj_path: Path, image: Path, *,
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is in the picture?"}]}]
-    text, inputs, image_tokens = _hf_inputs(model_dir, model.config, chat, image)
+    text, inputs, chunk_tokens = _hf_inputs(model_dir, model.config, chat, image)
     ids = inputs["input_ids"][0].tolist()
     wanted = set(inspect.signature(model.get_image_features).parameters)
     with torch.no_grad():
@@ -69,7 +71,7 @@ def compare(model_dir: Path, gguf_path: Path, mmproj_path: Path, image: Path, *,
         generated = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)[0, len(ids):].tolist()
         table = model.get_input_embeddings().weight.detach()
     request = {"model": str(gguf_path), "mmproj": str(mmproj_path), "image": str(image), "prompt": text,
-               "max_new_tokens": max_new_tokens, "lora": str(lora) if lora else None}
+               "max_new_tokens": max_new_tokens, "lora": str(lora) if lora else None, "image_tokens": image_tokens}
     done = subprocess.run([python, str(ROOT / "tools" / "llama_mtmd.py"), json.dumps(request)],
                           capture_output=True, text=True, check=False)
     if done.returncode:
@@ -83,10 +85,10 @@ def compare(model_dir: Path, gguf_path: Path, mmproj_path: Path, image: Path, *,
     # token's own embedding for the others the image's chunk holds (Pixtral's [IMG_BREAK])
     rows, next_feature = [], iter(features)
     for token in ids:
-        if token in image_tokens:
+        if token in chunk_tokens:
             rows.append(next(next_feature) if token == model.config.image_token_id else table[token])
     return SideBySide(
-        hf_prompt=[-1 if token in image_tokens else token for token in ids], llama_prompt=llama_prompt,
+        hf_prompt=[-1 if token in chunk_tokens else token for token in ids], llama_prompt=llama_prompt,
         hf_embeddings=torch.stack(rows), llama_embeddings=torch.tensor(embeddings),
         hf_greedy=generated, llama_greedy=out["greedy"], llama_cpp=out["llama_cpp"])
 

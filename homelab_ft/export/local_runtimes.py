@@ -135,11 +135,13 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system
 
 
 def image_text_running_notes(name: str, *, gguf_name: str, mmproj_name: str, k_quant_hint: str | None,
-                             system: SystemTurn | None = None) -> str:
+                             system: SystemTurn | None = None, image_tokens: tuple[int, int] | None = None) -> str:
     """The RUNNING.md section for an image-text model's GGUF pair: the language model and the mmproj
-    (export/gguf/mmproj.py) that llama.cpp's multimodal library loads beside it; what Ollama can
-    and cannot load (no Modelfile is written, see OLLAMA_SPLIT_VISION)."""
-    gguf, mmproj = f"{name}/{gguf_name}", f"{name}/{mmproj_name}"
+    (export/gguf/mmproj.py) that llama.cpp's multimodal library loads beside it, with the image-token
+    bounds of training where llama.cpp's own differ (`image_tokens`, image_text.WrittenMmproj); what
+    Ollama can and cannot load (no Modelfile is written, see OLLAMA_SPLIT_VISION)."""
+    sized = f" --image-min-tokens {image_tokens[0]} --image-max-tokens {image_tokens[1]}" if image_tokens else ""
+    gguf, mmproj = f"{name}/{gguf_name}", f"{name}/{mmproj_name}{sized}"  # the image bounds go with the mmproj
     sys_flag = f" -sys {shlex.quote(system.text)}" if system and system.from_recipe else ""
     text = (
         f"GGUF of an image-text model: the language model ({gguf_name}, with the chat template and stop tokens\n"
@@ -151,6 +153,9 @@ def image_text_running_notes(name: str, *, gguf_name: str, mmproj_name: str, k_q
         f"    llama-cli -m {gguf} --mmproj {mmproj} --image photo.png --jinja{sys_flag}\n"
         f"    llama-server -m {gguf} --mmproj {mmproj} --jinja --port 8080\n\n"
     )
+    if image_tokens:
+        text += (f"--image-min-tokens / --image-max-tokens size each image into {image_tokens[0]}-{image_tokens[1]} tokens, "
+                 "as the processor\ndid in training, not into llama.cpp's own bounds for this projector.\n")
     if system:
         text += _system_caveat(system)
     text += OLLAMA_SPLIT_VISION

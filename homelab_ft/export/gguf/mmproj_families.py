@@ -67,6 +67,12 @@ class Projector:
     config's: GGUFWriter method name -> value."""
     check: Callable[[object], None] = field(default=lambda config: None)
     """GgufUnsupported for a config whose model clip.cpp's graph would run otherwise."""
+    image_area: Callable[[object, dict], tuple[int, int, int]] | None = None
+    """(fewest, most pixels, pixels per image token) the image processor sizes an image into, for
+    the graphs whose images llama.cpp sizes by the same rule, bounded in tokens by its
+    --image-min-tokens / --image-max-tokens (Qwen's smart resize, whose default llama.cpp bounds,
+    8-4096 tokens, are not the processor's); None where llama.cpp's rule is another (Pixtral's
+    longest edge, which llama.cpp turns into an area)."""
 
 
 def _vision_act(config) -> dict[str, object]:
@@ -150,6 +156,19 @@ def _qwen2vl_keys(config, processor: dict) -> dict[str, object]:
     return {**keys, "add_vision_use_silu": True, "add_vision_n_wa_pattern": _wa_pattern(vision)}
 
 
+def _qwen_image_area(config, processor: dict) -> tuple[int, int, int]:
+    """Qwen2VLImageProcessor's bounds (`size` shortest / longest edge, which hold pixel areas, or the
+    older min_pixels / max_pixels) and its area per merged token, (patch_size x merge_size)^2."""
+    size = processor.get("size") or {}
+    low, high = size.get("shortest_edge", processor.get("min_pixels")), size.get("longest_edge", processor.get("max_pixels"))
+    if low is None or high is None:
+        raise GgufUnsupported("the image processor names no min / max pixels, which llama.cpp's Qwen graphs need "
+                              "to size images as in training")
+    vision = config.vision_config
+    side = processor.get("patch_size", vision.patch_size) * processor.get("merge_size", vision.spatial_merge_size)
+    return int(low), int(high), side * side
+
+
 def _qwen3vl_keys(config, processor: dict) -> dict[str, object]:
     vision = config.vision_config
     deepstack = set(vision.deepstack_visual_indexes)
@@ -201,7 +220,7 @@ _QWEN_QKV = Pieces(r"\.attn\.qkv\.", axis=0, parts=((".attn.q.", ""), (".attn.k.
 _CONV3D = Pieces(r"^visual\.patch_embed\.proj\.weight$", axis=2,
                  parts=(("visual.patch_embed.proj.weight", ""), ("visual.patch_embed.proj.weight", ".1")))
 _QWEN2VL = dict(pieces=(_QWEN_QKV, _CONV3D), keep_f32=(".position_embd.",), extra_keys=_qwen2vl_keys,
-                check=_qwen2vl_check)
+                check=_qwen2vl_check, image_area=_qwen_image_area)
 
 PROJECTORS = {
     "Idefics3ForConditionalGeneration": Projector(
@@ -231,7 +250,7 @@ PROJECTORS = {
         renames=((r"^visual\.merger\.linear_fc1\.", "visual.merger.mlp.0."),
                  (r"^visual\.merger\.linear_fc2\.", "visual.merger.mlp.2."), (r"^visual\.merger\.norm\.", "visual.merger.ln_q.")),
         rename=_qwen3vl_rename, pieces=(_CONV3D,), keep_f32=(".position_embd.",), extra_keys=_qwen3vl_keys,
-        check=_qwen3vl_check),
+        check=_qwen3vl_check, image_area=_qwen_image_area),
     "Mistral3ForConditionalGeneration": Projector(
         "pixtral", "conversion/llava.py LlavaVisionModel (llama.cpp b11739: clip.cpp PROJECTOR_TYPE_PIXTRAL)",
         permute_qk=True, token_rows=(("v.token_embd.img_break", "[IMG_BREAK]"),), extra_keys=_pixtral_keys,

@@ -29,7 +29,8 @@ def test_flags_file_names_its_llama_cpp_commit_and_parses_per_tool():
     for tool in ("llama-cli", "llama-server", "llama-completion"):
         assert {"-m", "--model", "--jinja", "--lora", "-ngl", "--temp"} <= flags[tool], tool
     # llama-mtmd-cli: only the flags RUNNING.md gives it, each read from common/arg.cpp
-    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio", "--lora"}
+    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio", "--lora",
+                                       "--image-min-tokens", "--image-max-tokens"}
     assert "-cnv" not in flags["llama-cli"] and "-cnv" in flags["llama-completion"]
     assert "--port" in flags["llama-server"] and "--port" not in flags["llama-cli"]
     assert "-sys" in flags["llama-cli"] and "-sys" not in flags["llama-server"]
@@ -126,3 +127,14 @@ def test_an_image_text_export_runs_with_its_mmproj_and_says_what_ollama_cannot_l
     assert "-sys 'Name the shapes.'" in text
     assert "ollama create" in text and "pull request #12241" in text and "Modelfile" in text
     assert unknown_llama_cpp_flags("    llama-mtmd-cli -m a.gguf --mmproj b.gguf --jinja\n") == ["llama-mtmd-cli: --jinja"]
+    assert "--image-min-tokens" not in text
+
+
+def test_a_qwen_vl_export_sizes_images_into_the_tokens_of_training():
+    """The image-token bounds of training (image_text.image_tokens) in every llama.cpp command."""
+    text = local_runtimes.image_text_running_notes(
+        "tuned", gguf_name="model-f16.gguf", mmproj_name="mmproj-f16.gguf", k_quant_hint=None, image_tokens=(8, 256))
+    for command in commands(text):
+        assert command[command.index("--image-min-tokens") + 1] == "8"
+        assert command[command.index("--image-max-tokens") + 1] == "256"
+    assert unknown_llama_cpp_flags(text) == []

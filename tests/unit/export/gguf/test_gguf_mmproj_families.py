@@ -76,6 +76,20 @@ def test_pixtral_permutes_q_and_k_and_carries_the_img_break_embedding(vlm, tmp_p
     np.testing.assert_array_equal(stored["v.token_embd.img_break"], table[row])
 
 
+def test_the_image_tokens_of_training_are_the_processors_narrowed_by_the_runs_resize(vlm, tmp_path):
+    """Qwen2-VL's tiny processor sizes images into 8-256 merged tokens of 28 x 28 px; a run that
+    resized its images into 10,000-100,000 px trained on 13-127 tokens (127.55 rounded down, 12.76
+    up: inside both bounds); Pixtral, whose longest-edge rule llama.cpp sizes otherwise, has none."""
+    from homelab_ft.export.gguf import image_text
+
+    written = image_text.write_mmproj(vlm("qwen2_vl"), tmp_path, gguf_type="f32", name="tiny", base_dir=vlm("qwen2_vl"))
+    assert written.image_tokens == (8, 256)
+    plan = mmproj.plan_mmproj(vlm("qwen2_vl"), gguf_type="f32")
+    assert image_text.image_tokens(plan, vlm("qwen2_vl"), pixels=(10_000, 100_000)) == (13, 127)
+    pixtral = mmproj.plan_mmproj(vlm("mistral3"), gguf_type="f32")
+    assert image_text.image_tokens(pixtral, vlm("mistral3"), pixels=(None, None)) is None
+
+
 def test_a_pixtral_tower_llama_cpp_runs_otherwise_is_refused(tmp_path):
     """llama.cpp's pixtral graph reads the tower's last layer and fixes its rope base at 10000."""
     from tiny_vlm import tiny_vlm_config

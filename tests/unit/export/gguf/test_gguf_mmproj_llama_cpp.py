@@ -65,6 +65,27 @@ def test_qwen_vl_and_mistral_3_answer_an_image_with_transformers_greedy_tokens(m
     assert side.llama_greedy == side.hf_greedy
 
 
+def test_a_large_image_is_sized_as_in_training_with_the_bounds_running_md_gives(tmp_path):
+    """A 560 x 560 image on a Qwen2-VL whose processor allows 8-256 tokens: transformers resizes it
+    to 16 x 16 tokens; llama.cpp's own bounds (8-4096) keep 20 x 20, another prompt and reply; with
+    RUNNING.md's --image-min-tokens / --image-max-tokens (image_text.image_tokens) the same prompt
+    and greedy tokens."""
+    from tiny_vlm import save_tiny_vlm
+
+    from homelab_ft.export.gguf import image_text
+    from homelab_ft.export.gguf.mmproj_check import probe_image
+
+    model_dir = save_tiny_vlm(tmp_path / "model", "qwen2_vl", **WIDE)
+    gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
+    probe_image(560).save(tmp_path / "image.png")
+    bounds = image_text.image_tokens(mmproj.plan_mmproj(model_dir, gguf_type="f32"), model_dir, pixels=(None, None))
+    own = llama_mtmd.compare(model_dir, gguf, projector, tmp_path / "image.png", python=PYTHON)
+    assert own.hf_prompt.count(-1) == 256 and own.llama_prompt.count(-1) == 400
+    sized = llama_mtmd.compare(model_dir, gguf, projector, tmp_path / "image.png", python=PYTHON, image_tokens=bounds)
+    assert sized.llama_prompt == sized.hf_prompt
+    assert sized.llama_greedy == sized.hf_greedy
+
+
 def test_an_image_text_adapter_gguf_on_its_base_answers_as_the_merged_model(tmp_path):
     """A LoRA on Qwen2-VL's language model as llama.cpp's adapter GGUF, applied to the base's text
     GGUF with the base's mmproj: llama.cpp's 12 greedy tokens on an image are transformers' on the
