@@ -152,6 +152,7 @@ def test_a_typed_chat_template_is_probed_with_its_text(vlm, tmp_path):
 
 @pytest.mark.parametrize("model_type,overrides,refusal", [
     ("llava", {}, "registers no mmproj conversion for it that homelab-ft has read"),
+    ("qwen3_vl_moe", {}, "`qwen3vlmoe`, whose fused experts"),
     ("qwen2_5_vl", {"window_size": 56}, r"window_size = 56, but llama.cpp b11739's qwen2.5vl window attention"),
     ("qwen2_5_vl", {"fullatt_block_indexes": [0, 2]}, r"\[0, 2\] is not every 1th block"),
     ("qwen2_vl", {"spatial_merge_size": 3}, "spatial_merge_size = 3"),
