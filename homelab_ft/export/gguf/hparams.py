@@ -5,7 +5,8 @@ model (context, widths, heads, norm epsilon, rope, expert counts), plus what its
 classes add: Gemma 2's soft-capping, the sliding windows of Gemma 2/3, Phi-3 and Olmo 3 (the
 per-layer pattern from `layer_types`), Gemma 3's local rope base, Granite's multipliers, GLM-4.5's
 router (shared experts, leading dense blocks, scaling, sigmoid gating, expert groups), DeepSeek-V3's
-multi-head latent attention. Which keys apply is decided
+multi-head latent attention, and the keys an image-text model's language model adds to its twin's
+(`gguf_keys` of text_view.py: M-RoPE sections, deepstack layers). Which keys apply is decided
 by what the config has, not by its name, except the few a family's converter writes by hand.
 """
 
@@ -99,6 +100,8 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
     _write_multipliers(writer, config)
     if target.layout.rope_switch:
         writer.add_rope_scaling_finetuned(getattr(config, "position_embedding_type", None) == "rope")
+    for method, value in (getattr(config, "gguf_keys", None) or {}).items():
+        getattr(writer, method)(value)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[gguf_type]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

@@ -60,17 +60,23 @@ class WrittenMmproj:
     projector_type: str
     max_abs_diff: float
     bound: float
+    image_tokens: tuple[int, int] | None = None
+    """(fewest, most) tokens an image was sized into in training, which RUNNING.md passes to llama.cpp
+    as --image-min-tokens / --image-max-tokens where it sizes images by the same rule; else None."""
 
     def as_dict(self) -> dict:
         return {"file": self.file, "type": self.gguf_type, "projector": self.projector_type,
-                "max_abs_diff": self.max_abs_diff, "bound": self.bound}
+                "max_abs_diff": self.max_abs_diff, "bound": self.bound,
+                "image_tokens": list(self.image_tokens) if self.image_tokens else None}
 
 
-def write_mmproj(hf_dir: Path, out: Path, *, gguf_type: str, name: str, base_dir: Path) -> WrittenMmproj:
+def write_mmproj(hf_dir: Path, out: Path, *, gguf_type: str, name: str, base_dir: Path,
+                 pixels: tuple[int | None, int | None] = (None, None)) -> WrittenMmproj:
     """The mmproj of `hf_dir` in `out`, in the type mmproj_type picks for a text GGUF of `gguf_type`,
     read back and compared with the model before it is reported. The image processor's settings are
     the export's own where it holds the processor's files, else the base's (`base_dir`): training
-    changes the weights, not how images are prepared."""
+    changes the weights, not how images are prepared. `pixels`: the run's data.image_min_pixels /
+    image_max_pixels, the area its images were resized into before the processor read them."""
     from homelab_ft.export.gguf import mmproj_check
 
     kind = gguf_mmproj.mmproj_type(gguf_type)
@@ -80,4 +86,15 @@ def write_mmproj(hf_dir: Path, out: Path, *, gguf_type: str, name: str, base_dir
     check = mmproj_check.verify_mmproj(out / file, hf_dir, gguf_type=kind, processor_dir=processor_dir)
     log.info("mmproj check (%s): %s", kind, check.describe())
     return WrittenMmproj(file=file, gguf_type=kind, projector_type=plan.projector.projector_type,
-                         max_abs_diff=check.max_abs_diff, bound=check.bound)
+                         max_abs_diff=check.max_abs_diff, bound=check.bound,
+                         image_tokens=image_tokens(plan, processor_dir, pixels=pixels))
+
+
+def image_tokens(plan, processor_dir: Path, *, pixels: tuple[int | None, int | None]) -> tuple[int, int] | None:
+    """(fewest, most) image tokens of training: the processor's pixel bounds (Projector.image_area)
+    narrowed by the run's own resize, in tokens (most rounded down, fewest up: inside both)."""
+    if plan.projector.image_area is None:
+        return None
+    low, high, per_token = plan.projector.image_area(plan.config, gguf_mmproj.processor_settings(processor_dir))
+    low, high = max(low, pixels[0] or 0), min(high, pixels[1] or high)
+    return -(-low // per_token), max(1, high // per_token)

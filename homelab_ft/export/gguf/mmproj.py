@@ -12,10 +12,11 @@ meta device, read through transformers' key conversion, model/checkpoint_keys.py
 language model and head. Each is named by gguf-py's map from transformers' own parameter name
 (less the base model's `model.` prefix), after the renames its converter makes; a tensor the map
 has no place for refuses the family before anything is written. What cannot be derived is
-llama.cpp's graph: PROJECTORS holds, per image-text class llama.cpp's converter registers, the
-projector type, the converter's renames and value transforms, the tensors it keeps in f32/f16 and
-the family's extra keys. A family outside PROJECTORS is refused in one line (the safetensors export
-is unaffected): its conversion has not been read here, or llama.cpp has no graph for it.
+llama.cpp's graph: mmproj_families.PROJECTORS holds, per image-text class llama.cpp's converter
+registers, the projector type, the converter's renames, splits and value transforms, the tensors
+it keeps in f32/f16, the family's extra keys and the settings llama.cpp fixes. A family outside
+PROJECTORS is refused in one line (the safetensors export is unaffected): its conversion has not
+been read here, or llama.cpp has no graph for it.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from homelab_ft.errors import UserError
-from homelab_ft.export.gguf.arch import GgufUnsupported
+from homelab_ft.export.gguf.arch import GgufUnsupported, permute_heads, unpermute_heads
 from homelab_ft.export.gguf.export import encode, tensor_qtype
+from homelab_ft.export.gguf.mmproj_families import NO_GRAPH, PROJECTORS, Projector
 
 log = logging.getLogger(__name__)
 
@@ -47,113 +48,18 @@ def mmproj_type(gguf_type: str) -> str:
 
 
 @dataclass(frozen=True)
-class Projector:
-    """How convert_hf_to_gguf.py writes one image-text class's mmproj (module docstring)."""
-
-    projector_type: str
-    """gguf.VisionProjectorType value, `clip.projector_type`: the graph clip.cpp builds."""
-    source: str
-    """The converter class read, and what of llama.cpp it was checked against."""
-    renames: tuple[tuple[str, str], ...] = ()
-    """(regex, replacement) on transformers' parameter name before gguf-py's map, as the converter renames."""
-    skip: str | None = None
-    """Regex of parameters the converter leaves out."""
-    plus_one: tuple[str, ...] = ()
-    """GGUF names written as 1 + w: an RMSNorm that computes x * (1 + w), whose graph in clip.cpp is x * w."""
-    first_row_last: tuple[str, ...] = ()
-    """GGUF names whose first row is written last: a position table whose class-token row llama.cpp's
-    graph reads after the patches' rows (module docstring of PROJECTORS' InternVL entry)."""
-    keep_f32: tuple[str, ...] = ()
-    """Substrings of GGUF names always written in f32 (the converter's tensor_force_quant)."""
-    keep_f16: tuple[str, ...] = ()
-    """Substrings of GGUF names written in f16 whatever the type (the converter's tensor_force_quant)."""
-    extra_keys: Callable[[object, dict], dict[str, object]] = field(default=lambda config, processor: {})
-    """The family's own `clip.*` keys: GGUFWriter method name -> value."""
-
-
-def _vision_act(config) -> dict[str, object]:
-    act = config.vision_config.hidden_act
-    if act in ("gelu", "gelu_pytorch_tanh", "gelu_new"):
-        return {"add_vision_use_gelu": True}
-    if act == "silu":
-        return {"add_vision_use_silu": True}
-    raise GgufUnsupported(f"vision hidden_act {act!r} has no clip.cpp equivalent homelab-ft knows")
-
-
-def _idefics3_keys(config, processor: dict) -> dict[str, object]:
-    vision = config.vision_config
-    longest = (processor.get("size") or {}).get("longest_edge", vision.image_size)
-    return {"add_vision_attention_layernorm_eps": vision.layer_norm_eps, "add_vision_projector_scale_factor":
-            config.scale_factor, "add_vision_use_gelu": True, "add_vision_preproc_image_size": longest}
-
-
-def _gemma3_keys(config, processor: dict) -> dict[str, object]:
-    vision = config.vision_config
-    keys = {"add_vision_attention_layernorm_eps": vision.layer_norm_eps, "add_vision_use_gelu": True}
-    per_side = int(round(config.mm_tokens_per_image ** 0.5))
-    scale = (vision.image_size // vision.patch_size) // per_side
-    if scale != 4:  # clip.cpp's default for gemma3 (896 px / 14 px = 64 patches a side, 16 tokens a side)
-        keys["add_vision_projector_scale_factor"] = scale
-    return keys
-
-
-def _internvl_keys(config, processor: dict) -> dict[str, object]:
-    return {"add_vision_attention_layernorm_eps": config.vision_config.layer_norm_eps, **_vision_act(config),
-            "add_vision_projector_scale_factor": int(round(1.0 / config.downsample_ratio))}
-
-
-PROJECTORS = {
-    "Idefics3ForConditionalGeneration": Projector(
-        "idefics3", "conversion/smolvlm.py SmolVLMModel (llama.cpp b11739: clip.cpp PROJECTOR_TYPE_IDEFICS3)",
-        keep_f32=(".position_embd.", ".patch_embd."), extra_keys=_idefics3_keys),
-    "SmolVLMForConditionalGeneration": Projector(
-        "idefics3", "conversion/smolvlm.py SmolVLMModel (llama.cpp b11739: clip.cpp PROJECTOR_TYPE_IDEFICS3)",
-        keep_f32=(".position_embd.", ".patch_embd."), extra_keys=_idefics3_keys),
-    "Gemma3ForConditionalGeneration": Projector(
-        "gemma3", "conversion/gemma.py Gemma3VisionModel (llama.cpp b11739: clip.cpp PROJECTOR_TYPE_GEMMA3)",
-        renames=((r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model."), (r"_weight$", ".weight")),
-        skip=r"^vision_tower\.(vision_model\.)?head\.", plus_one=("mm.soft_emb_norm.weight",),
-        keep_f32=(".position_embd.", ".patch_embd."), keep_f16=("mm.input_projection",), extra_keys=_gemma3_keys),
-    "InternVLForConditionalGeneration": Projector(
-        "internvl", "conversion/intern_vision.py InternVisionModel (llama.cpp b11739: clip.cpp PROJECTOR_TYPE_INTERNVL)",
-        renames=((r"^multi_modal_projector\.layer_norm\.", "mlp1.0."), (r"^multi_modal_projector\.linear_1\.", "mlp1.1."),
-                 (r"^multi_modal_projector\.linear_2\.", "mlp1.3."),
-                 (r"(\.lambda_\d|position_embeddings)$", r"\1.weight")),  # the converter's `name += ".weight"`
-        first_row_last=("v.position_embd.weight",), keep_f32=(".position_embd.",), extra_keys=_internvl_keys),
-}
-"""Image-text class -> its mmproj conversion, read from llama.cpp's converter (`source`); the class
-names are those its converter registers the MmprojModel subclass under.
-
-One departure from the converter, measured: llama.cpp b11739's InternVL graph (models/internvl.cpp)
-appends the class token after the patches and adds the position table's rows in order, so the
-converter's file (class-token row first, as transformers adds it) gives each patch its neighbour's
-position: on the tiny test model llama.cpp's image embeddings then differ from transformers' by 9% of
-their largest value. Written with the class-token row last, llama.cpp computes transformers' model
-(2.4e-5 of 0.094 in f32; tests/unit/export/gguf/test_gguf_mmproj_llama_cpp.py)."""
-
-NO_GRAPH = {
-    "Qwen2VLForConditionalGeneration": "its language model is llama.cpp's `qwen2vl` (M-RoPE sections), a text "
-                                       "architecture homelab-ft does not write yet",
-    "Qwen2_5_VLForConditionalGeneration": "its language model is llama.cpp's `qwen2vl` (M-RoPE sections), a text "
-                                          "architecture homelab-ft does not write yet",
-    "Qwen3VLForConditionalGeneration": "its language model is llama.cpp's `qwen3vl` (M-RoPE and deepstack "
-                                       "features), which homelab-ft does not write yet",
-    "Mistral3ForConditionalGeneration": "llama.cpp's converter writes its language model as `mistral3` and the "
-                                        "Pixtral tower with the [IMG_BREAK] embedding, a conversion homelab-ft has "
-                                        "not written yet",
-}
-"""Image-text classes llama.cpp runs whose conversion homelab-ft has not written, and why."""
-
-
-@dataclass(frozen=True)
 class MmprojTensor:
     gguf_name: str
     checkpoint_name: str
     """transformers' parameter name (what CheckpointKeys reads)."""
     shape: tuple[int, ...]
-    """In the GGUF, numpy order: the checkpoint's less its unit dimensions (the converter's squeeze)."""
+    """In the GGUF, numpy order: the checkpoint's (or its slice's) less its unit dimensions (the converter's squeeze)."""
     hf_shape: tuple[int, ...]
+    """The checkpoint tensor's slice this is, in transformers' layout."""
     qtype: object
+    take: tuple[int, int, int] | None = None
+    """(axis, index, count): this is slice `index` of `count` equal ones along `axis` (Pieces, a token's
+    row); None: the whole tensor."""
 
 
 @dataclass(frozen=True)
@@ -164,28 +70,65 @@ class MmprojPlan:
     tensors: tuple[MmprojTensor, ...]
 
     def to_gguf(self, item: MmprojTensor, array: np.ndarray) -> np.ndarray:
+        """The checkpoint tensor's slice `array` (`taken`) -> this GGUF tensor's values."""
         array = array.reshape(item.shape)
         if item.gguf_name in self.projector.first_row_last:
             array = np.roll(array, -1, axis=0)
+        if self._permuted(item):
+            array = permute_heads(array, self.config.vision_config.num_attention_heads)
         return array + np.float32(1.0) if item.gguf_name in self.projector.plus_one else array
 
     def from_gguf(self, item: MmprojTensor, array: np.ndarray) -> np.ndarray:
+        """The inverse of to_gguf, as far as this tensor goes: its slice of the checkpoint tensor."""
         array = array - np.float32(1.0) if item.gguf_name in self.projector.plus_one else array
+        if self._permuted(item):
+            array = unpermute_heads(array, self.config.vision_config.num_attention_heads)
         if item.gguf_name in self.projector.first_row_last:
             array = np.roll(array, 1, axis=0)
         return array.reshape(item.hf_shape)
 
+    def _permuted(self, item: MmprojTensor) -> bool:
+        return self.projector.permute_qk and item.gguf_name.endswith(("attn_q.weight", "attn_k.weight"))
+
+    def checkpoint_tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Checkpoint name -> its values in transformers' layout, from each GGUF tensor's values taken
+        back (`arrays`: GGUF name -> values): slices joined again; a tensor the file holds only a
+        part of (a token's embedding row) left out."""
+        out, parts = {}, {}
+        for item in self.tensors:
+            value = self.from_gguf(item, arrays[item.gguf_name])
+            if item.take is None:
+                out[item.checkpoint_name] = value
+                continue
+            parts.setdefault(item.checkpoint_name, []).append((item.take, value))
+        for name, pieces in parts.items():
+            axis, _, count = pieces[0][0]
+            if len(pieces) == count:
+                out[name] = np.concatenate([value for _, value in sorted(pieces, key=lambda p: p[0][1])], axis=axis)
+        return out
+
+
+def taken(item: MmprojTensor, tensor):
+    """The slice of the checkpoint tensor (torch or numpy) `item` holds (MmprojTensor.take)."""
+    if item.take is None:
+        return tensor
+    axis, index, count = item.take
+    size = tensor.shape[axis] // count
+    return tensor[(slice(None),) * axis + (slice(index * size, (index + 1) * size),)]
+
 
 def projector_for(config) -> tuple[str, Projector]:
-    """(image-text class name, its Projector); GgufUnsupported in one line where there is none."""
+    """(image-text class name, its Projector); GgufUnsupported in one line where there is none or
+    clip.cpp's graph runs another model than this config's."""
     from transformers import AutoModelForImageTextToText
 
     name = AutoModelForImageTextToText._model_mapping[type(config)].__name__
-    if name in PROJECTORS:
-        return name, PROJECTORS[name]
-    why = NO_GRAPH.get(name, "llama.cpp's converter registers no mmproj conversion for it that homelab-ft has read")
-    raise GgufUnsupported(f"model_type {config.model_type!r} ({name}) cannot be written as GGUF + mmproj by "
-                          f"homelab-ft: {why}")
+    if name not in PROJECTORS:
+        why = NO_GRAPH.get(name, "llama.cpp's converter registers no mmproj conversion for it that homelab-ft has read")
+        raise GgufUnsupported(f"model_type {config.model_type!r} ({name}) cannot be written as GGUF + mmproj by "
+                              f"homelab-ft: {why}")
+    PROJECTORS[name].check(config)
+    return name, PROJECTORS[name]
 
 
 def plan_mmproj(model_dir: Path, *, gguf_type: str) -> MmprojPlan:
@@ -217,22 +160,69 @@ def plan_mmproj(model_dir: Path, *, gguf_type: str) -> MmprojPlan:
         key = name.removeprefix(f"{model.base_model_prefix}.")
         if projector.skip and re.search(projector.skip, key):
             continue
-        # gguf-py knows some names with the base model's prefix (InternVL's), most without it
-        mapped = next(filter(None, (name_map.get_type_and_name(_renamed(k, projector), try_suffixes=(".weight", ".bias"))
-                                    for k in (key, name))), None)
-        if mapped is None or mapped[0] not in allowed:
-            raise GgufUnsupported(f"{model_dir}: tensor {name} has no place in llama.cpp's mmproj layout for "
-                                  f"{projector.projector_type!r}, so {class_name} cannot be written as GGUF + mmproj")
-        hf_shape = shapes[name]
-        shape = tuple(d for d in hf_shape if d != 1) or (1,)
-        items.append(MmprojTensor(mapped[1], name, shape, hf_shape, _qtype(mapped, shape, gguf_type, projector)))
+        for part_key, suffix, take in _pieces(key, shapes[name], projector):
+            # gguf-py knows some names with the base model's prefix (InternVL's), most without it
+            mapped = next(filter(None, (name_map.get_type_and_name(_renamed(k, projector, config),
+                                                                   try_suffixes=(".weight", ".bias"))
+                                        for k in (part_key, f"{model.base_model_prefix}.{part_key}"))), None)
+            if mapped is None or mapped[0] not in allowed:
+                raise GgufUnsupported(f"{model_dir}: tensor {name} has no place in llama.cpp's mmproj layout for "
+                                      f"{projector.projector_type!r}, so {class_name} cannot be written as GGUF + mmproj")
+            items.append(_item(name, mapped, suffix, take, shapes[name], gguf_type, projector))
+    items += _token_rows(model, model_dir, projector, shapes)
     return MmprojPlan(class_name, projector, config, tuple(items))
 
 
-def _renamed(key: str, projector: Projector) -> str:
+def _pieces(key: str, hf_shape: tuple[int, ...], projector: Projector):
+    """(key for gguf-py's map, GGUF name suffix, `take`) of each GGUF tensor the checkpoint tensor `key` is."""
+    for pieces in projector.pieces:
+        if re.search(pieces.pattern, key):
+            if hf_shape[pieces.axis] % len(pieces.parts):
+                raise GgufUnsupported(f"{key} of shape {hf_shape} does not split in {len(pieces.parts)} as llama.cpp's "
+                                      "converter splits it")
+            return [(re.sub(pieces.pattern, replacement, key), suffix, (pieces.axis, index, len(pieces.parts)))
+                    for index, (replacement, suffix) in enumerate(pieces.parts)]
+    return [(key, "", None)]
+
+
+def _item(name: str, mapped, suffix: str, take, hf_shape: tuple[int, ...], gguf_type: str,
+          projector: Projector) -> MmprojTensor:
+    if take is not None:
+        axis, _, count = take
+        hf_shape = tuple(d // count if i == axis else d for i, d in enumerate(hf_shape))
+    shape = tuple(d for d in hf_shape if d != 1) or (1,)
+    gguf_name = mapped[1] + suffix
+    return MmprojTensor(gguf_name, name, shape, hf_shape, _qtype((mapped[0], gguf_name), shape, gguf_type, projector),
+                        take)
+
+
+def _token_rows(model, model_dir: Path, projector: Projector, shapes: dict) -> list[MmprojTensor]:
+    """The language model's input-embedding rows the projector's graph reads (Projector.token_rows),
+    found by the token's id in the checkpoint's tokenizer."""
+    if not projector.token_rows:
+        return []
+    import gguf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings()) + ".weight"
+    rows = shapes[embedding][0]
+    items = []
+    for gguf_name, token in projector.token_rows:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == tokenizer.unk_token_id or tokenizer.convert_ids_to_tokens(token_id) != token:
+            raise GgufUnsupported(f"{model_dir}: the tokenizer has no {token} token, whose embedding llama.cpp's "
+                                  f"{projector.projector_type!r} graph reads from the mmproj")
+        width = shapes[embedding][1]
+        items.append(MmprojTensor(gguf_name, embedding, (width,), (1, width), gguf.GGMLQuantizationType.F32,
+                                  (0, token_id, rows)))
+    return items
+
+
+def _renamed(key: str, projector: Projector, config) -> str:
     for pattern, replacement in projector.renames:
         key = re.sub(pattern, replacement, key)
-    return key
+    return projector.rename(key, config) if projector.rename else key
 
 
 def _qtype(mapped, shape: tuple[int, ...], gguf_type: str, projector: Projector):
@@ -274,11 +264,12 @@ def processor_settings(model_dir: Path) -> dict:
 
 def _vision_hparams(config, processor: dict) -> dict[str, object]:
     """MmprojModel.set_gguf_parameters' keys, from the vision config (transformers' own attribute
-    names, which the converter looks up among several spellings)."""
+    names, which the converter looks up among several spellings); None where the config has none
+    (Qwen's image size, which the family's keys give)."""
     vision = config.vision_config
 
     def first(*names):
-        value = next(getattr(vision, n) for n in names if getattr(vision, n, None) is not None)
+        value = next((getattr(vision, n) for n in names if getattr(vision, n, None) is not None), None)
         return value[0] if isinstance(value, list | tuple) else value
 
     return {
@@ -299,8 +290,13 @@ def mmproj_keys(plan: MmprojPlan, processor_dir: Path) -> dict[str, object]:
     """GGUFWriter method -> value for every hyperparameter the mmproj holds (`processor_dir`: the
     folder with the model's image processor settings)."""
     processor = processor_settings(processor_dir)
-    return {**_vision_hparams(plan.config, processor), "add_clip_projector_type": plan.projector.projector_type,
+    keys = {**_vision_hparams(plan.config, processor), "add_clip_projector_type": plan.projector.projector_type,
             **plan.projector.extra_keys(plan.config, processor)}
+    missing = [method for method, value in keys.items() if value is None]
+    if missing:
+        raise GgufUnsupported(f"{plan.image_text_class}: its vision config has no value for {missing[0]} "
+                              "(llama.cpp's mmproj needs it), so homelab-ft cannot write its mmproj")
+    return keys
 
 
 def write_mmproj(model_dir: Path, out_path: Path, *, gguf_type: str, name: str,
@@ -333,10 +329,13 @@ def write_mmproj(model_dir: Path, out_path: Path, *, gguf_type: str, name: str,
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        by_name = {item.checkpoint_name: item for item in plan.tensors}
-        for checkpoint_name, tensor in checkpoint.tensors([item.checkpoint_name for item in plan.tensors]):
-            item = by_name[checkpoint_name]
-            writer.write_tensor_data(encode(plan.to_gguf(item, tensor.to(torch.float32).numpy()), item.qtype))
+        by_name: dict[str, list[MmprojTensor]] = {}
+        for item in plan.tensors:  # a split tensor's pieces are consecutive: the file's order is kept
+            by_name.setdefault(item.checkpoint_name, []).append(item)
+        for checkpoint_name, tensor in checkpoint.tensors(list(by_name)):
+            for item in by_name[checkpoint_name]:
+                values = taken(item, tensor).to(torch.float32).numpy()
+                writer.write_tensor_data(encode(plan.to_gguf(item, values), item.qtype))
     finally:
         writer.close()
     log.info("wrote %s (clip, projector %s): %d tensors, %s", out_path, plan.projector.projector_type,

@@ -16,7 +16,6 @@ Two checks, as readback.py and check.py make for a text GGUF:
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from homelab_ft.export.gguf import mmproj as gguf_mmproj
 from homelab_ft.export.gguf.check import GGUF_BOUNDS
-from homelab_ft.export.gguf.readback import round_trip, stored
+from homelab_ft.export.gguf.readback import check_fields, round_trip, stored, written_keys
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ def read_back(path: Path, model_dir: Path, *, gguf_type: str, processor_dir: Pat
         if key not in fields or fields[key].contents() != want:
             raise RuntimeError(f"mmproj check failed: {key} is {fields[key].contents() if key in fields else None}, "
                                f"meant {want!r}")
-    _check_keys(fields, _written_keys(plan, processor_dir or model_dir))
+    check_fields(fields, written_keys(gguf_mmproj.mmproj_keys(plan, processor_dir or model_dir), "clip"))
     tensors = {t.name: t for t in reader.tensors}
     meant = {item.gguf_name for item in plan.tensors}
     if set(tensors) != meant:
@@ -63,34 +62,16 @@ def read_back(path: Path, model_dir: Path, *, gguf_type: str, processor_dir: Pat
                            f"not from the model {sorted(set(tensors) - meant)[:3]}")
     with torch.device("meta"):
         keys = CheckpointKeys(AutoModelForImageTextToText.from_config(plan.config), model_dir)
-    by_name = {item.checkpoint_name: item for item in plan.tensors}
+    by_name: dict[str, list] = {}
+    for item in plan.tensors:
+        by_name.setdefault(item.checkpoint_name, []).append(item)
     for name, tensor in keys.tensors(list(by_name)):
-        item = by_name[name]
-        got = stored(tensors[item.gguf_name])
-        want = round_trip(plan.to_gguf(item, tensor.to(torch.float32).numpy()), item.qtype)
-        if tensors[item.gguf_name].tensor_type != item.qtype or got.shape != want.shape or not np.array_equal(got, want):
-            raise RuntimeError(f"mmproj check failed: {item.gguf_name} reads back different from what was meant")
+        for item in by_name[name]:
+            got = stored(tensors[item.gguf_name])
+            want = round_trip(plan.to_gguf(item, gguf_mmproj.taken(item, tensor).to(torch.float32).numpy()), item.qtype)
+            if tensors[item.gguf_name].tensor_type != item.qtype or got.shape != want.shape or not np.array_equal(got, want):
+                raise RuntimeError(f"mmproj check failed: {item.gguf_name} reads back different from what was meant")
     return plan
-
-
-def _written_keys(plan: gguf_mmproj.MmprojPlan, processor_dir: Path) -> dict[str, object]:
-    """The `clip.*` key -> value the writer's methods put in the file, from a dry writer."""
-    import gguf
-
-    writer = gguf.GGUFWriter(None, "clip")
-    for method, value in gguf_mmproj.mmproj_keys(plan, processor_dir).items():
-        getattr(writer, method)(value)
-    return {key: value.value for key, value in writer.kv_data[0].items()}
-
-
-def _check_keys(fields: dict, want: dict[str, object]) -> None:
-    for key, value in want.items():
-        got = fields[key].contents() if key in fields else None
-        same = (got is not None and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, value, strict=True))
-                if isinstance(value, list) else
-                got is not None and math.isclose(got, value, rel_tol=1e-6) if isinstance(value, float) else got == value)
-        if not same:
-            raise RuntimeError(f"mmproj check failed: {key} reads back as {got}, meant {value}")
 
 
 def compare_vision(path: Path, model_dir: Path, plan: gguf_mmproj.MmprojPlan, *, image,
@@ -106,8 +87,8 @@ def compare_vision(path: Path, model_dir: Path, plan: gguf_mmproj.MmprojPlan, *,
     wanted = set(inspect.signature(model.get_image_features).parameters)
     inputs = {k: v for k, v in processor(images=[image], return_tensors="pt").items() if k in wanted}
     expected = _features(model, inputs)
-    state = {item.checkpoint_name: torch.from_numpy(np.array(plan.from_gguf(item, stored(tensors[item.gguf_name]))))
-             for item in plan.tensors}
+    arrays = {item.gguf_name: stored(tensors[item.gguf_name]) for item in plan.tensors}
+    state = {name: torch.from_numpy(np.array(value)) for name, value in plan.checkpoint_tensors(arrays).items()}
     missing = set(state) - {name for name, _ in model.named_parameters(remove_duplicate=False)}
     if missing:
         raise RuntimeError(f"mmproj check failed: {sorted(missing)[:3]} are not parameters of the model")
@@ -126,9 +107,22 @@ def _features(model, inputs: dict):
 
     with torch.no_grad():
         out = model.get_image_features(**inputs)
-    out = getattr(out, "pooler_output", out)
-    parts = list(out) if isinstance(out, list | tuple) else [out]
-    return torch.cat([p.reshape(-1, p.shape[-1]).float() for p in parts])
+    return image_features(out)
+
+
+def image_features(out):
+    """What the language model receives for the images, one row per image token, from
+    get_image_features' output: its features, each followed by its deepstack features where the
+    model has them (Qwen3-VL's, which llama.cpp's mmproj puts side by side in the same row)."""
+    import torch
+
+    def rows(parts):
+        parts = list(parts) if isinstance(parts, list | tuple) else [parts]
+        return torch.cat([p.reshape(-1, p.shape[-1]).float() for p in parts])
+
+    main = rows(getattr(out, "pooler_output", out))
+    deepstack = getattr(out, "deepstack_features", None) or []
+    return torch.cat([main, *(rows(level) for level in deepstack)], dim=-1)
 
 
 _ORDER = ("f32", "f16", "bf16", "q8_0", "q5_1", "q4_0")

@@ -83,6 +83,31 @@ def _check_keys(fields: dict, config, *, target: Target) -> None:
     eps = fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
     if eps is None or not math.isclose(eps.contents(), config.rms_norm_eps, rel_tol=1e-6):
         raise RuntimeError(f"GGUF check failed: {arch}.attention.layer_norm_rms_epsilon differs from rms_norm_eps")
+    check_fields(fields, written_keys(getattr(config, "gguf_keys", None) or {}, arch))
+
+
+def written_keys(methods: dict[str, object], arch: str) -> dict[str, object]:
+    """The key -> value GGUFWriter's `methods` (method name -> argument) put in a file of `arch`,
+    from a writer that writes nothing."""
+    import gguf
+
+    writer = gguf.GGUFWriter(None, arch)
+    for method, value in methods.items():
+        getattr(writer, method)(value)
+    return {key: value.value for key, value in writer.kv_data[0].items()}
+
+
+def check_fields(fields: dict, want: dict[str, object]) -> None:
+    """RuntimeError naming the first key of `want` the file's fields (GGUFReader.fields) do not hold
+    as written (floats within 1e-6, relative)."""
+    for key, value in want.items():
+        got = fields[key].contents() if key in fields else None
+        same = (got is not None and len(got) == len(value) and all(
+            math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got, value, strict=True))
+                if isinstance(value, list) else
+                got is not None and math.isclose(got, value, rel_tol=1e-6) if isinstance(value, float) else got == value)
+        if not same:
+            raise RuntimeError(f"GGUF check failed: {key} reads back as {got}, meant {value}")
 
 
 def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_type: str):

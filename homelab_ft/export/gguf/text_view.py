@@ -14,6 +14,14 @@ generation_config.json, the tokenizer files, the weights) is what `write_gguf`, 
 RUNNING.md's notes read: the text GGUF is checked against the language model with the logits of
 transformers' own causal LM.
 
+Where transformers has no causal LM for the text config (Qwen2-VL, Qwen2.5-VL and Qwen3-VL, whose
+decoders run M-RoPE), the folder is the causal LM of its twin (CAUSAL_TWINS): the family whose
+decoder is the same tensor for tensor and computes the same logits on text. It then also names the
+architecture llama.cpp runs the language model as (`gguf_architecture`, which arch.py reads instead
+of the model type) and the keys that architecture reads beyond the twin's (`gguf_keys`, GGUFWriter
+method -> value: the M-RoPE sections, Qwen3-VL's deepstack layer count), as llama.cpp's converter
+writes them from the image-text config.
+
 It costs the language model's weights once more on disk while the export runs (the folder is a
 scratch folder inside the export's staging folder, dropped when the GGUF is checked), read and
 written one tensor at a time, saved in shards of at most SHARD_BYTES.
@@ -39,6 +47,21 @@ SHARD_BYTES = 2 * 2**30
 """Weights per saved shard: host memory holds one shard while it is written."""
 
 
+CAUSAL_TWINS = {
+    "qwen2_vl_text": ("qwen2", "qwen2vl"),
+    "qwen2_5_vl_text": ("qwen2", "qwen2vl"),
+    "qwen3_vl_text": ("qwen3", "qwen3vl"),
+}
+"""Text model types transformers builds no causal LM for -> (the model type of the causal LM that
+computes their language model on text, the llama.cpp architecture it is written as). Qwen2-VL and
+Qwen2.5-VL decode with Qwen2's layers, Qwen3-VL with Qwen3's, under M-RoPE: rotary frequencies split
+into time, height and width sections, each turned by its own position id; on text all three ids are
+the token's position, so M-RoPE is the twin's 1-D rope (tests/unit/export/gguf/test_gguf_mmproj.py:
+the twin's logits equal the image-text model's). llama.cpp's converter registers the first two under
+Qwen2VLModel (`qwen2vl`), Qwen3-VL under Qwen3VLTextModel (`qwen3vl`), a choice neither transformers
+nor gguf-py records."""
+
+
 def image_text_config(model_dir: Path):
     """`model_dir`'s config when transformers builds it as an image-text model with a separate text
     config (AutoModelForImageTextToText's mapping), else None."""
@@ -57,7 +80,7 @@ def text_names(config) -> dict[str, str]:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    text_config = config.get_text_config()
+    text_config = causal_config(config)
     with torch.device("meta"):
         image_text = AutoModelForImageTextToText.from_config(config)
         try:
@@ -78,6 +101,38 @@ def text_names(config) -> dict[str, str]:
                         f"{type(causal).__name__}'s ({sorted(wanted ^ set(names.values()))[:3]}), so homelab-ft "
                         "cannot write it as a text GGUF")
     return names
+
+
+def causal_config(config):
+    """The config of the causal LM the language model of the image-text `config` is laid out as:
+    its text config, or for a text model type in CAUSAL_TWINS its twin's config with the same values
+    (the M-RoPE keys left out: written as gguf_keys)."""
+    from transformers import CONFIG_MAPPING
+
+    text = config.get_text_config()
+    if text.model_type not in CAUSAL_TWINS:
+        return text
+    values = {k: v for k, v in text.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    values["rope_parameters"] = {k: v for k, v in (text.rope_parameters or {}).items() if not k.startswith("mrope")}
+    return CONFIG_MAPPING[CAUSAL_TWINS[text.model_type][0]](**values)
+
+
+def llama_cpp_keys(config) -> dict[str, object]:
+    """For a language model written through its twin: `gguf_architecture` and `gguf_keys`, the
+    keys llama.cpp's converter writes for it beyond the twin's (TextModel's `rope.dimension_sections`
+    from mrope_section, padded to 4; Qwen3VLTextModel's `n_deepstack_layers`, one per deepstack
+    merger of the vision tower); {} for any other."""
+    text = config.get_text_config()
+    if text.model_type not in CAUSAL_TWINS:
+        return {}
+    keys = {}
+    sections = list((text.rope_parameters or {}).get("mrope_section") or [])
+    if sections:
+        keys["add_rope_dimension_sections"] = [*sections, *[0] * (4 - len(sections))]
+    deepstack = getattr(config.vision_config, "deepstack_visual_indexes", None)
+    if deepstack is not None:
+        keys["add_num_deepstack_layers"] = len(deepstack)
+    return {"gguf_architecture": CAUSAL_TWINS[text.model_type][1], "gguf_keys": keys}
 
 
 def _parts(model) -> dict[str, tuple[str, object]]:
@@ -122,7 +177,7 @@ def write_text_view(model_dir: Path, out_dir: Path) -> Path:
     _save_shards(shards, out_dir, save_file)
     write_text_config(config, model_dir, out_dir, tied=tied)
     log.info("the language model of %s (%s, %d tensors) laid out as a %s folder for its text GGUF", model_dir,
-             config.model_type, sum(len(s) for s in shards), config.get_text_config().model_type)
+             config.model_type, sum(len(s) for s in shards), causal_config(config).model_type)
     return out_dir
 
 
@@ -144,6 +199,26 @@ def _tied(image_text) -> bool:
     return image_text.get_output_embeddings().weight is image_text.get_input_embeddings().weight
 
 
+def language_model(model_dir: Path):
+    """(gguf_arch.Target, config, names) of the language model of `model_dir` as its text GGUF is
+    written: for an image-text checkpoint, the target and config of its text view and `text_names`
+    (the image-text model's tensor names -> the causal LM's); for a text model, its own and None.
+    Reads config.json and the tokenizer files only."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    from homelab_ft.export.gguf.arch import check_architecture
+
+    config = image_text_config(model_dir)
+    if config is None:
+        return check_architecture(model_dir), AutoConfig.from_pretrained(model_dir), None
+    with tempfile.TemporaryDirectory(prefix="gguf-text-config-") as folder:
+        write_text_config(config, Path(model_dir), Path(folder))
+        target, causal = check_architecture(Path(folder)), AutoConfig.from_pretrained(folder)
+    return target, causal, text_names(config)
+
+
 def write_text_config(config, model_dir: Path, out_dir: Path, *, tied: bool | None = None) -> None:
     """The text config as a causal LM's config.json (its architecture named as the causal-LM
     mapping names it), the generation config, and the tokenizer's files: the text view less its
@@ -157,10 +232,11 @@ def write_text_config(config, model_dir: Path, out_dir: Path, *, tied: bool | No
             tied = _tied(AutoModelForImageTextToText.from_config(config))
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    text = config.get_text_config()
+    text = causal_config(config)
     values = text.to_dict()
     values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[text.model_type]]
     values["tie_word_embeddings"] = tied
+    values.update(llama_cpp_keys(config))
     (out_dir / "config.json").write_text(json.dumps(values, indent=1))
     for name in ("generation_config.json", *TOKENIZER_FILES):
         if (model_dir / name).is_file():

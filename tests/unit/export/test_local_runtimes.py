@@ -29,7 +29,8 @@ def test_flags_file_names_its_llama_cpp_commit_and_parses_per_tool():
     for tool in ("llama-cli", "llama-server", "llama-completion"):
         assert {"-m", "--model", "--jinja", "--lora", "-ngl", "--temp"} <= flags[tool], tool
     # llama-mtmd-cli: only the flags RUNNING.md gives it, each read from common/arg.cpp
-    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio"}
+    assert flags["llama-mtmd-cli"] == {"-m", "--model", "-p", "--prompt", "-mm", "--mmproj", "--image", "--audio", "--lora",
+                                       "--image-min-tokens", "--image-max-tokens"}
     assert "-cnv" not in flags["llama-cli"] and "-cnv" in flags["llama-completion"]
     assert "--port" in flags["llama-server"] and "--port" not in flags["llama-cli"]
     assert "-sys" in flags["llama-cli"] and "-sys" not in flags["llama-server"]
@@ -83,6 +84,22 @@ def test_adapter_notes_give_the_command_that_writes_a_folder_base(tmp_path):
     assert all(words[words.index("-m") + 1] == "my-base-f16.gguf" for words in commands(text))
 
 
+def test_an_image_text_adapter_runs_on_the_bases_text_gguf_and_mmproj(tmp_path):
+    """The converter run twice (the text GGUF, then --mmproj), both files and the adapter in every
+    llama.cpp command, and no Ollama Modelfile (Ollama does not load a GGUF + mmproj pair)."""
+    base = tmp_path / "qwen-vl"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    text = local_runtimes.adapter_running_notes("adapter-out", base=str(base), image_text=True)
+    assert unknown_llama_cpp_flags(text) == []
+    assert f"python convert_hf_to_gguf.py {base} --mmproj --outfile mmproj-qwen-vl-f16.gguf --outtype f16" in text
+    for words in commands(text):
+        assert words[words.index("-m") + 1] == "qwen-vl-f16.gguf"
+        assert words[words.index("--mmproj") + 1] == "mmproj-qwen-vl-f16.gguf"
+        assert words[words.index("--lora") + 1] == "adapter-out/adapter.gguf"
+    assert "ADAPTER" not in text and local_runtimes.OLLAMA_SPLIT_VISION in text
+
+
 def test_a_gguf_base_is_its_own_file(tmp_path):
     gguf = tmp_path / "base.Q8_0.gguf"
     gguf.write_bytes(b"GGUF")
@@ -110,6 +127,7 @@ def test_an_image_text_export_runs_with_its_mmproj_and_says_what_ollama_cannot_l
     assert "-sys 'Name the shapes.'" in text
     assert "ollama create" in text and "pull request #12241" in text and "Modelfile" in text
     assert unknown_llama_cpp_flags("    llama-mtmd-cli -m a.gguf --mmproj b.gguf --jinja\n") == ["llama-mtmd-cli: --jinja"]
+    assert "--image-min-tokens" not in text
 
 
 def test_a_harmony_template_does_not_stop_at_the_end_of_a_message(tmp_path):
@@ -129,3 +147,13 @@ def test_a_harmony_template_does_not_stop_at_the_end_of_a_message(tmp_path):
         tokenizer.add_tokens(["<|end|>", "<|return|>"], special_tokens=True)
         tokenizer.save_pretrained(folder)
         assert ('PARAMETER stop "<|end|>"' in modelfile(folder, file_name="m.gguf", system_prompt=None)) is stops, name
+
+
+def test_a_qwen_vl_export_sizes_images_into_the_tokens_of_training():
+    """The image-token bounds of training (image_text.image_tokens) in every llama.cpp command."""
+    text = local_runtimes.image_text_running_notes(
+        "tuned", gguf_name="model-f16.gguf", mmproj_name="mmproj-f16.gguf", k_quant_hint=None, image_tokens=(8, 256))
+    for command in commands(text):
+        assert command[command.index("--image-min-tokens") + 1] == "8"
+        assert command[command.index("--image-max-tokens") + 1] == "256"
+    assert unknown_llama_cpp_flags(text) == []

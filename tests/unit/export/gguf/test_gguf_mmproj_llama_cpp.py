@@ -1,6 +1,10 @@
 """A GGUF + mmproj export run by llama.cpp's own multimodal library (libmtmd, b11739) beside
 transformers on the model it came from. Skipped, with the reason, where no Python with that library
-is configured (HOMELAB_FT_LLAMA_MTMD_PYTHON; tools/llama_mtmd_env.py makes one)."""
+is configured (HOMELAB_FT_LLAMA_MTMD_PYTHON; tools/llama_mtmd_env.py makes one).
+
+Tiny models whose weights are drawn wide (std 0.2, text and vision): with the default 0.02 the
+attention of a tiny tower is near uniform, so a rope or window written wrong barely shows (Pixtral's
+unpermuted q/k: 60% off at 0.2)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,88 @@ def test_smolvlm_describes_an_image_with_transformers_greedy_tokens(tmp_path):
     assert side.max_embedding_diff < 1e-2 * float(side.hf_embeddings.abs().max())
     assert len(set(side.hf_greedy)) > 3
     assert side.llama_greedy == side.hf_greedy
+
+
+WIDE = {"text_overrides": {"initializer_range": 0.2}, "initializer_range": 0.2}
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3"])
+def test_qwen_vl_and_mistral_3_answer_an_image_with_transformers_greedy_tokens(model_type, tmp_path):
+    """Each family's GGUF + mmproj in llama.cpp on a noise image (every window and patch differs):
+    the same prompt (the image's chunk where transformers' image tokens are: Qwen's between
+    <|vision_start|> and <|vision_end|>, Pixtral's rows with their [IMG_BREAK] embedding), image
+    embeddings within 2e-3 of their largest (Qwen3-VL's with its deepstack features beside), and the
+    same 12 greedy tokens, which for Qwen follow M-RoPE's image positions (transformers' own reply
+    without them departs at the third token)."""
+    from tiny_vlm import EXACT_SIDES, save_tiny_vlm
+
+    from homelab_ft.export.gguf.mmproj_check import probe_image
+
+    model_dir = save_tiny_vlm(tmp_path / "model", model_type, **WIDE)
+    gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
+    probe_image(EXACT_SIDES[model_type]).save(tmp_path / "image.png")
+    side = llama_mtmd.compare(model_dir, gguf, projector, tmp_path / "image.png", python=PYTHON)
+    assert side.llama_prompt == side.hf_prompt
+    assert side.max_embedding_diff < 2e-3 * float(side.hf_embeddings.abs().max())
+    assert len(set(side.hf_greedy)) > 3
+    assert side.llama_greedy == side.hf_greedy
+
+
+def test_a_large_image_is_sized_as_in_training_with_the_bounds_running_md_gives(tmp_path):
+    """A 560 x 560 image on a Qwen2-VL whose processor allows 8-256 tokens: transformers resizes it
+    to 16 x 16 tokens; llama.cpp's own bounds (8-4096) keep 20 x 20, another prompt and reply; with
+    RUNNING.md's --image-min-tokens / --image-max-tokens (image_text.image_tokens) the same prompt
+    and greedy tokens."""
+    from tiny_vlm import save_tiny_vlm
+
+    from homelab_ft.export.gguf import image_text
+    from homelab_ft.export.gguf.mmproj_check import probe_image
+
+    model_dir = save_tiny_vlm(tmp_path / "model", "qwen2_vl", **WIDE)
+    gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
+    probe_image(560).save(tmp_path / "image.png")
+    bounds = image_text.image_tokens(mmproj.plan_mmproj(model_dir, gguf_type="f32"), model_dir, pixels=(None, None))
+    own = llama_mtmd.compare(model_dir, gguf, projector, tmp_path / "image.png", python=PYTHON)
+    assert own.hf_prompt.count(-1) == 256 and own.llama_prompt.count(-1) == 400
+    sized = llama_mtmd.compare(model_dir, gguf, projector, tmp_path / "image.png", python=PYTHON, image_tokens=bounds)
+    assert sized.llama_prompt == sized.hf_prompt
+    assert sized.llama_greedy == sized.hf_greedy
+
+
+def test_an_image_text_adapter_gguf_on_its_base_answers_as_the_merged_model(tmp_path):
+    """A LoRA on Qwen2-VL's language model as llama.cpp's adapter GGUF, applied to the base's text
+    GGUF with the base's mmproj: llama.cpp's 12 greedy tokens on an image are transformers' on the
+    merged model (and not the base's)."""
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from tiny_vlm import EXACT_SIDES, save_tiny_vlm
+    from transformers import AutoModelForImageTextToText
+
+    from homelab_ft.export.gguf.adapter import write_adapter_gguf
+    from homelab_ft.export.gguf.mmproj_check import probe_image
+
+    base = save_tiny_vlm(tmp_path / "base", "qwen2_vl", **WIDE)
+    torch.manual_seed(1)
+    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), LoraConfig(
+        r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|down_proj)"))
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    peft.save_pretrained(tmp_path / "adapter")
+    write_adapter_gguf(tmp_path / "adapter", base, tmp_path / "adapter.gguf", name="tiny")
+    merged = tmp_path / "merged"
+    peft.merge_and_unload().save_pretrained(merged)
+    for file in base.iterdir():
+        if not (merged / file.name).exists():
+            shutil.copyfile(file, merged / file.name)
+    gguf, projector = _export(base, tmp_path, gguf_type="f32")
+    probe_image(EXACT_SIDES["qwen2_vl"]).save(tmp_path / "image.png")
+    side = llama_mtmd.compare(merged, gguf, projector, tmp_path / "image.png", python=PYTHON, lora=tmp_path / "adapter.gguf")
+    assert side.llama_greedy == side.hf_greedy
+    base_side = llama_mtmd.compare(base, gguf, projector, tmp_path / "image.png", python=PYTHON)
+    assert base_side.hf_greedy[:4] != side.hf_greedy[:4]
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "internvl"])
