@@ -9,7 +9,9 @@ tower, and a ChatML template that writes an image part the way the family's own 
 (Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`, Gemma 3's `<start_of_image>`, ...).
 
     save_vlm(out_dir, "qwen2_vl", seed=0) -> out_dir      the model, processor, tokenizer, template
+    save_vlm(out_dir, "qwen2_vl", weights=False)          config.json and the processor only (data tests)
     make_image(path, size=(w, h), colour=(r, g, b))       a solid PNG (the rows' images)
+    image_chat("img/red.png", "what colour?", "red")      a chat row asking about one image
     VLM_FAMILIES                                         the families a test may name
 
 What was found building them here (transformers 5.25, no torchvision): every family below has a PIL
@@ -98,6 +100,13 @@ VLM_FAMILIES = {
         config_ids={"image_token_id": "<image>"}, vision={"image_size": 28, "patch_size": 7},
         top={"image_seq_length": 16},
         image_processor={"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28}},
+        processor={"patch_size": 7, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}),
+    "llava_next": Family(
+        named_tokens={"image_token": "<image>"}, image_text="<image>\n",
+        config_ids={"image_token_id": "<image>"}, vision={"image_size": 28, "patch_size": 7},
+        top={"image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]], "image_seq_length": 16},
+        image_processor={"size": {"shortest_edge": 28}, "crop_size": {"height": 28, "width": 28},
+                         "image_grid_pinpoints": [[28, 56], [56, 28], [56, 56]]},
         processor={"patch_size": 7, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1}),
     "gemma3": Family(
         named_tokens={"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
@@ -201,9 +210,10 @@ def make_processor(model_type: str, tokenizer):
                            chat_template=tokenizer.chat_template, **family.processor)
 
 
-def save_vlm(out_dir: Path, model_type: str, *, seed: int = 0) -> Path:
+def save_vlm(out_dir: Path, model_type: str, *, seed: int = 0, weights: bool = True) -> Path:
     """Save a tiny random `model_type` image-text model with its processor (image processor config,
-    tokenizer, chat template) to `out_dir`, as `save_pretrained` writes a released checkpoint."""
+    tokenizer, chat template) to `out_dir`, as `save_pretrained` writes a released checkpoint;
+    `weights=False`: config.json and the processor only (enough for the data pipeline)."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
@@ -211,6 +221,10 @@ def save_vlm(out_dir: Path, model_type: str, *, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = make_vlm_tokenizer(out_dir, VLM_FAMILIES[model_type])
     config = tiny_vlm_config(model_type, tokenizer)
+    make_processor(model_type, tokenizer).save_pretrained(out_dir)
+    if not weights:
+        config.save_pretrained(out_dir)
+        return out_dir
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
     with torch.no_grad():  # Gemma 3's projector starts at zeros, which would hide the image from the model
@@ -220,8 +234,14 @@ def save_vlm(out_dir: Path, model_type: str, *, seed: int = 0) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out_dir)
-    make_processor(model_type, tokenizer).save_pretrained(out_dir)
     return out_dir
+
+
+def image_chat(image: str | dict, question: str = "what colour?", answer: str = "red") -> dict:
+    """A chat row asking about one image (`image`: its path, or a whole content part)."""
+    part = image if isinstance(image, dict) else {"type": "image", "path": image}
+    return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": question}]},
+                         {"role": "assistant", "content": answer}]}
 
 
 def make_image(path: Path, *, size: tuple[int, int] = (56, 56), colour: tuple[int, int, int] = (200, 30, 30)) -> Path:
