@@ -48,7 +48,7 @@ def load_processor(model_dir: Path, config, *, trust_remote_code: bool = False):
 
     cls = processor_class(config)
     try:
-        if is_torchvision_available() or cls is None:
+        if is_torchvision_available() or cls is None or without_video(cls) is cls:
             processor = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         else:
             processor = without_video(cls).from_pretrained(model_dir)
