@@ -130,3 +130,57 @@ def test_qwen_vl_families_train_export_and_reload_with_the_trained_logits(model_
     trained, exported, base = trained_and_exported_logits(run, out, model_dir, tmp_path / "img" / "blue-1.png")
     assert (trained - exported).abs().max() <= 1e-5
     assert (trained - base).abs().max() > 1e-3
+
+
+def test_qlora_on_images_keeps_the_tower_in_16_bit_and_exports(tmp_path):
+    """bitsandbytes quantizes the language model only on an image run (rules/vision.quant_skip)."""
+    from homelab_ft.distributed import comm
+    from homelab_ft.recipe.config import load_recipe
+    from homelab_ft.rules import vision
+    from homelab_ft.rung import rung_for
+    from homelab_ft.train import build
+
+    model_dir = save_vlm(tmp_path / "llava", "llava")
+    recipe_path = image_recipe(tmp_path, model_dir, method="qlora")
+    recipe = load_recipe(recipe_path)
+    model = build.load_whole(recipe, model_dir=model_dir, rung=rung_for(recipe), device=torch.device("cpu"),
+                             dtype=torch.float32)
+    prefixes = vision.vision_prefixes(model)
+    kinds = {(vision.is_vision_module(n, prefixes), type(m).__name__) for n, m in model.named_modules()
+             if type(m).__name__ in ("Linear", "Linear4bit")}
+    assert (True, "Linear") in kinds and (False, "Linear4bit") in kinds
+    assert (True, "Linear4bit") not in kinds and comm.device_type("cpu") == "cpu"
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["train", str(recipe_path), "--run-dir", str(run)]) == 0
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors"]) == 0
+    trained, exported, _ = trained_and_exported_logits(run, out, model_dir, tmp_path / "img" / "red-0.png")
+    assert (trained - exported).abs().max() <= 1e-5  # both on the full-precision base: the merge is exact
+
+
+def test_a_full_finetune_on_images_trains_the_language_model_and_what_the_recipe_lists(tmp_path):
+    """method: full freezes the vision side but the layers lora.target_modules names (here the
+    projector); the export holds the tower as it was and reloads to the trained model's logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from homelab_ft.export.consolidate import load_weights
+    from homelab_ft.model.processor import load_processor
+
+    model_dir = save_vlm(tmp_path / "llava", "llava")
+    recipe = image_recipe(tmp_path, model_dir, method="full", lora={"target_modules": ["multi_modal_projector.linear_1"]})
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors"]) == 0
+    base, trained = load_file(model_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    changed = {k for k in base if not torch.equal(base[k], trained[k])}  # Llava's saved layout: language_model.*
+    assert any(k.startswith("language_model.") for k in changed)
+    assert {k for k in changed if not k.startswith("language_model.")} == {
+        "multi_modal_projector.linear_1.weight", "multi_modal_projector.linear_1.bias"}
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    in_memory = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    load_weights(ckpt / "state", in_memory)  # what `homelab-ft chat` talks to
+    inputs = probe(load_processor(out, in_memory.config), tmp_path / "img" / "blue-1.png")
+    with torch.no_grad():
+        expected = in_memory.eval()(**inputs).logits
+        got = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()(**inputs).logits
+    assert (expected - got).abs().max() <= 1e-5
