@@ -269,8 +269,9 @@ def _parts(content: list, *, key: str, role: str, images: bool, image_dir: Path 
             value = next((part[k] for k in ("path", "image", "image_url", "url") if k in part), None)
             try:
                 out.append({"type": "image", "image": image_refs.resolve(value, base_dir=image_dir)})
-            except image_refs.ImageError as err:
-                raise RowError(f"{key}[{j}]", str(err)) from None
+            except image_refs.ImageError as err:  # a path is relative to the data file's folder
+                raise RowError(f"{key}[{j}]", f"{err}; fix the path or the part" if "does not exist" in str(err)
+                               else str(err)) from None
         else:
             raise RowError(f"{key}[{j}]", 'is not a content part; use {"type": "text", "text": ...} or '
                                           '{"type": "image", "path": ...}')

@@ -53,7 +53,7 @@ def resolve(value, *, base_dir: Path | None) -> str:
         return value
     path = Path(value) if Path(value).is_absolute() or base_dir is None else base_dir / value
     if not path.is_file():
-        raise ImageError(f"names the image {path}, which does not exist; fix the path (relative to the data file's folder)")
+        raise ImageError(f"names the image {path}, which does not exist")
     if not os.access(path, os.R_OK):
         raise ImageError(f"names the image {path}, which cannot be read (permissions)")
     return str(path.resolve())

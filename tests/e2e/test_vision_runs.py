@@ -184,3 +184,32 @@ def test_a_full_finetune_on_images_trains_the_language_model_and_what_the_recipe
         expected = in_memory.eval()(**inputs).logits
         got = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()(**inputs).logits
     assert (expected - got).abs().max() <= 1e-5
+
+
+def test_chat_and_generate_take_an_image_and_give_the_same_reply(tmp_path, tiny_model_dir, capsys):
+    """`chat RUN --image` (adapter applied in memory) and `generate EXPORT --image` reply alike; a
+    text model and a text run refuse --image in one line."""
+    model_dir = save_vlm(tmp_path / "idefics3", "idefics3")
+    recipe = image_recipe(tmp_path, model_dir)
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["train", str(recipe), "--run-dir", str(run)]) == 0
+    assert main(["export", str(run), "--out", str(out), "--format", "safetensors"]) == 0
+    capsys.readouterr()
+    image = str(tmp_path / "img" / "green-0.png")
+    ask = ["--image", image, "--prompt", "what colour?", "--max-new-tokens", "6"]
+    assert main(["chat", str(run), *ask]) == 0
+    in_memory = capsys.readouterr().out
+    assert main(["generate", str(out), *ask]) == 0
+    assert capsys.readouterr().out == in_memory and in_memory.strip()
+    assert main(["generate", str(tiny_model_dir), *ask]) == 2
+    assert f"--image: {tiny_model_dir} is a text model" in capsys.readouterr().err
+    text_run = tmp_path / "text-run"
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                   {"role": "assistant", "content": "yes"}]}) + "\n")
+    text_recipe = build_recipe.write_recipe(tmp_path / "t.yaml", build_recipe.tiny_run(
+        model_dir, rows="chat.jsonl", data={"cache_dir": str(tmp_path / "cache")}, train={"max_steps": 1,
+                                                                                          "micro_batch_size": 1}))
+    assert main(["train", str(text_recipe), "--run-dir", str(text_run)]) == 0
+    capsys.readouterr()
+    assert main(["chat", str(text_run), *ask]) == 2
+    assert "trained on text rows (data.images: false)" in capsys.readouterr().err
