@@ -85,6 +85,15 @@ def check(config, *, attn_implementation: str, activation_checkpointing: bool, s
     if activation_checkpointing and not cls.supports_gradient_checkpointing:
         raise UserError(f"{config.model_type} ({cls.__name__}) does not support activation checkpointing; "
                         "set train.activation_checkpointing: false")
-    if sharded and not cls._no_split_modules:
+    if sharded and not _declares_blocks(cls, config):
         raise UserError(f"{config.model_type} ({cls.__name__}) declares no transformer block (`_no_split_modules`), "
                         "so FSDP cannot shard it; use sharding.strategy: no_shard (DDP) or one GPU")
+
+
+def _declares_blocks(cls, config) -> bool:
+    """`cls` names its blocks, or (an image-text model composed of parts, Llava's) its language model
+    does: decoder_blocks.py collects `_no_split_modules` from every module, so the parts' count."""
+    if cls._no_split_modules:
+        return True
+    text = config.get_text_config(decoder=True)
+    return text is not config and bool(getattr(causal_lm_class(text), "_no_split_modules", None))
