@@ -22,7 +22,7 @@ the Qwen-VL families (no causal-LM class at all) are planned by issue 35's plann
 COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
 
 
-def write_rows(folder: Path, num_rows: int = 8) -> Path:
+def write_rows(folder: Path, num_rows: int = 12) -> Path:
     """Rows asking the colour of a solid image, answered by its name; images of two shapes."""
     rows = []
     for i in range(num_rows):
@@ -39,7 +39,7 @@ def image_recipe(folder: Path, model_dir: Path, **sections) -> Path:
     rows = write_rows(folder)
     return build_recipe.write_recipe(folder / "r.yaml", build_recipe.tiny_run(
         model_dir, rows=rows.name, **build_recipe.merged(
-            {"data": {"images": True, "max_length": 256, "cache_dir": str(folder / "cache")},
+            {"data": {"images": True, "max_length": 256, "cache_dir": str(folder / "cache"), "eval_fraction": 0.25},
              "train": {"max_steps": 2, "lr": 1e-2}}, sections)))
 
 
@@ -84,6 +84,9 @@ def test_lora_on_images_plans_trains_exports_and_reloads_with_the_trained_logits
 
     rung = RunDir(run).read_info().rung
     assert rung.images and rung.adapters_enabled and not rung.quantized_enabled
+    from homelab_ft.train.metrics import read_metrics
+
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl") if "eval_loss" in r] == [2]  # held-out images
     assert main(["export", str(run), "--out", str(out), "--format", "safetensors"]) == 0
     assert "AutoModelForImageTextToText" in (out / "RUNNING.md").read_text()
     trained, exported, base = trained_and_exported_logits(run, out, model_dir, tmp_path / "img" / "red-0.png")
