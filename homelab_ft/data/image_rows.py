@@ -111,13 +111,14 @@ class ImageEncoder:
                                               min_pixels=cfg.image_min_pixels)
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        n = len(batch["kind"])
-        out = {k: [] for k in ("input_ids", "labels", "status", "images", "num_images", "image_tokens", *self.extras)}
-        for i in range(n):
-            row = self._row(json.loads(batch["conversation"][i]), origin=batch["origin"][i])
-            for key, value in out.items():
-                value.append(row.get(key, [] if key not in ("status", "num_images", "image_tokens") else 0))
-        return out
+        rows_out = [self._row(json.loads(conversation), origin=origin)
+                    for conversation, origin in zip(batch["conversation"], batch["origin"], strict=True)]
+        return {key: [row[key] for row in rows_out] for key in self._left_out(OK)}
+
+    def _left_out(self, status: int, refs: list[str] = (), image_tokens: int = 0) -> dict:
+        """A row with no tokens (dropped or bad, `status`), its images counted as the report counts them."""
+        return {"input_ids": [], "labels": [], "status": status, "images": list(refs), "num_images": len(refs),
+                "image_tokens": image_tokens, **{k: [] for k in self.extras}}
 
     def _row(self, messages: list[dict], *, origin: str) -> dict:
         cfg = self.cfg
@@ -129,24 +130,22 @@ class ImageEncoder:
         except (templates.SpanError, images.ImageError) as err:
             if cfg.bad_rows == "fail":
                 raise UserError(f"{origin}: {err}; fix the row or set data.bad_rows=skip") from None
-            return {"status": BAD_TEMPLATE if isinstance(err, templates.SpanError) else BAD_IMAGE}
+            return self._left_out(BAD_TEMPLATE if isinstance(err, templates.SpanError) else BAD_IMAGE, refs)
         enc = self.processor(text=[text], images=[pictures] if pictures else None, return_offsets_mapping=True,
                              return_text_replacement_offsets=True, **self.kwargs)
         ids, offsets = list(enc["input_ids"][0]), enc["offset_mapping"][0]
+        # a processor with its own __call__ (Idefics3) leaves the offsets out when the row has no image
         replaced = [r for r in enc.get("text_replacement_offsets", [[]])[0] if r["type"] == "image"]
         marked = image_positions(offsets, replaced, text=text, markup=self.markup)
         labels = np.asarray(templates.labels_from_spans(ids, offsets, shifted(spans, replaced)))
         labels[marked] = IGNORE_INDEX
-        row = {"images": refs, "num_images": len(refs), "image_tokens": len(marked),
-               **{k: list(enc[k][0]) for k in self.extras}}
         status, keep = fit(len(ids), last_image=int(marked.max()) if len(marked) else -1, cfg=cfg)
         if status in (TOO_LONG, CUT_IMAGE):
-            return {"status": status, "images": refs, "num_images": len(refs), "image_tokens": len(marked)}
-        labels = labels[:keep]
-        if (labels == IGNORE_INDEX).all():
-            return {"status": rows.NO_TARGET}
-        return {**row, "input_ids": ids[:keep], "labels": labels.tolist(), "status": status,
-                **{k: row[k][:keep] for k in self.extras}}
+            return self._left_out(status, refs, len(marked))
+        if (labels[:keep] == IGNORE_INDEX).all():
+            return self._left_out(rows.NO_TARGET, refs, len(marked))
+        return {"input_ids": ids[:keep], "labels": labels[:keep].tolist(), "status": status, "images": refs,
+                "num_images": len(refs), "image_tokens": len(marked), **{k: list(enc[k][0])[:keep] for k in self.extras}}
 
 
 def fit(length: int, *, last_image: int, cfg: DataConfig) -> tuple[int, int]:
