@@ -150,7 +150,7 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
     skeleton = meta_skeleton(config, images=images)
     if skeleton is not None:
         refuse_8bit_experts(skeleton, quant_cfg)
-        raise_if_unquantizable(skeleton, images=images)
+        raise_if_unquantizable(skeleton)
 
 
 def as_pretrained_config(model_config):
@@ -189,23 +189,25 @@ def meta_skeleton(config, *, images: bool = False):
             return None
 
 
-def raise_if_unquantizable(model: torch.nn.Module, *, images: bool = False) -> None:
+def raise_if_unquantizable(model: torch.nn.Module) -> None:
     """UserError when more block weights than config.unquantizable_fraction allows are not in layers
     bitsandbytes quantizes (that function says what counts on which side).
 
     Works on a meta skeleton (before quantization: `nn.Linear` counts as quantizable, as it does
     for transformers' `replace_with_bnb_linear`) and on a loaded model (bnb layers count).
     Every embedding table (an `nn.Embedding`, whatever its name: Gemma 4's per-layer embeddings
-    too) and the LM head are left out of both sides: transformers never quantizes them; so is the
-    vision side on an image run (`skipped`: kept in 16 bits by choice).
+    too) and the LM head are left out of both sides: transformers never quantizes them; so is an
+    image-text model's vision side (rules/vision.py), which the planner prices apart from the blocks
+    it counts (its share counts the text decoder's blocks alone): a tiny Gemma 3's SigLIP convolution
+    and pooling head were 14% of the counted weights and refused a text-only QLoRA the plan offered.
     """
     from homelab_ft.model import moe_experts
     from homelab_ft.rules import vision
 
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     left_out = {id(p) for m in (*tables, model.get_output_embeddings()) if m is not None for p in m.parameters()}
-    keep = tuple(vision.quant_skip(model)) if images else ()
-    left_out |= {id(p) for name, p in model.named_parameters() if vision.is_vision_module(name, keep)}
+    prefixes = vision.vision_prefixes(model)
+    left_out |= {id(p) for name, p in model.named_parameters() if vision.is_vision_module(name, prefixes)}
     quantizable_types = _quantizable_types()
     quantized = 0
     kept: dict[str, int] = {}
@@ -441,7 +443,7 @@ def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, s
     shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model, images=images).items()}
     check_shardable(shapes, storage_bytes=storage_bytes, shard_size=shard_size)
     moe_experts.check_shardable(model, storage_bytes=storage_bytes, shard_size=shard_size)
-    raise_if_unquantizable(model, images=images)
+    raise_if_unquantizable(model)
     replace_linears(model, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant,
                     compute_dtype=compute_dtype, storage_dtype=storage_dtype, images=images)
     pack_experts(model, quant_cfg, storage_dtype=storage_dtype)
