@@ -200,21 +200,43 @@ def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None
     prepare_for(recipe, tokenizer, base_dir=base_dir, processor=processor)
 
 
-def check_image_rows(data, *, rung: Rung) -> None:
-    """FSDP2 gathers each vision block inside the tower's forward, on every rank together: a rank whose
-    micro-batch held no image would skip those collectives and the job would hang. So a sharded image
-    run needs an image in every row (of both splits); one process and DDP (the tower frozen, or its
-    adapters' gradients found unused) take text rows beside image rows."""
-    if not (rung.images and rung.fsdp_enabled and rung.world_size > 1):
+def check_image_rows(data, *, rung: Rung, recipe: Recipe, model_dir: Path) -> None:
+    """Every rank must run the vision tower together when its parameters are sharded (FSDP2 gathers
+    each vision block inside the tower's forward: a rank whose micro-batch held no image would skip
+    those collectives and the job would hang) or when some of them train under DDP (a replica that
+    did not run them would leave their gradients unreduced and DDP stops). Then every row of both
+    splits needs an image; one process, and DDP with the tower frozen, take text rows beside image rows."""
+    if not (rung.images and rung.world_size > 1):
         return
+    if not rung.fsdp_enabled and not _trains_vision(recipe, model_dir=model_dir):
+        return
+    why = ("FSDP2 runs the vision tower on every rank together" if rung.fsdp_enabled else
+           "lora.target_modules trains vision layers, whose gradients every DDP replica must make")
     for split, rows in (("training", data.train), ("held-out", data.eval)):
-        if rows is None:
-            continue
-        missing = sum(1 for n in rows["num_images"] if n == 0)
+        missing = 0 if rows is None else sum(1 for n in rows["num_images"] if n == 0)
         if missing:
             raise UserError(f"sharding.strategy={rung.strategy} with data.images: {missing} {split} row(s) hold no "
-                            "image, and FSDP2 runs the vision tower on every rank together; give every row an image, "
-                            "or use sharding.strategy=no_shard (DDP) for text rows beside image rows")
+                            f"image, and {why}; give every row an image, or train text rows beside image rows "
+                            "on one process or with DDP and the tower frozen")
+
+
+def _trains_vision(recipe: Recipe, *, model_dir: Path) -> bool:
+    """Whether `lora.target_modules` (a list) names a layer of the vision side: on a meta skeleton of
+    the image-text model, by PEFT's rule (the module's name is the target or ends with `.` + it)."""
+    targets = recipe.lora.target_modules
+    if isinstance(targets, str):
+        return False  # all-linear leaves the vision side out (rules/lora_targets.py)
+    import torch
+    from transformers import AutoConfig
+
+    from homelab_ft.rules import vision
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = vision.auto_class(config, images=True).from_config(config)
+    prefixes = vision.vision_prefixes(skeleton)
+    return any(vision.is_vision_module(name, prefixes) and any(name == t or name.endswith("." + t) for t in targets)
+               for name, _ in skeleton.named_modules())
 
 
 def check_data_unchanged(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> dict:

@@ -79,7 +79,7 @@ def setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs
     # Rank 0 alone writes trainer_state.json, so only it hashes the data (a refusal there stops all).
     data_print = preflight.check_data_unchanged(recipe, inputs, base_dir=base_dir) if env.is_main else None
     data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir, processor=processor)
-    preflight.check_image_rows(data, rung=rung)
+    preflight.check_image_rows(data, rung=rung, recipe=recipe, model_dir=model_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
     replicas = rung.data_parallel_size  # rows are dealt to replicas; the stages of one pipeline read the same
     sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
