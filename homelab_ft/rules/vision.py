@@ -107,7 +107,7 @@ def vision_param_count(model) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if is_vision_module(name, prefixes)) if prefixes else 0
 
 
-def _named(name: str, targets: tuple[str, ...]) -> bool:
+def listed(name: str, targets) -> bool:
     """PEFT's rule for a listed target: the module's name is it, or ends with `.` + it."""
     return any(name == t or name.endswith("." + t) for t in targets)
 
@@ -118,7 +118,7 @@ def freeze(model, *, targets: tuple[str, ...] = ()) -> int:
     teach the tower anything, and an image fine-tune trains the language model by default: the
     tower's gradients and optimizer state would cost memory the plan gives the language model."""
     prefixes = vision_prefixes(model)
-    kept = {name for name, _ in model.named_modules() if is_vision_module(name, prefixes) and _named(name, targets)}
+    kept = {name for name, _ in model.named_modules() if is_vision_module(name, prefixes) and listed(name, targets)}
     frozen = 0
     for name, param in model.named_parameters() if prefixes else ():
         module = name.rpartition(".")[0]

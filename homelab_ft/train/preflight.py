@@ -235,8 +235,7 @@ def _trains_vision(recipe: Recipe, *, model_dir: Path) -> bool:
     with torch.device("meta"):
         skeleton = vision.auto_class(config, images=True).from_config(config)
     prefixes = vision.vision_prefixes(skeleton)
-    return any(vision.is_vision_module(name, prefixes) and any(name == t or name.endswith("." + t) for t in targets)
-               for name, _ in skeleton.named_modules())
+    return any(vision.is_vision_module(name, prefixes) and vision.listed(name, targets) for name, _ in skeleton.named_modules())
 
 
 def check_data_unchanged(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> dict:
