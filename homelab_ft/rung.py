@@ -76,6 +76,10 @@ class Rung:
     rollout: str = COLOCATED
     """GRPO's generation: `colocated` in every training process, or `node`: the job's last rank
     generates and rank 0 trains as one process (refusals.rollout_node says when the trainer runs it)."""
+    images: bool = False
+    """The rows hold images (data.images): the model is built as its image-text class
+    (rules/vision.auto_class), its rows read through its processor, pixel values in every forward,
+    its vision tower kept out of 4-bit quantization; priced with the tower's activations."""
     rollout_staleness: int = 0
     """A rollout node's lag (grpo.max_staleness): 0 generates each batch with the trainer's adapters
     and the trainer waits; 1 generates the next step's batch while this step trains (one step older
@@ -162,7 +166,8 @@ class Rung:
     def label(self) -> str:
         savers = " +act-off" if self.activation_offload else " +ckpt" if self.activation_checkpointing else ""
         node = " +rollout-node" if self.rollout_node_enabled else ""
-        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}{node}"
+        images = " +images" if self.images else ""
+        return f"{self.method} {self.strategy}{' +offload' if self.cpu_offload else ''}{savers}{node}{images}"
 
     def to_dict(self) -> dict:
         """Plain JSON data (run.json, plan.json, the torchrun handoff): stage_blocks as a list."""
@@ -248,6 +253,9 @@ def _validate_pipeline(r: Rung) -> None:
         raise RungError(f"sharding.pipeline_stages={r.pipeline_stages} runs its data-parallel replicas with DDP; "
                         f"sharding.strategy={r.strategy} inside a stage is not supported yet: set "
                         "sharding.strategy=no_shard, or sharding.pipeline_stages=1")
+    if r.images:
+        raise RungError(f"sharding.pipeline_stages={r.pipeline_stages} with data.images: the vision tower and the "
+                        "first stage's image tokens are not split into stages yet; set sharding.pipeline_stages=1")
     if r.optimizer_in_backward:
         raise RungError("train.optimizer_in_backward steps parameters inside backward, but a pipeline's clipping "
                         "needs every stage's gradient norm first; set train.optimizer_in_backward=false "
@@ -278,9 +286,9 @@ def implied_checkpointing(checkpointing: bool | str, *, activation_offload: bool
 
 
 def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_per_node: int, train, quant, sharding,
-          activation_checkpointing: bool, activation_offload: bool, pipeline_stages: int = 1,
+          data, activation_checkpointing: bool, activation_offload: bool, pipeline_stages: int = 1,
           rollout: str = COLOCATED, staleness: int = 0) -> Rung:
-    """The one place a rung's fields are read off the recipe: `train`, `quant` and `sharding` are its
+    """The one place a rung's fields are read off the recipe: `train`, `quant`, `sharding` and `data` are its
     sections (recipe.config's dataclasses, which the planner's PlanRequest holds too), the choices
     the ladder or `requested_rung` made are the arguments. A new knob of what runs is a Rung field
     and a line here. A pipeline the recipe names keeps its stage split; one the planner picks is
@@ -290,7 +298,7 @@ def build(method: str, strategy: str, cpu_offload: bool, *, nodes: int, procs_pe
                 optimizer=train.optimizer, optimizer_in_backward=train.optimizer_in_backward, quant_bits=quant.bits,
                 activation_checkpointing=activation_checkpointing, activation_offload=activation_offload,
                 pipeline_stages=pipeline_stages, stage_blocks=tuple(sharding.stage_blocks or ()) if named else (),
-                pipeline_schedule=sharding.pipeline_schedule, rollout=rollout,
+                pipeline_schedule=sharding.pipeline_schedule, rollout=rollout, images=data.images,
                 rollout_staleness=staleness if rollout == ROLLOUT_NODE else 0)
 
 
@@ -305,13 +313,13 @@ def requested_staleness(objective: str, grpo) -> int:
     return grpo.max_staleness if objective == "grpo" else 0
 
 
-def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant, sharding,
+def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant, sharding, data,
                    rollout: str = COLOCATED, staleness: int = 0) -> Rung:
     """The rung a request names when no plan fills its `auto`s (the planner refuses a fully named
     rung with it before pricing anything; `train` runs it when the planner chose nothing): `auto`
     method is LoRA (a full fine-tune when the optimizer steps in backward, which only it takes),
     `auto` strategy is `default_strategy`, `auto` savers are off unless offload brings checkpointing.
-    `train`, `quant`, `sharding`: the recipe's sections, as `build` reads them."""
+    `train`, `quant`, `sharding`, `data`: the recipe's sections, as `build` reads them."""
     world_size = nodes * procs_per_node
     if method == "auto":
         method = "full" if train.optimizer_in_backward else "lora"
@@ -321,7 +329,7 @@ def requested_rung(method: str, *, nodes: int, procs_per_node: int, train, quant
     checkpointing = implied_checkpointing(train.activation_checkpointing, activation_offload=train.activation_offload)
     return build(method, effective_strategy(strategy, world_size=world_size, cpu_offload=sharding.cpu_offload),
                  sharding.cpu_offload, nodes=nodes, procs_per_node=procs_per_node, train=train, quant=quant,
-                 sharding=sharding, activation_checkpointing=checkpointing is True,
+                 sharding=sharding, data=data, activation_checkpointing=checkpointing is True,
                  activation_offload=train.activation_offload is True, rollout=rollout, staleness=staleness)
 
 
@@ -332,7 +340,7 @@ def rung_for(recipe) -> Rung:
     a named method, and by tests and benchmarks that build a model for a recipe directly."""
     return pipelined(requested_rung(recipe.method, nodes=recipe.cluster.nodes, procs_per_node=recipe.cluster.gpus_per_node,
                                     train=recipe.train, quant=recipe.quant, sharding=recipe.sharding,
-                                    rollout=requested_rollout(recipe.objective, recipe.grpo),
+                                    data=recipe.data, rollout=requested_rollout(recipe.objective, recipe.grpo),
                                     staleness=requested_staleness(recipe.objective, recipe.grpo)), recipe.sharding)
 
 

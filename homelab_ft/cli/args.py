@@ -110,3 +110,5 @@ def sampling(p: argparse.ArgumentParser, *, prompt_required: bool) -> None:
                    help="a Jinja chat template to render the turns with (default: the model's own)")
     p.add_argument("--raw", action="store_true",
                    help="no chat template: the prompt is continued as plain text (a base model without one)")
+    p.add_argument("--image", type=Path, action="append", default=[], metavar="PATH",
+                   help="an image for the first user turn of an image-text model (repeat for several)")

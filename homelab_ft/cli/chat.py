@@ -18,7 +18,7 @@ from homelab_ft.cli.args import sampling as sampling_flags
 from homelab_ft.errors import UserError
 
 if TYPE_CHECKING:
-    from homelab_ft.cli.generate import Decoding
+    from homelab_ft.cli.generate import Decoding, Pictures
 
 EXIT = "/exit"
 """The line that ends an interactive chat (as EOF, Ctrl-D, does)."""
@@ -38,6 +38,8 @@ class _Talker:
     model: object
     tokenizer: object
     device: object
+    pictures: Pictures | None
+    """An image run's `--image` files and processor (None without any)."""
     decoding: Decoding
     """The flags' decoding, with the run's own chat template when the recipe set one and no flag did."""
     system: str | None
@@ -49,11 +51,12 @@ def cmd_chat(args) -> int:
     from homelab_ft.cli.generate import Decoding, reply, turns
 
     decoding = Decoding.from_args(args)
-    talker = open_run(args.run_dir, system=args.system, trust_remote_code=args.trust_remote_code, decoding=decoding)
+    talker = open_run(args.run_dir, system=args.system, trust_remote_code=args.trust_remote_code, decoding=decoding,
+                      images=tuple(args.image))
 
     def answer(prompt: str, history: tuple[dict, ...] = ()) -> str:
         return reply(talker.model, talker.tokenizer, turns(prompt, system=talker.system, history=history),
-                     device=talker.device, decoding=talker.decoding)
+                     device=talker.device, decoding=talker.decoding, pictures=talker.pictures)
 
     if args.prompt is not None:
         print(answer(args.prompt))
@@ -73,14 +76,16 @@ def cmd_chat(args) -> int:
     return 0
 
 
-def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool, decoding: Decoding) -> _Talker:
-    """The run's model with its newest intact checkpoint on top; one-line refusals otherwise, all
-    before the weights load."""
+def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool, decoding: Decoding,
+             images: tuple[Path, ...] = ()) -> _Talker:
+    """The run's model with its newest intact checkpoint on top, built as the run built it (an image
+    run's image-text model, `images` read as its rows were); one-line refusals otherwise, all before
+    the weights load."""
     import dataclasses
 
     import torch
 
-    from homelab_ft.cli.generate import check_template
+    from homelab_ft.cli.generate import check_template, read_pictures
     from homelab_ft.data.templates import resolve_template
     from homelab_ft.model import loading
     from homelab_ft.store import checkpoint
@@ -98,7 +103,12 @@ def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool, deco
     model_dir = Path(info.model_dir)
     if not (model_dir / "config.json").is_file():
         raise UserError(f"the run's base model folder {model_dir} (run.json) is gone; put the model back there")
-    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    if images and not info.rung.images:
+        raise UserError(f"--image: {run_dir} trained on text rows (data.images: false), its checkpoint is for the "
+                        "text model; chat without --image, or train with data.images=true on image rows")
+    pictures = read_pictures(images, model=str(run_dir), model_dir=model_dir, model_cfg=recipe.model,
+                             max_pixels=recipe.data.image_max_pixels, min_pixels=recipe.data.image_min_pixels)
+    tokenizer = pictures.processor.tokenizer if pictures else loading.load_tokenizer(recipe.model, model_dir)
     # The recipe's own template only when it set one: otherwise the tokenizer's, as `generate` renders.
     if recipe.data.chat_template and not (decoding.chat_template or decoding.raw):
         template = resolve_template(tokenizer, recipe.data.chat_template, base_dir=layout.recipe_file.parent)
@@ -109,11 +119,11 @@ def open_run(run_dir: Path, *, system: str | None, trust_remote_code: bool, deco
     if info.rung.adapters_enabled:
         from homelab_ft.export.merged import load_base_with_adapter
 
-        model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=dtype).to(device)
+        model = load_base_with_adapter(ckpt, model_dir, recipe, dtype=dtype, images=info.rung.images).to(device)
     else:
         from homelab_ft.export.consolidate import load_weights
 
-        model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
+        model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device, images=info.rung.images)
         load_weights(ckpt, model)
-    return _Talker(model=model, tokenizer=tokenizer, device=device, decoding=decoding,
+    return _Talker(model=model, tokenizer=tokenizer, device=device, decoding=decoding, pictures=pictures,
                    system=system if system is not None else recipe.data.system_prompt, model_dir=model_dir)

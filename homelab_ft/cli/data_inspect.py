@@ -18,9 +18,16 @@ GREEN, RESET = "\033[1;32m", "\033[0m"
 
 
 def inspect_recipe(recipe: Recipe, *, base_dir: Path | None, color: bool) -> str:
-    """Load the recipe's tokenizer, prepare its data exactly as training would, describe it."""
+    """Load the recipe's tokenizer (and an image run's processor), prepare its data exactly as
+    training would, describe it. Image rows whose cut would fall in an image are listed, not refused."""
     tokenizer = checked_tokenizer(recipe)
-    prepared = prepare_for(recipe, tokenizer, base_dir=base_dir)
+    processor = None
+    if recipe.data.images:
+        from homelab_ft.model import loading
+
+        tokenizer, processor = loading.load_tokenizer_and_processor(
+            recipe.model, loading.resolve_model_dir(recipe.model.path), images=True)
+    prepared = prepare_for(recipe, tokenizer, base_dir=base_dir, processor=processor, refuse_cut=False)
     text = describe(prepared, tokenizer, recipe.data, color=color) + "\n\n" + length_line(recipe, len(prepared.train))
     if prepared.report.desirable is not None:
         text += "\n" + desirable_line(*prepared.report.desirable, desirable_weight=recipe.dpo.desirable_weight,
@@ -92,6 +99,7 @@ def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool)
         "",
         "tokens per answer row:" if r.pairs else "tokens per sample:",
         *histogram(r.sample_lengths, max_length=r.max_length),
+        *image_lines(r),
         "",
         *([] if r.pairs else [packing_line(r)]),
         f"tokenised data: {'from the cache' if r.cache_hit else 'tokenised now (cached for the next run)'}",
@@ -101,6 +109,24 @@ def describe(prepared: PreparedData, tokenizer, cfg: DataConfig, *, color: bool)
         *render_first(prepared.train[0], tokenizer, color=color),
     ]
     return "\n".join(out)
+
+
+def image_lines(r: DataReport) -> list[str]:
+    """An image run's images: per sample, its image tokens (what the planner prices), and the rows
+    whose image tokens cross max_length, which `train` refuses under overlong: truncate."""
+    if not r.image_rows and not r.num_cut_images:
+        return []
+    tokens = [t for _, t in r.image_rows]
+    with_images = sum(1 for n, _ in r.image_rows if n)
+    out = ["", f"images: {sum(n for n, _ in r.image_rows)} in {with_images} of {len(r.image_rows)} samples; "
+               f"image tokens per sample {min(tokens, default=0)}-{max(tokens, default=0)} "
+               f"(mean {sum(tokens) / max(len(tokens), 1):.1f}), {r.num_bad_images} rows with an unreadable image",
+           "image tokens per sample:", *histogram([max(t, 1) for t in tokens], max_length=r.max_length)]
+    if r.num_cut_images:
+        out.append(f"would not fit: {r.num_cut_images} row(s) whose image tokens cross max_length {r.max_length} "
+                   f"(train refuses them; raise data.max_length, lower data.image_max_pixels, or data.overlong=drop): "
+                   + ", ".join(r.cut_image_rows))
+    return out
 
 
 def _source_lines(r: DataReport) -> list[str]:

@@ -73,5 +73,6 @@ def add_generate(sub) -> None:
 def cmd_generate(args) -> int:
     from homelab_ft.cli.generate import Decoding, chat
 
-    print(chat(args.model, args.prompt, system=args.system, decoding=Decoding.from_args(args)))
+    print(chat(args.model, args.prompt, system=args.system, decoding=Decoding.from_args(args),
+               images=tuple(args.image)))
     return 0

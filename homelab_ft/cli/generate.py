@@ -1,8 +1,14 @@
-"""Try a model by hand: a chat turn with the model's own chat template (`generate`, and `chat` on a run)."""
+"""Try a model by hand: a chat turn with the model's own chat template (`generate`, and `chat` on a run).
+
+`--image PATH` (repeatable) puts images in the first user turn of an image-text model's conversation,
+read through its processor as training read them (data/images.py: a run's `chat` resizes them with
+its data.image_max_pixels / image_min_pixels); a text model is refused in one line before it loads.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from homelab_ft import fsio
 from homelab_ft.errors import UserError
@@ -32,16 +38,52 @@ class Decoding:
                    chat_template=template, raw=args.raw)
 
 
-def chat(model_spec: str, prompt: str, *, system: str | None, decoding: Decoding) -> str:
+@dataclass(frozen=True)
+class Pictures:
+    """The images of a conversation (`--image`) and the processor that reads them."""
+
+    processor: object
+    images: tuple = field(default_factory=tuple)
+    """PIL images, in the order the first user turn shows them."""
+
+
+def read_pictures(paths, *, model: str, model_dir: Path, model_cfg: ModelConfig, max_pixels: int | None = None,
+                  min_pixels: int | None = None) -> Pictures | None:
+    """`--image` files read for `model` (None without any): one line for a text model or an
+    unreadable file, before the weights load."""
+    if not paths:
+        return None
+    from homelab_ft.data import images as image_files
+    from homelab_ft.model import family
+    from homelab_ft.rules import vision
+
+    config = family.config_of(model_dir, trust_remote_code=model_cfg.trust_remote_code)
+    if vision.image_text_model_class(config) is None:
+        raise UserError(f"--image: {model} is a text model (transformers builds no image-text model for "
+                        f"{config.model_type}); give an image-text model, or leave --image out")
+    read = []
+    for path in paths:
+        try:
+            ref = image_files.resolve(str(path), base_dir=None)
+            read.append(image_files.load(ref, max_pixels=max_pixels, min_pixels=min_pixels))
+        except image_files.ImageError as err:
+            raise UserError(f"--image {path}: {err}") from None
+    _, processor = loading.load_tokenizer_and_processor(model_cfg, model_dir, images=True)
+    return Pictures(processor=processor, images=tuple(read))
+
+
+def chat(model_spec: str, prompt: str, *, system: str | None, decoding: Decoding, images: tuple[Path, ...] = ()) -> str:
     import torch
 
     model_dir = loading.resolve_model_dir(model_spec)
     model_cfg = ModelConfig(path=model_spec)
-    tokenizer = loading.load_tokenizer(model_cfg, model_dir)
+    pictures = read_pictures(images, model=model_spec, model_dir=model_dir, model_cfg=model_cfg)
+    tokenizer = pictures.processor.tokenizer if pictures else loading.load_tokenizer(model_cfg, model_dir)
     check_template(tokenizer, decoding, model=model_spec)  # before the weights load
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = loading.load_model(model_cfg, model_dir, dtype=loading.resolve_dtype("auto", device), device=device)
-    return reply(model, tokenizer, turns(prompt, system=system), device=device, decoding=decoding)
+    model = loading.load_model(model_cfg, model_dir, dtype=loading.resolve_dtype("auto", device), device=device,
+                               images=pictures is not None)
+    return reply(model, tokenizer, turns(prompt, system=system), device=device, decoding=decoding, pictures=pictures)
 
 
 def check_template(tokenizer, decoding: Decoding, *, model: str) -> None:
@@ -58,13 +100,29 @@ def turns(prompt: str, *, system: str | None, history: tuple[dict, ...] = ()) ->
     return ([{"role": "system", "content": system}] if system else []) + [*history, {"role": "user", "content": prompt}]
 
 
-def reply(model, tokenizer, messages: list[dict], *, device, decoding: Decoding) -> str:
+def with_pictures(messages: list[dict], pictures: Pictures | None) -> list[dict]:
+    """`messages` with the images as parts before the text of the first user turn."""
+    if pictures is None or not pictures.images:
+        return messages
+    first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+    parts = [{"type": "image"} for _ in pictures.images] + [{"type": "text", "text": messages[first]["content"]}]
+    return [*messages[:first], {**messages[first], "content": parts}, *messages[first + 1:]]
+
+
+def reply(model, tokenizer, messages: list[dict], *, device, decoding: Decoding, pictures: Pictures | None = None) -> str:
     """The model's next turn: `messages` rendered with decoding.chat_template (default: the
-    tokenizer's), or the last user turn as plain text with decoding.raw; greedy at temperature 0."""
+    tokenizer's), or the last user turn as plain text with decoding.raw; greedy at temperature 0.
+    `pictures`: the images of the first user turn, read with their processor."""
     import torch
 
     model.eval()
-    if decoding.raw:
+    if pictures is not None and pictures.images:
+        if decoding.raw:
+            raise UserError("--raw continues the prompt as plain text: it takes no --image (the template places it)")
+        text = tokenizer.apply_chat_template(with_pictures(messages, pictures), chat_template=decoding.chat_template,
+                                             add_generation_prompt=True, tokenize=False)
+        inputs = pictures.processor(text=[text], images=[list(pictures.images)], return_tensors="pt")
+    elif decoding.raw:
         inputs = tokenizer(messages[-1]["content"], return_tensors="pt")
     else:
         inputs = tokenizer.apply_chat_template(messages, chat_template=decoding.chat_template, add_generation_prompt=True,

@@ -14,6 +14,8 @@ module per step:
     report     what was kept, cut and left out         prepare  `prepare_for`: the objective's pipeline
     fingerprint  what a run's data was, recorded in each checkpoint so `--resume` knows when it changed
     lengths    the training rows' token lengths, kept for `plan` to price a step at (its input, not its I/O)
+    images     image content parts (a file or a data: URI), reading and resizing an image (`data.images`)
+    image_rows image rows through the model's processor: image tokens masked and never cut, pixel batches
 
 The front door imports no torch (`collate` does when called), so reading or inspecting data
 does not pay for it; the trainer's `sampling.MicroBatchSampler` is torch and imported from there.

@@ -14,6 +14,8 @@ names file, row and field, or counts and skips it (`data.bad_rows: skip`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from homelab_ft.errors import UserError
 
 ROLES = ("system", "user", "assistant")
@@ -65,8 +67,11 @@ def check_fields(fields: dict[str, str], fmt: str, columns: set[str], *, where: 
             )
 
 
-def to_sample(row: dict, fmt: str, fields: dict[str, str], *, system_prompt: str | None, drop_system: bool) -> dict:
-    """Convert one row to the canonical sample, or raise RowError."""
+def to_sample(row: dict, fmt: str, fields: dict[str, str], *, system_prompt: str | None, drop_system: bool,
+              images: bool = False, image_dir: Path | None = None) -> dict:
+    """Convert one row to the canonical sample, or raise RowError. `images` (data.images): a chat
+    turn's content may hold image parts (images.py), kept as parts with their paths resolved
+    against `image_dir`, the data file's folder."""
     col = {name: fields.get(name, name) for name in FORMAT_FIELDS[fmt] + OPTIONAL_FIELDS[fmt]}
     if fmt == "preference":
         return _to_pair(row, col, system_prompt=system_prompt, drop_system=drop_system)
@@ -84,9 +89,11 @@ def to_sample(row: dict, fmt: str, fields: dict[str, str], *, system_prompt: str
         messages.append({"role": "user", "content": f"{user}\n\n{extra}" if extra else user})
         messages.append({"role": "assistant", "content": _string(row, col["output"])})
     elif fmt == "chat":
-        messages = _turns(row, col["messages"], role_key="role", text_key="content", roles={r: r for r in ROLES})
+        messages = _turns(row, col["messages"], role_key="role", text_key="content", roles={r: r for r in ROLES},
+                          images=images, image_dir=image_dir)
     else:
-        messages = _turns(row, col["conversations"], role_key="from", text_key="value", roles=SHAREGPT_ROLES)
+        messages = _turns(row, col["conversations"], role_key="from", text_key="value", roles=SHAREGPT_ROLES,
+                          images=images, image_dir=image_dir)
     if drop_system:
         messages = [m for m in messages if m["role"] != "system"]
     elif system_prompt is not None and not any(m["role"] == "system" for m in messages):
@@ -215,7 +222,8 @@ def _string(row: dict, key: str, *, optional: bool = False) -> str:
     return value
 
 
-def _turns(row: dict, key: str, *, role_key: str, text_key: str, roles: dict[str, str]) -> list[dict]:
+def _turns(row: dict, key: str, *, role_key: str, text_key: str, roles: dict[str, str], images: bool = False,
+           image_dir: Path | None = None) -> list[dict]:
     if key not in row or row[key] is None:
         raise RowError(key, "is missing")
     turns = row[key]
@@ -234,10 +242,39 @@ def _turns(row: dict, key: str, *, role_key: str, text_key: str, roles: dict[str
         if content is None:
             raise RowError(f"{key}[{i}].{text_key}", "is missing")
         if isinstance(content, list):  # OpenAI content parts: [{"type": "text", "text": ...}]
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise RowError(f"{key}[{i}].{text_key}", "has non-text parts; only text is supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
+            content = _parts(content, key=f"{key}[{i}].{text_key}", role=roles[role], images=images,
+                             image_dir=image_dir)
+        if not isinstance(content, (str, list)):
             raise RowError(f"{key}[{i}].{text_key}", f"is a {type(content).__name__}, expected a string")
         out.append({"role": roles[role], "content": content})
     return out
+
+
+def _parts(content: list, *, key: str, role: str, images: bool, image_dir: Path | None) -> str | list[dict]:
+    """OpenAI content parts: the text joined, or with `images` and an image among them, the parts
+    (images.py: each image's ref resolved)."""
+    from homelab_ft.data import images as image_refs
+
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind in ("image", "image_url") and not images:
+            raise RowError(f"{key}[{j}]", "is an image; train on images with data.images=true (an image-text model, "
+                                          "objective sft), or leave the image out")
+        elif kind in ("image", "image_url"):
+            if role == "assistant":
+                raise RowError(f"{key}[{j}]", "is an image in an assistant turn; images go in user or system turns")
+            value = next((part[k] for k in ("path", "image", "image_url", "url") if k in part), None)
+            try:
+                out.append({"type": "image", "image": image_refs.resolve(value, base_dir=image_dir)})
+            except image_refs.ImageError as err:  # a path is relative to the data file's folder
+                raise RowError(f"{key}[{j}]", f"{err}; fix the path or the part" if "does not exist" in str(err)
+                               else str(err)) from None
+        else:
+            raise RowError(f"{key}[{j}]", 'is not a content part; use {"type": "text", "text": ...} or '
+                                          '{"type": "image", "path": ...}')
+    if any(p["type"] == "image" for p in out):
+        return out
+    return "".join(p["text"] for p in out)

@@ -65,15 +65,19 @@ def _path(entry: str) -> Path:
 
 
 def store(recipe: Recipe, report: DataReport, *, base_dir: Path | None) -> None:
-    """Keep the training rows' lengths (row_lengths) as {length: rows}; a failure only logs."""
+    """Keep the training rows' lengths (row_lengths) as {length: rows}, and for image rows their
+    (images, image tokens) as {(images, image tokens): rows}; a failure only logs."""
     lengths = row_lengths(recipe, report)
     entry = key(recipe, base_dir=base_dir)
     if lengths is None or entry is None:
         return
     path = _path(entry)
+    kept = {"rows": len(lengths), "counts": sorted(Counter(lengths).items())}
+    if report.image_rows:
+        kept["images"] = [[n, tokens, rows] for (n, tokens), rows in sorted(Counter(report.image_rows).items())]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fsio.replace_text(path, json.dumps({"rows": len(lengths), "counts": sorted(Counter(lengths).items())}))
+        fsio.replace_text(path, json.dumps(kept))
     except OSError as err:
         log.warning("could not keep the data's row lengths in %s (%s); plans price rows at data.max_length",
                     path.parent, err)
@@ -82,12 +86,27 @@ def store(recipe: Recipe, report: DataReport, *, base_dir: Path | None) -> None:
 def stored(recipe: Recipe, *, base_dir: Path | None) -> tuple[tuple[int, int], ...] | None:
     """The (length, rows) pairs `store` kept for this recipe's data, shortest first; None when the data
     was not prepared here since it last changed."""
+    kept = _kept(recipe, base_dir=base_dir)
+    return None if kept is None else tuple((int(length), int(n)) for length, n in kept["counts"])
+
+
+def stored_images(recipe: Recipe, *, base_dir: Path | None) -> tuple[tuple[int, int, int], ...] | None:
+    """The (images, image tokens, rows) triples `store` kept for this recipe's image rows, fewest
+    images first; None when its data holds no image rows or was not prepared here since it last changed."""
+    kept = _kept(recipe, base_dir=base_dir)
+    if kept is None or "images" not in kept:
+        return None
+    return tuple((int(n), int(tokens), int(rows)) for n, tokens, rows in kept["images"])
+
+
+def _kept(recipe: Recipe, *, base_dir: Path | None) -> dict | None:
     entry = key(recipe, base_dir=base_dir)
     if entry is None:
         return None
     try:
-        counts = json.loads(_path(entry).read_text())["counts"]
-        return tuple((int(length), int(n)) for length, n in counts)
+        kept = json.loads(_path(entry).read_text())
+        kept["counts"] = [(int(length), int(n)) for length, n in kept["counts"]]
+        return kept
     except FileNotFoundError:
         return None
     except (OSError, ValueError, TypeError, KeyError) as err:

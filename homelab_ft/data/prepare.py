@@ -14,14 +14,17 @@ from homelab_ft.data.sft import prepare_data
 from homelab_ft.recipe.config import Recipe
 
 
-def prepare_for(recipe: Recipe, tokenizer, *, base_dir: Path | None = None) -> PreparedData:
-    """Samples for SFT, preference pairs for DPO, prompts (and their reward columns) for GRPO."""
+def prepare_for(recipe: Recipe, tokenizer, *, base_dir: Path | None = None, processor=None,
+                refuse_cut: bool = True) -> PreparedData:
+    """Samples for SFT (image rows through `processor` with data.images), preference pairs for DPO,
+    prompts (and their reward columns) for GRPO. `refuse_cut`: image_rows.refuse_cut (inspect: False)."""
     if recipe.objective == "grpo":
         prepared = prepare_prompts(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
     elif recipe.objective == "dpo":
         prepared = prepare_pairs(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir,
                                  unpaired=recipe.dpo.unpaired)
     else:
-        prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir)
+        prepared = prepare_data(recipe.data, tokenizer, seed=recipe.train.seed, base_dir=base_dir, processor=processor,
+                                refuse_cut=refuse_cut)
     lengths.store(recipe, prepared.report, base_dir=base_dir)
     return prepared

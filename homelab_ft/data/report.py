@@ -60,6 +60,14 @@ class DataReport:
     """Unpaired rows (dpo.loss: kto): the kept training rows labelled desirable and undesirable."""
     prompts: bool = False
     """Prompts (objective: grpo, prompts.py): samples are prompts, their tokens the prompts' (no loss yet)."""
+    num_bad_images: int = 0
+    """Image rows left out under `bad_rows: skip` because an image could not be decoded."""
+    num_cut_images: int = 0
+    """Image rows whose cut at max_length would fall in an image (image_rows.py: refused, or listed by inspect)."""
+    cut_image_rows: tuple[str, ...] = ()
+    """The first of those rows (file: row N), for `data inspect` to name."""
+    image_rows: tuple[tuple[int, int], ...] = ()
+    """(images, image tokens) of every kept training sample of an image run, in `sample_lengths`' order."""
 
     @property
     def unit(self) -> str:
@@ -91,6 +99,9 @@ class PreparedData:
     chosen_/rejected_ input_ids and labels."""
     eval: datasets.Dataset | None
     report: DataReport
+    pixels: object | None = None
+    """Image rows (data.images): the `image_rows.PixelBatcher` that adds a batch's pixel inputs
+    (`rows.collate(..., pixels=)`); None for text rows."""
 
 
 KTO_BAND = (1.0, 4 / 3)

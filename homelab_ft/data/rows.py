@@ -29,9 +29,10 @@ if TYPE_CHECKING:
 CACHE_VERSION = "1"
 """Bump when tokenisation changes, so caches written by older code are not reused."""
 TOKENIZE_BATCH_ROWS = 512
-# status codes written by the tokenising map, in rising severity: a pair takes its worse side's
-OK, TRUNCATED, TOO_LONG, NO_TARGET, BAD_TEMPLATE = 0, 1, 2, 3, 4
-STATUSES = (OK, TRUNCATED, TOO_LONG, NO_TARGET, BAD_TEMPLATE)
+# status codes written by the tokenising map, in rising severity: a pair takes its worse side's;
+# the last two are image rows' (image_rows.py): an unreadable image, a cut that would fall in an image
+OK, TRUNCATED, TOO_LONG, NO_TARGET, BAD_TEMPLATE, BAD_IMAGE, CUT_IMAGE = 0, 1, 2, 3, 4, 5, 6
+STATUSES = (OK, TRUNCATED, TOO_LONG, NO_TARGET, BAD_TEMPLATE, BAD_IMAGE, CUT_IMAGE)
 KEPT = (OK, TRUNCATED)
 
 
@@ -51,13 +52,15 @@ class RowKind:
     """The progress bar's label."""
     kept_columns: tuple[str, ...] = ()
     """Boolean columns of the sample kept beside its token rows (an unpaired row's `label`)."""
+    text_columns: tuple[str, ...] = ()
+    """String columns of the sample the map reads and replaces (an image row's `conversation`)."""
 
     def token_columns(self) -> list[str]:
         return [column(side, name) for side in self.sides for name in ("input_ids", "labels")]
 
     def sample_columns(self) -> list[str]:
         """The canonical sample's columns that the map replaces by token rows (all but `origin`)."""
-        return ["kind", *self.turn_columns, "prompt", "completion"]
+        return ["kind", *self.turn_columns, "prompt", "completion", *self.text_columns]
 
 
 def column(side: str, name: str) -> str:
@@ -90,7 +93,7 @@ def tokenize(samples: list[dict], tokenizer, *, kind: RowKind, encode, settings:
     features = datasets.Features({
         "kind": text, **{name: turns for name in kind.turn_columns},
         "prompt": text, "completion": text, "origin": text,
-        **{name: datasets.Value("bool") for name in kind.kept_columns},
+        **{name: datasets.Value("bool") for name in kind.kept_columns}, **{name: text for name in kind.text_columns},
     })
     ds = datasets.Dataset.from_list(samples, features=features)
     ds = ds.map(
@@ -124,7 +127,7 @@ class Kept:
     """The usable samples of a tokenised split and what the report counts of it."""
 
     rows: datasets.Dataset
-    """The kept samples' token columns only."""
+    """The kept samples' token columns (and what the map wrote beside them: an image row's images)."""
     counts: dict[int, int]
     """Samples of each status, kept or not."""
     lengths: np.ndarray
@@ -152,7 +155,7 @@ def kept(ds, *, kind: RowKind) -> Kept:
         lengths.append(pc.list_value_length(ids).to_numpy(zero_copy_only=False)[keep])
         labels = pc.list_flatten(table.column(column(side, "labels")).filter(pa.array(keep)))
         num_trained += int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
-    rows = ds.select(np.flatnonzero(keep)).select_columns([*kind.token_columns(), *kind.kept_columns])
+    rows = ds.select(np.flatnonzero(keep)).remove_columns(["status", "origin"])
     return Kept(rows=rows, counts=counts, lengths=np.concatenate(lengths).astype(np.int64), num_trained_tokens=num_trained)
 
 
@@ -164,11 +167,15 @@ def empty_reason(counts: dict[int, int], cfg: DataConfig, *, unit: str) -> str:
     if counts[NO_TARGET]:
         return (f"no {unit} has a trained token within data.max_length={cfg.max_length} ({counts[NO_TARGET]} lost their "
                 f"answer to truncation, {counts[TOO_LONG]} too long); raise data.max_length")
-    return f"no usable training {unit} ({counts[BAD_TEMPLATE]} could not be rendered by the chat template)"
+    bad_images = f", {counts[BAD_IMAGE]} with an unreadable image" if counts[BAD_IMAGE] else ""
+    return f"no usable training {unit} ({counts[BAD_TEMPLATE]} could not be rendered by the chat template{bad_images})"
 
 
-def collate(rows: list[dict], *, pad_token_id: int) -> dict:
+def collate(rows: list[dict], *, pad_token_id: int, pixels=None) -> dict:
     """Pad rows to the longest one: input_ids with `pad_token_id`, labels with -100.
+
+    Image rows (`pixels`: image_rows.PixelBatcher) also get the per-token columns their processor
+    wrote (padded with 0, "no image") and their images' pixel inputs.
 
     Unpacked rows get an `attention_mask` (1 = real token). Packed rows (they carry position_ids)
     get `position_ids` and NO attention_mask: transformers only derives the per-sample block mask
@@ -191,7 +198,15 @@ def collate(rows: list[dict], *, pad_token_id: int) -> dict:
             extra[b, n:] = torch.arange(width - n)
         else:
             extra[b, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
+    batch = {"input_ids": input_ids, "labels": labels, ("position_ids" if packed else "attention_mask"): extra}
+    if pixels is None:
+        return batch
+    for key in pixels.token_columns(rows[0]):
+        padded = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            padded[b, :len(row[key])] = torch.as_tensor(row[key], dtype=torch.long)
+        batch[key] = padded
+    return {**batch, **pixels(rows)}
 
 
 def kept_splits(train_parts: list[dict], eval_parts: list[dict], *, tokenize, kind: RowKind, cfg: DataConfig,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from homelab_ft.data import packing, rows, sources, templates
+from homelab_ft.data import image_rows, packing, rows, sources, templates
 from homelab_ft.data.report import DataReport, PreparedData
 from homelab_ft.data.rows import BAD_TEMPLATE, OK
 from homelab_ft.errors import UserError
@@ -22,15 +22,25 @@ SAMPLE_ROWS = rows.RowKind(cache_prefix="tokenized", fingerprint_tag=(), turn_co
 """A sample is one token row, `input_ids` and `labels`."""
 
 
-def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path | None = None) -> PreparedData:
-    """Read, check, mix, split, tokenise (cached) and pack the recipe's data."""
+def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path | None = None, processor=None,
+                 refuse_cut: bool = True) -> PreparedData:
+    """Read, check, mix, split, tokenise (cached) and pack the recipe's data. Image rows
+    (`data.images`) are read through `processor` (image_rows.py); `refuse_cut`: a row whose cut would
+    fall in an image stops the run (`data inspect` lists such rows instead)."""
     sources.check_sources_declared(data_cfg)
-    template = templates.resolve_template(tokenizer, data_cfg.chat_template, base_dir=base_dir)
+    template = templates.resolve_template(processor or tokenizer, data_cfg.chat_template, base_dir=base_dir)
     train_parts, train_reports, eval_parts, eval_reports = sources.read_and_mix(data_cfg, seed=seed, base_dir=base_dir)
 
-    train, held_out, cache_hit = rows.kept_splits(
-        train_parts, eval_parts, tokenize=lambda parts: _tokenize(parts, tokenizer, template, data_cfg),
-        kind=SAMPLE_ROWS, cfg=data_cfg, unit="sample")
+    cut: list[str] = []  # rows whose cut would fall in an image, named by `data inspect`
+    if data_cfg.images:
+        def tokenize(parts):
+            return _tokenize_images(parts, processor, template, data_cfg, refuse_cut=refuse_cut, cut=cut)
+    else:
+        def tokenize(parts):
+            return _tokenize(parts, tokenizer, template, data_cfg)
+    kind = image_rows.IMAGE_ROWS if data_cfg.images else SAMPLE_ROWS
+    train, held_out, cache_hit = rows.kept_splits(train_parts, eval_parts, tokenize=tokenize, kind=kind, cfg=data_cfg,
+                                                  unit="sample")
     num_eval = len(held_out.rows) if held_out is not None else 0
     eval_ds = _finish(held_out.rows, held_out.lengths, data_cfg, seed=seed) if num_eval else None
 
@@ -47,8 +57,10 @@ def prepare_data(data_cfg: DataConfig, tokenizer, *, seed: int, base_dir: Path |
         non_pad_fraction=packing.non_pad_fraction(lengths, num_rows=len(final), max_length=data_cfg.max_length),
         cache_hit=cache_hit,
         **rows.report_counts(train),
+        **(image_rows.report_fields(train, cut=cut) if data_cfg.images else {}),
     )
-    return PreparedData(train=final, eval=eval_ds, report=report)
+    pixels = image_rows.PixelBatcher(processor=processor, cfg=data_cfg) if data_cfg.images else None
+    return PreparedData(train=final, eval=eval_ds, report=report, pixels=pixels)
 
 
 def _tokenize(samples: list[dict], tokenizer, template: str | None, cfg: DataConfig):
@@ -56,6 +68,20 @@ def _tokenize(samples: list[dict], tokenizer, template: str | None, cfg: DataCon
     settings = [template, tokenizer.eos_token, cfg.max_length, cfg.overlong, cfg.train_on_inputs, cfg.bad_rows]
     return rows.tokenize(samples, tokenizer, kind=SAMPLE_ROWS, encode=_Encoder(tokenizer, template, cfg),
                          settings=settings, cfg=cfg)
+
+
+def _tokenize_images(samples: list[dict], processor, template: str | None, cfg: DataConfig, *, refuse_cut: bool,
+                     cut: list[str]):
+    """Image samples' token rows through the cached map (image_rows.py); a cut inside an image refused,
+    or (not `refuse_cut`) the rows it would fall in added to `cut`."""
+    samples = image_rows.as_image_samples(samples)
+    ds, hit = rows.tokenize(samples, processor.tokenizer, kind=image_rows.IMAGE_ROWS,
+                            encode=image_rows.ImageEncoder(processor, template, cfg),
+                            settings=image_rows.settings(processor, template, cfg, samples), cfg=cfg)
+    if refuse_cut:
+        image_rows.refuse_cut(ds, cfg)
+    cut.extend(image_rows.cut_origins(ds))
+    return ds, hit
 
 
 class _Encoder:

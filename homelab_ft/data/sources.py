@@ -334,7 +334,8 @@ def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Pa
         if src.limit is not None and len(samples) >= src.limit:
             break
         try:
-            sample = formats.to_sample(row, fmt, src.fields, system_prompt=cfg.system_prompt, drop_system=cfg.drop_system_prompt)
+            sample = formats.to_sample(row, fmt, src.fields, system_prompt=cfg.system_prompt, drop_system=cfg.drop_system_prompt,
+                                       images=cfg.images, image_dir=_folder_of(file))
         except formats.RowError as err:
             bad(file, number, str(err))
             continue
@@ -343,6 +344,13 @@ def _read_source(src: SourceConfig, cfg: DataConfig, *, where: str, base_dir: Pa
     if not samples:
         raise bad.none_left(where, src.path)
     return samples, fmt, num_rows, bad.skipped, bad.first
+
+
+def _folder_of(name: str) -> Path:
+    """Where a row's relative image paths start: its data file's folder, or a `save_to_disk` folder
+    itself (read_rows names rows by file or folder; a hub id's rows start in the working directory)."""
+    path = Path(name)
+    return path if path.is_dir() else path.parent
 
 
 def hold_out(samples: list[dict], *, fraction: float, rng: random.Random):

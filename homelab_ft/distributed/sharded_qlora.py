@@ -65,12 +65,13 @@ def check_model(model_config: dict, recipe, *, rung, device_type: str) -> None:
     if model_config.get("quantization_config"):
         raise UserError("model.path: this checkpoint is stored quantized; the sharded 4-bit base quantizes the "
                         "full-precision weights block by block, so point model.path at the original (bf16/fp16) model")
-    skeleton = quant.meta_skeleton(quant.as_pretrained_config(model_config))
+    skeleton = quant.meta_skeleton(quant.as_pretrained_config(model_config), images=rung.images)
     if skeleton is None:
         raise UserError("method=qlora with sharding needs an architecture transformers knows (no remote code); "
                         "use sharding.strategy=no_shard")
     storage_bytes = torch.empty((), dtype=compute).element_size()
-    shapes = {n: (m.in_features, m.out_features) for n, m in quant.quantized_linears(skeleton).items()}
+    shapes = {n: (m.in_features, m.out_features)
+              for n, m in quant.quantized_linears(skeleton, images=rung.images).items()}
     quant.check_shardable(shapes, storage_bytes=storage_bytes, shard_size=rung.shard_size)
     moe_experts.check_shardable(skeleton, storage_bytes=storage_bytes, shard_size=rung.shard_size)
 

@@ -87,13 +87,15 @@ def consolidate_to_hf(
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    images: bool = False,
 ) -> float:
     """Write the checkpoint's weights as HF safetensors plus the base's config and tokenizer.
 
     `dtype`: the weights' dtype on disk (default: as trained). Returns the largest absolute
     difference between each tensor read back from the written files and the checkpoint's (0.0
     unless a cast to `dtype` rounds), after checking that the names and shapes are exactly those
-    the base config's architecture expects, so the directory loads with `from_pretrained`.
+    the base config's architecture expects (`images`: the image-text model an image run built), so
+    the directory loads with `from_pretrained`.
     """
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -106,7 +108,7 @@ def consolidate_to_hf(
         raise UserError(f"{checkpoint_dir} holds no model weights")
     if any(".lora_" in name for name in tensors):
         raise UserError(f"{checkpoint_dir} is a LoRA checkpoint (adapters only); export it with the adapter merge")
-    keys, from_base = _check_against_base(Path(base_model_dir), state_dir, tensors)
+    keys, from_base = _check_against_base(Path(base_model_dir), state_dir, tensors, images=images)
     groups = _group(tensors, dtype=dtype, max_shard_bytes=max_shard_bytes, unit=keys.unit)
 
     out_dir = Path(out_dir)
@@ -136,14 +138,14 @@ def consolidate_to_hf(
     return max_diff
 
 
-def _check_against_base(base_dir: Path, state_dir: Path, tensors: dict):
+def _check_against_base(base_dir: Path, state_dir: Path, tensors: dict, *, images: bool):
     """The base's key plan and the tensors to take from the base, once the checkpoint's tensors (tied
     targets dropped from `tensors` in place) are what the base's architecture wants."""
-    expected, tied, buffers = _architecture(base_dir)
+    expected, tied, buffers = _architecture(base_dir, images=images)
     _check_tied_equal(state_dir, tensors, tied)
     for target in tied:
         tensors.pop(target, None)  # the same Parameter as its source; from_pretrained re-ties it
-    meta = checkpoint_keys.meta_model(base_dir)
+    meta = checkpoint_keys.meta_model(base_dir, images=images)
     keys = checkpoint_keys.CheckpointKeys(meta, base_dir)
     # Persistent buffers (Gemma 4's layer_scalar) and a vision tower a full fine-tune froze
     # (rules/vision.py) are not trained, so the checkpoint (trainable tensors) lacks them: they are
@@ -166,7 +168,7 @@ def _read_back_diff(path: Path, originals: dict[str, torch.Tensor]) -> float:
     return diff
 
 
-def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str], set[str]]:
+def _architecture(base_dir: Path, *, images: bool = False) -> tuple[dict[str, torch.Size], dict[str, str], set[str]]:
     """What the base config's model loads: tensor shapes by name, its tied names (target -> source),
     and which of the names are persistent buffers rather than parameters.
 
@@ -175,11 +177,11 @@ def _architecture(base_dir: Path) -> tuple[dict[str, torch.Size], dict[str, str]
     default rather than config.json) are not written: from_pretrained re-ties them to the source.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(base_dir)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+        model = vision.auto_class(config, images=images).from_config(config)
     tied = model.get_expanded_tied_weights_keys(all_submodels=True)
     expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
     parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}

@@ -49,7 +49,8 @@ def adapter_config(adapter_dir: Path) -> dict:
     return json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
 
 
-def unsupported_reason(adapter_dir: Path, model_dir: Path, *, trust_remote_code: bool = False) -> str | None:
+def unsupported_reason(adapter_dir: Path, model_dir: Path, *, trust_remote_code: bool = False,
+                       images: bool = False) -> str | None:
     """Why this adapter/base pair needs PEFT's in-memory merge, or None when it streams."""
     cfg = adapter_config(adapter_dir)
     if cfg.get("use_dora"):
@@ -64,7 +65,7 @@ def unsupported_reason(adapter_dir: Path, model_dir: Path, *, trust_remote_code:
         return "LoRA on parameters (target_parameters), not on linear layers"
     if not base_files(model_dir):
         return "the base has no safetensors files"
-    keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
+    keys = base_keys(model_dir, trust_remote_code=trust_remote_code, images=images)
     adapted = {f"{m}.weight" for m in adapted_modules(adapter_dir)}
     if adapted & set(keys.model.get_expanded_tied_weights_keys(all_submodels=True)):
         return "LoRA on a tied LM head (merging unties it)"
@@ -74,9 +75,11 @@ def unsupported_reason(adapter_dir: Path, model_dir: Path, *, trust_remote_code:
     return None
 
 
-def base_keys(model_dir: Path, *, trust_remote_code: bool = False) -> checkpoint_keys.CheckpointKeys:
-    """The base checkpoint's keys as transformers maps them onto the causal LM its config builds."""
-    return checkpoint_keys.CheckpointKeys(checkpoint_keys.meta_model(model_dir, trust_remote_code=trust_remote_code),
+def base_keys(model_dir: Path, *, trust_remote_code: bool = False, images: bool = False) -> checkpoint_keys.CheckpointKeys:
+    """The base checkpoint's keys as transformers maps them onto the model the run built (the causal
+    LM its config builds, the image-text model for an image run: the adapter's names are that model's)."""
+    meta = checkpoint_keys.meta_model(model_dir, trust_remote_code=trust_remote_code, images=images)
+    return checkpoint_keys.CheckpointKeys(meta,
                                           model_dir)
 
 
@@ -119,7 +122,7 @@ def scale(cfg: dict) -> float:
 
 
 def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype,
-                trust_remote_code: bool = False) -> dict:
+                trust_remote_code: bool = False, images: bool = False) -> dict:
     """Write the merged model's safetensors (same file layout as the base) and config into `out`;
     the adapters on MoE experts merge too (expert_adapters.py).
 
@@ -134,7 +137,7 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
         part = "A" if ".lora_A." in key else "B" if ".lora_B." in key else None
         if part:
             lora.setdefault(_module(key), {})[part] = tensor
-    keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
+    keys = base_keys(model_dir, trust_remote_code=trust_remote_code, images=images)
     owner = adapted_keys(adapter_dir, keys)
     experts = expert_adapters.MergedUnits(adapter_dir, keys, factor=factor)
     routers = expert_adapters.router_keys(adapter_dir, keys)  # lora.train_router: written in place of the base's
@@ -181,14 +184,14 @@ def merge_files(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.d
 
 
 def check_written(adapter_dir: Path, model_dir: Path, out: Path, *, dtype: torch.dtype, samples: int = 4,
-                  trust_remote_code: bool = False) -> float:
+                  trust_remote_code: bool = False, images: bool = False) -> float:
     """For a model too big to load twice: read back a few merged weights (first, last and between)
     from the written files and compare them with base + scale x B @ A recomputed here; returns
     the largest difference (0.0 unless the files are wrong)."""
     adapter_dir, model_dir, out = Path(adapter_dir), Path(model_dir), Path(out)
     factor = scale(adapter_config(adapter_dir))
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    keys = base_keys(model_dir, trust_remote_code=trust_remote_code)
+    keys = base_keys(model_dir, trust_remote_code=trust_remote_code, images=images)
     owner = sorted(adapted_keys(adapter_dir, keys).items(), key=lambda item: item[1])
     picks = sorted({owner[round(i * (len(owner) - 1) / max(samples - 1, 1))] for i in range(samples)}) if owner else []
     worst = 0.0

@@ -260,7 +260,8 @@ def _write_export(tmp: Path, *, source: _Source, request: _Request, model_dir: P
             name, base=recipe.model.path, image_text=image_text.is_image_text(model_dir)))
     if not request.adapter_only:
         _write_runtime_notes(tmp, name=name, safetensors=request.safetensors, gguf_name=request.gguf_name,
-                             k_quant_hint=hint, system=system, needs=needs, mmproj=mmproj)
+                             k_quant_hint=hint, system=system, needs=needs, mmproj=mmproj,
+                             images=source.rung.images)
     return record, quality
 
 
@@ -284,15 +285,15 @@ def _write_weights(out: Path, *, source: _Source, request: _Request, model_dir: 
     the full-precision base like a LoRA one (module docstring: never into the 4-bit weights)."""
     rung, ckpt, recipe = source.rung, source.ckpt, source.recipe
     if rung.adapters_enabled and request.adapter_only:
-        return merged.write_adapter(ckpt, model_dir, recipe, out) if request.safetensors else None
+        return merged.write_adapter(ckpt, model_dir, recipe, out, images=rung.images) if request.safetensors else None
     if rung.adapters_enabled:
         if rung.quantized_enabled:
             log.info("export: the run trained on a %d-bit base; its adapter is merged into the full-precision base",
                      rung.quant_bits)
-        return merged.write_merged(ckpt, model_dir, recipe, out, dtype=request.dtype, name=name)
+        return merged.write_merged(ckpt, model_dir, recipe, out, dtype=request.dtype, name=name, images=rung.images)
     from homelab_ft.export.consolidate import consolidate_to_hf
 
-    return consolidate_to_hf(ckpt, model_dir, out, dtype=merged.saved_dtype(request.dtype, model_dir))
+    return consolidate_to_hf(ckpt, model_dir, out, dtype=merged.saved_dtype(request.dtype, model_dir), images=rung.images)
 
 
 def _write_gguf(hf_dir: Path, out: Path, *, file_name: str, gguf_type: str, name: str, system_prompt: str | None,
@@ -332,8 +333,9 @@ def _write_adapter_gguf(ckpt: Path, model_dir: Path, recipe, path: Path, *, name
 
 def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: str | None, k_quant_hint: str | None,
                          system: local_runtimes.SystemTurn | None = None, needs: Sequence[str] = (),
-                         mmproj: image_text.WrittenMmproj | None = None) -> None:
-    """How to run the model; `name` is the final folder name (`out` is still the temporary one)."""
+                         mmproj: image_text.WrittenMmproj | None = None, images: bool = False) -> None:
+    """How to run the model; `name` is the final folder name (`out` is still the temporary one);
+    `images`: an image run's model, loaded with its processor and asked about an image."""
     text = "# Running this model\n\n"
     if gguf_name and mmproj:
         text += local_runtimes.image_text_running_notes(name, gguf_name=gguf_name, mmproj_name=mmproj.file,
@@ -342,7 +344,16 @@ def _write_runtime_notes(out: Path, *, name: str, safetensors: bool, gguf_name: 
     elif gguf_name:
         text += local_runtimes.running_notes(name, gguf_name=gguf_name, k_quant_hint=k_quant_hint, system=system,
                                              needs=needs)
-    if safetensors:
+    if safetensors and images:
+        text += (
+            "transformers:\n\n"
+            "    from transformers import AutoModelForImageTextToText, AutoProcessor\n"
+            f"    model = AutoModelForImageTextToText.from_pretrained('{name}')\n"
+            f"    processor = AutoProcessor.from_pretrained('{name}')\n\n"
+            "homelab-ft:\n\n"
+            f"    homelab-ft generate {name} --image photo.png --prompt 'What is in this image?'\n"
+        )
+    elif safetensors:
         text += (
             "transformers:\n\n"
             "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"

@@ -11,6 +11,7 @@
     family     what a family can do (attention, checkpointing, FSDP blocks), from its transformers class
     targets    what `all-linear` LoRA wraps: PEFT's set less routers and kernel-read Mamba projections
     moe_experts  MoE layers for QLoRA and LoRA: 4-bit fused experts and adapters on every expert
+    processor  an image-text checkpoint's processor, offline (its video side left out without torchvision)
     routers    `lora.train_router`: an MoE model's routers trained in full (moe_routers.py finds them)
 
 No per-family tables: what differs between architectures is read from transformers.

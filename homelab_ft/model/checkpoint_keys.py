@@ -283,11 +283,14 @@ def checkpoint_tensors(model: nn.Module, model_dir: Path, *, names: Iterable[str
     yield from keys.tensors(sorted(keys.names()) if names is None else names, shards=shards)
 
 
-def meta_model(model_dir: Path, *, trust_remote_code: bool = False) -> nn.Module:
-    """The causal LM transformers builds from `model_dir`'s config, on the meta device (no memory):
-    what the plan needs when no model is at hand (the export merge, the GGUF writer)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def meta_model(model_dir: Path, *, trust_remote_code: bool = False, images: bool = False) -> nn.Module:
+    """The model a run builds from `model_dir`'s config (rules/vision.auto_class: the causal LM, or
+    the image-text model of an image run), on the meta device (no memory): what the plan needs when
+    no model is at hand (the export merge, the GGUF writer)."""
+    from transformers import AutoConfig
+
+    from homelab_ft.rules import vision
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        return vision.auto_class(config, images=images).from_config(config, trust_remote_code=trust_remote_code)

@@ -21,17 +21,16 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 
 
-def causal_lm_class(config) -> type | None:
-    """The class `AutoModelForCausalLM.from_config(config)` builds, or None for remote code (a
-    config with `auto_map`) and configs transformers maps to no causal LM."""
-    from transformers import AutoModelForCausalLM
+def causal_lm_class(config, *, images: bool = False) -> type | None:
+    """The class a run builds for `config` (rules/vision.model_class: the causal LM, or the image-text
+    model on an image run or where transformers maps no causal LM), or None for remote code (a config
+    with `auto_map`) and configs transformers maps to neither."""
+    from homelab_ft.rules import vision
 
-    if getattr(config, "auto_map", None):
-        return None
-    return AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return vision.model_class(config, images=images)
 
 
-def attention(requested: str, *, config, say: bool = True) -> str | None:
+def attention(requested: str, *, config, say: bool = True, images: bool = False) -> str | None:
     """The `attn_implementation` to load `config`'s model with for `model.attn_implementation`.
 
     `auto`: sdpa where the class supports it, else eager: the order transformers' own
@@ -41,7 +40,7 @@ def attention(requested: str, *, config, say: bool = True) -> str | None:
     choice the class does not support is refused. None (remote code): transformers decides.
     `say` logs what `auto` chose (the load does; the preflight check only refuses).
     """
-    cls = causal_lm_class(config)
+    cls = causal_lm_class(config, images=images)
     if cls is None:
         return None if requested == AUTO else requested
     chosen = ("sdpa" if cls._supports_sdpa else "eager") if requested == AUTO else requested
@@ -76,15 +75,25 @@ def config_of(model_dir, *, trust_remote_code: bool):
         raise refusal from None
 
 
-def check(config, *, attn_implementation: str, activation_checkpointing: bool, sharded: bool) -> None:
+def check(config, *, attn_implementation: str, activation_checkpointing: bool, sharded: bool,
+          images: bool = False) -> None:
     """Refuse, from the class alone, what this family cannot do on the rung (see the module docstring)."""
-    attention(attn_implementation, config=config, say=False)
-    cls = causal_lm_class(config)
+    attention(attn_implementation, config=config, say=False, images=images)
+    cls = causal_lm_class(config, images=images)
     if cls is None:
         return  # remote code: checked on the loaded model (blocks.py)
     if activation_checkpointing and not cls.supports_gradient_checkpointing:
         raise UserError(f"{config.model_type} ({cls.__name__}) does not support activation checkpointing; "
                         "set train.activation_checkpointing: false")
-    if sharded and not cls._no_split_modules:
+    if sharded and not _declares_blocks(cls, config):
         raise UserError(f"{config.model_type} ({cls.__name__}) declares no transformer block (`_no_split_modules`), "
                         "so FSDP cannot shard it; use sharding.strategy: no_shard (DDP) or one GPU")
+
+
+def _declares_blocks(cls, config) -> bool:
+    """`cls` names its blocks, or (an image-text model composed of parts, Llava's) its language model
+    does: decoder_blocks.py collects `_no_split_modules` from every module, so the parts' count."""
+    if cls._no_split_modules:
+        return True
+    text = config.get_text_config(decoder=True)
+    return text is not config and bool(getattr(causal_lm_class(text), "_no_split_modules", None))

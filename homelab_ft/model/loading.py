@@ -210,6 +210,22 @@ def load_tokenizer(model_cfg: ModelConfig, model_dir: Path):
     return tokenizer
 
 
+def load_tokenizer_and_processor(model_cfg: ModelConfig, model_dir: Path, *, images: bool):
+    """(tokenizer, processor): a text run reads its rows with the tokenizer alone (processor None);
+    an image run (data.images) with the checkpoint's processor (processor.py) and the tokenizer inside
+    it, given a pad token as `load_tokenizer` gives one."""
+    if not images:
+        return load_tokenizer(model_cfg, model_dir), None
+    from homelab_ft.model import family
+    from homelab_ft.model.processor import load_processor
+
+    config = family.config_of(model_dir, trust_remote_code=model_cfg.trust_remote_code)
+    processor = load_processor(model_dir, config, trust_remote_code=model_cfg.trust_remote_code)
+    if processor.tokenizer.pad_token_id is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    return processor.tokenizer, processor
+
+
 def resolve_dtype(name: str, device):
     import torch
 
@@ -221,25 +237,28 @@ def resolve_dtype(name: str, device):
     return torch.float32
 
 
-def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quantization_config=None):
-    """`from_pretrained` onto `device` (the same path users take to load our exports), with the
+def load_model(model_cfg: ModelConfig, model_dir: Path, *, dtype, device, quantization_config=None,
+               images: bool = False):
+    """`from_pretrained` onto `device` (the same path users take to load our exports) through the auto
+    class of the run (rules/vision.auto_class: the image-text class for an image run), with the
     attention implementation `model.attn_implementation` resolves to for this family (family.py)."""
-    from transformers import AutoModelForCausalLM
-
     from homelab_ft.model import family, files
+    from homelab_ft.rules import vision
 
     files.check_model_files(Path(model_dir))  # headers only: a damaged folder is one line, not a traceback
     config = family.config_of(model_dir, trust_remote_code=model_cfg.trust_remote_code)
+    if why := vision.images_refusal(config, images=images):
+        raise UserError(why)
     kwargs = dict(
         dtype=dtype,
-        attn_implementation=family.attention(model_cfg.attn_implementation, config=config),
+        attn_implementation=family.attention(model_cfg.attn_implementation, config=config, images=images),
         trust_remote_code=model_cfg.trust_remote_code,
     )
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
         kwargs["device_map"] = {"": device}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        model = vision.auto_class(config, images=images).from_pretrained(model_dir, **kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"model.path: cannot load {model_dir}: {str(err).splitlines()[0]}") from None
     if quantization_config is None:

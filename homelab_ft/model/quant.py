@@ -81,28 +81,45 @@ def compute_dtype(quant_cfg: QuantConfig, *, device: torch.device | str) -> torc
     return torch.float32
 
 
-def bnb_config(quant_cfg: QuantConfig, *, device: torch.device | str):
-    """The `quantization_config` for `from_pretrained`: NF4/FP4 (double quant on) or LLM.int8."""
+def bnb_config(quant_cfg: QuantConfig, *, device: torch.device | str, skip: list[str] | None = None):
+    """The `quantization_config` for `from_pretrained`: NF4/FP4 (double quant on) or LLM.int8; `skip`:
+    the modules left in the compute dtype when transformers' own choice (the head) is not all (`skipped`)."""
     from transformers import BitsAndBytesConfig
 
     require_bitsandbytes(device=device)
     if quant_cfg.bits == 8:
         # LLM.int8 (Dettmers et al. 2022): int8 rows plus fp16 outlier columns above the threshold
         # (6.0, the paper's value and transformers' default). quant_type/double_quant are 4-bit only.
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(
         load_in_4bit=True,
+        llm_int8_skip_modules=skip,
         bnb_4bit_quant_type=quant_cfg.quant_type,
         bnb_4bit_use_double_quant=quant_cfg.double_quant,
         bnb_4bit_compute_dtype=compute_dtype(quant_cfg, device=device),
     )
 
 
+def skipped(config, *, images: bool) -> list[str] | None:
+    """What an image run keeps out of bitsandbytes: transformers' own skips (the output embedding and
+    what is tied to it, `get_keys_to_not_convert`, which it drops once a list is given) and the vision
+    side (rules/vision.quant_skip: the tower stays 16-bit). None for a text run: transformers decides, as before."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from homelab_ft.rules import vision
+
+    skeleton = meta_skeleton(config, images=images) if images else None
+    if skeleton is None:
+        return None
+    return sorted({*get_keys_to_not_convert(skeleton), *vision.quant_skip(skeleton)})
+
+
 # --------------------------------------------------------------------------------------------
 # what can be quantized
 
 
-def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.device | str) -> None:
+def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.device | str,
+                      images: bool = False) -> None:
     """Refuse, before loading any weight, a model that bitsandbytes cannot (or should not) quantize.
 
     `model_config` is a `transformers.PretrainedConfig` or the dict of a config.json. Checks:
@@ -130,7 +147,7 @@ def check_quantizable(model_config, quant_cfg: QuantConfig, *, device: torch.dev
                 f"model.path: this checkpoint is stored in bitsandbytes {stored_bits}-bit; set quant.bits={stored_bits} "
                 "or use the full-precision original"
             )
-    skeleton = meta_skeleton(config)
+    skeleton = meta_skeleton(config, images=images)
     if skeleton is not None:
         refuse_8bit_experts(skeleton, quant_cfg)
         raise_if_unquantizable(skeleton)
@@ -157,16 +174,17 @@ def as_pretrained_config(model_config):
         raise UserError(f"model.path: {str(err).splitlines()[0]}") from None
 
 
-def meta_skeleton(config):
-    """The model's module tree on the meta device, or None for architectures transformers does not
-    know (remote code): those are checked after loading, by `after_load`."""
-    from transformers import AutoModelForCausalLM
+def meta_skeleton(config, *, images: bool = False):
+    """The model's module tree on the meta device, as the run builds it (rules/vision.auto_class), or
+    None for architectures transformers does not know (remote code): those are checked after
+    loading, by `after_load`."""
+    from homelab_ft.rules import vision
 
     if getattr(config, "auto_map", None):
         return None
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config)
+            return vision.auto_class(config, images=images).from_config(config)
         except ValueError:
             return None
 
@@ -178,12 +196,18 @@ def raise_if_unquantizable(model: torch.nn.Module) -> None:
     Works on a meta skeleton (before quantization: `nn.Linear` counts as quantizable, as it does
     for transformers' `replace_with_bnb_linear`) and on a loaded model (bnb layers count).
     Every embedding table (an `nn.Embedding`, whatever its name: Gemma 4's per-layer embeddings
-    too) and the LM head are left out of both sides: transformers never quantizes them.
+    too) and the LM head are left out of both sides: transformers never quantizes them; so is an
+    image-text model's vision side (rules/vision.py), which the planner prices apart from the blocks
+    it counts (its share counts the text decoder's blocks alone): a tiny Gemma 3's SigLIP convolution
+    and pooling head were 14% of the counted weights and refused a text-only QLoRA the plan offered.
     """
     from homelab_ft.model import moe_experts
+    from homelab_ft.rules import vision
 
     tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     left_out = {id(p) for m in (*tables, model.get_output_embeddings()) if m is not None for p in m.parameters()}
+    prefixes = vision.vision_prefixes(model)
+    left_out |= {id(p) for name, p in model.named_parameters() if vision.is_vision_module(name, prefixes)}
     quantizable_types = _quantizable_types()
     quantized = 0
     kept: dict[str, int] = {}
@@ -354,22 +378,27 @@ def linear4bit_class():
     return ShardedLinear4bit
 
 
-def quantized_linears(model: nn.Module) -> dict[str, nn.Linear]:
+def quantized_linears(model: nn.Module, *, images: bool = False) -> dict[str, nn.Linear]:
     """The `nn.Linear` layers transformers' bitsandbytes integration would quantise: all but the
-    output embedding (LM head), which stays in the compute dtype."""
+    output embedding (LM head), which stays in the compute dtype, and on an image run the vision side
+    (`skipped`)."""
+    from homelab_ft.rules import vision
+
     head = model.get_output_embeddings()
-    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and m is not head}
+    keep = vision.quant_skip(model) if images else []
+    return {name: m for name, m in model.named_modules()
+            if type(m) is nn.Linear and m is not head and not vision.is_vision_module(name, tuple(keep))}
 
 
 def replace_linears(model: nn.Module, *, quant_type: str, double_quant: bool, compute_dtype: torch.dtype,
-                    storage_dtype: torch.dtype) -> None:
+                    storage_dtype: torch.dtype, images: bool = False) -> None:
     """Swap every quantisable `nn.Linear` of a meta-device model for a 4-bit layer whose weight
     has the packed shape (a meta tensor: nothing is allocated)."""
     import bitsandbytes as bnb
 
     cls = linear4bit_class()
     storage_bytes = torch.empty((), dtype=storage_dtype).element_size()
-    for name, linear in quantized_linears(model).items():
+    for name, linear in quantized_linears(model, images=images).items():
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=compute_dtype,
@@ -401,7 +430,7 @@ def plain_weights(model: nn.Module) -> None:
 
 
 def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, shard_size: int,
-                   storage_dtype: torch.dtype | None = None) -> None:
+                   storage_dtype: torch.dtype | None = None, images: bool = False) -> None:
     """Turn a meta-device architecture into the shardable 4-bit base: refuse a layer it cannot
     store, swap the quantisable linears for 4-bit ones of the packed shape and the fused experts for
     packed stacks (`pack_experts`), freeze everything. The packed bytes are stored as
@@ -411,12 +440,12 @@ def to_4bit_layers(model: nn.Module, quant_cfg, *, compute_dtype: torch.dtype, s
 
     storage_dtype = compute_dtype if storage_dtype is None else storage_dtype
     storage_bytes = torch.empty((), dtype=storage_dtype).element_size()
-    shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model).items()}
+    shapes = {n: (m.in_features, m.out_features) for n, m in quantized_linears(model, images=images).items()}
     check_shardable(shapes, storage_bytes=storage_bytes, shard_size=shard_size)
     moe_experts.check_shardable(model, storage_bytes=storage_bytes, shard_size=shard_size)
     raise_if_unquantizable(model)
     replace_linears(model, quant_type=quant_cfg.quant_type, double_quant=quant_cfg.double_quant,
-                    compute_dtype=compute_dtype, storage_dtype=storage_dtype)
+                    compute_dtype=compute_dtype, storage_dtype=storage_dtype, images=images)
     pack_experts(model, quant_cfg, storage_dtype=storage_dtype)
     for param in model.parameters():
         param.requires_grad_(False)

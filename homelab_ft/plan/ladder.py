@@ -87,7 +87,7 @@ def option_rung(method: str, strategy: str, offload: bool, *, request: PlanReque
     `refusals.refusals` (`offers` asks it of every option)."""
     checkpointing, act_offload = savers if savers is not None else saver_levels(request, cluster)[0]
     rung = build(method, strategy, offload, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
-                 train=request.train, quant=request.quant, sharding=request.sharding,
+                 train=request.train, quant=request.quant, sharding=request.sharding, data=request.data,
                  activation_checkpointing=checkpointing, activation_offload=act_offload, pipeline_stages=stages,
                  rollout=requested_rollout(request.objective, request.grpo) if rollout is None else rollout,
                  staleness=requested_staleness(request.objective, request.grpo))

@@ -215,7 +215,7 @@ def validate(shape: ModelShape, *, request: PlanRequest, cluster: Cluster) -> No
     if request.method != "auto" and request.sharding.strategy != "auto":
         # A fully named rung is refused here, before anything is priced, created or launched.
         requested_rung(request.method, nodes=cluster.nodes, procs_per_node=cluster.gpus_per_node,
-                       train=request.train, quant=request.quant, sharding=request.sharding,
+                       train=request.train, quant=request.quant, sharding=request.sharding, data=request.data,
                        rollout=requested_rollout(request.objective, request.grpo),
                        staleness=requested_staleness(request.objective, request.grpo))
     elif why := hybrid_refusal(request.sharding.strategy, nodes=cluster.nodes):

@@ -10,7 +10,6 @@ pydantic does the type checking and coercion; io.py reads the YAML, applies the
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -29,7 +28,7 @@ from homelab_ft.recipe.bounds import (
     PositiveInt,
     Seed,
 )
-from homelab_ft.recipe.io import apply_overrides, attach_field_docs, explain, read_yaml_mapping, write_yaml
+from homelab_ft.recipe.io import apply_overrides, attach_field_docs, explain, read_yaml_mapping
 from homelab_ft.recipe.objectives import DpoConfig, GrpoConfig
 from homelab_ft.rules import embedding_offload
 from homelab_ft.rung import METHODS, OPTIMIZERS, PIPELINE_SCHEDULES, STRATEGIES
@@ -144,14 +143,14 @@ class DataConfig:
     """Shuffle the training rows each epoch (seeded by train.seed); false: file order."""
     cache_dir: str | None = None
     """Where tokenised data is cached; default: the `datasets` cache."""
+    images: bool = False
+    """Rows hold images (content parts `{type: image, path | image}`, docs/data.md): the model is built as
+    its image-text class and reads them through its processor (rules/vision.py). SFT, unpacked."""
     image_max_pixels: PositiveInt | None = None
-    """Image-text models: the largest area (width x height, in pixels) an image is resized to keep
-    within before the model's processor reads it; the aspect ratio is kept. Image tokens grow with
-    the area (a Qwen2-VL-style model spends one token per 28x28 pixels), so this bounds what an image
-    costs in tokens and memory. Unset: the processor's own limit."""
+    """With `images`: a larger image is shrunk into this area (width x height), aspect kept, before its
+    processor resizes it (Qwen2-VL-style: one token per 28x28 pixels). Unset: not shrunk."""
     image_min_pixels: PositiveInt | None = None
-    """Image-text models: the smallest area an image is enlarged to reach (aspect ratio kept), so a
-    tiny crop still yields the detail the processor needs. Unset: the processor's own limit."""
+    """With `images`: an image smaller than this area is enlarged to it, aspect kept. Unset: none."""
 
 
 DEFAULT_MAX_STEPS = 100
@@ -444,14 +443,3 @@ def recipe_from_dict(raw: dict[str, Any], *, overrides=(), source: str = "recipe
                                   strategy=recipe.sharding.strategy, cpu_offload=recipe.sharding.cpu_offload,
                                   world_size=recipe.world_size, pipeline_stages=recipe.sharding.pipeline_stages)
     return recipe
-
-
-def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    """Plain data (for the run directory's resolved recipe and for JSON)."""
-    data = dataclasses.asdict(recipe)
-    data["train"]["betas"] = list(data["train"]["betas"])
-    return data
-
-
-def dump_recipe(recipe: Recipe, path: Path) -> None:
-    write_yaml(recipe_to_dict(recipe), path)

@@ -49,6 +49,17 @@ def write_yaml(data: dict[str, Any], path: Path) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
 
 
+def recipe_to_dict(recipe) -> dict[str, Any]:
+    """A `config.Recipe` as plain data (for the run directory's resolved recipe and for JSON)."""
+    data = dataclasses.asdict(recipe)
+    data["train"]["betas"] = list(data["train"]["betas"])
+    return data
+
+
+def dump_recipe(recipe, path: Path) -> None:
+    write_yaml(recipe_to_dict(recipe), path)
+
+
 def apply_overrides(raw: dict[str, Any], overrides) -> dict[str, Any]:
     """`train.lr=1e-4 data.packing=true` -> nested dict updates; values parsed as YAML scalars."""
     raw = _deepcopy(raw)

@@ -44,13 +44,34 @@ def check_objective(recipe, *, source: str = "recipe") -> None:
             key = "label_smoothing" if recipe.dpo.label_smoothing else "sft_weight"
             raise UserError(f"{source}: dpo.{key} is a paired loss's term; KTO's rows have no pair to flip or chosen "
                             f"answer (Ethayarajh et al. 2024): set dpo.{key}=0 or another dpo.loss")
-    else:
+    if recipe.data.images:
+        check_images(recipe, source=source)
+    if recipe.objective != "dpo":
         if recipe.objective == "grpo":
             check_grpo(recipe.grpo, source=source)
         for where, src in sources:
             if src.format in _PREFERENCE_FORMATS:
                 raise UserError(f"{source}: {where}.format={src.format} holds rows for preference tuning; "
                                 "set objective: dpo, or use an SFT format")
+
+
+def check_images(recipe, *, source: str = "recipe") -> None:
+    """Image rows train with SFT, one sample per row: the pair and prompt pipelines read text, and a
+    packed row would hand the vision tower several samples' images whose tokens attention must keep
+    apart (not built). Resize bounds must be ordered."""
+    if recipe.objective != "sft":
+        raise UserError(f"{source}: data.images trains with objective: sft; objective={recipe.objective} reads text "
+                        "rows only: set objective: sft, or data.images=false")
+    if recipe.data.packing:
+        raise UserError(f"{source}: data.images rows are not packed (each row's images stay with its tokens); "
+                        "set data.packing=false")
+    if recipe.train.sample_every:
+        raise UserError(f"{source}: train.sample_every samples replies to text prompts; with data.images set "
+                        "train.sample_every=0 (`homelab-ft chat RUN --image PATH` shows the model's replies)")
+    low, high = recipe.data.image_min_pixels, recipe.data.image_max_pixels
+    if low is not None and high is not None and low > high:
+        raise UserError(f"{source}: data.image_min_pixels={low} is above data.image_max_pixels={high}; "
+                        "lower the first or raise the second")
 
 
 def check_grpo(grpo, *, source: str = "recipe") -> None:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from homelab_ft.errors import UserError
 from homelab_ft.locate import json_object
-from homelab_ft.recipe.config import Recipe, dump_recipe, load_recipe
+from homelab_ft.recipe.config import Recipe, load_recipe
+from homelab_ft.recipe.io import dump_recipe
 from homelab_ft.rung import Rung, RungError
 from homelab_ft.store import manifest
 

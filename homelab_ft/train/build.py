@@ -85,7 +85,7 @@ def build_model(recipe: Recipe, *, model_dir: Path, facts: ModelFacts, rung: Run
     if rung.adapters_enabled:  # its hook is prepended, so it runs before checkpointing's input hook
         host_embedding.apply(model, recipe, rung=rung, device=env.device)  # train.embedding_offload
     else:  # a full fine-tune of a model loaded with a vision tower trains its language model (rules/vision.py)
-        vision.freeze(model)
+        vision.freeze(model, targets=() if recipe.lora.target_modules == "all-linear" else recipe.lora.targets)
     if env.distributed and not rung.fsdp_enabled:
         # Replicas (DDP) over the trainable parameters: only adapter (or full) gradients are reduced.
         model = parallelize.parallelize(model, env, rung=rung, param_dtype=dtypes.param, reduce_dtype=dtypes.reduce)
@@ -169,9 +169,10 @@ def _config(recipe: Recipe, *, model_dir: Path):
 def _load_base(recipe: Recipe, *, model_dir: Path, rung: Rung, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """`from_pretrained` onto the device; QLoRA's 4-bit base frozen and guarded (quant.py says why)."""
     if not rung.quantized_enabled:
-        return loading.load_model(recipe.model, model_dir, dtype=dtype, device=device)
-    model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device,
-                               quantization_config=quant.bnb_config(recipe.quant, device=device))
+        return loading.load_model(recipe.model, model_dir, dtype=dtype, device=device, images=rung.images)
+    skip = quant.skipped(_config(recipe, model_dir=model_dir), images=rung.images)  # the tower stays 16-bit
+    model = loading.load_model(recipe.model, model_dir, dtype=dtype, device=device, images=rung.images,
+                               quantization_config=quant.bnb_config(recipe.quant, device=device, skip=skip))
     quant.refuse_8bit_experts(model, recipe.quant)
     quant.quantize_experts(model, recipe.quant)  # remote-code experts (no meta skeleton to find them first)
     quant.after_load(model)
@@ -182,16 +183,14 @@ def _meta_architecture(recipe: Recipe, *, config, rung: Rung, dtype: torch.dtype
                        storage_dtype: torch.dtype | None = None) -> nn.Module:
     """The architecture of `config` (4-bit layers for QLoRA) with its adapters, no weights; built
     under `sharded_loading.meta_parameters` by the caller."""
-    from transformers import AutoModelForCausalLM
-
     from homelab_ft.model import family
 
-    attn = family.attention(recipe.model.attn_implementation, config=config)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
-                                             trust_remote_code=recipe.model.trust_remote_code)
+    attn = family.attention(recipe.model.attn_implementation, config=config, images=rung.images)
+    model = vision.auto_class(config, images=rung.images).from_config(
+        config, dtype=dtype, attn_implementation=attn, trust_remote_code=recipe.model.trust_remote_code)
     if rung.quantized_enabled:
         quant.to_4bit_layers(model, recipe.quant, compute_dtype=dtype, shard_size=rung.shard_size,
-                             storage_dtype=storage_dtype)
+                             storage_dtype=storage_dtype, images=rung.images)
     model = _with_adapters(model, recipe, rung=rung, dtype=dtype)
     if rung.quantized_enabled:
         quant.plain_weights(model)

@@ -21,8 +21,9 @@ from homelab_ft.train.loss import batch_loss_sum
 
 
 @torch.no_grad()
-def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=None) -> float:
-    """Mean loss per trained token over the held-out split, all ranks together.
+def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=None, pixels=None) -> float:
+    """Mean loss per trained token over the held-out split, all ranks together (`pixels`: image rows'
+    batcher, rows.collate).
 
     Every rank runs the same number of forward passes (sharded forwards are collective); a rank
     with no batch left re-runs its first one and counts nothing from it.
@@ -31,7 +32,7 @@ def evaluate(model, rows, *, env, recipe: Recipe, pad_token_id: int, progress=No
     loss_sum = torch.zeros((), device=env.device)
     tokens = 0
     for indices, real in _shown(list(_eval_batches(len(rows), recipe=recipe, env=env)), progress):
-        mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id)
+        mb = collate([rows[i] for i in indices], pad_token_id=pad_token_id, pixels=pixels)
         summed = batch_loss_sum(model, mb, device=env.device, chunk_tokens=recipe.train.loss_chunk_tokens,
                                 compiled=recipe.train.compile)
         if real:

@@ -78,19 +78,21 @@ def check_inputs(recipe: Recipe, *, rung: Rung, facts: ModelFacts, device_type: 
     files.check_model_files(model_dir, converted=where.is_gguf)
     files.check_tokenizer(recipe.model.tokenizer, model_dir)
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    family.check(family.config_of(model_dir, trust_remote_code=recipe.model.trust_remote_code),
-                 attn_implementation=recipe.model.attn_implementation,
-                 activation_checkpointing=rung.activation_checkpointing, sharded=rung.fsdp_enabled)
+    hf_config = family.config_of(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    family.check(hf_config, attn_implementation=recipe.model.attn_implementation,
+                 activation_checkpointing=rung.activation_checkpointing, sharded=rung.fsdp_enabled, images=rung.images)
+    if rung.images:
+        check_images(model_dir, hf_config, recipe)
     if rung.quantized_enabled:
         from homelab_ft.model import quant
 
-        quant.check_quantizable(config, recipe.quant, device=device_type)
+        quant.check_quantizable(config, recipe.quant, device=device_type, images=rung.images)
         if rung.fsdp_enabled:
             from homelab_ft.distributed import sharded_qlora
 
             sharded_qlora.check_model(config, recipe, rung=rung, device_type=device_type)
     if rung.adapters_enabled:
-        check_lora_targets(model_dir, recipe)
+        check_lora_targets(model_dir, recipe, images=rung.images)
     check_attention(recipe.model.attn_implementation, device_type=device_type)
     if rung.adapters_enabled and recipe.lora.use_dora and (rung.quantized_enabled or rung.fsdp_enabled):
         # loading.initial_adapters draws every adapter from one seed on CPU, which DoRA's magnitude
@@ -144,7 +146,18 @@ def check_host_ram(*, device_type: str, available_bytes: int, offloaded_bytes: i
                     "or lower micro_batch_size/max_length")
 
 
-def check_lora_targets(model_dir: Path, recipe: Recipe) -> None:
+def check_images(model_dir: Path, config, recipe: Recipe) -> None:
+    """An image run (data.images): transformers builds an image-text model for the checkpoint
+    (rules/vision.py) and its processor loads from the folder, offline (model/processor.py)."""
+    from homelab_ft.model import processor
+    from homelab_ft.rules import vision
+
+    if why := vision.images_refusal(config, images=True):
+        raise UserError(why)
+    processor.load_processor(model_dir, config, trust_remote_code=recipe.model.trust_remote_code)
+
+
+def check_lora_targets(model_dir: Path, recipe: Recipe, *, images: bool = False) -> None:
     """Every name in `lora.target_modules` matches a module of the architecture.
 
     PEFT only complains when *no* target matches, so one misspelt name in a list silently trains
@@ -155,11 +168,14 @@ def check_lora_targets(model_dir: Path, recipe: Recipe) -> None:
     if isinstance(targets, str):
         return  # all-linear
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from homelab_ft.rules import vision
 
     config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+        skeleton = vision.auto_class(config, images=images).from_config(
+            config, trust_remote_code=recipe.model.trust_remote_code)
     names = [name for name, _ in skeleton.named_modules() if name]
     leaves = sorted({name.rsplit(".", 1)[-1] for name, module in skeleton.named_modules()
                      if isinstance(module, torch.nn.Linear)})
@@ -180,8 +196,46 @@ def check_data(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> None
     from homelab_ft.data import prepare_for
 
     check_data_unchanged(recipe, inputs, base_dir=base_dir)
-    tokenizer = loading.load_tokenizer(recipe.model, inputs.model_dir)
-    prepare_for(recipe, tokenizer, base_dir=base_dir)
+    tokenizer, processor = loading.load_tokenizer_and_processor(recipe.model, inputs.model_dir, images=recipe.data.images)
+    prepare_for(recipe, tokenizer, base_dir=base_dir, processor=processor)
+
+
+def check_image_rows(data, *, rung: Rung, recipe: Recipe, model_dir: Path) -> None:
+    """Every rank must run the vision tower together when its parameters are sharded (FSDP2 gathers
+    each vision block inside the tower's forward: a rank whose micro-batch held no image would skip
+    those collectives and the job would hang) or when some of them train under DDP (a replica that
+    did not run them would leave their gradients unreduced and DDP stops). Then every row of both
+    splits needs an image; one process, and DDP with the tower frozen, take text rows beside image rows."""
+    if not (rung.images and rung.world_size > 1):
+        return
+    if not rung.fsdp_enabled and not _trains_vision(recipe, model_dir=model_dir):
+        return
+    why = ("FSDP2 runs the vision tower on every rank together" if rung.fsdp_enabled else
+           "lora.target_modules trains vision layers, whose gradients every DDP replica must make")
+    for split, rows in (("training", data.train), ("held-out", data.eval)):
+        missing = 0 if rows is None else sum(1 for n in rows["num_images"] if n == 0)
+        if missing:
+            raise UserError(f"sharding.strategy={rung.strategy} with data.images: {missing} {split} row(s) hold no "
+                            f"image, and {why}; give every row an image, or train text rows beside image rows "
+                            "on one process or with DDP and the tower frozen")
+
+
+def _trains_vision(recipe: Recipe, *, model_dir: Path) -> bool:
+    """Whether `lora.target_modules` (a list) names a layer of the vision side: on a meta skeleton of
+    the image-text model, by PEFT's rule (the module's name is the target or ends with `.` + it)."""
+    targets = recipe.lora.target_modules
+    if isinstance(targets, str):
+        return False  # all-linear leaves the vision side out (rules/lora_targets.py)
+    import torch
+    from transformers import AutoConfig
+
+    from homelab_ft.rules import vision
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=recipe.model.trust_remote_code)
+    with torch.device("meta"):
+        skeleton = vision.auto_class(config, images=True).from_config(config)
+    prefixes = vision.vision_prefixes(skeleton)
+    return any(vision.is_vision_module(name, prefixes) and vision.listed(name, targets) for name, _ in skeleton.named_modules())
 
 
 def check_data_unchanged(recipe: Recipe, inputs: Inputs, *, base_dir: Path | None) -> dict:

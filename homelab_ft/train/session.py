@@ -75,10 +75,11 @@ def setup(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, inputs
         inputs = preflight.check_inputs(recipe, rung=rung, facts=ModelFacts.from_dict(plan["facts"]),
                                         device_type=env.device.type)
     model_dir = inputs.model_dir
-    tokenizer = loading.load_tokenizer(recipe.model, model_dir)
+    tokenizer, processor = loading.load_tokenizer_and_processor(recipe.model, model_dir, images=rung.images)
     # Rank 0 alone writes trainer_state.json, so only it hashes the data (a refusal there stops all).
     data_print = preflight.check_data_unchanged(recipe, inputs, base_dir=base_dir) if env.is_main else None
-    data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir)
+    data = _prepare_data(recipe, tokenizer, env=env, base_dir=base_dir, processor=processor)
+    preflight.check_image_rows(data, rung=rung, recipe=recipe, model_dir=model_dir)
     sampled = samples.for_run(recipe, tokenizer, data, base_dir=base_dir)
     replicas = rung.data_parallel_size  # rows are dealt to replicas; the stages of one pipeline read the same
     sampler = MicroBatchSampler(len(data.train), micro_batch_size=cfg.micro_batch_size, seed=cfg.seed,
@@ -167,12 +168,12 @@ def _prepare_process(env: DistEnv, *, rung: Rung, num_threads: int | None) -> No
         torch.set_num_threads(num_threads)
 
 
-def _prepare_data(recipe: Recipe, tokenizer, *, env: DistEnv, base_dir: Path | None) -> PreparedData:
+def _prepare_data(recipe: Recipe, tokenizer, *, env: DistEnv, base_dir: Path | None, processor=None) -> PreparedData:
     """Tokenised splits. Rank 0 tokenises first and fills the datasets cache; the other ranks then
     read it. (If rank 0 fails here, torchrun stops the waiting ranks.)"""
     if not env.is_main:
         comm.barrier(env)
-    data = prepare_for(recipe, tokenizer, base_dir=base_dir)
+    data = prepare_for(recipe, tokenizer, base_dir=base_dir, processor=processor)
     if env.is_main:
         comm.barrier(env)
     return data

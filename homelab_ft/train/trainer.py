@@ -13,6 +13,7 @@ during accumulation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shlex
 import time
@@ -126,7 +127,8 @@ def _train(recipe: Recipe, *, env: DistEnv, rung: Rung, plan: dict | None, input
     progress = progress_bar(s.start_step, s.max_steps, enabled=env.is_main and logs.info_enabled())
     # objective: dpo and grpo swap the batch builder, the step and the evaluation; the loop stays one loop.
     dpo = recipe.objective == "dpo"
-    collate_fn, step_fn = (collate_pairs, kto_step if recipe.dpo.unpaired else dpo_step) if dpo else (collate, train_step)
+    rows_to_batch = functools.partial(collate, pixels=s.data.pixels)  # image rows: with their pixel inputs
+    collate_fn, step_fn = (collate_pairs, kto_step if recipe.dpo.unpaired else dpo_step) if dpo else (rows_to_batch, train_step)
     if s.grpo is not None:
         collate_fn = _prompt_rows
         if s.data.eval is not None and s.start_step == 0:  # the held-out reward before any update: the baseline
@@ -212,7 +214,7 @@ def _evaluate(s: Session, *, step: int, dpo: bool, progress) -> float:
     elif s.pipeline is not None:
         eval_loss, eval_metrics = evaluate.evaluate_pipeline(s.pipeline, s.data.eval, rung=s.rung, **kwargs), {}
     else:
-        eval_loss, eval_metrics = evaluate.evaluate(s.model, s.data.eval, **kwargs), {}
+        eval_loss, eval_metrics = evaluate.evaluate(s.model, s.data.eval, pixels=s.data.pixels, **kwargs), {}
     s.logger.log({"step": step, "eval_loss": eval_loss, **eval_metrics})
     progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
     return eval_loss

@@ -387,7 +387,8 @@ def plan_needs(recipe, values: dict, *, label: str) -> Needs:
     replace the recipe's guesses (as `--cluster` does); nodes and processes stay the recipe's.
     `label` names the recipe in the table."""
     from homelab_ft.plan.planner import plan_for_recipe
-    from homelab_ft.recipe.config import recipe_from_dict, recipe_to_dict
+    from homelab_ft.recipe.config import recipe_from_dict
+    from homelab_ft.recipe.io import recipe_to_dict
 
     mine = (values["nodes"], values["gpus_per_node"])
     wanted = (recipe.cluster.nodes, recipe.cluster.gpus_per_node)

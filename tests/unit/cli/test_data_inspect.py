@@ -75,3 +75,21 @@ def test_plan_prices_the_step_at_the_lengths_inspect_measured(tmp_path, tiny_mod
 def _plan_json(recipe, capsys) -> str:
     main(["plan", str(recipe), "--json"])
     return capsys.readouterr().out
+
+
+def test_inspect_reports_image_tokens_and_the_rows_that_would_not_fit(tmp_path, capsys):
+    from tiny_vision import image_chat, make_image, save_vlm
+
+    folder = save_vlm(tmp_path / "m", "qwen2_vl")  # `data inspect` checks the folder as `train` does
+    make_image(tmp_path / "large.png", size=(112, 112))  # 16 image tokens + its two markers
+    make_image(tmp_path / "small.png", size=(28, 28))  # 1 + 2
+    late = image_chat("large.png")
+    late["messages"][0]["content"].reverse()  # the question, then the image: its tokens end past 28
+    (tmp_path / "d.jsonl").write_text(json.dumps(late) + "\n" + json.dumps(image_chat("small.png")) + "\n")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_run(
+        folder, method="full", rows="d.jsonl", lora=None, train=None, output=None,
+        data={"images": True, "shuffle": False, "max_length": 28, "cache_dir": str(tmp_path / "c")}))
+    assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "images: 1 in 1 of 1 samples; image tokens per sample 3-3" in out
+    assert "would not fit: 1 row(s) whose image tokens cross max_length 28" in out and "d.jsonl: row 1" in out

@@ -9,8 +9,8 @@ from homelab_ft.data import lengths
 from homelab_ft.recipe.config import recipe_from_dict
 
 
-def report(sample_lengths, *, packed=False):
-    return SimpleNamespace(sample_lengths=tuple(sample_lengths), packed=packed)
+def report(sample_lengths, *, packed=False, image_rows=()):
+    return SimpleNamespace(sample_lengths=tuple(sample_lengths), packed=packed, image_rows=tuple(image_rows))
 
 
 def recipe(tmp_path, *overrides, **top):
@@ -35,3 +35,14 @@ def test_stored_reads_back_what_store_kept_until_the_data_changes(tmp_path, monk
     assert lengths.stored(recipe(tmp_path, "data.max_length=64"), base_dir=tmp_path) is None  # other rows
     (tmp_path / "d.jsonl").write_text('{"text": "a longer row"}\n')
     assert lengths.stored(r, base_dir=tmp_path) is None  # the file changed: measured again when next prepared
+
+
+def test_image_rows_keep_their_images_and_image_tokens_for_the_planner(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "d.jsonl").write_text('{"text": "x"}\n')
+    r, text = recipe(tmp_path, "data.images=true"), recipe(tmp_path)
+    lengths.store(r, report([90, 70, 90], image_rows=[(1, 18), (1, 6), (1, 18)]), base_dir=tmp_path)
+    assert lengths.stored(r, base_dir=tmp_path) == ((70, 1), (90, 2))
+    assert lengths.stored_images(r, base_dir=tmp_path) == ((1, 6, 1), (1, 18, 2))  # (images, image tokens, rows)
+    lengths.store(text, report([90, 70]), base_dir=tmp_path)
+    assert lengths.stored_images(text, base_dir=tmp_path) is None and lengths.stored(text, base_dir=tmp_path)

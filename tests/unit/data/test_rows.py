@@ -14,7 +14,7 @@ import datasets
 import pytest
 
 from homelab_ft.data import IGNORE_INDEX, pairs, rows, sft
-from homelab_ft.data.rows import BAD_TEMPLATE, NO_TARGET, OK, TOO_LONG, TRUNCATED
+from homelab_ft.data.rows import BAD_IMAGE, BAD_TEMPLATE, CUT_IMAGE, NO_TARGET, OK, TOO_LONG, TRUNCATED
 from homelab_ft.recipe.config import DataConfig, SourceConfig
 
 X = IGNORE_INDEX
@@ -28,7 +28,7 @@ def test_kept_samples_counts_every_status_and_keeps_ok_and_truncated():
         "status": [OK, TRUNCATED, TOO_LONG, NO_TARGET, OK],
     })
     got = rows.kept(ds, kind=sft.SAMPLE_ROWS)
-    assert got.counts == {OK: 2, TRUNCATED: 1, TOO_LONG: 1, NO_TARGET: 1, BAD_TEMPLATE: 0}
+    assert got.counts == {OK: 2, TRUNCATED: 1, TOO_LONG: 1, NO_TARGET: 1, BAD_TEMPLATE: 0, BAD_IMAGE: 0, CUT_IMAGE: 0}
     assert got.lengths.tolist() == [3, 2, 1] and got.lengths.dtype == "int64"
     assert got.num_trained_tokens == 4
     assert got.rows.column_names == ["input_ids", "labels"]

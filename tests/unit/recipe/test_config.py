@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from homelab_ft.errors import UserError
-from homelab_ft.recipe.config import dump_recipe, load_recipe, recipe_from_dict
+from homelab_ft.recipe.config import load_recipe, recipe_from_dict
+from homelab_ft.recipe.io import dump_recipe
 
 RECIPES = sorted(Path(__file__).resolve().parents[3].joinpath("recipes").glob("*.yaml"))
 
@@ -63,3 +64,15 @@ def test_resolved_recipe_round_trips(tmp_path):
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
 def test_shipped_recipes_load(path):
     load_recipe(path)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"objective": "dpo", "method": "lora"}, "data.images trains with objective: sft"),
+    ({"data": {"packing": True}}, "data.images rows are not packed"),
+    ({"train": {"sample_every": 5}}, "train.sample_every samples replies to text prompts"),
+    ({"data": {"image_min_pixels": 100, "image_max_pixels": 50}}, "data.image_min_pixels=100 is above"),
+])
+def test_image_rows_refuse_what_they_cannot_run_in_one_line(raw, message):
+    raw = {**raw, "data": {"images": True, **raw.get("data", {})}}
+    with pytest.raises(UserError, match=message):
+        recipe_from_dict(raw)

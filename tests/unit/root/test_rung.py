@@ -38,6 +38,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
         (dict(method="full", strategy="no_shard", cpu_offload=False, optimizer="sgd"), "train.optimizer"),
         (dict(method="full", strategy="no_shard", cpu_offload=False, nodes=0), ">= 1"),
         (dict(method="qlora", strategy="no_shard", cpu_offload=False, optimizer_in_backward=True), "full fine-tunes"),
+        (dict(method="lora", strategy="no_shard", cpu_offload=False, procs_per_node=2, pipeline_stages=2, images=True),
+         "with data.images: the vision tower .* set sharding.pipeline_stages=1"),
     ],
 )
 def test_refused_rungs_name_the_fix(kwargs, message):
@@ -84,6 +86,14 @@ def test_rung_for_validates_the_recipes_own_rung_when_there_is_no_plan():
     assert not rung_for(_recipe(method="lora")).activation_checkpointing  # `auto` with nothing planned: off
     with pytest.raises(RungError, match="8-bit base"):
         rung_for(_recipe(method="qlora", quant={"bits": 8}, sharding={"strategy": "full_shard"}, cluster=two))
+
+
+def test_data_images_is_read_once_into_the_rung():
+    """The one decision "does this run train on images" is data.images, carried by the rung (rung.build)."""
+    images = rung_for(_recipe(method="lora", data={"images": True}))
+    assert images.images and "+images" in images.label and not rung_for(_recipe(method="lora")).images
+    assert Rung.from_dict(images.to_dict()) == images
+    assert Rung.from_dict({k: v for k, v in images.to_dict().items() if k != "images"}) == rung_for(_recipe(method="lora"))
 
 
 def test_the_planner_and_rung_for_share_the_savers_rule():
