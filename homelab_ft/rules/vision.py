@@ -3,14 +3,17 @@
 transformers' causal-LM mapping builds some multimodal checkpoints as their image-text class:
 `AutoModelForCausalLM` on a Gemma 3, Gemma 3n or Gemma 4 checkpoint is `*ForConditionalGeneration`,
 vision tower and projector included (Qwen 3.5's entry is its text-only `Qwen3_5ForCausalLM`, which
-loads the text decoder alone). Such a model is recognised from transformers' own mappings, never from
-a family list: its causal-LM class is the class `AutoModelForImageTextToText` builds.
+loads the text decoder alone). Others have no causal-LM class at all (Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL, SmolVLM, Llava, Mistral 3, InternVL, PaliGemma): `AutoModelForImageTextToText` is the one
+class that builds the checkpoint whole. Both are recognised from transformers' own mappings, never
+from a family list: the class that loads the checkpoint is the one `AutoModelForImageTextToText`
+builds, where the causal-LM mapping has that class or none.
 
 The vision side is every child of the base model other than its language model (transformers'
 `get_decoder()`): `vision_tower` + `multi_modal_projector` in Gemma 3, whatever a family names them.
 A text fine-tune trains the language model: the vision side is frozen (`freeze`, for a full
 fine-tune; PEFT freezes it with every base weight), `all-linear` leaves it out (lora_targets.py), and
-the planner prices it as frozen weights (plan/shape/derive.vision_params). Image rows are issue 35's.
+the planner prices its weights as frozen and measures what an image costs it (plan/shape/vision.py).
 
 Torch-free at import, as every rule is.
 """
@@ -19,16 +22,17 @@ from __future__ import annotations
 
 
 def image_text_class(config) -> type | None:
-    """The class the causal-LM mapping builds for `config` when it is also transformers'
-    image-text class for it (a vision tower is loaded with the text decoder), else None (text
-    models, a text-only class such as Qwen 3.5's, remote code)."""
+    """transformers' image-text class for `config` where that is the class that loads it (a vision
+    tower is loaded with the text decoder): the causal-LM mapping builds the same class (Gemma 3) or
+    has none for the config (Qwen2-VL, Llava ...). None for text models, a config whose causal-LM
+    class is text-only (Qwen 3.5's), remote code."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     if config is None or getattr(config, "auto_map", None):
         return None
     image_text = AutoModelForImageTextToText._model_mapping.get(type(config), None)
     causal = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return causal if causal is not None and causal is image_text else None
+    return image_text if causal is None or causal is image_text else None
 
 
 def vision_prefixes(model) -> tuple[str, ...]:

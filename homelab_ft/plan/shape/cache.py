@@ -26,11 +26,13 @@ from pathlib import Path
 from homelab_ft import fsio
 from homelab_ft.locate import cache_root
 from homelab_ft.plan.shape.types import ModelShape
+from homelab_ft.plan.shape.vision import processor_files
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 14
-"""Bumped when derive.py or saved.py change what a cached shape holds or how it is measured."""
+SCHEMA = 15
+"""Bumped when derive.py, saved.py or vision.py change what a cached shape holds or how it is
+measured (15: an image-text model's vision side, measured per image)."""
 
 
 NOT_THE_MODEL = {
@@ -55,9 +57,10 @@ def cache_dir() -> Path:
 def cache_key(config: dict, *, attn_implementation: str, model_path: str | None = None,
               trust_remote_code: bool = False) -> str:
     """sha256 of the config (canonical JSON), the attention implementation, the installed
-    transformers version and, for remote code, the model folder's .py files."""
+    transformers version, the checkpoint's image processor settings (what an image-text model's
+    vision side was measured on, vision.py) and, for remote code, the model folder's .py files."""
     parts = [json.dumps(_model_part(config), sort_keys=True, default=str), attn_implementation,
-             _transformers_version(), str(SCHEMA)]
+             _transformers_version(), str(SCHEMA), *processor_files(model_path)]
     if trust_remote_code and model_path and Path(model_path).is_dir():
         parts += [p.read_text() for p in sorted(Path(model_path).glob("*.py"))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
