@@ -15,7 +15,7 @@ from pathlib import Path
 
 from families import tiny_config
 
-_VISION_SIZES = {"hidden_size": 32, "embed_dim": 32, "intermediate_size": 64, "num_hidden_layers": 2, "depth": 2,
+_VISION_SIZES = {"hidden_size": 32, "embed_dim": 32, "intermediate_size": 64, "num_hidden_layers": 3, "depth": 3,
                  "num_attention_heads": 2, "num_heads": 2, "head_dim": 16}
 """Vision-config size keys and their tiny values, applied where the config has the key."""
 
@@ -25,8 +25,8 @@ IMAGE_TOKEN = 300
 GEOMETRY = {
     # model_type: (vision config keys, top config keys, image processor kwargs)
     "qwen2_vl": ({}, {}, {}),
-    "qwen2_5_vl": ({"fullatt_block_indexes": [1], "window_size": 56}, {}, {}),
-    "qwen3_vl": ({"deepstack_visual_indexes": [0], "num_position_embeddings": 64}, {}, {"patch_size": 16}),
+    "qwen2_5_vl": ({"fullatt_block_indexes": [2], "window_size": 56}, {}, {}),
+    "qwen3_vl": ({"deepstack_visual_indexes": [1], "num_position_embeddings": 64}, {}, {"patch_size": 16}),
     "gemma3": ({"image_size": 56, "patch_size": 14}, {"mm_tokens_per_image": 4},
                {"size": {"height": 56, "width": 56}}),
     "smolvlm": ({"image_size": 64, "patch_size": 16}, {"scale_factor": 2},

@@ -98,6 +98,35 @@ def cached_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
     return shape
 
 
+def cached_image_tokens(config: dict, *, sizes: tuple[tuple[int, int], ...], model_path: str | None = None,
+                        trust_remote_code: bool = False) -> tuple[int, ...]:
+    """Image tokens one image of each (height, width) of `sizes` becomes in the image-text model
+    `config` describes (derive.image_tokens_at), kept beside the shapes under the same key (the
+    config, the processor files, transformers), one entry per size: a plan at a recipe's
+    data.image_max_pixels seen before imports no torch."""
+    key = cache_key(config, attn_implementation="sdpa", model_path=model_path, trust_remote_code=trust_remote_code)
+    path = cache_dir() / f"{key}.image_tokens.json"
+    try:
+        known = {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except FileNotFoundError:
+        known = {}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        log.warning("ignoring the unreadable cached image tokens %s (%s); counting them again", path, err)
+        known = {}
+    missing = tuple(size for size in sizes if f"{size[0]}x{size[1]}" not in known)
+    if missing:
+        from homelab_ft.plan.shape.derive import image_tokens_at
+
+        counted = image_tokens_at(config, sizes=missing, model_path=model_path, trust_remote_code=trust_remote_code)
+        known.update({f"{h}x{w}": n for (h, w), n in zip(missing, counted, strict=True)})
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fsio.replace_text(path, json.dumps(known, indent=1))
+        except OSError as err:
+            log.warning("could not cache image tokens in %s (%s); the next plan counts them again", path.parent, err)
+    return tuple(known[f"{h}x{w}"] for h, w in sizes)
+
+
 def _same_derivation(requested: str, used: str) -> tuple[str, ...]:
     """The other attention settings that derive what `requested` did, given it used `used`: `auto`
     is sdpa where the class has it, else eager (derive.py), so `auto` and what it used agree, and an

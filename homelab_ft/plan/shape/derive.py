@@ -77,7 +77,7 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
     rest = sum(p.numel() for i, p in outside.items() if i not in tables) - lm_head
     sight = measure_vision(lambda dtype: build(dtype)[0], model_path=model_path) if prefixes else None
     if sight is not None:
-        notes += (_image_text_note(hf_config, sight.params),)
+        notes += (_image_text_note(hf_config, sight),)
     return ModelShape(
         model_type=text.model_type, vocab_size=embed.weight.shape[0], hidden_size=embed.weight.shape[1],
         num_layers=len(blocks), max_position_embeddings=_max_positions(text),
@@ -125,11 +125,25 @@ def loaded_config(config: dict, *, model_path: str | None, trust_remote_code: bo
                   f"and trained (the vision/audio towers are not)",)
 
 
-def _image_text_note(hf_config, params: int) -> str:
+def image_tokens_at(config: dict, *, sizes: tuple[tuple[int, int], ...], model_path: str | None = None,
+                    trust_remote_code: bool = False) -> tuple[int, ...]:
+    """Image tokens the vision side of the image-text model `config` loads as returns for one blank
+    image of each (height, width) of `sizes`, prepared by its own image processor (vision.py)."""
+    from homelab_ft.plan.shape import vision
+
+    hf_config, _ = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    model = build_on_meta(hf_config, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+    processor = vision.image_processor(model.config, model_path=model_path)
+    return tuple(vision.image_tokens(model, vision.vision_inputs(model, processor, height=h, width=w)) for h, w in sizes)
+
+
+def _image_text_note(hf_config, sight) -> str:
     text = hf_config.get_text_config(decoder=True)
+    priced = ("only as weights: what an image costs it could not be measured, " + sight.unmeasured if sight.unmeasured
+              else "as weights, and per image in the `images` line")
     return (f"{hf_config.model_type}: image-text checkpoint, loaded with its vision tower and projector "
-            f"({params / 1e9:.2f}B parameters, frozen: priced as weights, and per image in the `images` line); "
-            f"its language model ({text.model_type}) is trained")
+            f"({sight.params / 1e9:.2f}B parameters, frozen, priced {priced}); its language model ({text.model_type}) "
+            f"is trained")
 
 
 def _build_supported(hf_config, attn_implementation: str, *, trust_remote_code: bool):

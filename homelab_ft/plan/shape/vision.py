@@ -114,15 +114,30 @@ def processor_files(model_path: str | None) -> list[str]:
     return [(folder / name).read_text() for name in PROCESSOR_FILES if folder and (folder / name).is_file()]
 
 
+class _CutFailed(Exception):
+    """The tower does not run with blocks passed through (`_only`): it is measured whole."""
+
+
 def _measured(build, processor, *, params: int, linears: tuple[Linear, ...]) -> VisionShape:
     models = {act_bytes: build(_dtype(dtype)) for act_bytes, dtype in DTYPES.items()}
+    try:
+        return _measured_as(models, processor, block_kinds(models[4]), params=params, linears=linears)
+    except _CutFailed as err:
+        log.debug("measuring the whole vision tower: %s", err)
+        whole = [[index] for index in range(len(vision_blocks(models[4])))]
+        return _measured_as(models, processor, whole, params=params, linears=linears)
+
+
+def _measured_as(models: dict, processor, kinds: list[list[int]], *, params: int,
+                 linears: tuple[Linear, ...]) -> VisionShape:
     points, costs = [], []
     for side in SIDES:
         inputs = vision_inputs(models[4], processor, height=side, width=side)
-        tokens, measured = _costs(models, inputs)
+        tokens, measured = _costs(models, inputs, kinds)
         points.append((side, side, tokens))
         costs.append(measured)
-    pair_tokens, pair = _costs(models, vision_inputs(models[4], processor, height=SIDES[1], width=SIDES[1], images=2))
+    pair_tokens, pair = _costs(models, vision_inputs(models[4], processor, height=SIDES[1], width=SIDES[1], images=2),
+                               kinds)
     counts = [t for _, _, t in points]
 
     def coefficients(key) -> tuple[float, float, float, float]:
@@ -139,14 +154,94 @@ def _measured(build, processor, *, params: int, linears: tuple[Linear, ...]) -> 
         flops=coefficients("flops"), linears=linears)
 
 
-def _costs(models: dict, inputs: dict) -> tuple[int, dict]:
-    """(image tokens, {("saved" | "transient", act bytes): bytes, "flops": FLOPs}) of one call."""
-    costs: dict = {}
+def _costs(models: dict, inputs: dict, kinds: list[list[int]]) -> tuple[int, dict]:
+    """(image tokens, {("saved" | "transient", act bytes): bytes, "flops": FLOPs}) of one call.
+
+    The FLOPs are counted over the whole tower. The bytes are measured with a block or two of each
+    kind running and the rest passed through (`_only`: a tower of 27-32 equal blocks runs in a second,
+    not a minute, every op of it on the meta device costing ~1 ms of Python). What a block keeps for
+    backward is what a second block of its kind adds, times the blocks of the kind but the first. The
+    most bytes held at once is what the first two and the last of each kind hold: the blocks run one
+    after another, each on the last's output, so a deeper tower holds no more, but a single block
+    leaves out the moment a block's output and the embeddings' are both alive, and only the last one
+    runs beside every feature kept on the way (Qwen3-VL's deepstack mergers); tests/vision_families.py's
+    9 families at depths 2 to 4 hold what the whole tower holds. A tower whose passed-through run
+    returns another token count is measured whole."""
+    tokens, flops = _flops(models[4], inputs)
+    costs: dict = {"flops": flops}
     for act_bytes, model in models.items():
-        tokens, costs["saved", act_bytes] = _saved(model, inputs)
-        costs["transient", act_bytes] = _peak(model, inputs)
-    costs["flops"] = _flops(models[4], inputs)
+        blocks = vision_blocks(model)
+        firsts = {members[0] for members in kinds}
+        with _only(blocks, firsts, kinds):
+            cut, saved = _saved(model, inputs)
+        if cut != tokens:
+            raise _CutFailed(f"{cut} image tokens with one block of each kind, {tokens} whole")
+        costs["saved", act_bytes] = saved
+        for members in kinds:
+            if len(members) > 1:
+                with _only(blocks, firsts | {members[1]}, kinds):
+                    costs["saved", act_bytes] += (len(members) - 1) * (_saved(model, inputs)[1] - saved)
+        with _only(blocks, {i for members in kinds for i in (*members[:2], members[-1])}, kinds):
+            costs["transient", act_bytes] = _peak(model, inputs)
     return tokens, costs
+
+
+def vision_blocks(model) -> list:
+    """The vision side's blocks: rules/decoder_blocks.py's (`_no_split_modules`) inside it."""
+    from homelab_ft.rules import vision
+    from homelab_ft.rules.decoder_blocks import decoder_blocks
+
+    prefixes = vision.vision_prefixes(model)
+    inside = {id(m) for p in prefixes for m in model.get_submodule(p).modules()}
+    return [block for block in decoder_blocks(model) if id(block) in inside]
+
+
+def block_kinds(model) -> list[list[int]]:
+    """Indices into `vision_blocks` of blocks of one class and equal parameters, in order."""
+    kinds: dict[tuple, list[int]] = {}
+    for index, block in enumerate(vision_blocks(model)):
+        key = (type(block).__name__, tuple((n, tuple(p.shape)) for n, p in block.named_parameters()))
+        kinds.setdefault(key, []).append(index)
+    return list(kinds.values())
+
+
+@contextlib.contextmanager
+def _only(blocks: list, kept: set[int], kinds: list[list[int]]):
+    """Every block but `kept` passes its hidden states through, answering in the form the kept block of
+    its kind answered (a tensor, or a tuple whose first item is the hidden states)."""
+    kind_of = {index: n for n, members in enumerate(kinds) for index in members}
+    answers: dict[int, object] = {}
+
+    def recorder(kind: int):
+        def record(module, args, output):
+            # the answer's form, never its tensors: holding them would lengthen their lives
+            if isinstance(output, tuple):
+                answers[kind] = tuple(None if hasattr(item, "shape") else item for item in output[1:])
+            elif hasattr(output, "shape"):
+                answers[kind] = None
+            else:
+                raise _CutFailed(f"a block answers {type(output).__name__}")
+        return record
+
+    def passthrough(kind: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            rest = answers[kind]
+            return hidden if rest is None else (hidden, *rest)
+        return forward
+
+    handles = [blocks[i].register_forward_hook(recorder(kind_of[i])) for i in kept]
+    for index, block in enumerate(blocks):
+        if index not in kept:
+            block.forward = passthrough(kind_of[index])
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for index, block in enumerate(blocks):
+            if index not in kept:
+                del block.forward
 
 
 def _dtype(name: str):
@@ -226,13 +321,14 @@ def _peak(model, inputs: dict) -> int:
     return mode.peak
 
 
-def _flops(model, inputs: dict) -> float:
+def _flops(model, inputs: dict) -> tuple[int, float]:
+    """(image tokens, FLOPs) of one no-grad forward of the whole vision side."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with _RealUntilWeights(), counter, _no_grad():
-        model.get_image_features(**inputs)
-    return float(counter.get_total_flops())
+        tokens = _rows(model.get_image_features(**inputs))
+    return tokens, float(counter.get_total_flops())
 
 
 def _storage_id(t) -> int:
