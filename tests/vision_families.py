@@ -46,14 +46,18 @@ _OTHER_TOKEN_KEYS = ("boi_token_index", "eoi_token_index", "vision_start_token_i
                      "video_token_id")
 
 
-def tiny_vision_config(model_type: str):
+def tiny_vision_config(model_type: str, *, text_sizes: dict | None = None, vision_sizes: dict | None = None):
     """The family's default image-text config with a tiny text decoder and vision tower that agree
-    with `image_processor(model_type)`."""
+    with `image_processor(model_type)`; `text_sizes` / `vision_sizes` override size keys where the
+    family's configs have them (a larger model for a memory measurement)."""
     config = tiny_config(model_type)
     text = config.get_text_config(decoder=True)
+    for key, value in (text_sizes or {}).items():
+        if getattr(text, key, None) is not None:
+            setattr(text, key, value)
     vision = config.vision_config
     present = vision.to_dict()
-    for key, value in _VISION_SIZES.items():
+    for key, value in {**_VISION_SIZES, **(vision_sizes or {})}.items():
         if present.get(key) is not None:
             setattr(vision, key, value)
     vision_keys, top_keys, _ = GEOMETRY[model_type]
@@ -106,9 +110,11 @@ def image_processor(model_type: str):
     return get_image_processor_class_from_name(names["pil"])(**GEOMETRY[model_type][2])
 
 
-def save_tiny_vision(out_dir: Path, model_type: str, *, seed: int = 0, with_tokenizer: bool = True) -> Path:
-    """Save a tiny random image-text `model_type` with its image processor's config, as a checkpoint
-    folder (config.json, safetensors, preprocessor_config.json, and the tests' tokenizer)."""
+def save_tiny_vision(out_dir: Path, model_type: str, *, seed: int = 0, with_tokenizer: bool = True,
+                     **sizes) -> Path:
+    """Save a tiny random image-text `model_type` (`sizes`: tiny_vision_config's) with its image
+    processor's config, as a checkpoint folder (config.json, safetensors, preprocessor_config.json,
+    and the tests' tokenizer)."""
     import torch
     from tiny import make_tokenizer
     from transformers import AutoModelForImageTextToText, GenerationConfig
@@ -117,7 +123,7 @@ def save_tiny_vision(out_dir: Path, model_type: str, *, seed: int = 0, with_toke
     if with_tokenizer:
         make_tokenizer(out_dir, vocab_size=320)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(tiny_vision_config(model_type))
+    model = AutoModelForImageTextToText.from_config(tiny_vision_config(model_type, **sizes))
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(out_dir)
     image_processor(model_type).save_pretrained(out_dir)

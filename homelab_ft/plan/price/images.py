@@ -18,6 +18,7 @@ images in one call (get_image_features):
 from __future__ import annotations
 
 from homelab_ft.plan.inputs import Cluster, PlanRequest
+from homelab_ft.plan.price.params import vision_linears_for
 from homelab_ft.plan.shape.types import ModelShape
 from homelab_ft.rung import Rung
 
@@ -44,12 +45,9 @@ def row_images(shape: ModelShape, request: PlanRequest, *, timed: bool) -> tuple
 
 def tower_trained(shape: ModelShape, *, rung: Rung, request: PlanRequest) -> bool:
     """Adapters in the vision tower: a `lora.target_modules` entry (never `all-linear`, which leaves the
-    tower out) matches one of its linear layers by name suffix, as PEFT matches. A full fine-tune
-    freezes the tower (rules/vision.freeze)."""
-    if not rung.adapters_enabled or shape.vision is None:
-        return False
-    targets = [t for t in request.lora.targets if t != "all-linear"]
-    return any(lin.name == t or lin.name.endswith("." + t) for lin in shape.vision.linears for t in targets)
+    tower out) names one of its linear layers (params.vision_linears_for). A full fine-tune freezes
+    the tower (rules/vision.freeze)."""
+    return rung.adapters_enabled and bool(vision_linears_for(shape, request.lora.targets))
 
 
 def _micro_batch(shape: ModelShape, request: PlanRequest, *, timed: bool) -> tuple[int, float]:

@@ -6,8 +6,8 @@ The vision side (tower and projector) is run the way the model's own forward run
 images: `get_image_features`, on what the model's image processor makes of a blank image (its
 `pixel_values`, and `image_grid_thw`, `pixel_attention_mask` or `image_sizes` where the family has
 them). Its output rows are the image tokens the language model's sequence carries for that image,
-the count the processor expands the image placeholder to (tests/unit/plan/shape/test_vision.py
-checks both against the real processors), so no per-family formula is written here: Qwen2-VL's
+the count the processor expands the image placeholder to and the model's own check accepts
+(tests/unit/plan/shape/test_image_tokens.py), so no per-family formula is written here: Qwen2-VL's
 (h/28)*(w/28) after its smart resize, SmolVLM's tiles of a fixed count, Gemma 3's fixed 256 all come
 out of transformers' own code.
 
@@ -22,11 +22,13 @@ processor_config.json), else it is transformers' default for the family; torchvi
 (the PIL backend).
 
 Three images give each quantity as c + a*T + b*T^2 in the image tokens T (types.VisionShape), for
-both activation dtypes. Where every image gives the same T (a fixed count per image: Gemma 3, Llava,
+both activation dtypes, and two images in one call what a batch's images cost together beyond each
+alone (x*T^2 per pair). Where every image gives the same T (a fixed count per image: Gemma 3, Llava,
 PaliGemma), the one measured cost is per image. The saved bytes use saved.py's stand-ins (SDPA keeps
-what the fused kernels keep); the FLOPs are torch.utils.flop_counter's. A family whose vision side
-branches on its activations' values cannot be run this way: its shape says so (`unmeasured`) and
-only its weights are priced.
+what the fused kernels keep); the FLOPs are torch.utils.flop_counter's. Bytes are measured with a
+block or two of each kind running and the others passing their input through (`_costs` says why
+that holds). A family whose vision side branches on its activations' values cannot be run this way:
+its shape says so (`unmeasured`) and only its weights are priced.
 """
 
 from __future__ import annotations
@@ -67,13 +69,19 @@ def measure_vision(build, *, model_path: str | None) -> VisionShape:
     try:
         processor = image_processor(model.config, model_path=model_path)
     except Exception as err:  # noqa: BLE001 - no image processor for the family: its weights are still priced
-        return VisionShape(params=params, linears=linears, unmeasured=f"no image processor to prepare images ({err})")
+        return VisionShape(params=params, linears=linears, unmeasured=f"no image processor to prepare images ({_said(err)})")
     try:
         return _measured(build, processor, params=params, linears=linears)
     except Exception as err:  # noqa: BLE001 - a vision side that branches on its activations' values
         log.debug("the vision side of %s could not run on the meta device: %r", type(model).__name__, err)
         return VisionShape(params=params, image_processor=type(processor).__name__, linears=linears,
-                           unmeasured=f"its vision side did not run on the meta device ({type(err).__name__}: {err})")
+                           unmeasured=f"its vision side did not run on the meta device ({_said(err)})")
+
+
+def _said(err: Exception) -> str:
+    """An error in a few words for the plan's warning: its type and its first line."""
+    first = str(err).splitlines()[0][:200] if str(err) else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def image_processor(config, *, model_path: str | None):
