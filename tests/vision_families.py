@@ -128,3 +128,169 @@ def save_tiny_vision(out_dir: Path, model_type: str, *, seed: int = 0, with_toke
     model.save_pretrained(out_dir)
     image_processor(model_type).save_pretrained(out_dir)
     return out_dir
+
+
+def save_families(root: Path, families: tuple[str, ...]) -> dict[str, Path]:
+    """Each of `families` saved once under `root` (without a tokenizer: the planner reads none)."""
+    return {family: save_tiny_vision(root / family, family, with_tokenizer=False) for family in families}
+
+
+# --------------------------------------------------------------------------------------------
+# checks the unit tests run on a few families and tests/e2e/test_vision_families.py on the rest
+
+UNIT_FAMILIES = ("qwen2_vl", "mistral3", "smolvlm", "gemma3")
+"""One of each way image tokens are counted: grown with the image (Qwen2-VL; Pixtral, whose images
+share one attention), tiles of a fixed count (SmolVLM), a fixed count per image (Gemma 3)."""
+E2E_FAMILIES = tuple(f for f in VISION_FAMILIES if f not in UNIT_FAMILIES)
+
+TOKEN_SIZES = ((84, 112), (336, 448), (300, 1000), (1000, 300))
+"""(height, width) of the images counted: none of them the vision measurement's squares."""
+
+
+def derived_shape(folder: Path):
+    import json
+
+    from homelab_ft.plan.shape.shapes import model_shape
+
+    return model_shape(json.loads((folder / "config.json").read_text()), model_path=str(folder))
+
+
+def counted_tokens(folder: Path, sizes=TOKEN_SIZES) -> tuple[int, ...]:
+    import json
+
+    from homelab_ft.plan.shape.cache import cached_image_tokens
+
+    return cached_image_tokens(json.loads((folder / "config.json").read_text()), sizes=sizes, model_path=str(folder))
+
+
+def check_planned_whole(model_type: str, folder: Path) -> None:
+    """The family is planned with every loaded weight priced once: the language model's blocks as a
+    causal LM's, the vision side (tower and projector, each of its linear layers) beside them."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    shape = derived_shape(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    language = model.get_decoder()
+    assert shape.total_params + shape.vision_params == sum(p.numel() for p in model.parameters())
+    assert shape.num_layers == len(language.layers) and shape.model_type == model.config.get_text_config().model_type
+    assert not shape.vision.unmeasured and shape.vision.image_processor == type(image_processor(model_type)).__name__
+    inside = {id(m) for m in language.modules()} | {id(model.get_output_embeddings())}
+    vision_linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and id(m) not in inside}
+    assert {lin.name for lin in shape.vision.linears} == vision_linears
+
+
+def _real_saved_and_peak(model, inputs) -> tuple[int, int, int]:
+    """(image tokens, bytes saved for backward, the most bytes held at once without grad) of the real
+    model's vision side: its own kernels, no stand-in."""
+    import torch
+
+    from homelab_ft.plan.shape import vision
+
+    skip = {vision._storage_id(t) for t in (*model.parameters(), *model.buffers(), *inputs.values())}
+    sizes: dict[int, int] = {}
+    keep: list = []
+
+    def pack(t):
+        keep.append(t)
+        if vision._storage_id(t) not in skip:
+            sizes[vision._storage_id(t)] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tokens = vision._rows(model.get_image_features(**inputs))
+    tracker = vision._RealUntilWeights(track=True)
+    with tracker, torch.no_grad():
+        model.get_image_features(**inputs)
+    return tokens, sum(sizes.values()), tracker.peak
+
+
+def check_against_real_forward(model_type: str, folder: Path) -> None:
+    """At 448 x 336 px (never measured: the three measured images are square), the tokens the shape
+    predicts are what the real vision side returns, and its saved and held bytes per image are the
+    real fp32 CPU forward's within 3%. Costs follow patches, priced through image tokens at a fixed
+    number of patches per token: where a grid side is odd (Pixtral merges 2x2 patches and drops the
+    odd column), the image costs more than priced: 6% more saved bytes at 560 x 392 on the tiny
+    Pixtral (23 patch columns), under 3% at a real 1024 x 768 photo (73)."""
+    import pytest
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from homelab_ft.plan.shape import vision
+
+    sight = derived_shape(folder).vision
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(tiny_vision_config(model_type), attn_implementation="sdpa")
+    inputs = vision.vision_inputs(model, image_processor(model_type), height=336, width=448)
+    tokens, saved, peak = _real_saved_and_peak(model, inputs)
+    assert tokens == vision.image_tokens(model, inputs) > 0
+    assert saved == pytest.approx(sight.saved_bytes(4, tokens), rel=0.03)
+    assert peak == pytest.approx(sight.transient_bytes(4, tokens), rel=0.03)
+    assert sight.forward_flops(tokens) > sight.forward_flops(tokens / 2) > 0
+
+
+def check_accepted_tokens(folder: Path) -> None:
+    """The real model accepts exactly the counted image tokens beside each image of TOKEN_SIZES: its
+    own "Image features and image tokens do not match" check refuses one more."""
+    import pytest
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
+    start = [model.config.vision_start_token_id] if getattr(model.config, "vision_start_token_id", None) else []
+    for (height, width), tokens in zip(TOKEN_SIZES, counted_tokens(folder), strict=True):
+        pixels = {k: v for k, v in processor(images=[Image.new("RGB", (width, height))], return_tensors="pt").items()
+                  if k not in ("num_crops", "num_patches")}
+
+        def forward(count: int):
+            ids = torch.tensor([[5, 6, *start, *[IMAGE_TOKEN] * count, 7]])
+            with torch.no_grad():
+                return model(input_ids=ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int(), **pixels)
+
+        assert forward(tokens).logits.shape[1] == tokens + len(start) + 3
+        with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+            forward(tokens + 1)
+
+
+def _tokenizer(specials: list[str], **named: str):
+    import tempfile
+
+    from tiny import make_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    base = make_tokenizer(Path(tempfile.mkdtemp()))
+    base.add_special_tokens({"additional_special_tokens": specials})
+    return PreTrainedTokenizerFast(tokenizer_object=base._tokenizer, bos_token=base.bos_token, extra_special_tokens=named)
+
+
+def real_processor(model_type: str):
+    """The family's real processor (Llava, PaliGemma, Gemma 3: the others need torchvision or
+    num2words here) with the tests' tokenizer and its special tokens, and the text and token of one
+    image placeholder."""
+    import transformers
+
+    if model_type == "llava":
+        return (transformers.LlavaProcessor(image_processor=image_processor("llava"), tokenizer=_tokenizer(["<image>"]),
+                                            patch_size=14, vision_feature_select_strategy="default",
+                                            num_additional_image_tokens=1), "<image>hi", "<image>")
+    if model_type == "paligemma":
+        pixels = image_processor("paligemma")
+        pixels.image_seq_length = 4  # what a PaliGemma checkpoint's preprocessor_config.json carries
+        return transformers.PaliGemmaProcessor(image_processor=pixels, tokenizer=_tokenizer(["<image>"])), "<image>hi", "<image>"
+    tokens = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    return (transformers.Gemma3Processor(image_processor=image_processor("gemma3"),
+                                         tokenizer=_tokenizer(list(tokens.values()), **tokens), image_seq_length=4),
+            "<start_of_image>hi", "<image_soft_token>")
+
+
+def check_processor_expansion(model_type: str, folder: Path) -> None:
+    """The real processor expands the placeholder of each image of TOKEN_SIZES to the counted tokens."""
+    from PIL import Image
+
+    processor, text, token = real_processor(model_type)
+    token_id = processor.tokenizer.convert_tokens_to_ids(token)
+    for (height, width), tokens in zip(TOKEN_SIZES, counted_tokens(folder), strict=True):
+        ids = processor(text=[text], images=[Image.new("RGB", (width, height))], return_tensors="pt")["input_ids"]
+        assert int((ids == token_id).sum()) == tokens

@@ -13,7 +13,14 @@ from homelab_ft.plan.planner import Plan
 from homelab_ft.plan.price.activations import activation_dtype_bytes
 from homelab_ft.plan.price.images import images_per_step, row_images, tower_trained, vision_bytes, vision_s
 from homelab_ft.plan.price.memory import gib_text
-from homelab_ft.plan.price.params import host_embedding_bytes, linears_for, router_params, trainable_params, weight_bytes
+from homelab_ft.plan.price.params import (
+    host_embedding_bytes,
+    linears_for,
+    router_params,
+    trainable_params,
+    vision_linears_for,
+    weight_bytes,
+)
 from homelab_ft.plan.price.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules.loss_chunks import AUTO, chunk_rows
@@ -83,6 +90,10 @@ def lora_text(shape: ModelShape, request: PlanRequest) -> str:
     parts = [f"{what} in {n} block{'s' * (n != 1)}" for what, n in blocks.items()] or ["nothing"]
     if left_out:
         parts.append(f"left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}")
+    vision = vision_linears_for(shape, targets)
+    if vision:
+        leaves = dict.fromkeys(lin.name.rpartition(".")[2] for lin in vision)
+        parts.append(f"vision tower: {{{', '.join(leaves)}}} in {len(vision)} layers (lora.target_modules names them)")
     if any(b.router_params for b in shape.blocks):
         parts.append(f"routers trained in full ({router_params(shape, request):,} parameters)" if request.lora.train_router
                      else "routers frozen (lora.train_router: false)")

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from vision_families import save_tiny_vision  # noqa: E402
+from vision_families import save_families  # noqa: E402
 
 from homelab_ft.plan.inputs import Cluster, RowImages  # noqa: E402
 from homelab_ft.plan.ladder import option_rung  # noqa: E402
@@ -29,7 +29,7 @@ CPU = Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=8 << 30, host
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("image-pricing")
-    return {family: save_tiny_vision(root / family, family, with_tokenizer=False) for family in ("qwen2_vl", "gemma3")}
+    return save_families(root, ("qwen2_vl", "gemma3"))
 
 
 def _recipe(folder: Path, **data):
@@ -89,6 +89,12 @@ def test_adapters_in_the_tower_keep_its_activations_and_triple_its_seconds(folde
     assert not images.tower_trained(frozen_shape, rung=rung, request=frozen_request)  # all-linear leaves it out
     kept = shape.vision.saved_bytes(4, 256, 2)
     assert kept > 0 and trained.memory.vision_forward == pytest.approx(frozen.memory.vision_forward + kept, rel=1e-6)
+    from homelab_ft.plan.price.params import trainable_params
+    from homelab_ft.plan.report import lora_text
+
+    adapters = sum(request.lora.r * (lin.in_features + lin.out_features) for lin in shape.vision.linears if lin.name.endswith(name))
+    assert adapters and trainable_params(shape, request) >= adapters  # the tower's adapters train
+    assert f"vision tower: {{{name}}} in " in lora_text(shape, request)
     tower_s = images.vision_s(frozen_shape, rung=rung, request=frozen_request, cluster=CPU)
     assert images.vision_s(shape, rung=rung, request=request, cluster=CPU) == pytest.approx(3 * tower_s)
 
