@@ -12,10 +12,11 @@ The modules, in the order a plan is made:
   hardware     the cluster as detected on this machine, or as the recipe, flags or a cluster file say
   gpus         the GPU table (vendors' dense bf16 TFLOPS, bandwidth) and the throughput a step is priced with
   shape/       what the model is: `shapes.model_shape` from the cache (`cache`) or derived from the meta
-               model (`derive`, `saved`); `types` holds it, and its `facts` (model_facts.ModelFacts)
+               model (`derive`, `saved`, an image-text model's vision side per image: `vision`); `types`
+               holds it, and its `facts` (model_facts.ModelFacts)
   price/       what one option costs: `params`, `activations`, `memory` (`estimate`), `host_ram`,
-               `network` (seconds per step), `rollout` (GRPO's generation), `pipeline` (per-stage memory,
-               p2p, bubble), `diskspace`
+               `network` (seconds per step), `images` (an image-text model's vision tower), `rollout`
+               (GRPO's generation), `pipeline` (per-stage memory, p2p, bubble), `diskspace`
   ladder       every option priced and judged against the headroom, what the trainer refuses left out
                with its reason (rules/refusals.py), and the rule that picks one
   planner      the plan: the choice, what would fit when nothing does, the warnings

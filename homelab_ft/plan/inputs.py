@@ -158,6 +158,42 @@ class RowLengths:
 
 
 @dataclass(frozen=True)
+class RowImages:
+    """The images of an image-text model's rows, in the tokens they add to the language model's
+    sequence. `plan_for_recipe` asks the model's vision side what one image at `size` becomes
+    (plan/shape/vision.py: its own image processor and forward); `counts` are the prepared rows'
+    own figures, measured on the data (the data side records them), or () before they are: each row
+    is then priced with one image (price/images.py)."""
+
+    tokens_per_image: int
+    """Image tokens one image of `size` becomes."""
+    size: tuple[int, int]
+    """(height, width): the square of area data.image_max_pixels (`bounded`), else a reference photo
+    (price/images.REFERENCE_SIDE) the plan quotes."""
+    bounded: bool
+    """`size` is the recipe's bound; without one an image keeps its own size up to the processor's
+    limit, and one whose tokens grow with it may fill a row."""
+    counts: tuple[tuple[int, int, int], ...] = ()
+    """Measured: (images in a row, image tokens in it, rows), fewest tokens first; () not measured."""
+
+    @property
+    def num_rows(self) -> int:
+        return sum(n for _, _, n in self.counts)
+
+    @property
+    def most_per_row(self) -> tuple[int, int]:
+        """(images, image tokens) of the measured row with the most image tokens: what memory is priced at."""
+        images, tokens, _ = max(self.counts, key=lambda c: (c[1], c[0]))
+        return images, tokens
+
+    @property
+    def mean_per_row(self) -> tuple[float, float]:
+        """(images, image tokens) of the average measured row: what a step's seconds are priced at."""
+        rows = self.num_rows
+        return (sum(i * n for i, _, n in self.counts) / rows, sum(t * n for _, t, n in self.counts) / rows)
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     """What the recipe asks for: its own typed sections (config.py), as `planner.request_from_recipe`
     takes them from a `config.Recipe`, so a recipe key is read under its own name (`data.max_length`,
@@ -185,7 +221,11 @@ class PlanRequest:
     """The recipe's `dpo` section, read when `objective` is dpo (its loss decides the reference)."""
     lengths: RowLengths | None = None
     """The prepared rows' measured lengths, what step *time* is priced at (`timed_sequence_tokens`);
-    None: rows at data.max_length. Memory is always priced at data.max_length, the longest a batch gets."""
+    None: rows at data.max_length. Memory is always priced at data.max_length, the longest a batch gets.
+    An image-text model's rows count their image tokens in both: they are tokens of the sequence."""
+    images: RowImages | None = None
+    """An image-text model's images per row (price/images.py: the vision tower's memory and seconds);
+    None for a text model."""
 
     def changed(self, **sections) -> PlanRequest:
         """This request with recipe keys changed, a section's as a dict (validated by its dataclass):
@@ -203,7 +243,7 @@ class PlanRequest:
         sharding = {f.name: getattr(self.sharding, f.name) for f in dataclasses.fields(self.sharding)
                     if f.name not in ("strategy", "cpu_offload")}
         return repr((self.objective, self.model, self.lora, self.quant, self.data, self.train, sharding, self.planner,
-                     self.grpo, self.dpo, self.lengths))
+                     self.grpo, self.dpo, self.lengths, self.images))
 
     @property
     def rows_per_micro_batch(self) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 
 from homelab_ft.errors import UserError
 from homelab_ft.plan import afford
-from homelab_ft.plan.inputs import Cluster, PlanRequest, RowLengths
+from homelab_ft.plan.inputs import Cluster, PlanRequest, RowImages, RowLengths
 from homelab_ft.plan.ladder import (
     LADDER,
     STEP_TIME_TIE,
@@ -32,9 +33,11 @@ from homelab_ft.plan.ladder import (
     with_table,
 )
 from homelab_ft.plan.price.diskspace import checkpoint_bytes
+from homelab_ft.plan.price.images import REFERENCE_SIDE
 from homelab_ft.plan.price.memory import gib_text
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules import embedding_offload, moe_routers
+from homelab_ft.rules.image_area import bounded_size
 from homelab_ft.rung import (
     Rung,
     RungError,
@@ -406,12 +409,12 @@ def _warnings(shape: ModelShape, chosen: Option | None, request: PlanRequest, cl
 # from a recipe
 
 
-def request_from_recipe(recipe, *, lengths: RowLengths | None = None) -> PlanRequest:
-    """The planner's view of a `config.Recipe`: its own sections, as they are, and the measured
-    lengths of its prepared rows when the caller has them (data/lengths.py)."""
+def request_from_recipe(recipe, *, lengths: RowLengths | None = None, images: RowImages | None = None) -> PlanRequest:
+    """The planner's view of a `config.Recipe`: its own sections, as they are, the measured lengths of
+    its prepared rows when the caller has them (data/lengths.py), and an image-text model's images."""
     return PlanRequest(method=recipe.method, objective=recipe.objective, model=recipe.model, lora=recipe.lora,
                        quant=recipe.quant, data=recipe.data, train=recipe.train, sharding=recipe.sharding,
-                       planner=recipe.planner, grpo=recipe.grpo, dpo=recipe.dpo, lengths=lengths)
+                       planner=recipe.planner, grpo=recipe.grpo, dpo=recipe.dpo, lengths=lengths, images=images)
 
 
 def default_request(**sections) -> PlanRequest:
@@ -423,19 +426,21 @@ def default_request(**sections) -> PlanRequest:
 
 
 def plan_for_recipe(recipe, *, cluster: Cluster | None = None, cluster_file: str | None = None,
-                    lengths: RowLengths | None = None) -> Plan:
+                    lengths: RowLengths | None = None, image_counts: tuple[tuple[int, int, int], ...] = ()) -> Plan:
     """Read the model's config, describe the cluster (recipe, else detected), and plan.
     `cluster_file`: the `--cluster` file whose values the recipe's cluster section holds (named in the plan);
-    `lengths`: the prepared rows' measured lengths (data.lengths.stored), what step time is priced at."""
+    `lengths`: the prepared rows' measured lengths (data.lengths.stored), what step time is priced at;
+    `image_counts`: an image-text model's prepared rows as (images in a row, image tokens in it, rows)."""
     from homelab_ft.plan import hardware
 
     shape, source = recipe_shape(recipe)
+    images = recipe_images(recipe, shape, counts=image_counts)
     if cluster is None:
         # one core's matmul rate, measured once per machine, for a plan that may be a CPU one and names none
         cpu_speed = recipe.cluster.device != "cuda" and recipe.cluster.cpu_gflops_per_core is None
         cluster = hardware.resolve_cluster(recipe.cluster, detected=hardware.detect(cpu_speed=cpu_speed),
                                            cluster_file=cluster_file, num_threads=recipe.train.num_threads)
-    return plan(shape, request=request_from_recipe(recipe, lengths=lengths), cluster=cluster, model=recipe.model.path,
+    return plan(shape, request=request_from_recipe(recipe, lengths=lengths, images=images), cluster=cluster, model=recipe.model.path,
                 config_source=source)
 
 
@@ -445,6 +450,26 @@ def named_rung(recipe, plan: Plan) -> Rung:
     embedding_offload.placed): what `train` runs where the planner chose nothing for a named method,
     and what a test or benchmark builds a model for outside `train`. Raises RungError for a refused one."""
     return with_table(rung_for(recipe), request=plan.request, shape=plan.shape, cluster=plan.cluster)
+
+
+def recipe_images(recipe, shape: ModelShape, *, counts: tuple[tuple[int, int, int], ...] = ()) -> RowImages | None:
+    """An image-text model's images as the planner prices them (inputs.RowImages): the tokens one image
+    becomes at the largest area the recipe allows (rules/image_area.py: a square of
+    data.image_max_pixels), else at a reference photo (images.REFERENCE_SIDE), counted by the model's
+    own vision side (cached), and the rows' measured `counts`. None for a text model, or a vision side
+    that could not be measured (its weights alone are priced, and a warning says so)."""
+    from homelab_ft.locate import locate_config
+    from homelab_ft.plan.shape.cache import cached_image_tokens
+
+    if shape.vision is None or shape.vision.unmeasured:
+        return None
+    bound = recipe.data.image_max_pixels
+    side = math.isqrt(bound) if bound else REFERENCE_SIDE
+    size = bounded_size(side, side, max_pixels=bound, min_pixels=recipe.data.image_min_pixels)
+    config, _ = locate_config(recipe.model.path)
+    (tokens,) = cached_image_tokens(config, sizes=(size,), model_path=recipe.model.path,
+                                    trust_remote_code=recipe.model.trust_remote_code)
+    return RowImages(tokens_per_image=tokens, size=size, bounded=bound is not None, counts=tuple(sorted(counts, key=lambda c: (c[1], c[0]))))
 
 
 def recipe_shape(recipe) -> tuple[ModelShape, str]:

@@ -5,11 +5,22 @@ formats what planner.plan decided and decides nothing.
 
 from __future__ import annotations
 
+import math
+
 from homelab_ft.plan.inputs import Cluster, PlanRequest
 from homelab_ft.plan.ladder import Option
 from homelab_ft.plan.planner import Plan
+from homelab_ft.plan.price.activations import activation_dtype_bytes
+from homelab_ft.plan.price.images import images_per_step, row_images, tower_trained, vision_bytes, vision_s
 from homelab_ft.plan.price.memory import gib_text
-from homelab_ft.plan.price.params import host_embedding_bytes, linears_for, router_params, trainable_params
+from homelab_ft.plan.price.params import (
+    host_embedding_bytes,
+    linears_for,
+    router_params,
+    trainable_params,
+    vision_linears_for,
+    weight_bytes,
+)
 from homelab_ft.plan.price.pipeline import bubble_fraction, split_text
 from homelab_ft.plan.shape.shapes import ModelShape
 from homelab_ft.rules.loss_chunks import AUTO, chunk_rows
@@ -79,6 +90,10 @@ def lora_text(shape: ModelShape, request: PlanRequest) -> str:
     parts = [f"{what} in {n} block{'s' * (n != 1)}" for what, n in blocks.items()] or ["nothing"]
     if left_out:
         parts.append(f"left out, as routers and Mamba projections PEFT cannot wrap: {', '.join(left_out)}")
+    vision = vision_linears_for(shape, targets)
+    if vision:
+        leaves = dict.fromkeys(lin.name.rpartition(".")[2] for lin in vision)
+        parts.append(f"vision tower: {{{', '.join(leaves)}}} in {len(vision)} layers (lora.target_modules names them)")
     if any(b.router_params for b in shape.blocks):
         parts.append(f"routers trained in full ({router_params(shape, request):,} parameters)" if request.lora.train_router
                      else "routers frozen (lora.train_router: false)")
@@ -128,6 +143,41 @@ def _batches(o: Option) -> str:
     """How many micro_batch x grad_accum_steps batches one step of `o` trains: one per replica."""
     replicas = o.rung.data_parallel_size
     return f"{replicas} batch{'es' if replicas > 1 else ''}"
+
+
+def image_lines(p: Plan) -> list[str]:
+    """For an image-text model: what one image becomes in tokens (its size, the processor, the rows'
+    images as priced) and what the vision tower costs the chosen option (price/images.py)."""
+    s, r, o = p.shape, p.request, p.chosen
+    if s.vision is None or r.images is None or o is None:
+        return []
+    v, i = s.vision, r.images
+    (h, w), tokens = i.size, i.tokens_per_image
+    geometry = (f"~{math.sqrt(h * w / tokens):.0f}x{math.sqrt(h * w / tokens):.0f} px per token" if v.dynamic
+                else "a fixed count per image")
+    size = (f"at {w}x{h}, data.image_max_pixels" if i.bounded
+            else f"at a {w}x{h} photo; data.image_max_pixels is unset")
+    images, row_tokens = row_images(s, r, timed=False)
+    if i.counts:
+        mean_images, mean_tokens = i.mean_per_row
+        rows = (f"rows as measured on {i.num_rows}: up to {images:.0f} image(s) and {row_tokens:.0f} image tokens, "
+                f"{mean_images:.2f} and {mean_tokens:.0f} on average")
+    else:
+        rows = (f"rows priced with one image of {row_tokens:.0f} tokens"
+                + ("" if i.bounded or not v.dynamic else " (unbounded, an image may fill a row)")
+                + "; `data inspect` measures the rows'")
+    act = activation_dtype_bytes(o.rung, r, p.cluster)
+    saved, held = vision_bytes(s, rung=o.rung, request=r, act_bytes=act)
+    per_step = images_per_step(s, r)
+    seconds = vision_s(s, rung=o.rung, request=r, cluster=p.cluster)
+    trained = tower_trained(s, rung=o.rung, request=r)
+    tower = (f"vision tower {v.params / 1e9:.2f}B params, {gib_text(v.params * weight_bytes(r, p.cluster))} GiB "
+             + ("with adapters (lora.target_modules names its layers)" if trained else "frozen"))
+    cost = (f"its forward holds {held / 2**20:.0f} MiB for a micro-batch's images"
+            + (f", {saved / 2**20:.0f} MiB of them kept for backward" if saved else "")
+            + f"; +{seconds / max(per_step, 1e-9):.3f} s per image, {seconds:.2f} s a step")
+    return [f"images   ~{tokens} tokens per image {size} ({v.image_processor}: {geometry}); {rows}",
+            f"         {tower}; {cost}"]
 
 
 def grpo_lines(p: Plan) -> list[str]:
@@ -242,6 +292,7 @@ def format_plan(p: Plan) -> str:
         if p.chosen.rung.adapters_enabled:
             lines.append(f"lora     {lora_text(s, r)}")
         lines += embedding_lines(p)
+        lines += image_lines(p)
         lines += pipeline_lines(p)
         lines += grpo_lines(p)
         lines.append(f"disk     {gib_text(p.checkpoint_bytes)} GiB per checkpoint (trainable weights + optimizer state)")

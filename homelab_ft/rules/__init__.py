@@ -10,6 +10,7 @@ model/, train/ or distributed/ run, written once so the two cannot drift. Torch-
     loss_chunks        tokens per chunk of the chunked loss (`train.loss_chunk_tokens: auto`)
     embedding_offload  whether the frozen input embedding table lives in host RAM
     vision             which loaded models carry a vision tower, its modules: frozen, left out of all-linear, priced
+    image_area         the size an image is resized to within data.image_max_pixels / image_min_pixels
     adapter_sync       the dtype a rollout node's adapters cross the link in (and are held in there)
     refusals           one function per trainer refusal: the ladder never offers, preflight refuses, with one reason
 

@@ -18,7 +18,9 @@ Qwen2-VL, `vision_model` + `connector` in Idefics3. It is frozen in a full fine-
 `lora.target_modules` names its layers (`freeze`), PEFT freezes it with every base weight,
 `all-linear` leaves it out (lora_targets.py), QLoRA keeps it in 16 bits on an image run
 (`quant_skip`: bitsandbytes' 4-bit tower is not shown to be safe, the issue asks for it unless shown),
-and the planner prices it as frozen weights (plan/shape/derive.vision_params).
+and the planner prices its weights as frozen and measures what an image costs it
+(plan/shape/vision.py). What a *text* run loads with the tower is `image_text_class`: the planner's
+shape carries the tower for those checkpoints (Gemma 3, and those with no causal-LM class).
 
 Torch-free at import, as every rule is.
 """
@@ -27,15 +29,17 @@ from __future__ import annotations
 
 
 def image_text_class(config) -> type | None:
-    """The class the causal-LM mapping builds for `config` when it is also transformers'
-    image-text class for it (a vision tower is loaded with the text decoder), else None (text
-    models, a text-only class such as Qwen 3.5's, remote code)."""
+    """transformers' image-text class for `config` where that is the class a text run loads it with
+    (`auto_class(images=False)`: the vision tower is built beside the text decoder): the causal-LM
+    mapping builds the same class (Gemma 3) or has none for the config (Qwen2-VL, Llava ...). None
+    for text models, a config whose causal-LM class is text-only (Qwen 3.5's), remote code."""
     from transformers import AutoModelForCausalLM
 
     if config is None or getattr(config, "auto_map", None):
         return None
     causal = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    return causal if causal is not None and causal is image_text_model_class(config) else None
+    image_text = image_text_model_class(config)
+    return image_text if causal is None or causal is image_text else None
 
 
 def image_text_model_class(config) -> type | None:

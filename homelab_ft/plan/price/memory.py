@@ -28,6 +28,7 @@ from homelab_ft.plan.price.host_ram import (
     loading_bytes,
     one_process_load_host_bytes,
 )
+from homelab_ft.plan.price.images import vision_bytes, vision_s
 from homelab_ft.plan.price.network import (
     OFFLOAD_BYTES_PER_S,
     Communication,
@@ -114,6 +115,10 @@ class Memory:
     generation: int = 0
     """GRPO: bytes held while `generate` samples the rollouts (rollout.generation_bytes: what stays
     resident, the KV cache, the prefill's or a decode step's transients); 0 without generation."""
+    vision_forward: int = 0
+    """An image-text model: bytes held while its vision tower runs on the micro-batch's images, before
+    the language model's activations exist (images.vision_bytes: its working set, and what a trained
+    tower keeps, which `activations` holds too)."""
 
     @property
     def overhead(self) -> int:
@@ -128,8 +133,10 @@ class Memory:
         """Bytes held during forward and backward: activations, the loss's logits (or, later, a
         recomputed block) and gathered units at their largest, next to weights and optimizer state."""
         in_backward = self.step_temporary if self.step_in_backward else 0
-        return (self.weights + self.optimizer + self.gradients_in_backward + self.activations - self.recomputed
-                + max(self.recomputed + self.gradients_at_recompute, self.logits, in_backward) + self.gathered)
+        language = self.activations - self.recomputed + max(self.recomputed + self.gradients_at_recompute, self.logits,
+                                                             in_backward)
+        return (self.weights + self.optimizer + self.gradients_in_backward + max(language, self.vision_forward)
+                + self.gathered)
 
     @property
     def optimizer_step(self) -> int:
@@ -290,7 +297,8 @@ def estimate(shape: ModelShape, *, rung: Rung, request: PlanRequest, cluster: Cl
     host = host_bytes(device_total=device.total, offloaded=int(offloaded) + act_host + table_host, loading=loading, cluster=cluster)
     if shards == 1 and not cpu_offload:
         host = max(host, one_process_load_host_bytes(shape, held_on_cpu=device.overhead + device.weights, rung=rung, request=request, cluster=cluster))
-    compute = compute_s(shape, rung=rung, request=request, cluster=cluster)
+    compute = compute_s(shape, rung=rung, request=request, cluster=cluster) + vision_s(shape, rung=rung, request=request,
+                                                                                     cluster=cluster)
     if rung.rollout_node_enabled:  # rank 0 trains as one process: no gradient collectives (the adapters' sync is the rollout's)
         comm = Communication(sent_bytes=0, gathers_s=0.0, grads_s=0.0, backward_window=0.0, exposed_s=0.0)
     else:
@@ -362,9 +370,12 @@ def _device_memory(shape: ModelShape, sizes: _Sizes, *, rung: Rung, request: Pla
     if rung.rollout_node_enabled:  # the rollout node's GPU: the base and the adapters, nothing of training's,
         # the adapters held as they cross the link (rules/adapter_sync.py)
         resident = held["weights"] - trainable * (state_bytes - synced_bytes(state_bytes, act_bytes))
+    vision_saved, vision_held = vision_bytes(shape, rung=rung, request=request, act_bytes=act_bytes)
     device = Memory(
         **held,
-        activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0),
+        activations=activation_bytes(shape, rung=rung, request=request, act_bytes=act_bytes, offloaded=act_host > 0)
+        + vision_saved,
+        vision_forward=vision_held,
         recomputed=recomputed_block_bytes(shape, rung=rung, request=request, act_bytes=act_bytes),
         logits=logits_bytes(shape, request, act_bytes),
         context=CUDA_CONTEXT_BYTES if cluster.device == "cuda" else CPU_PROCESS_BYTES,

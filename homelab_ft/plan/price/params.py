@@ -168,8 +168,20 @@ def linears_for(block: BlockShape, targets: tuple[str, ...]) -> tuple[Linear, ..
     return tuple(lin for lin in block.linears if any(lin.name.endswith(t) for t in targets))
 
 
+def vision_linears_for(shape: ModelShape, targets: tuple[str, ...]) -> tuple[Linear, ...]:
+    """An image-text model's vision linears that a `lora.target_modules` entry names, matched as
+    `linears_for` matches; `all-linear` never wraps them (rules/lora_targets.py)."""
+    named = [t for t in targets if t != "all-linear"]
+    if shape.vision is None or not named:
+        return ()
+    return tuple(lin for lin in shape.vision.linears if any(lin.name.endswith(t) for t in named))
+
+
 def adapter_params(shape: ModelShape, request: PlanRequest) -> int:
-    return sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
+    """Every adapter's parameters: the blocks', and a vision tower's where the targets name its layers."""
+    vision = sum(request.lora.r * (lin.in_features + lin.out_features)
+                 for lin in vision_linears_for(shape, request.lora.targets))
+    return vision + sum(b.num_blocks * lora_params_per_block(shape, request, i) for i, b in enumerate(shape.blocks))
 
 
 def router_params(shape: ModelShape, request: PlanRequest) -> int:

@@ -26,11 +26,13 @@ from pathlib import Path
 from homelab_ft import fsio
 from homelab_ft.locate import cache_root
 from homelab_ft.plan.shape.types import ModelShape
+from homelab_ft.plan.shape.vision import processor_files
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 14
-"""Bumped when derive.py or saved.py change what a cached shape holds or how it is measured."""
+SCHEMA = 15
+"""Bumped when derive.py, saved.py or vision.py change what a cached shape holds or how it is
+measured (15: an image-text model's vision side, measured per image)."""
 
 
 NOT_THE_MODEL = {
@@ -55,9 +57,10 @@ def cache_dir() -> Path:
 def cache_key(config: dict, *, attn_implementation: str, model_path: str | None = None,
               trust_remote_code: bool = False) -> str:
     """sha256 of the config (canonical JSON), the attention implementation, the installed
-    transformers version and, for remote code, the model folder's .py files."""
+    transformers version, the checkpoint's image processor settings (what an image-text model's
+    vision side was measured on, vision.py) and, for remote code, the model folder's .py files."""
     parts = [json.dumps(_model_part(config), sort_keys=True, default=str), attn_implementation,
-             _transformers_version(), str(SCHEMA)]
+             _transformers_version(), str(SCHEMA), *processor_files(model_path)]
     if trust_remote_code and model_path and Path(model_path).is_dir():
         parts += [p.read_text() for p in sorted(Path(model_path).glob("*.py"))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
@@ -93,6 +96,35 @@ def cached_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
         same = cache_key(config, attn_implementation=alias, model_path=model_path, trust_remote_code=trust_remote_code)
         _store(cache_dir() / f"{same}.json", shape)
     return shape
+
+
+def cached_image_tokens(config: dict, *, sizes: tuple[tuple[int, int], ...], model_path: str | None = None,
+                        trust_remote_code: bool = False) -> tuple[int, ...]:
+    """Image tokens one image of each (height, width) of `sizes` becomes in the image-text model
+    `config` describes (derive.image_tokens_at), kept beside the shapes under the same key (the
+    config, the processor files, transformers), one entry per size: a plan at a recipe's
+    data.image_max_pixels seen before imports no torch."""
+    key = cache_key(config, attn_implementation="sdpa", model_path=model_path, trust_remote_code=trust_remote_code)
+    path = cache_dir() / f"{key}.image_tokens.json"
+    try:
+        known = {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except FileNotFoundError:
+        known = {}
+    except (OSError, ValueError, TypeError, AttributeError) as err:
+        log.warning("ignoring the unreadable cached image tokens %s (%s); counting them again", path, err)
+        known = {}
+    missing = tuple(size for size in sizes if f"{size[0]}x{size[1]}" not in known)
+    if missing:
+        from homelab_ft.plan.shape.derive import image_tokens_at
+
+        counted = image_tokens_at(config, sizes=missing, model_path=model_path, trust_remote_code=trust_remote_code)
+        known.update({f"{h}x{w}": n for (h, w), n in zip(missing, counted, strict=True)})
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fsio.replace_text(path, json.dumps(known, indent=1))
+        except OSError as err:
+            log.warning("could not cache image tokens in %s (%s); the next plan counts them again", path.parent, err)
+    return tuple(known[f"{h}x{w}"] for h, w in sizes)
 
 
 def _same_derivation(requested: str, used: str) -> tuple[str, ...]:

@@ -34,22 +34,28 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token
 
 def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path: str | None = None,
                  trust_remote_code: bool = False) -> ModelShape:
-    """The shape of the causal LM `config` builds (its text decoder for a multimodal config)."""
+    """The shape of the model `config` loads as: a causal LM; the text decoder alone of a multimodal
+    config whose causal-LM class is text-only; an image-text model (rules/vision.py), whose language
+    model's blocks are sized as a causal LM's and whose vision side is measured on images
+    (vision.measure_vision)."""
     import torch
 
     from homelab_ft.plan.shape.saved import measure_saved
+    from homelab_ft.plan.shape.vision import measure_vision
+    from homelab_ft.rules import vision
 
-    hf_config, notes, vision = text_decoder_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    hf_config, notes = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    text = hf_config.get_text_config(decoder=True)
     # `auto` (the default): sdpa where the class supports it, else eager, as model/family.py loads it.
     auto = attn_implementation == "auto"
     attn_implementation = "sdpa" if auto else attn_implementation
     model, used = _build_supported(hf_config, attn_implementation, trust_remote_code=trust_remote_code)
     if used != attn_implementation and not auto:
-        notes += (f"{hf_config.model_type} does not support attn_implementation={attn_implementation} in transformers; "
+        notes += (f"{text.model_type} does not support attn_implementation={attn_implementation} in transformers; "
                   f"its activations are priced for {used}",)
     attn_implementation = used
     blocks = decoder_blocks(model)
-    kinds = _group(blocks, hf_config)
+    kinds = _group(blocks, text)
 
     def build(dtype):
         fresh = build_on_meta(copy.deepcopy(hf_config), attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
@@ -57,35 +63,41 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
         return fresh, decoder_blocks(fresh)
 
     measured = measure_saved(build, [index for index, _ in kinds])
-    shapes = tuple(_block_shape(model, blocks[first], first, count, hf_config, measured[first])
+    shapes = tuple(_block_shape(model, blocks[first], first, count, text, measured[first])
                    for first, count in ((first, len(members)) for first, members in kinds))
+    prefixes = vision.vision_prefixes(model)
+    language = {id(p): p for name, p in model.named_parameters() if not vision.is_vision_module(name, prefixes)}
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    outside = {id(p): p for p in model.parameters() if id(p) not in in_blocks}
+    outside = {i: p for i, p in language.items() if i not in in_blocks}
     tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} & set(outside)
     embedding = sum(outside[i].numel() for i in tables)
     lm_head = 0 if tied or head is None else head.weight.numel()
     rest = sum(p.numel() for i, p in outside.items() if i not in tables) - lm_head
-    text = hf_config
+    sight = measure_vision(lambda dtype: build(dtype)[0], model_path=model_path) if prefixes else None
+    if sight is not None:
+        notes += (_image_text_note(hf_config, sight),)
     return ModelShape(
         model_type=text.model_type, vocab_size=embed.weight.shape[0], hidden_size=embed.weight.shape[1],
         num_layers=len(blocks), max_position_embeddings=_max_positions(text),
         tie_word_embeddings=tied, blocks=shapes, logit_softcapping=bool(getattr(text, "final_logit_softcapping", None)),
         notes=notes, embedding_params=embedding, lm_head_params=lm_head, other_root_params=rest,
-        largest_param=max(p.numel() for p in model.parameters()),
+        largest_param=max(p.numel() for p in language.values()),
         attn_implementation=attn_implementation,
         embedding_name=next(name for name, module in model.named_modules() if module is embed),
         kv_elements_per_token=kv_elements_per_token(text, num_layers=len(blocks)),
-        vision_params=vision,
+        vision=sight,
     )
 
 
-def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_code: bool):
-    """transformers' config object for `config`, and for a multimodal one its text decoder's (what a
-    text-only fine-tune trains), with the note the plan repeats and the vision parameters loaded
-    beside it (`vision_params`)."""
+def loaded_config(config: dict, *, model_path: str | None, trust_remote_code: bool):
+    """transformers' config object of the model `config` loads as (rules/vision.py: an image-text
+    checkpoint whole; a multimodal one whose causal-LM class is text-only, its text decoder's), with
+    the note the plan repeats for the latter."""
     import transformers
+
+    from homelab_ft.rules import vision
 
     model_type = config.get("model_type")
     remote = bool(trust_remote_code and model_path)
@@ -107,33 +119,31 @@ def text_decoder_config(config: dict, *, model_path: str | None, trust_remote_co
             raise
         raise refusal from None
     text = hf_config.get_text_config(decoder=True)
-    if text is hf_config:
-        return hf_config, (), 0
-    vision = vision_params(hf_config)
-    if vision:
-        note = (f"{model_type}: image-text checkpoint, loaded with its vision tower and projector "
-                f"({vision / 1e9:.2f}B parameters, priced as frozen weights); its text decoder ({text.model_type}) "
-                f"is trained")
-    else:
-        note = (f"{model_type}: multimodal checkpoint; only its text decoder ({text.model_type}) is built, counted "
-                f"and trained (the vision/audio towers are not)")
-    return text, (note,), vision
+    if text is hf_config or vision.image_text_class(hf_config) is not None:
+        return hf_config, ()
+    return text, (f"{model_type}: multimodal checkpoint; only its text decoder ({text.model_type}) is built, counted "
+                  f"and trained (the vision/audio towers are not)",)
 
 
-def vision_params(hf_config) -> int:
-    """Parameters of the vision tower and projector that loading `hf_config` builds beside its text
-    decoder (rules/vision.py: where the causal-LM class is the image-text one, as Gemma 3's), counted
-    on that model built on the meta device; 0 where only the text decoder is built."""
-    import torch
+def image_tokens_at(config: dict, *, sizes: tuple[tuple[int, int], ...], model_path: str | None = None,
+                    trust_remote_code: bool = False) -> tuple[int, ...]:
+    """Image tokens the vision side of the image-text model `config` loads as returns for one blank
+    image of each (height, width) of `sizes`, prepared by its own image processor (vision.py)."""
+    from homelab_ft.plan.shape import vision
 
-    from homelab_ft.rules import vision
+    hf_config, _ = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    model = build_on_meta(hf_config, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+    processor = vision.image_processor(model.config, model_path=model_path)
+    return tuple(vision.image_tokens(model, vision.vision_inputs(model, processor, height=h, width=w)) for h, w in sizes)
 
-    cls = vision.image_text_class(hf_config)
-    if cls is None:
-        return 0
-    with torch.device("meta"):
-        model = cls._from_config(copy.deepcopy(hf_config))
-    return vision.vision_param_count(model)
+
+def _image_text_note(hf_config, sight) -> str:
+    text = hf_config.get_text_config(decoder=True)
+    priced = ("only as weights: what an image costs it could not be measured, " + sight.unmeasured if sight.unmeasured
+              else "as weights, and per image in the `images` line")
+    return (f"{hf_config.model_type}: image-text checkpoint, loaded with its vision tower and projector "
+            f"({sight.params / 1e9:.2f}B parameters, frozen, priced {priced}); its language model ({text.model_type}) "
+            f"is trained")
 
 
 def _build_supported(hf_config, attn_implementation: str, *, trust_remote_code: bool):
@@ -149,18 +159,22 @@ def _build_supported(hf_config, attn_implementation: str, *, trust_remote_code: 
 
 
 def build_on_meta(hf_config, *, attn_implementation: str, trust_remote_code: bool = False, dtype=None):
-    """AutoModelForCausalLM from the config on the meta device: shapes only, no memory.
+    """The model the config loads as, on the meta device: shapes only, no memory. That is
+    AutoModelForCausalLM's, or AutoModelForImageTextToText's for an image-text checkpoint
+    (rules/vision.image_text_class).
 
     flash_attention_2 needs the flash-attn package to build; it keeps for backward what SDPA's
     flash kernel keeps (q, k, v, out, log-sum-exp), so the model is built with `sdpa` for it."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from homelab_ft.rules import vision
 
     impl = "sdpa" if attn_implementation == "flash_attention_2" else attn_implementation
+    auto = AutoModelForImageTextToText if vision.image_text_class(hf_config) is not None else AutoModelForCausalLM
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(hf_config, attn_implementation=impl, dtype=dtype,
-                                                    trust_remote_code=trust_remote_code)
+            return auto.from_config(hf_config, attn_implementation=impl, dtype=dtype, trust_remote_code=trust_remote_code)
         except ValueError as err:
             if "does not recognize this architecture" in str(err) or "Unrecognized configuration" in str(err):
                 raise UserError(f"config.json: transformers cannot build a causal LM for model_type "
@@ -169,8 +183,11 @@ def build_on_meta(hf_config, *, attn_implementation: str, trust_remote_code: boo
 
 
 def decoder_blocks(model) -> list:
-    """The blocks the planner sizes: homelab_ft/rules/decoder_blocks.py's rule, which the trainer shares."""
-    found = shared_decoder_blocks(model)
+    """The blocks the planner sizes: homelab_ft/rules/decoder_blocks.py's rule, which the trainer shares,
+    over the language model (an image-text model's vision blocks are its vision side's: vision.py)."""
+    from homelab_ft.rules import vision
+
+    found = shared_decoder_blocks(model.get_decoder() if vision.vision_prefixes(model) else model)
     if not found:
         raise UserError(f"{type(model).__name__} declares no `_no_split_modules`: its decoder blocks are unknown, so "
                         f"the planner cannot size it")

@@ -108,7 +108,7 @@ def _keep_only(model, blocks: list, firsts: list[int]) -> tuple[list, list[int]]
         holder._modules.clear()
         for position, block in enumerate(kept):
             holder._modules[str(position)] = block
-        config = model.config
+        config = model.config.get_text_config(decoder=True)  # an image-text model's language model's
         layer_types = getattr(config, "layer_types", None)
         if isinstance(layer_types, list) and len(layer_types) == len(blocks):
             config.layer_types = [layer_types[i] for i in firsts]

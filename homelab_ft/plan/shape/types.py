@@ -119,6 +119,73 @@ class BlockShape:
         return a + b * seq_len
 
 
+def _per_batch(coefficients: tuple[float, ...], tokens: float, images: int) -> float:
+    """c + a*T + b*T^2 per image, and x*T^2 per ordered pair of images sharing one attention (see
+    VisionShape), for `images` images of `tokens` image tokens each."""
+    c, a, b, x = coefficients
+    return max(0.0, images * (c + a * tokens + b * tokens * tokens) + x * (images * images - images) * tokens * tokens)
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """An image-text model's vision side: its tower and projector (every child of the base model but
+    the language model, rules/vision.py), measured by running it on blank images that the model's own
+    image processor prepared (vision.py). What one image costs is a function of the image tokens T it
+    becomes, c + a*T + b*T^2: T is what the language model's sequence carries, and the tower's work
+    grows with it (patches per token fixed by the merge or pooling). Where the tower runs a batch's
+    images as one sequence under a block mask (Pixtral), the mask grows with the batch's tokens
+    squared: x*T^2 more per ordered pair of images. Each quantity is kept as (c, a, b, x)."""
+
+    params: int
+    """Parameters of the tower and projector: loaded beside the language model, frozen by default."""
+    image_processor: str = ""
+    """The image processor class the images were prepared with (the model folder's, else transformers'
+    default for the family)."""
+    points: tuple[tuple[int, int, int], ...] = ()
+    """(height, width, image tokens) of each image measured: the tokens the vision side returned."""
+    saved: tuple[tuple[int, float, float, float, float], ...] = ()
+    """(activation bytes per element, c, a, b, x): bytes autograd keeps for backward when the tower
+    trains (every vision parameter requiring grad)."""
+    transient: tuple[tuple[int, float, float, float, float], ...] = ()
+    """(activation bytes per element, c, a, b, x): the most bytes the frozen tower's no-grad forward
+    holds at once (its working set, the image features it returns included)."""
+    flops: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """Forward FLOPs, as torch.utils.flop_counter counts the matmuls, convolutions and attention."""
+    linears: tuple[Linear, ...] = ()
+    """The vision side's nn.Linear layers by full module name: what a `lora.target_modules` entry that
+    names vision layers wraps (`all-linear` never does: rules/lora_targets.py)."""
+    unmeasured: str = ""
+    """Why the per-image cost could not be measured (then only the weights are priced); "" when it was."""
+
+    def saved_bytes(self, act_bytes: int, tokens: float, images: int = 1) -> float:
+        """Bytes autograd keeps for `images` images of `tokens` image tokens each, the tower trained."""
+        return self._of(self.saved, act_bytes, tokens, images)
+
+    def transient_bytes(self, act_bytes: int, tokens: float, images: int = 1) -> float:
+        """The frozen tower's no-grad forward's most bytes held at once for `images` images."""
+        return self._of(self.transient, act_bytes, tokens, images)
+
+    def forward_flops(self, tokens: float, images: int = 1) -> float:
+        return _per_batch(self.flops, tokens, images)
+
+    @property
+    def dynamic(self) -> bool:
+        """Image tokens grow with the image (Qwen2-VL, Pixtral): the measured images gave different counts."""
+        return len({t for _, _, t in self.points}) > 1
+
+    @staticmethod
+    def _of(rows, act_bytes: int, tokens: float, images: int) -> float:
+        coefficients = next((row[1:] for row in rows if row[0] == act_bytes), None)
+        return _per_batch(coefficients, tokens, images) if coefficients else 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> VisionShape:
+        return cls(**{**data, "points": tuple(tuple(p) for p in data["points"]),
+                      "saved": tuple(tuple(r) for r in data["saved"]),
+                      "transient": tuple(tuple(r) for r in data["transient"]),
+                      "flops": tuple(data["flops"]), "linears": tuple(Linear(**lin) for lin in data["linears"])})
+
+
 @dataclass(frozen=True)
 class ModelShape:
     model_type: str
@@ -145,12 +212,17 @@ class ModelShape:
     embedding_name: str = ""
     """Module name of the input embeddings (`get_input_embeddings`, e.g. `model.embed_tokens`): what a
     `lora.target_modules` entry must match to put an adapter on them (embedding_offload.targets_embedding)."""
-    vision_params: int = 0
-    """An image-text checkpoint's vision tower and projector, which the causal-LM class loads beside
-    the text decoder (Gemma 3; rules/vision.py): frozen, so priced as base weights only."""
+    vision: VisionShape | None = None
+    """An image-text checkpoint's vision tower and projector, loaded beside the language model
+    (rules/vision.py): their weights, and what an image costs them (vision.py); None for text models."""
     kv_elements_per_token: int = 0
     """Elements the KV cache of `generate` holds per token, summed over the layers (derive.kv_elements_per_token:
     2 x key/value heads x head dim per attention layer); x bytes per element is the rollout's KV width."""
+
+    @property
+    def vision_params(self) -> int:
+        """The vision tower's and projector's parameters (0 for a text model): frozen base weights."""
+        return self.vision.params if self.vision else 0
 
     @property
     def final_norm_params(self) -> int:
@@ -212,4 +284,5 @@ class ModelShape:
                                      "expert_stacks": tuple(tuple(x) for x in b["expert_stacks"]),
                                      "expert_names": tuple(b.get("expert_names", ()))})
                        for b in data["blocks"])
-        return cls(**{**data, "blocks": blocks, "notes": tuple(data["notes"])})
+        vision = VisionShape.from_dict(data["vision"]) if data.get("vision") else None
+        return cls(**{**data, "blocks": blocks, "notes": tuple(data["notes"]), "vision": vision})

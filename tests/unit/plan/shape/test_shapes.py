@@ -216,12 +216,16 @@ def test_all_linear_is_what_peft_resolves():
     assert flagged == in_blocks - {"feed_forward.router"}
 
 
-def test_multimodal_config_plans_its_text_decoder():
+def test_an_image_text_config_plans_its_language_model_and_vision_side():
+    """Gemma 3 loads whole (rules/vision.py): its language model sized as a causal LM, the tower
+    beside it; the default config's SigLIP (224 px, 196 patches) cannot pool to its 256 tokens per
+    image, so what an image costs is unmeasured and said, and the weights are still priced."""
     from transformers import CONFIG_MAPPING
 
     config = CONFIG_MAPPING["gemma3"](text_config=tiny_config("gemma3_text").to_dict()).to_dict()
     shape = model_shape(config)
-    assert shape.model_type == "gemma3_text" and any("text decoder" in n for n in shape.notes)
+    assert shape.model_type == "gemma3_text" and any("language model (gemma3_text)" in n for n in shape.notes)
+    assert shape.vision_params > 0 and shape.vision.unmeasured
 
 
 # --------------------------------------------------------------------------------------------
