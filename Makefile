@@ -97,8 +97,8 @@ PYTEST_SERIAL = OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --
 test: install ## the test suite (CPU; distributed tests as 2-process gloo runs); 15 slowest of each part at the end
 	@rc=0; $(PYTEST) --ignore=tests/distributed tests || rc=$$?; $(PYTEST_SERIAL) tests/distributed || rc=$$?; exit $$rc
 
-test-unit: install ## tests/unit only, <= 90 s on 2 cores; a unit test over its CPU budget fails (tests/budget.py)
-	$(PYTEST) tests/unit
+test-unit: install ## tests/unit at the core families' depth, <= 90 s on 2 cores; a unit test over its CPU budget fails (tests/budget.py)
+	$(PYTEST) -m "not slow and not matrix" tests/unit
 
 test-gpu: install ## one CUDA GPU, <= 10 min: cuda tests, memory vs plan, tokens/s + MFU, bnb kernels -> runs/gpu-report.md
 	$(PY) bench/gpu_report.py --out runs

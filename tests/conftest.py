@@ -89,11 +89,33 @@ each already takes both cores with its 2 ranks (and some measure links and timeo
 one after another on one worker while the other worker runs the single-process tests."""
 
 
+def _matrix_point(item) -> bool:
+    """A unit test's parameter that is a family of tests/families.py or a released config of
+    tests/configs outside the core ones (families.CORE, CORE_CONFIGS): the depth of a family matrix
+    that `make test` runs and `make test-unit` leaves to it (`-m "not matrix"`). Every block kind
+    the code branches on stays in the fast loop; the other families repeat those code paths with
+    other sizes and names, which is what the full suite is for."""
+    import families
+
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "unit" not in item.path.relative_to(Path(__file__).parent).parts[:1]:
+        return False
+    configs = {p.stem for p in (Path(__file__).parent / "configs").glob("*.json")}
+    for value in callspec.params.values():
+        if isinstance(value, str) and ((value in families.FAMILIES and value not in families.CORE)
+                                       or (value in configs and value not in families.CORE_CONFIGS)):
+            return True
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
     """Groups for `pytest -n 2 --dist loadgroup`: the multi-process tests together, and every test
-    using a module-scoped fixture with the rest of its module, so that fixture is built once."""
+    using a module-scoped fixture with the rest of its module, so that fixture is built once. Unit
+    tests at a family matrix's outer points are marked `matrix` (`_matrix_point`)."""
     here = Path(__file__).parent
     for item in items:
+        if _matrix_point(item):
+            item.add_marker(pytest.mark.matrix)
         if here / "distributed" in item.path.parents:
             item.add_marker(pytest.mark.xdist_group(PROCESS_GROUP_RUNS))
             continue

@@ -211,6 +211,17 @@ FAMILIES = (
 )
 """The families every rung is tested on: the 12 the planner knew by hand plus what users bring today."""
 
+CORE = ("llama", "gemma3_text", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_5_text", "nemotron_h")
+"""One family of each kind of block the code branches on: a dense GQA decoder (llama), sliding
+windows and extra norms (gemma3_text), fused MoE experts (qwen3_moe), experts with biases and
+attention sinks (gpt_oss), multi-head latent attention (deepseek_v3), gated delta-net linear
+attention (qwen3_5_text) and Mamba-2 layers (nemotron_h). `make test-unit` runs a unit test's family
+matrix on these; `make test` runs it on every family (tests/conftest.py marks the rest `matrix`)."""
+
+CORE_CONFIGS = ("llama-3-8b", "gemma-3-1b", "mixtral-8x7b", "qwen3-30b-a3b")
+"""The released configs of tests/configs that `make test-unit` derives and plans (a dense model, a
+sliding-window one, two MoE); `make test` takes every config there."""
+
 MOE = (
     "mixtral",
     "qwen2_moe",
