@@ -10,6 +10,7 @@ import random
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import build_recipe
@@ -28,37 +29,166 @@ def child_env() -> dict:
     return env
 
 
-def run_checked(argv: list[str], *, timeout: int = 600) -> None:
-    proc = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    _check(argv, proc.returncode, proc.stdout, proc.stderr)
+WORKER = REPO / "tests" / "distributed" / "worker.py"
 
 
-def run_beside(*argvs: list[str], timeout: int = 600) -> None:
-    """Run independent commands at once and check each, as `run_checked` does.
+@dataclass(frozen=True)
+class Workers:
+    """tests/distributed/worker.py's jobs (`spec`, results to `out`) in `nprocs` processes: one plain
+    process, or a gloo process group of `nprocs` ranks with torchrun's variables (RANK, WORLD_SIZE,
+    MASTER_ADDR ...), as `torchrun --standalone --nproc-per-node=N worker.py` starts them.
 
-    For a 2-rank torchrun beside the one-process reference it is compared with: run one after the
-    other, the one-thread reference left one of the 2 cores idle for its whole length; together the
-    same work fills both. Parity is unaffected (each process computes what it would alone); only
-    for jobs that read nothing the other writes (each has its own run folders)."""
-    # Output to files, not pipes: a pipe nobody reads yet would stall its writer once full.
-    with contextlib.ExitStack() as stack:
-        files = [(stack.enter_context(tempfile.TemporaryFile("w+")), stack.enter_context(tempfile.TemporaryFile("w+")))
-                 for _ in argvs]
-        procs = [subprocess.Popen(argv, env=child_env(), stdout=out, stderr=err, text=True, cwd=REPO)
-                 for argv, (out, err) in zip(argvs, files, strict=True)]
+    The processes are forked from one forkserver per pytest process that has imported what a worker
+    imports (tests/worker_preload.py): a fresh interpreter paid ~8 CPU s of imports per rank and
+    torchrun's agent ~2 more, most of what a launch of a few tiny-model jobs cost. torchrun itself,
+    its agent and `homelab-ft train`'s launch are tested where they are the subject (test_train_command,
+    test_signals, the netns and doctor tests), which start real commands."""
+
+    spec: Path
+    out: Path
+    nprocs: int = 1
+
+    def __str__(self) -> str:
+        return f"worker.py {self.spec.name} on {self.nprocs} process{'es' if self.nprocs > 1 else ''}"
+
+
+_FORKSERVER = None
+
+
+def _forkserver():
+    """multiprocessing's forkserver context, its server started now and preloaded with
+    tests/worker_preload.py. Python 3.11's forkserver imports its preload modules before it takes
+    the parent's sys.path, so tests/ reaches it through PYTHONPATH, set for its start only."""
+    global _FORKSERVER
+    if _FORKSERVER is None:
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["worker_preload"])
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO), *filter(None, [saved])])
         try:
-            deadline = time.monotonic() + timeout
-            for proc in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            forkserver.ensure_running()
         finally:
-            for proc in procs:
+            os.environ.pop("PYTHONPATH") if saved is None else os.environ.__setitem__("PYTHONPATH", saved)
+        _FORKSERVER = context
+    return _FORKSERVER
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_worker_rank(spec: str, out: str, rank: int, nprocs: int, port: int, log: str) -> None:
+    """One forked process: its output to `log`, torchrun's variables for a group, worker.main."""
+    import importlib.util
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for var in _TORCHRUN_VARS:
+        os.environ.pop(var, None)
+    os.environ.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if nprocs > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                          WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"forked-{port}")
+    import torch
+
+    torch.set_num_threads(1)
+    module_spec = importlib.util.spec_from_file_location("worker", WORKER)
+    worker = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(worker)
+    from homelab_ft.distributed import comm
+
+    comm.exit_now(worker.main(spec, out))
+
+
+class _Started:
+    """A job of `run_beside` once started: a command's process or a Workers' processes."""
+
+    def __init__(self, job, stack: contextlib.ExitStack):
+        self.job = job
+        if isinstance(job, Workers):
+            ctx, port = _forkserver(), _free_port()
+            self.logs = [stack.enter_context(tempfile.NamedTemporaryFile("r", suffix=f".rank{r}.log"))
+                         for r in range(job.nprocs)]
+            self.procs = [ctx.Process(target=_run_worker_rank, args=(str(job.spec), str(job.out), r, job.nprocs,
+                                                                      port, log.name)) for r, log in enumerate(self.logs)]
+            for proc in self.procs:
+                proc.start()
+        else:
+            # Output to files, not pipes: a pipe nobody reads yet would stall its writer once full.
+            self.logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2)]
+            self.procs = [subprocess.Popen(job, env=child_env(), stdout=self.logs[0], stderr=self.logs[1], text=True,
+                                           cwd=REPO)]
+
+    def _codes(self) -> list[int | None]:
+        return [p.poll() if isinstance(p, subprocess.Popen) else p.exitcode for p in self.procs]
+
+    def running(self) -> bool:
+        """Whether a process is still running; a rank that failed stops its peers, as torchrun's
+        agent does (they would wait in a collective until the process group's timeout)."""
+        codes = self._codes()
+        if any(code not in (None, 0) for code in codes):
+            self.kill()
+            return False
+        return any(code is None for code in codes)
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if isinstance(proc, subprocess.Popen):
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        for argv, proc, (out, err) in zip(argvs, procs, files, strict=True):
+            elif proc.exitcode is None:
+                proc.kill()
+                proc.join()
+
+    def check(self) -> None:
+        if isinstance(self.job, Workers):
+            for rank, (proc, log) in enumerate(zip(self.procs, self.logs, strict=True)):
+                log.seek(0)
+                _check([f"{self.job}, rank {rank}"], proc.exitcode, "", log.read())
+        else:
+            out, err = self.logs
             out.seek(0)
             err.seek(0)
-            _check(argv, proc.returncode, out.read(), err.read())
+            _check(self.job, self.procs[0].returncode, out.read(), err.read())
+
+
+def run_checked(job: list[str] | Workers, *, timeout: int = 600) -> None:
+    """Run a command (argv) or tests/distributed/worker.py's jobs (`Workers`) and check it ends with 0,
+    raising with its output otherwise."""
+    run_beside(job, timeout=timeout)
+
+
+def run_beside(*jobs: list[str] | Workers, timeout: int = 600) -> None:
+    """Run independent commands or worker jobs at once and check each, as `run_checked` does.
+
+    For a 2-rank run beside the one-process reference it is compared with: run one after the
+    other, the one-thread reference left one of the 2 cores idle for its whole length; together the
+    same work fills both. Parity is unaffected (each process computes what it would alone); only
+    for jobs that read nothing the other writes (each has its own run folders)."""
+    with contextlib.ExitStack() as stack:
+        started = [_Started(job, stack) for job in jobs]
+        try:
+            deadline = time.monotonic() + timeout
+            while any([job.running() for job in started]):  # every job polled, each failure acted on
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(" & ".join(str(job.job) for job in started), timeout)
+                time.sleep(0.05)
+        finally:
+            for job in started:
+                job.kill()
+        for job in started:
+            job.check()
 
 
 def _check(argv: list[str], returncode: int, stdout: str, stderr: str) -> None:

@@ -10,14 +10,12 @@ rank's shards, gathered, equal what from_pretrained loads, and so do the logits.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from keys_models import save_original
-from procs import job_recipe, run_checked
+from procs import Workers, job_recipe, run_checked
 
-WORKER = Path(__file__).with_name("worker.py")
 FULL = ("mixtral", "nemotron_h", "qwen3_5", "qwen3_5_moe")
 """A per-expert MoE, a Mamba hybrid with MoE and `backbone.*`, an image-text hybrid and its MoE sibling."""
 QLORA = ("qwen3_5",)
@@ -39,8 +37,7 @@ def results(tmp_path_factory) -> dict:
     jobs += [{"kind": "keys", "name": f"qlora_{f}", "recipe": _recipe(tmp, dirs[f], f"qlora_{f}", method="qlora")} for f in QLORA]
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(spec), str(tmp / "out.json")], timeout=900)
+    run_checked(Workers(spec, tmp / "out.json", nprocs=2), timeout=900)
     return json.loads((tmp / "out.json").read_text())
 
 

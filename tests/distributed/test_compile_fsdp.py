@@ -16,13 +16,11 @@ work); rows of changing length would compile every graph a second time, with sym
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_checked
+from procs import Workers, job_recipe, run_checked
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-4
 SEQ = 24
 WORDS = "the quick brown fox jumps over lazy dog answer yes no paris capital".split()
@@ -52,8 +50,7 @@ def results(request, tmp_path_factory, tiny_model_dir) -> dict:
              "compile_backend": request.param}]
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(spec), str(tmp / "out.json")])
+    run_checked(Workers(spec, tmp / "out.json", nprocs=2))
     out = json.loads((tmp / "out.json").read_text())
     out["checkpoints"] = {name: Path(tmp / "runs" / name / "checkpoints") for name in ("eager", "compiled")}
     return out

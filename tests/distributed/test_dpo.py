@@ -10,13 +10,11 @@ pre-pass shared out over the ranks, each run with its own cache so both pre-pass
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_beside, write_pair_data, write_unpaired_data
+from procs import Workers, job_recipe, run_beside, write_pair_data, write_unpaired_data
 
-WORKER = Path(__file__).with_name("worker.py")
 LOSSES = (("orpo", "lora", "no_shard"), ("simpo", "full", "full_shard"), ("kto", "lora", "no_shard"),
           ("kto", "full", "full_shard"))
 """(dpo.loss, method, strategy) of the other losses' runs compared with one process: the reference-free
@@ -67,9 +65,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
             for loss, m, _ in LOSSES]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(spec), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    run_beside(Workers(spec, tmp / "two.out.json", nprocs=2),
+               Workers(spec1, tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     for name in ("lora_ddp", "full_fsdp", "ref_full"):

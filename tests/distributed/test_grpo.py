@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_beside
+from procs import Workers, job_recipe, run_beside
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 4
 REWARDS = """
@@ -64,9 +62,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
            for name, (m, _, g) in CASES.items()]
     spec1 = tmp / "one.json"
     spec1.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(spec), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(spec1), str(tmp / "one.out.json")])
+    run_beside(Workers(spec, tmp / "two.out.json", nprocs=2),
+               Workers(spec1, tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     for name in [*CASES, *(f"ref_{n}" for n in CASES), "lora_fsdp_sampled"]:

@@ -12,14 +12,12 @@ test_sharded.py does; one process with micro-batch 2B sees exactly the rows 2 ra
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_beside, write_chat_data
+from procs import Workers, job_recipe, run_beside, write_chat_data
 from tiny_vision import image_chat, make_image, save_vlm
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 3
 SIZES = ((28, 28), (56, 28), (28, 56), (60, 40), (40, 70), (56, 56))
@@ -69,9 +67,8 @@ def results(tmp_path_factory) -> dict:
     for name, jobs in (("two", two), ("one", one)):
         (tmp / f"{name}.json").write_text(json.dumps(
             {"base_dir": str(tmp), "jobs": [{"kind": "train", "name": k, "recipe": r} for k, r in jobs.items()]}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside(Workers(tmp / "two.json", tmp / "two.out.json", nprocs=2),
+               Workers(tmp / "one.json", tmp / "one.out.json"))
     return {**json.loads((tmp / "two.out.json").read_text()), **json.loads((tmp / "one.out.json").read_text())}
 
 

@@ -12,16 +12,14 @@ reference; one process with micro-batch 2B sees the rows 2 ranks with B see (sam
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from families import save_tiny
-from procs import job_recipe, run_beside, write_chat_data
+from procs import Workers, job_recipe, run_beside, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 LR = 5e-3
 WEIGHT_TOL = 0.01 * LR
@@ -56,9 +54,8 @@ def results(tmp_path_factory) -> dict:
     for name, jobs in (("two", two), ("one", one)):
         spec = {"base_dir": str(tmp), "jobs": [{"kind": "train", "name": k, "recipe": r} for k, r in jobs.items()]}
         (tmp / f"{name}.json").write_text(json.dumps(spec))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside(Workers(tmp / "two.json", tmp / "two.out.json", nprocs=2),
+               Workers(tmp / "one.json", tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     out["run_dirs"] = {name: r["output"]["dir"] for name, r in {**two, **one}.items()}

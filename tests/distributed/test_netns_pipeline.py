@@ -12,14 +12,13 @@ the network namespaces ... matching a 1-process run"). Root only; the namespaces
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import build_recipe
 import netns
 import pytest
-from procs import child_env, job_recipe, run_checked, write_chat_data
-from test_netns_train import RATE_MBIT, STEPS, TOL, WORKER, _losses, _run_two_nodes
+from procs import Workers, child_env, job_recipe, run_checked, write_chat_data
+from test_netns_train import RATE_MBIT, STEPS, TOL, _losses, _run_two_nodes
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
 
@@ -53,7 +52,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
             "recipe": _recipe(tmp, tiny_model_dir, f"ref_{m}", method=m, nodes=1)} for m in METHODS]
     spec = tmp / "one.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, str(WORKER), str(spec), str(tmp / "one.out.json")])
+    run_checked(Workers(spec, tmp / "one.out.json"))
     out.update({k: v["losses"] for k, v in json.loads((tmp / "one.out.json").read_text()).items() if k.startswith("ref_")})
     return out
 

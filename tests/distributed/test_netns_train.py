@@ -21,14 +21,13 @@ from pathlib import Path
 import build_recipe
 import netns
 import pytest
-from procs import REPO, child_env, job_recipe, run_checked, write_chat_data
+from procs import REPO, Workers, child_env, job_recipe, run_checked, write_chat_data
 
 from homelab_ft.cli.cluster import launch_commands
 from homelab_ft.cli.main import build_parser
 
 pytestmark = pytest.mark.skipif(netns.unavailable() is not None, reason=netns.unavailable() or "")
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 4
 RATE_MBIT = 1000
@@ -135,7 +134,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
            for m in ("full", "lora")]
     spec = tmp / "one.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, str(WORKER), str(spec), str(tmp / "one.out.json")])
+    run_checked(Workers(spec, tmp / "one.out.json"))
     out.update({k: v["losses"] for k, v in json.loads((tmp / "one.out.json").read_text()).items() if k.startswith("ref_")})
     return out
 

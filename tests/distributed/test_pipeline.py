@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import job_recipe, run_beside, write_chat_data
+from procs import Workers, job_recipe, run_beside, write_chat_data
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 4
 
@@ -109,12 +108,10 @@ def results(tmp_path_factory) -> dict:
     after = [job for job in one if "copy_run" in job or job["kind"] == "export_run"]
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": [j for j in one if j not in after]}))
     (tmp / "after.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": after}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-                str(WORKER), str(tmp / "four.json"), str(tmp / "four.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "after.json"), str(tmp / "after.out.json")])
+    run_beside(Workers(tmp / "two.json", tmp / "two.out.json", nprocs=2),
+               Workers(tmp / "one.json", tmp / "one.out.json"))
+    run_beside(Workers(tmp / "four.json", tmp / "four.out.json", nprocs=4),
+               Workers(tmp / "after.json", tmp / "after.out.json"))
     out = {"two": json.loads((tmp / "two.out.json").read_text()),
            "one": {**json.loads((tmp / "one.out.json").read_text()), **json.loads((tmp / "after.out.json").read_text())}}
     out["four"] = json.loads((tmp / "four.out.json").read_text())

@@ -10,15 +10,13 @@ steps, so the CPU guard (quant.after_load) is exercised on every rank too. One t
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_beside, write_chat_data
+from procs import Workers, job_recipe, run_beside, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 6
 
@@ -44,9 +42,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
            for k, q in variants.items()]
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": two}))
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside(Workers(tmp / "two.json", tmp / "two.out.json", nprocs=2),
+               Workers(tmp / "one.json", tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     out["run_dirs"] = {job["name"]: job["recipe"]["output"]["dir"] for job in two + one}

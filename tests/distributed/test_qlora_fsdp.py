@@ -12,15 +12,13 @@ every QLoRA rung initialises its adapters from the seed alone, so the losses agr
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_checked, write_chat_data
+from procs import Workers, job_recipe, run_checked, write_chat_data
 
 pytest.importorskip("bitsandbytes")
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 6
 
@@ -59,8 +57,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     jobs.append({"kind": "train", "name": "resume2", "recipe": _recipe(tmp, tiny_model_dir, "resume2", procs=2, train={"resume": True}),
                  "copy_run": {"src": two["fsdp"]["output"]["dir"], "keep_step": 3}})
     (tmp / "two.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(tmp / "two.json"), str(tmp / "two.out.json")])
+    run_checked(Workers(tmp / "two.json", tmp / "two.out.json", nprocs=2))
     one = [
         {"kind": "train", "name": "ref", "recipe": _recipe(tmp, tiny_model_dir, "ref", procs=1)},
         {"kind": "train", "name": "resume1", "recipe": _recipe(tmp, tiny_model_dir, "resume1", procs=1, train={"resume": True}),
@@ -70,7 +67,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
          "model_dir": str(tiny_model_dir)},
     ]
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": one}))
-    run_checked([sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_checked(Workers(tmp / "one.json", tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
     out.update(json.loads((tmp / "one.out.json").read_text()))
     return out

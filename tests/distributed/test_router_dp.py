@@ -11,15 +11,13 @@ tests/distributed/worker.py.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from families import save_tiny
-from procs import job_recipe, run_beside, write_chat_data
+from procs import Workers, job_recipe, run_beside, write_chat_data
 
-WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5
 STEPS = 4
 STRATEGIES = ("no_shard", "full_shard")
@@ -42,9 +40,8 @@ def runs(tmp_path_factory) -> tuple[Path, dict, Path]:
             "1": [{"kind": "train", "name": "one", "recipe": _recipe(tmp, model_dir, "one", procs=1)}]}
     for procs, job in jobs.items():
         (tmp / f"{procs}.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": job}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(tmp / "2.json"), str(tmp / "2.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "1.json"), str(tmp / "1.out.json")])
+    run_beside(Workers(tmp / "2.json", tmp / "2.out.json", nprocs=2),
+               Workers(tmp / "1.json", tmp / "1.out.json"))
     out = json.loads((tmp / "2.out.json").read_text())
     out.update(json.loads((tmp / "1.out.json").read_text()))
     return tmp, out, model_dir

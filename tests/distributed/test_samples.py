@@ -4,15 +4,13 @@ logs, and the losses are exactly those of the same run without sampling (one tor
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from procs import job_recipe, run_checked, write_chat_data
+from procs import Workers, job_recipe, run_checked, write_chat_data
 
 from homelab_ft.train.metrics import read_metrics
 
-WORKER = Path(__file__).with_name("worker.py")
 STEPS = 4
 SAMPLING = {"sample_every": 2, "sample_prompts": ["the quick brown fox", "what is the capital"], "sample_max_new_tokens": 6}
 RUNS = {
@@ -37,8 +35,7 @@ def results(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict]:
             for name, run in RUNS.items() for sampled in (False, True)]
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"base_dir": str(tmp), "jobs": jobs}))
-    run_checked([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                 str(WORKER), str(spec), str(tmp / "out.json")])
+    run_checked(Workers(spec, tmp / "out.json", nprocs=2))
     return tmp, json.loads((tmp / "out.json").read_text())
 
 

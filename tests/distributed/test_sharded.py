@@ -21,12 +21,11 @@ from pathlib import Path
 import build_recipe
 import pytest
 from families import save_tiny
-from procs import job_recipe, run_beside, write_chat_data
+from procs import Workers, job_recipe, run_beside, write_chat_data
 
 from homelab_ft.cluster import launch
 from homelab_ft.distributed import comm
 
-WORKER = Path(__file__).with_name("worker.py")
 PARITY_FAMILIES = ("nemotron_h", "qwen3_moe")
 """A hybrid and an MoE family of tests/families.py, full fine-tuned under FSDP2 like the Llamas."""
 TOL = 1e-5
@@ -129,9 +128,8 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     after = [job for job in one if "copy_run" in job]
     (tmp / "one.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": [j for j in one if j not in after]}))
     (tmp / "after.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": after}))
-    run_beside([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(WORKER), str(spec), str(tmp / "two.out.json")],
-               [sys.executable, str(WORKER), str(tmp / "one.json"), str(tmp / "one.out.json")])
+    run_beside(Workers(spec, tmp / "two.out.json", nprocs=2),
+               Workers(tmp / "one.json", tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
 
     # HYBRID_SHARD: two "nodes" of one process each, started as `homelab-ft launch` would start them.
@@ -140,7 +138,7 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
     hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
     commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
                                     port=comm.free_port(), join_timeout_s=120, python=sys.executable)
-    run_beside(*(c.argv for c in commands), [sys.executable, str(WORKER), str(tmp / "after.json"), str(tmp / "after.out.json")])
+    run_beside(*(c.argv for c in commands), Workers(tmp / "after.json", tmp / "after.out.json"))
     rows = [json.loads(line) for line in (Path(hybrid["output"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
     out["hybrid"] = {"losses": [r["loss"] for r in rows if "loss" in r]}
 

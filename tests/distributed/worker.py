@@ -1,7 +1,9 @@
-"""Runs a list of jobs in one process group (torchrun) or one plain process, writes results as JSON.
+"""Runs a list of jobs in one process group (torchrun's variables) or one plain process, writes results as JSON.
 
-Starting torchrun costs several seconds on 2 cores, so one launch runs many trainer runs and
-checks: `python worker.py SPEC.json OUT.json`. SPEC: {"base_dir": ..., "jobs": [...]}, each job
+Starting processes costs seconds on 2 cores, so one launch runs many trainer runs and checks. The
+tests start it as `procs.Workers(SPEC, OUT, nprocs=N)` (forked from a preloaded forkserver, with
+torchrun's variables for N > 1); `python worker.py SPEC.json OUT.json` or `torchrun
+--nproc-per-node=N worker.py SPEC.json OUT.json` run it by hand. SPEC: {"base_dir": ..., "jobs": [...]}, each job
 one of
   {"kind": "train", "name": ..., "recipe": {...}, "copy_run": {"src": ..., "keep_step": 3}?,
    "compile_backend": "aot_eager"?}
