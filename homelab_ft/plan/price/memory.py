@@ -51,6 +51,7 @@ from homelab_ft.plan.price.params import (
     router_params,
     targeted_linears,
     trainable_params,
+    vision_linears_for,
     weight_bytes,
 )
 from homelab_ft.plan.price.rollout import Rollout, generation_bytes, rollout
@@ -420,6 +421,9 @@ def step_temporary_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cl
     if not rung.adapters_enabled:
         largest = largest_param(shape)
     else:
-        largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in targeted_linears(b, request)) \
-            * request.lora.r if trainable else 0
+        # the widest adapted layer, the language model's or a vision layer lora.target_modules names
+        adapted = [*(lin for b in shape.blocks for lin in targeted_linears(b, request)),
+                   *vision_linears_for(shape, request.lora.targets)]
+        largest = max((lin.in_features + lin.out_features for lin in adapted), default=0) * request.lora.r \
+            if trainable else 0
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)

@@ -99,6 +99,26 @@ def test_adapters_in_the_tower_keep_its_activations_and_triple_its_seconds(folde
     assert images.vision_s(shape, rung=rung, request=request, cluster=CPU) == pytest.approx(3 * tower_s)
 
 
+def test_adapters_only_in_the_tower_are_priced_at_its_widest_layer(folders):
+    """lora.target_modules naming vision layers alone: no language-model linear is adapted, and the
+    optimizer step's temporaries are sized by the widest vision layer (an empty language-model set
+    raised ValueError from max() in a full fine-tune's ladder, which prices LoRA and QLoRA too)."""
+    from homelab_ft.plan.price.memory import step_temporary_bytes
+    from homelab_ft.plan.price.params import trainable_params
+
+    shape, _, _ = _priced(folders["qwen2_vl"])
+    name = shape.vision.linears[0].name.rpartition(".")[2]
+    shape, request, priced = _priced(folders["qwen2_vl"], lora={"target_modules": (name,)})
+    rung = option_rung("lora", "no_shard", False, request=request, cluster=CPU)
+    trainable = trainable_params(shape, request)
+    widest = max(lin.in_features + lin.out_features for lin in shape.vision.linears if lin.name.endswith(name))
+    assert trainable > 0 and priced.memory.total > 0
+    from homelab_ft.plan.price.params import optimizer_step_bytes
+
+    assert step_temporary_bytes(shape, rung, request, CPU, trainable=trainable, state_bytes=4, in_backward=False) == \
+        optimizer_step_bytes(request, CPU, params=trainable, largest=widest * request.lora.r, state_bytes=4)
+
+
 def test_more_pixels_never_fewer_tokens_nor_less_memory_or_time(folders):
     previous = None
     for side in (112, 224, 336, 448, 672):
