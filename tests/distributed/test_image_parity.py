@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from procs import job_recipe, run_beside, write_chat_data
-from tiny_vision import image_chat, make_image, save_vlm
+from tiny_vlm import image_chat, make_image, save_vlm
 
 WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-5

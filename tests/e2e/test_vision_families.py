@@ -1,4 +1,4 @@
-"""The image-text families the unit tests leave out (tests/vision_families.E2E_FAMILIES: Qwen2.5-VL,
+"""The image-text families the unit tests leave out (tests/tiny_vlm.E2E_FAMILIES: Qwen2.5-VL,
 Qwen3-VL, Llava, InternVL, PaliGemma), through the same checks as tests/unit/plan/shape/test_vision_shape.py
 and test_image_tokens.py: planned with every loaded weight priced once, the vision side's measured
 bytes a real fp32 CPU forward's within 3%, the counted image tokens what the real model accepts at
@@ -7,14 +7,8 @@ four sizes, and what the real Llava and PaliGemma processors expand an image to.
 from __future__ import annotations
 
 import pytest
-from vision_families import (
-    E2E_FAMILIES,
-    check_accepted_tokens,
-    check_against_real_forward,
-    check_planned_whole,
-    check_processor_expansion,
-    save_families,
-)
+from tiny_vlm import E2E_FAMILIES, save_families
+from vision_checks import check_accepted_tokens, check_against_real_forward, check_planned_whole, check_processor_expansion
 
 
 @pytest.fixture(scope="module")

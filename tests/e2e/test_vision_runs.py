@@ -1,5 +1,5 @@
 """Image rows end to end (issue 35) on tiny random checkpoints of several image-text families
-(tests/tiny_vision.py): plan, train 2 LoRA steps on images, export the merged model with its
+(tests/tiny_vlm.py): plan, train 2 LoRA steps on images, export the merged model with its
 processor files, and reload it as a user does (`AutoModelForImageTextToText` + the processor) with
 logits within 1e-5 of the trained model's (base + adapter) on an image."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import build_recipe
 import pytest
 import torch
-from tiny_vision import image_chat, make_image, save_vlm
+from tiny_vlm import image_chat, make_image, save_vlm
 
 from homelab_ft.cli.main import main
 

@@ -11,13 +11,13 @@ import pytest
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     """model_type -> a tiny random checkpoint of it, saved once per test module."""
-    from tiny_vlm import save_tiny_vlm
+    from tiny_vlm import save_gguf_vlm
 
     cache = {}
 
     def get(model_type: str) -> Path:
         if model_type not in cache:
-            cache[model_type] = save_tiny_vlm(tmp_path_factory.mktemp(model_type), model_type)
+            cache[model_type] = save_gguf_vlm(tmp_path_factory.mktemp(model_type), model_type)
         return cache[model_type]
 
     return get

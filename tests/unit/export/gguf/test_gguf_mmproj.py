@@ -162,9 +162,9 @@ def test_families_whose_conversion_is_not_written_are_refused_in_one_line(model_
     """A family without a conversion here, and configs clip.cpp's graph would run as another model:
     llama.cpp b11739 sizes Qwen2.5-VL's windows as 112 px whatever clip.vision.window_size says
     (measured: a 56 px model's image embeddings 12% off in llama.cpp, with the key or without)."""
-    from tiny_vlm import tiny_vlm_config
+    from tiny_vlm import gguf_config
 
-    tiny_vlm_config(model_type, **overrides).save_pretrained(tmp_path)
+    gguf_config(model_type, **overrides).save_pretrained(tmp_path)
     config = text_view.image_text_config(tmp_path)
     with pytest.raises(gguf_arch.GgufUnsupported, match=refusal) as err:
         mmproj.projector_for(config)
@@ -203,10 +203,10 @@ def test_export_of_an_image_text_run_writes_the_text_gguf_and_its_mmproj(vlm, tm
 def test_an_image_text_checkpoint_llama_cpp_has_no_conversion_for_is_refused_before_writing(tmp_path):
     """Llava (a CLIP tower): refused from its config alone (export/run.py then writes the safetensors
     asked beside the GGUF and gives this line)."""
-    from tiny_vlm import tiny_vlm_config
+    from tiny_vlm import gguf_config
 
     from homelab_ft.export.gguf import image_text
 
-    tiny_vlm_config("llava").save_pretrained(tmp_path)
+    gguf_config("llava").save_pretrained(tmp_path)
     with pytest.raises(gguf_arch.GgufUnsupported, match="LlavaForConditionalGeneration"):
         image_text.check_writable(tmp_path)

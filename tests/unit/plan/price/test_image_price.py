@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from vision_families import save_families  # noqa: E402
+from tiny_vlm import save_families  # noqa: E402
 
 from homelab_ft.plan.inputs import Cluster, RowImages  # noqa: E402
 from homelab_ft.plan.ladder import option_rung  # noqa: E402
@@ -34,7 +34,7 @@ def folders(tmp_path_factory):
 
 def _recipe(folder: Path, **data):
     return recipe_from_dict({"model": {"path": str(folder)}, "method": "lora",
-                             "data": {"max_length": 512, **data}, "train": {"micro_batch_size": 2}})
+                             "data": {"max_length": 512, "images": True, **data}, "train": {"micro_batch_size": 2}})
 
 
 def _priced(folder: Path, *, counts=(), lora=None, **data):
@@ -109,13 +109,16 @@ def test_more_pixels_never_fewer_tokens_nor_less_memory_or_time(folders):
     assert previous[0] > 64
 
 
-def test_a_text_model_has_no_images(tmp_path):
+def test_a_text_model_and_a_text_run_have_no_images(tmp_path, folders):
     from families import save_tiny
 
     folder = save_tiny(tmp_path / "llama", "llama", with_tokenizer=False)
     shape, request, _ = _priced(folder)
     assert shape.vision is None and request.images is None
     assert images.row_images(shape, request, timed=False) == (0.0, 0.0)
+    # a text run of an image-text checkpoint loads the tower (priced as weights) and shows it no image
+    shape, request, est = _priced(folders["qwen2_vl"], images=False)
+    assert shape.vision is not None and request.images is None and est.memory.vision_forward == 0
 
 
 def test_the_plan_says_what_an_image_costs(folders):

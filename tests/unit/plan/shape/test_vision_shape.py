@@ -1,6 +1,6 @@
 """An image-text model's shape (plan/shape/derive.py, plan/shape/vision.py) against the model
 transformers builds and runs, on one family of each way image tokens are counted
-(tests/vision_families.UNIT_FAMILIES; tests/e2e/test_vision_families.py runs the other five): the
+(tests/tiny_vlm.UNIT_FAMILIES; tests/e2e/test_vision_families.py runs the other five): the
 family is planned (no causal-LM class needed), every loaded weight is priced once, and what the
 vision side was measured to keep for backward and to hold at once on the meta device equals what the
 same hooks count on the tiny model's real fp32 CPU forward (real SDPA kernels), at an image size
@@ -15,13 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from vision_families import (  # noqa: E402
-    UNIT_FAMILIES,
-    check_against_real_forward,
-    check_planned_whole,
-    save_families,
-    tiny_vision_config,
-)
+from tiny_vlm import UNIT_FAMILIES, save_families, tiny_vlm_config  # noqa: E402
+from vision_checks import check_against_real_forward, check_planned_whole  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +51,7 @@ def test_an_unrunnable_vision_side_is_priced_by_its_weights_and_says_why(monkeyp
         raise RuntimeError("Tensor.item() cannot be called on meta tensors")
 
     monkeypatch.setattr(vision, "_measured", refuse)
-    config = tiny_vision_config("qwen2_vl")
+    config = tiny_vlm_config("qwen2_vl")
     sight = vision.measure_vision(lambda dtype: build_on_meta(config, attn_implementation="sdpa", dtype=dtype),
                                   model_path=None)
     assert sight.params > 0 and "meta device (RuntimeError: Tensor.item()" in sight.unmeasured
