@@ -56,3 +56,65 @@ def test_an_unrunnable_vision_side_is_priced_by_its_weights_and_says_why(monkeyp
                                   model_path=None)
     assert sight.params > 0 and "meta device (RuntimeError: Tensor.item()" in sight.unmeasured
     assert sight.saved_bytes(2, 100) == 0
+
+
+def test_an_image_run_is_priced_as_the_class_it_builds(tmp_path, monkeypatch):
+    """Llama 4's causal-LM class is its text decoder: a text run's shape has no tower, an image run's
+    (data.images, derived apart) has it, its language model the same, and each names the input
+    embedding as the class it builds does (`model.embed_tokens`, `language_model.model.embed_tokens`:
+    what lora.target_modules and the embedding offload rule match)."""
+    import json
+
+    import torch
+    from transformers import AutoConfig
+
+    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.rules import vision
+    from tiny_vlm import save_vlm
+
+    folder = save_vlm(tmp_path / "llama4", "llama4", weights=False)
+    config = json.loads((folder / "config.json").read_text())
+    text, image = (model_shape(config, model_path=str(folder), images=images) for images in (False, True))
+    names = []
+    for shape, hf_config, images in ((text, AutoConfig.from_pretrained(folder).get_text_config(), False),
+                                     (image, AutoConfig.from_pretrained(folder), True)):
+        with torch.device("meta"):
+            built = vision.auto_class(hf_config, images=images).from_config(hf_config)
+        embed = built.get_input_embeddings()
+        names.append(next(n for n, m in built.named_modules() if m is embed))
+        assert shape.embedding_name == names[-1]
+    assert names == ["model.embed_tokens", "language_model.model.embed_tokens"]
+    assert text.vision is None and image.vision.params == vision.vision_param_count(built) > 0
+    assert (image.num_layers, image.total_params) == (text.num_layers, text.total_params)
+    assert "a text run builds, counts and trains only its text decoder" in " ".join(text.notes)
+
+
+def test_a_text_run_that_loads_the_tower_and_an_image_run_share_one_derivation(tmp_path, monkeypatch):
+    """plan/shape/cache.py: where a text run builds the image-text class (its shape has a vision side:
+    Gemma 3, Qwen2-VL), the image run's shape is the same model, stored once derived, either way
+    round; where it does not (Llama 4, Qwen 3.5), each run derives its own."""
+    from homelab_ft.plan.shape import cache, derive
+    from homelab_ft.plan.shape.types import ModelShape, VisionShape
+
+    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path))
+    derived = []
+
+    def fake(config, *, images, **where):
+        derived.append((config["model_type"], images))
+        tower = VisionShape(params=10) if images or config["model_type"] == "gemma3" else None
+        return ModelShape(model_type="t", vocab_size=8, hidden_size=4, num_layers=1, max_position_embeddings=8,
+                          tie_word_embeddings=True, blocks=(), embedding_params=32, lm_head_params=0,
+                          other_root_params=0, largest_param=32, vision=tower)
+
+    monkeypatch.setattr(derive, "derive_shape", fake)
+    monkeypatch.setattr(derive, "text_run_loads_tower", lambda config, **where: config["model_type"] == "gemma3")
+    for model_type in ("gemma3", "llama4"):
+        for images in (False, True, False, True):
+            shape = cache.cached_shape({"model_type": model_type}, images=images)
+            assert (shape.vision is not None) == (images or model_type == "gemma3")
+    cache.cached_shape({"model_type": "qwen2_vl_like"}, images=True)  # derived for the image run first
+    monkeypatch.setattr(derive, "text_run_loads_tower", lambda config, **where: True)
+    cache.cached_shape({"model_type": "gemma3", "x": 1}, images=True)
+    cache.cached_shape({"model_type": "gemma3", "x": 1}, images=False)
+    assert derived == [("gemma3", False), ("llama4", False), ("llama4", True), ("qwen2_vl_like", True),
+                       ("gemma3", True)]
