@@ -161,10 +161,11 @@ TRAINED = tuple(name for name, f in FAMILIES.items() if f.processor is not None)
 """Families whose processor the data pipeline reads image rows with (the module docstring says why not the others)."""
 MEASURED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "gemma3", "smolvlm", "llava", "mistral3", "internvl", "paligemma")
 """Families the planner's tests measure (plan/shape/vision.py) against their real forward."""
-UNIT_FAMILIES = ("qwen2_vl", "mistral3", "smolvlm", "gemma3")
-"""One of each way image tokens are counted: grown with the image (Qwen2-VL; Pixtral, whose images
-share one attention), tiles of a fixed count (SmolVLM), a fixed count per image (Gemma 3); the unit
-suite measures these, tests/e2e/test_vision_families.py the rest of MEASURED."""
+UNIT_FAMILIES = ("qwen2_vl",)
+"""The unit suite's one (image tokens grown with the image: the planner's every branch but a fixed
+count, which tests/unit/plan/price/test_image_price.py prices on its shape with one count); a first
+plan of a family costs 2-3 CPU s, so tests/e2e/test_vision_families.py measures the rest of MEASURED:
+Gemma 3's fixed count, SmolVLM's tiles, Pixtral's images sharing one attention (Mistral 3) ..."""
 E2E_FAMILIES = tuple(f for f in MEASURED if f not in UNIT_FAMILIES)
 
 

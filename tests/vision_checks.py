@@ -123,6 +123,12 @@ def check_accepted_tokens(folder: Path) -> None:
             forward(tokens + 1)
 
 
+def check_more_pixels(folder: Path) -> None:
+    """More pixels never give fewer tokens (sides 56 to 952 px, 4:3)."""
+    counted = counted_tokens(folder, tuple((side, side * 4 // 3) for side in range(56, 1008, 224)))
+    assert list(counted) == sorted(counted) and counted[0] > 0
+
+
 def real_processor(model_type: str, folder: Path):
     """The family's real processor (Llava and Gemma 3 as saved; PaliGemma's, which the folder does not
     keep, built from the folder's tokenizer and image processor: the others need torchvision or
@@ -148,3 +154,70 @@ def check_processor_expansion(model_type: str, folder: Path) -> None:
     for (height, width), tokens in zip(TOKEN_SIZES, counted_tokens(folder), strict=True):
         ids = processor(text=[text], images=[Image.new("RGB", (width, height))], return_tensors="pt")["input_ids"]
         assert int((ids == token_id).sum()) == tokens
+
+
+# --------------------------------------------------------------------------------------------
+# the GGUF + mmproj export of a family (tests/unit/export/gguf/test_gguf_mmproj.py on a few families,
+# tests/e2e/test_gguf_vision_families.py on the rest), on tiny_vlm.save_gguf_vlm's models
+
+GGUF_FAMILIES = ("idefics3", "smolvlm", "gemma3", "internvl", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "mistral3")
+"""Families written as llama.cpp's mmproj; all but SmolVLM (Idefics3's decoder) as a text GGUF too."""
+
+TEXT_ARCH = {"idefics3": "llama", "gemma3": "gemma3", "internvl": "qwen2", "qwen2_vl": "qwen2vl",
+             "qwen2_5_vl": "qwen2vl", "qwen3_vl": "qwen3vl", "mistral3": "llama"}
+"""The architecture llama.cpp's converter writes each family's language model as (Mistral 3's:
+`llama`, as any Mistral decoder, where the converter writes `mistral3`; docs/export.md)."""
+
+
+def check_mmproj_f32(model_dir: Path, model_type: str, tmp_path: Path) -> None:
+    """Every vision-side tensor of an f32 mmproj bit for bit, and the features of the tower loaded back
+    from it equal the model's (Gemma 3's input projection is f16 as llama.cpp's converter keeps it)."""
+    import gguf
+
+    from homelab_ft.export.gguf import mmproj, mmproj_check
+
+    path = tmp_path / "mmproj-f32.gguf"
+    plan = mmproj.write_mmproj(model_dir, path, gguf_type="f32", name="tiny")
+    check = mmproj_check.verify_mmproj(path, model_dir, gguf_type="f32")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "clip"
+    assert reader.fields["general.type"].contents() == "mmproj"
+    assert reader.fields["clip.projector_type"].contents() == plan.projector.projector_type
+    names = {t.name for t in reader.tensors}
+    assert names >= {"v.patch_embd.weight", "v.blk.1.ffn_down.weight"}
+    assert "v.blk.0.attn_qkv.weight" in names if model_type == "qwen3_vl" else "v.blk.0.attn_q.weight" in names
+    if model_type == "gemma3":
+        assert check.stored_as == "f16" and 0 < check.max_abs_diff <= check.bound
+    else:
+        assert check.max_abs_diff == 0.0
+
+
+def check_text_gguf(model_dir: Path, model_type: str, tmp_path: Path) -> None:
+    """The language model laid out as its causal LM (Qwen-VL's as its Qwen2 / Qwen3 twin) gives the
+    image-text model's text-only logits, and its GGUF, in the architecture llama.cpp runs it as
+    (Qwen-VL's with its M-RoPE sections, Qwen3-VL's with its deepstack count), passes the text
+    export's own check (tensors, tokenizer, logits)."""
+    import gguf
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from homelab_ft.export.gguf import check as gguf_check
+    from homelab_ft.export.gguf import export as gguf_export
+    from homelab_ft.export.gguf import text_view
+
+    view = text_view.write_text_view(model_dir, tmp_path / "text")
+    ids = torch.tensor([[1, 5, 9, 14, 30, 2]])
+    with torch.no_grad():
+        want = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    path = tmp_path / "model-f32.gguf"
+    gguf_export.write_gguf(view, path, gguf_type="f32", name="tiny")
+    assert gguf_check.verify_gguf(path, view, gguf_type="f32").max_abs_diff < 1e-4
+    fields = gguf.GGUFReader(path).fields
+    arch = TEXT_ARCH[model_type]
+    assert fields["general.architecture"].contents() == arch
+    if model_type.startswith("qwen"):
+        assert fields[f"{arch}.rope.dimension_sections"].contents() == [2, 3, 3, 0]
+    if model_type == "qwen3_vl":
+        assert fields["qwen3vl.n_deepstack_layers"].contents() == 1

@@ -185,8 +185,12 @@ def test_the_planner_counts_the_image_tokens_the_data_side_gives_an_image_at_the
     for Qwen2-VL, its processor is given the bound too, which replaces its own 16-token cap: lowered
     (56 x 56 px: 4 tokens) or raised (224 x 224: 64); the planner's count at the bound
     (planner.recipe_images) is the row's. Idefics3's processor takes no bounds and sizes every image
-    to its own longest edge (3 x 3 tiles and the whole image, 40 tokens), on both sides."""
-    from homelab_ft.plan.planner import recipe_images, recipe_shape
+    to its own longest edge (3 x 3 tiles and the whole image, 40 tokens), on both sides. (The shape
+    is only asked whether a measured vision side is there: the count is the model's own, cached.)"""
+    from types import SimpleNamespace
+
+    from homelab_ft.plan.planner import recipe_images
+    from homelab_ft.plan.shape.types import VisionShape
     from homelab_ft.recipe.config import recipe_from_dict
 
     folder = save_vlm(tmp_path / model_type, model_type, weights=False)
@@ -197,7 +201,7 @@ def test_the_planner_counts_the_image_tokens_the_data_side_gives_an_image_at_the
     for side in (56, 112, 224):
         row = _prepare(tmp_path, processor, image_max_pixels=side * side).train[0]
         recipe = recipe_from_dict({"model": {"path": str(folder)}, "data": {"images": True, "image_max_pixels": side * side}})
-        planned = recipe_images(recipe, recipe_shape(recipe)[0])
+        planned = recipe_images(recipe, SimpleNamespace(vision=VisionShape(params=1)))
         assert planned.size == (side, side) and planned.tokens_per_image == row["image_tokens"] > 0
         seen.append(row["image_tokens"])
     assert seen == ([4, 16, 64] if model_type == "qwen2_vl" else [40] * 3)  # Idefics3: its longest edge set to 96 px

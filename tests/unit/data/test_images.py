@@ -25,7 +25,7 @@ def test_an_image_is_read_resized_by_the_rule_the_planner_counts_at(tmp_path):
 
     from homelab_ft.rules.image_area import bounded_size
 
-    Image.new("RGB", (4000, 3000)).save(tmp_path / "a.png")
+    Image.new("RGB", (400, 300)).save(tmp_path / "a.png")
     image = images.load(str(tmp_path / "a.png"), max_pixels=28 * 28 * 16, min_pixels=56 * 56)
-    assert image.size[::-1] == bounded_size(3000, 4000, max_pixels=28 * 28 * 16, min_pixels=56 * 56) == (96, 129)
-    assert images.load(str(tmp_path / "a.png"), max_pixels=None, min_pixels=None).size == (4000, 3000)
+    assert image.size[::-1] == bounded_size(300, 400, max_pixels=28 * 28 * 16, min_pixels=56 * 56) == (96, 129)
+    assert images.load(str(tmp_path / "a.png"), max_pixels=None, min_pixels=None).size == (400, 300)

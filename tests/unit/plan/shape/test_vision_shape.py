@@ -1,6 +1,6 @@
 """An image-text model's shape (plan/shape/derive.py, plan/shape/vision.py) against the model
-transformers builds and runs, on one family of each way image tokens are counted
-(tests/tiny_vlm.UNIT_FAMILIES; tests/e2e/test_vision_families.py runs the other five): the
+transformers builds and runs, on a family whose image tokens grow with the image
+(tests/tiny_vlm.UNIT_FAMILIES; tests/e2e/test_vision_families.py runs the other eight): the
 family is planned (no causal-LM class needed), every loaded weight is priced once, and what the
 vision side was measured to keep for backward and to hold at once on the meta device equals what the
 same hooks count on the tiny model's real fp32 CPU forward (real SDPA kernels), at an image size
@@ -58,35 +58,25 @@ def test_an_unrunnable_vision_side_is_priced_by_its_weights_and_says_why(monkeyp
     assert sight.saved_bytes(2, 100) == 0
 
 
-def test_an_image_run_is_priced_as_the_class_it_builds(tmp_path, monkeypatch):
-    """Llama 4's causal-LM class is its text decoder: a text run's shape has no tower, an image run's
-    (data.images, derived apart) has it, its language model the same, and each names the input
-    embedding as the class it builds does (`model.embed_tokens`, `language_model.model.embed_tokens`:
-    what lora.target_modules and the embedding offload rule match)."""
+def test_an_image_run_builds_the_image_text_class(tmp_path):
+    """What derive.py builds for a run: Llama 4's causal-LM class is its text decoder, so a text run's
+    config is its text config and an image run's the whole checkpoint's, built as
+    AutoModelForImageTextToText with its tower (tests/e2e/test_vision_families.py derives both)."""
     import json
 
-    import torch
-    from transformers import AutoConfig
-
-    from homelab_ft.plan.shape.shapes import model_shape
+    from homelab_ft.plan.shape import derive
     from homelab_ft.rules import vision
     from tiny_vlm import save_vlm
 
     folder = save_vlm(tmp_path / "llama4", "llama4", weights=False)
     config = json.loads((folder / "config.json").read_text())
-    text, image = (model_shape(config, model_path=str(folder), images=images) for images in (False, True))
-    names = []
-    for shape, hf_config, images in ((text, AutoConfig.from_pretrained(folder).get_text_config(), False),
-                                     (image, AutoConfig.from_pretrained(folder), True)):
-        with torch.device("meta"):
-            built = vision.auto_class(hf_config, images=images).from_config(hf_config)
-        embed = built.get_input_embeddings()
-        names.append(next(n for n, m in built.named_modules() if m is embed))
-        assert shape.embedding_name == names[-1]
-    assert names == ["model.embed_tokens", "language_model.model.embed_tokens"]
-    assert text.vision is None and image.vision.params == vision.vision_param_count(built) > 0
-    assert (image.num_layers, image.total_params) == (text.num_layers, text.total_params)
-    assert "a text run builds, counts and trains only its text decoder" in " ".join(text.notes)
+    text, notes = derive.loaded_config(config, model_path=str(folder), trust_remote_code=False)
+    whole, none = derive.loaded_config(config, model_path=str(folder), trust_remote_code=False, images=True)
+    assert text.model_type == "llama4_text" and "a text run builds, counts and trains only" in notes[0]
+    assert whole.model_type == "llama4" and none == ()
+    model = derive.build_on_meta(whole, attn_implementation="sdpa", images=True)
+    assert vision.vision_prefixes(model) == ("vision_model", "multi_modal_projector")
+    assert type(derive.build_on_meta(text, attn_implementation="sdpa")).__name__ == "Llama4ForCausalLM"
 
 
 def test_a_text_run_that_loads_the_tower_and_an_image_run_share_one_derivation(tmp_path, monkeypatch):
