@@ -19,8 +19,9 @@ Qwen2-VL, `vision_model` + `connector` in Idefics3. It is frozen in a full fine-
 `all-linear` leaves it out (lora_targets.py), QLoRA keeps it in 16 bits on an image run
 (`quant_skip`: bitsandbytes' 4-bit tower is not shown to be safe, the issue asks for it unless shown),
 and the planner prices its weights as frozen and measures what an image costs it
-(plan/shape/vision.py). What a *text* run loads with the tower is `image_text_class`: the planner's
-shape carries the tower for those checkpoints (Gemma 3, and those with no causal-LM class).
+(plan/shape/vision.py). The planner's shape is the class the run builds (`auto_class`): an image run's
+carries the tower on every image-text checkpoint; a text run's carries it where `image_text_class` is
+what a text run loads (Gemma 3, and those with no causal-LM class), and one shape serves both runs.
 
 Torch-free at import, as every rule is.
 """

@@ -51,6 +51,7 @@ from homelab_ft.plan.price.params import (
     router_params,
     targeted_linears,
     trainable_params,
+    vision_linears_for,
     weight_bytes,
 )
 from homelab_ft.plan.price.rollout import Rollout, generation_bytes, rollout
@@ -419,7 +420,8 @@ def step_temporary_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cl
                                     state_bytes=state_bytes)
     if not rung.adapters_enabled:
         largest = largest_param(shape)
-    else:
-        largest = max(lin.in_features + lin.out_features for b in shape.blocks for lin in targeted_linears(b, request)) \
-            * request.lora.r if trainable else 0
+    else:  # the widest adapter, in a block or on the vision side (a target may name only the projector)
+        wrapped = [*(lin for b in shape.blocks for lin in targeted_linears(b, request)),
+                   *vision_linears_for(shape, request.lora.targets)]
+        largest = max((lin.in_features + lin.out_features for lin in wrapped), default=0) * request.lora.r
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)

@@ -159,7 +159,7 @@ def image_tokens_at(config: dict, *, sizes: tuple[tuple[int, int], ...], model_p
 def _image_text_note(hf_config, sight) -> str:
     text = hf_config.get_text_config(decoder=True)
     priced = ("only as weights: what an image costs it could not be measured, " + sight.unmeasured if sight.unmeasured
-              else "as weights, and per image in the `images` line")
+              else "as weights, and on an image run per image in the `images` line")
     return (f"{hf_config.model_type}: image-text checkpoint, loaded with its vision tower and projector "
             f"({sight.params / 1e9:.2f}B parameters, frozen, priced {priced}); its language model ({text.model_type}) "
             f"is trained")

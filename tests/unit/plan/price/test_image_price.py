@@ -108,6 +108,20 @@ def test_adapters_in_the_tower_keep_its_activations_and_triple_its_seconds(folde
     assert images.vision_s(shape, rung=rung, request=request, cluster=CPU) == pytest.approx(3 * tower_s)
 
 
+def test_adapters_named_on_the_projector_alone_are_priced_on_every_rung(folders):
+    """A full fine-tune that trains the projector too (lora.target_modules naming only it): the ladder
+    prices its LoRA rungs with those adapters alone, whose widest sizes the optimizer step (it found
+    no targeted layer in the language model's blocks and stopped: max() of nothing)."""
+    shape, _, _ = _priced(folders["qwen2_vl"])
+    projector = shape.vision.linears[-1].name  # model.visual.merger.mlp.2
+    recipe = dataclasses.replace(_recipe(folders["qwen2_vl"]), method="full")
+    recipe = dataclasses.replace(recipe, lora=dataclasses.replace(recipe.lora, target_modules=(projector,)))
+    result = plan_for_recipe(recipe, cluster=CPU)
+    assert result.chosen.method == "full" and {o.method for o in result.options} >= {"lora", "full"}
+    lora = next(o for o in result.options if o.method == "lora")
+    assert lora.trainable_params == 16 * (shape.vision.linears[-1].in_features + shape.vision.linears[-1].out_features)
+
+
 def test_more_pixels_never_fewer_tokens_nor_less_memory_or_time(folders):
     previous = None
     for side in (112, 224, 336, 448, 672):
