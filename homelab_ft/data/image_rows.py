@@ -20,11 +20,12 @@ drop). `data inspect` lists them instead. A row with no image in the cut part is
 
 A kept row carries its image refs (`images`), its number of images and image tokens (the tokens the
 vision side's features fill, `feature_token`: what the planner counts per image and prices a step
-at, data/lengths.py keeps them; the markup around them is masked too but is no feature) and the per-token columns the processor adds
-beside `input_ids` (`mm_token_type_ids` for Qwen2-VL, `token_type_ids` for Gemma 3: whatever keys
-its output has, never a family list). Pixels are not stored: `PixelBatcher` reads a batch's images
-again and runs the processor on them (the keys of its image processor's `model_input_names`:
-`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, `image_sizes` ...).
+at, data/lengths.py keeps them; the markup around them is masked too but is no feature) and the
+per-token columns the processor adds beside `input_ids` (`mm_token_type_ids` for Qwen2-VL,
+`token_type_ids` for Gemma 3: whatever keys its output has, never a family list). Pixels are not
+stored: `PixelBatcher` reads a batch's images again and runs the processor on them (the keys of its
+image processor's `model_input_names`: `pixel_values`, `image_grid_thw`, `pixel_attention_mask`,
+`image_sizes` ...).
 """
 
 from __future__ import annotations

@@ -9,7 +9,14 @@ from __future__ import annotations
 import logging
 import re
 
-from homelab_ft.rules.lora_targets import ALL_LINEAR, for_config, linear_forward, lora_targets, skipped_names, wrapped_names
+from homelab_ft.rules.lora_targets import (
+    ALL_LINEAR,
+    for_config,
+    linear_forward,
+    lora_targets,
+    skipped_names,
+    wrapped_names,
+)
 
 __all__ = ["ALL_LINEAR", "for_config", "linear_forward", "lora_targets", "resolve"]
 

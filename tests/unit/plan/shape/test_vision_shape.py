@@ -64,9 +64,10 @@ def test_an_image_run_builds_the_image_text_class(tmp_path):
     AutoModelForImageTextToText with its tower (tests/e2e/test_vision_families.py derives both)."""
     import json
 
+    from tiny_vlm import save_vlm
+
     from homelab_ft.plan.shape import derive
     from homelab_ft.rules import vision
-    from tiny_vlm import save_vlm
 
     folder = save_vlm(tmp_path / "llama4", "llama4", weights=False)
     config = json.loads((folder / "config.json").read_text())
