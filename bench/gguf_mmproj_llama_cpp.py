@@ -40,7 +40,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import llama_mtmd
-    from tiny_vlm import EXACT_SIDES, IMAGE, quadrants_image, save_tiny_vlm
+    from tiny_vlm import EXACT_SIDES, IMAGE, quadrants_image, save_gguf_vlm
 
     from homelab_ft.export.gguf.mmproj_check import probe_image
 
@@ -53,7 +53,7 @@ def main() -> int:
         root = Path(scratch)
         for family in args.families.split(","):
             wide = {} if family == "idefics3" else {"initializer_range": 0.2}
-            model = save_tiny_vlm(root / family, family, text_overrides={"initializer_range": 0.2}, **wide)
+            model = save_gguf_vlm(root / family, family, text_overrides={"initializer_range": 0.2}, **wide)
             if family in EXACT_SIDES:
                 image = root / f"{family}.png"
                 probe_image(EXACT_SIDES[family]).save(image)
@@ -63,7 +63,7 @@ def main() -> int:
                 _compare(llama_mtmd, family, model, image, root / f"{family}-{gguf_type}", gguf_type, python=python,
                          tokens=args.tokens)
         for model_type in ("gemma3", "internvl"):
-            folder = save_tiny_vlm(root / model_type, model_type)
+            folder = save_gguf_vlm(root / model_type, model_type)
             gguf, mmproj, _ = _export(folder, root / f"{model_type}-f32", "f32")
             hf, llama = llama_mtmd.compare_embeddings(folder, gguf, mmproj, quadrants_image(root / "small.png", size=IMAGE),
                                                       python=python)

@@ -53,6 +53,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return make_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """model_type -> a tiny random image-text checkpoint of it at llama.cpp's geometry
+    (tiny_vlm.save_gguf_vlm), saved once per test module: the GGUF + mmproj tests'."""
+    from tiny_vlm import save_gguf_vlm
+
+    cache = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in cache:
+            cache[model_type] = save_gguf_vlm(tmp_path_factory.mktemp(model_type), model_type)
+        return cache[model_type]
+
+    return get
+
+
 @pytest.fixture
 def umask_027():
     """The process's umask set to 027 for one test (neither the usual 022 nor safetensors' own 600

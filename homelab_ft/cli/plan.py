@@ -33,7 +33,7 @@ def cmd_plan(args) -> int:
     flags = cluster_overrides(gpus=args.gpus, nodes=args.nodes, link=args.link, host_ram=args.host_ram)
     recipe = load_recipe(args.recipe, common.with_cluster_file(args, list(args.overrides)) + flags)
     result = plan_for_recipe(recipe, cluster_file=common.cluster_file_name(args),
-                             lengths=measured_lengths(recipe, base_dir=args.recipe.resolve().parent))
+                             **measured_rows(recipe, base_dir=args.recipe.resolve().parent))
     print(result.to_json() if args.json else format_plan(result))
     if not args.json and recipe.train.num_epochs is not None:  # the planner prices a step; it tokenises nothing
         print(f"train.num_epochs {recipe.train.num_epochs:g}: the steps are counted once the data is tokenised; "
@@ -41,14 +41,16 @@ def cmd_plan(args) -> int:
     return 0 if result.fits else 2
 
 
-def measured_lengths(recipe, *, base_dir: Path):
-    """The lengths of the recipe's rows as the last preparation of its data here measured them
-    (data/lengths.py), as the planner's input; None when its data was not prepared here yet."""
-    from homelab_ft.data.lengths import stored
+def measured_rows(recipe, *, base_dir: Path) -> dict:
+    """The recipe's rows as the last preparation of its data here measured them (data/lengths.py),
+    as plan_for_recipe's inputs: `lengths` (None when its data was not prepared here yet) and, for an
+    image run, `image_counts` (images and image tokens per row; () before)."""
+    from homelab_ft.data.lengths import stored, stored_images
     from homelab_ft.plan.inputs import RowLengths
 
     counts = stored(recipe, base_dir=base_dir)
-    return RowLengths(counts=counts) if counts else None
+    images = stored_images(recipe, base_dir=base_dir) if recipe.data.images else None
+    return {"lengths": RowLengths(counts=counts) if counts else None, "image_counts": images or ()}
 
 
 def add_recipes(sub) -> None:

@@ -41,13 +41,13 @@ def planned(recipe, *, cluster_file: str | None, base_dir: Path):
     (`rung_for`, which validates it). A refused combination stops here, with its fix; with `auto`
     and nothing fitting, the plan goes to stderr to say what would. GRPO's reward functions are
     resolved first (`preflight.check_rewards`; `base_dir` is the recipe's folder)."""
-    from homelab_ft.cli.plan import measured_lengths
+    from homelab_ft.cli.plan import measured_rows
     from homelab_ft.plan import planner, report
     from homelab_ft.rung import pipelined
     from homelab_ft.train import preflight
 
     preflight.check_rewards(recipe, base_dir=base_dir)
-    plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file, lengths=measured_lengths(recipe, base_dir=base_dir))
+    plan = planner.plan_for_recipe(recipe, cluster_file=cluster_file, **measured_rows(recipe, base_dir=base_dir))
     if plan.chosen is not None:  # a pipeline the recipe names explicitly is run as named
         return plan, pipelined(plan.chosen.rung, recipe.sharding)
     if recipe.method == "auto":

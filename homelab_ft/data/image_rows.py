@@ -18,12 +18,14 @@ is; with `truncate` it gets the status CUT_IMAGE, and `refuse_cut` stops the run
 such row, how many there are and the fixes (raise max_length, lower image_max_pixels, overlong:
 drop). `data inspect` lists them instead. A row with no image in the cut part is truncated as text is.
 
-A kept row carries its image refs (`images`), its number of images and image tokens (what the
-planner prices a step at, data/lengths.py keeps them) and the per-token columns the processor adds
-beside `input_ids` (`mm_token_type_ids` for Qwen2-VL, `token_type_ids` for Gemma 3: whatever keys
-its output has, never a family list). Pixels are not stored: `PixelBatcher` reads a batch's images
-again and runs the processor on them (the keys of its image processor's `model_input_names`:
-`pixel_values`, `image_grid_thw`, `pixel_attention_mask`, `image_sizes` ...).
+A kept row carries its image refs (`images`), its number of images and image tokens (the tokens the
+vision side's features fill, `feature_token`: what the planner counts per image and prices a step
+at, data/lengths.py keeps them; the markup around them is masked too but is no feature) and the
+per-token columns the processor adds beside `input_ids` (`mm_token_type_ids` for Qwen2-VL,
+`token_type_ids` for Gemma 3: whatever keys its output has, never a family list). Pixels are not
+stored: `PixelBatcher` reads a batch's images again and runs the processor on them (the keys of its
+image processor's `model_input_names`: `pixel_values`, `image_grid_thw`, `pixel_attention_mask`,
+`image_sizes` ...).
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ from homelab_ft.data.rows import BAD_IMAGE, BAD_TEMPLATE, CUT_IMAGE, OK, TOO_LON
 from homelab_ft.errors import UserError
 from homelab_ft.labels import IGNORE_INDEX
 from homelab_ft.recipe.config import DataConfig
+from homelab_ft.rules import image_area
 
-IMAGE_ROWS = rows.RowKind(cache_prefix="tokenized-images", fingerprint_tag=(b"images",), turn_columns=("messages",),
+IMAGE_ROWS = rows.RowKind(cache_prefix="tokenized-images", fingerprint_tag=(b"images", b"2"), turn_columns=("messages",),
                           sides=("",), desc="tokenising (images)", text_columns=("conversation",))
-"""An image sample: one token row, its conversation (with image parts) as JSON in `conversation`."""
+"""An image sample: one token row, its conversation (with image parts) as JSON in `conversation`
+(tag 2: `image_tokens` counts the features' placeholder, `feature_token`)."""
 
 TEXT_KEYS = ("input_ids", "attention_mask", "offset_mapping", "text_replacement_offsets")
 """What the processor returns for the text that the pipeline reads itself (or drops, attention_mask)."""
@@ -88,6 +92,17 @@ def image_markup(tokenizer, template: str, image_token: str) -> tuple[str, str]:
     return ("", "") if at < 0 else (added[:at], added[at + len(image_token):])
 
 
+def feature_token(processor) -> int:
+    """The token id the vision side's features fill, one per feature: the count the model's own check
+    compares with its image features and the planner prices an image at (plan/shape/vision.py). It is
+    the processor's placeholder (`image_token_id`) where that is among the ids it marks as image
+    (`image_token_ids`, what mm_token_type_ids is built from; InternVL marks `<img>` and `</img>`
+    too), else the one id it marks (Gemma 3's placeholder `<start_of_image>` is expanded into
+    `<image_soft_token>`s between markers)."""
+    marked = [i for i in processor.image_token_ids if i is not None]
+    return processor.image_token_id if processor.image_token_id in marked or not marked else marked[0]
+
+
 def token_extras(processor) -> list[str]:
     """The per-token columns the processor returns beside input_ids (from a text-only call)."""
     probe = processor(text=["x"])
@@ -106,9 +121,10 @@ class ImageEncoder:
         self.processor, self.template, self.cfg = processor, template, cfg
         self.tokenizer = processor.tokenizer
         self.markup = image_markup(self.tokenizer, template, processor.image_token)
+        self.feature_id = feature_token(processor)
         self.extras = token_extras(processor)
-        self.kwargs = images.processor_kwargs(processor.image_processor, max_pixels=cfg.image_max_pixels,
-                                              min_pixels=cfg.image_min_pixels)
+        self.kwargs = image_area.processor_kwargs(processor.image_processor, max_pixels=cfg.image_max_pixels,
+                                                  min_pixels=cfg.image_min_pixels)
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         rows_out = [self._row(json.loads(conversation), origin=origin)
@@ -140,12 +156,13 @@ class ImageEncoder:
         labels = np.asarray(templates.labels_from_spans(ids, offsets, shifted(spans, replaced)))
         labels[marked] = IGNORE_INDEX
         status, keep = fit(len(ids), last_image=int(marked.max()) if len(marked) else -1, cfg=cfg)
+        features = int(np.count_nonzero(np.asarray(ids) == self.feature_id))
         if status in (TOO_LONG, CUT_IMAGE):
-            return self._left_out(status, refs, len(marked))
+            return self._left_out(status, refs, features)
         if (labels[:keep] == IGNORE_INDEX).all():
-            return self._left_out(rows.NO_TARGET, refs, len(marked))
+            return self._left_out(rows.NO_TARGET, refs, features)
         return {"input_ids": ids[:keep], "labels": labels[:keep].tolist(), "status": status, "images": refs,
-                "num_images": len(refs), "image_tokens": len(marked), **{k: list(enc[k][0])[:keep] for k in self.extras}}
+                "num_images": len(refs), "image_tokens": features, **{k: list(enc[k][0])[:keep] for k in self.extras}}
 
 
 def fit(length: int, *, last_image: int, cfg: DataConfig) -> tuple[int, int]:
@@ -234,7 +251,7 @@ class PixelBatcher:
         pictures = [[images.load(ref, max_pixels=cfg.image_max_pixels, min_pixels=cfg.image_min_pixels)
                      for ref in r["images"]] for r in with_images]
         texts = [processor.image_token * len(p) for p in pictures]
-        kwargs = images.processor_kwargs(processor.image_processor, max_pixels=cfg.image_max_pixels,
-                                         min_pixels=cfg.image_min_pixels)
+        kwargs = image_area.processor_kwargs(processor.image_processor, max_pixels=cfg.image_max_pixels,
+                                             min_pixels=cfg.image_min_pixels)
         out = processor(text=texts, images=pictures, return_tensors="pt", padding=True, **kwargs)
         return {k: out[k] for k in processor.image_processor.model_input_names if k in out}

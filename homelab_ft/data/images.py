@@ -13,11 +13,12 @@ turn (the model writes text). A missing or unreadable file is a bad row naming i
 `data.bad_rows` stops on or skips. The canonical part of an image is `{"type": "image", "image":
 ref}`, `ref` the absolute path or the data URI; the chat template sees `{"type": "image"}`.
 
-The resize happens here, before the processor's own: an image above `image_max_pixels` (width x
-height) is shrunk into that area and one below `image_min_pixels` enlarged to it, the aspect ratio
-kept (Pillow's bicubic); a processor that takes pixel bounds itself (Qwen2-VL's `min_pixels` /
-`max_pixels`, which it snaps to its 28-pixel grid) is given the same bounds (`processor_kwargs`),
-so its rounding stays inside them. Torch-free.
+The resize happens here, before the processor's own, by rules/image_area.py (the rule the planner
+counts an image's tokens at): an image above `image_max_pixels` (width x height) is shrunk into that
+area and one below `image_min_pixels` enlarged to it, the aspect ratio kept (Pillow's bicubic); a
+processor that takes pixel bounds itself (Qwen2-VL's `min_pixels` / `max_pixels`, which it snaps to
+its 28-pixel grid) is given the same bounds (image_area.processor_kwargs, which replace its own), so
+its rounding stays inside them. Torch-free.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import math
 import os
 from pathlib import Path
+
+from homelab_ft.rules.image_area import bounded_size
 
 DATA_URI = "data:image/"
 URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://", "hf://", "file://")
@@ -98,33 +100,10 @@ def load(ref: str, *, max_pixels: int | None, min_pixels: int | None):
     return resized(image.convert("RGB"), max_pixels=max_pixels, min_pixels=min_pixels)
 
 
-def target_size(width: int, height: int, *, max_pixels: int | None, min_pixels: int | None) -> tuple[int, int]:
-    """(width, height) scaled by one factor so width x height is at most `max_pixels` and at least
-    `min_pixels`, each side at least 1 pixel; unchanged when already inside."""
-    area = width * height
-    scale = 1.0
-    if max_pixels is not None and area > max_pixels:
-        scale = math.sqrt(max_pixels / area)
-    elif min_pixels is not None and area < min_pixels:
-        scale = math.sqrt(min_pixels / area)
-    if scale == 1.0:
-        return width, height
-    new = (max(1, math.floor(width * scale)), max(1, math.floor(height * scale)))
-    if min_pixels is not None and scale > 1 and new[0] * new[1] < min_pixels:  # floor fell short of the floor
-        new = (math.ceil(width * scale), math.ceil(height * scale))
-    return new
-
-
 def resized(image, *, max_pixels: int | None, min_pixels: int | None):
+    """`image` resized into the recipe's area (rules/image_area.bounded_size, the rule the planner
+    counts tokens at), bicubic; the image itself when it is inside."""
     from PIL import Image
 
-    size = target_size(*image.size, max_pixels=max_pixels, min_pixels=min_pixels)
-    return image if size == image.size else image.resize(size, Image.Resampling.BICUBIC)
-
-
-def processor_kwargs(image_processor, *, max_pixels: int | None, min_pixels: int | None) -> dict:
-    """The pixel bounds the image processor takes itself (Qwen2-VL's `min_pixels` / `max_pixels`,
-    declared in its `valid_kwargs`), so its own resize keeps to the recipe's; {} for the others."""
-    declared = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
-    wanted = {"max_pixels": max_pixels, "min_pixels": min_pixels}
-    return {k: v for k, v in wanted.items() if v is not None and k in declared}
+    height, width = bounded_size(image.height, image.width, max_pixels=max_pixels, min_pixels=min_pixels)
+    return image if (width, height) == image.size else image.resize((width, height), Image.Resampling.BICUBIC)

@@ -453,30 +453,34 @@ def named_rung(recipe, plan: Plan) -> Rung:
 
 
 def recipe_images(recipe, shape: ModelShape, *, counts: tuple[tuple[int, int, int], ...] = ()) -> RowImages | None:
-    """An image-text model's images as the planner prices them (inputs.RowImages): the tokens one image
+    """An image run's images as the planner prices them (inputs.RowImages): the tokens one image
     becomes at the largest area the recipe allows (rules/image_area.py: a square of
-    data.image_max_pixels), else at a reference photo (images.REFERENCE_SIDE), counted by the model's
-    own vision side (cached), and the rows' measured `counts`. None for a text model, or a vision side
-    that could not be measured (its weights alone are priced, and a warning says so)."""
+    data.image_max_pixels, its processor given the recipe's bounds as the data side gives them),
+    else at a reference photo (images.REFERENCE_SIDE), counted by the model's own vision side
+    (cached), and the rows' measured `counts`. None for a text run (data.images: false: the tower, if
+    the class loads one, sees no image), a text model, or a vision side that could not be measured
+    (its weights alone are priced, and a warning says so)."""
     from homelab_ft.locate import locate_config
     from homelab_ft.plan.shape.cache import cached_image_tokens
 
-    if shape.vision is None or shape.vision.unmeasured:
+    if not recipe.data.images or shape.vision is None or shape.vision.unmeasured:
         return None
-    bound = recipe.data.image_max_pixels
+    bound, least = recipe.data.image_max_pixels, recipe.data.image_min_pixels
     side = math.isqrt(bound) if bound else REFERENCE_SIDE
-    size = bounded_size(side, side, max_pixels=bound, min_pixels=recipe.data.image_min_pixels)
+    size = bounded_size(side, side, max_pixels=bound, min_pixels=least)
     config, _ = locate_config(recipe.model.path)
     (tokens,) = cached_image_tokens(config, sizes=(size,), model_path=recipe.model.path,
-                                    trust_remote_code=recipe.model.trust_remote_code)
-    return RowImages(tokens_per_image=tokens, size=size, bounded=bound is not None, counts=tuple(sorted(counts, key=lambda c: (c[1], c[0]))))
+                                    trust_remote_code=recipe.model.trust_remote_code, max_pixels=bound, min_pixels=least)
+    return RowImages(tokens_per_image=tokens, size=size, bounded=bound is not None,
+                     counts=tuple(sorted(counts, key=lambda c: (c[1], c[0]))))
 
 
 def recipe_shape(recipe) -> tuple[ModelShape, str]:
-    """The shape of the recipe's model (cached, else derived) and where its config was read from."""
+    """The shape of the model the recipe's run builds (cached, else derived: an image run's is its
+    image-text class, rules/vision.auto_class) and where its config was read from."""
     from homelab_ft.locate import locate_config
     from homelab_ft.plan.shape.shapes import model_shape
 
     config, source = locate_config(recipe.model.path)
     return model_shape(config, attn_implementation=recipe.model.attn_implementation, model_path=recipe.model.path,
-                       trust_remote_code=recipe.model.trust_remote_code), source
+                       trust_remote_code=recipe.model.trust_remote_code, images=recipe.data.images), source

@@ -153,8 +153,8 @@ def image_lines(p: Plan) -> list[str]:
         return []
     v, i = s.vision, r.images
     (h, w), tokens = i.size, i.tokens_per_image
-    geometry = (f"~{math.sqrt(h * w / tokens):.0f}x{math.sqrt(h * w / tokens):.0f} px per token" if v.dynamic
-                else "a fixed count per image")
+    side = math.sqrt(v.points[-1][0] * v.points[-1][1] / v.points[-1][2]) if v.dynamic else 0.0  # measured, uncapped
+    geometry = f"~{side:.0f}x{side:.0f} px per token" if v.dynamic else "a fixed count per image"
     size = (f"at {w}x{h}, data.image_max_pixels" if i.bounded
             else f"at a {w}x{h} photo; data.image_max_pixels is unset")
     images, row_tokens = row_images(s, r, timed=False)

@@ -19,8 +19,9 @@ Qwen2-VL, `vision_model` + `connector` in Idefics3. It is frozen in a full fine-
 `all-linear` leaves it out (lora_targets.py), QLoRA keeps it in 16 bits on an image run
 (`quant_skip`: bitsandbytes' 4-bit tower is not shown to be safe, the issue asks for it unless shown),
 and the planner prices its weights as frozen and measures what an image costs it
-(plan/shape/vision.py). What a *text* run loads with the tower is `image_text_class`: the planner's
-shape carries the tower for those checkpoints (Gemma 3, and those with no causal-LM class).
+(plan/shape/vision.py). The planner's shape is the class the run builds (`auto_class`): an image run's
+carries the tower on every image-text checkpoint; a text run's carries it where `image_text_class` is
+what a text run loads (Gemma 3, and those with no causal-LM class), and one shape serves both runs.
 
 Torch-free at import, as every rule is.
 """
@@ -92,12 +93,16 @@ def vision_prefixes(model) -> tuple[str, ...]:
     inner = getattr(model, "get_base_model", lambda: model)()
     if not _is_image_text(inner):
         return ()
-    decoder, base = inner.get_decoder(), inner.base_model
-    if base is inner or decoder is base:
+    decoder = inner.get_decoder()
+    # the decoder's parent: the base model (Qwen2-VL's model.language_model) or, where the class is its
+    # own base model, the class itself (Llama 4: language_model, a causal LM with its head, beside vision_model)
+    parent = next((m for m in (inner.base_model, inner) if any(c is decoder for c in m.children())), None)
+    if parent is None:
         return ()
-    base_name = next(name for name, module in model.named_modules() if module is base)
-    return tuple(f"{base_name}.{name}" if base_name else name
-                 for name, child in base.named_children() if child is not decoder)
+    parent_name = next(name for name, module in model.named_modules() if module is parent)
+    head = inner.get_output_embeddings()
+    return tuple(f"{parent_name}.{name}" if parent_name else name
+                 for name, child in parent.named_children() if child is not decoder and child is not head)
 
 
 def is_vision_module(name: str, prefixes: tuple[str, ...]) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from procs import Workers, job_recipe, run_beside, write_chat_data
-from tiny_vision import image_chat, make_image, save_vlm
+from tiny_vlm import image_chat, make_image, save_vlm
 
 TOL = 1e-5
 STEPS = 3

@@ -91,10 +91,14 @@ def write_mmproj(hf_dir: Path, out: Path, *, gguf_type: str, name: str, base_dir
 
 
 def image_tokens(plan, processor_dir: Path, *, pixels: tuple[int | None, int | None]) -> tuple[int, int] | None:
-    """(fewest, most) image tokens of training: the processor's pixel bounds (Projector.image_area)
-    narrowed by the run's own resize, in tokens (most rounded down, fewest up: inside both)."""
+    """(fewest, most) image tokens of training: the processor's pixel bounds (Projector.image_area: a
+    Qwen-style processor, which takes the run's bounds at call time) with the run's own where it set
+    them, as the data side gave them to it (rules/image_area.taken_area: they replace its own), in
+    tokens (most rounded down, fewest up: inside both)."""
+    from homelab_ft.rules.image_area import taken_area
+
     if plan.projector.image_area is None:
         return None
     low, high, per_token = plan.projector.image_area(plan.config, gguf_mmproj.processor_settings(processor_dir))
-    low, high = max(low, pixels[0] or 0), min(high, pixels[1] or high)
+    low, high = taken_area((low, high), max_pixels=pixels[1], min_pixels=pixels[0])
     return -(-low // per_token), max(1, high // per_token)

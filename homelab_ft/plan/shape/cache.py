@@ -30,9 +30,10 @@ from homelab_ft.plan.shape.vision import processor_files
 
 log = logging.getLogger(__name__)
 
-SCHEMA = 15
+SCHEMA = 16
 """Bumped when derive.py, saved.py or vision.py change what a cached shape holds or how it is
-measured (15: an image-text model's vision side, measured per image)."""
+measured (15: an image-text model's vision side, measured per image; 16: vision blocks found as the
+layers of its encoder, rules/decoder_blocks.py, and an image run's shape keyed apart)."""
 
 
 NOT_THE_MODEL = {
@@ -55,12 +56,13 @@ def cache_dir() -> Path:
 
 
 def cache_key(config: dict, *, attn_implementation: str, model_path: str | None = None,
-              trust_remote_code: bool = False) -> str:
+              trust_remote_code: bool = False, images: bool = False) -> str:
     """sha256 of the config (canonical JSON), the attention implementation, the installed
     transformers version, the checkpoint's image processor settings (what an image-text model's
-    vision side was measured on, vision.py) and, for remote code, the model folder's .py files."""
+    vision side was measured on, vision.py), whether the run reads images (the class it builds:
+    rules/vision.auto_class) and, for remote code, the model folder's .py files."""
     parts = [json.dumps(_model_part(config), sort_keys=True, default=str), attn_implementation,
-             _transformers_version(), str(SCHEMA), *processor_files(model_path)]
+             _transformers_version(), str(SCHEMA), *processor_files(model_path), *(["images"] if images else [])]
     if trust_remote_code and model_path and Path(model_path).is_dir():
         parts += [p.read_text() for p in sorted(Path(model_path).glob("*.py"))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
@@ -77,33 +79,53 @@ def _model_part(config: dict) -> dict:
 
 
 def cached_shape(config: dict, *, attn_implementation: str = "sdpa", model_path: str | None = None,
-                 trust_remote_code: bool = False) -> ModelShape:
-    key = cache_key(config, attn_implementation=attn_implementation, model_path=model_path,
-                    trust_remote_code=trust_remote_code)
-    path = cache_dir() / f"{key}.json"
-    try:
-        return ModelShape.from_dict(json.loads(path.read_text()))
-    except FileNotFoundError:
-        pass
-    except (OSError, ValueError, TypeError, KeyError) as err:
-        log.warning("ignoring the unreadable cached shape %s (%s); deriving it again", path, err)
-    from homelab_ft.plan.shape.derive import derive_shape
+                 trust_remote_code: bool = False, images: bool = False) -> ModelShape:
+    """The shape of a text run (or with `images`, an image run) of the model `config` describes:
+    read from the cache, else derived and stored. A text run that builds the image-text class (its
+    shape has a vision side: Gemma 3, Qwen2-VL, Llava) builds what an image run builds, so each is
+    also stored under the other's key; the runs of a checkpoint whose causal-LM class is text-only
+    (Qwen 3.5, Llama 4) are two models, two entries."""
+    where = dict(attn_implementation=attn_implementation, model_path=model_path, trust_remote_code=trust_remote_code)
+    path = cache_dir() / f"{cache_key(config, **where, images=images)}.json"
+    shape = _read(path)
+    if shape is None and images:  # a text run's entry that holds the image-text model is this one
+        text = _read(cache_dir() / f"{cache_key(config, **where)}.json")
+        shape = text if text is not None and text.vision is not None else None
+    if shape is not None:
+        return shape
+    from homelab_ft.plan.shape.derive import derive_shape, text_run_loads_tower
 
-    shape = derive_shape(config, attn_implementation=attn_implementation, model_path=model_path,
-                         trust_remote_code=trust_remote_code)
-    _store(path, shape)
-    for alias in _same_derivation(attn_implementation, shape.attn_implementation):
-        same = cache_key(config, attn_implementation=alias, model_path=model_path, trust_remote_code=trust_remote_code)
-        _store(cache_dir() / f"{same}.json", shape)
+    shape = derive_shape(config, **where, images=images)
+    # the other kind of run builds this very model: a text run that built the image-text class, or an
+    # image run of a checkpoint whose text run builds it too
+    other = shape.vision is not None and (not images or text_run_loads_tower(
+        config, model_path=model_path, trust_remote_code=trust_remote_code))
+    for runs_images in (images, not images) if other else (images,):
+        for attn in (attn_implementation, *_same_derivation(attn_implementation, shape.attn_implementation)):
+            key = cache_key(config, attn_implementation=attn, model_path=model_path, trust_remote_code=trust_remote_code,
+                            images=runs_images)
+            _store(cache_dir() / f"{key}.json", shape)
     return shape
 
 
+def _read(path: Path) -> ModelShape | None:
+    try:
+        return ModelShape.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        log.warning("ignoring the unreadable cached shape %s (%s); deriving it again", path, err)
+        return None
+
+
 def cached_image_tokens(config: dict, *, sizes: tuple[tuple[int, int], ...], model_path: str | None = None,
-                        trust_remote_code: bool = False) -> tuple[int, ...]:
+                        trust_remote_code: bool = False, max_pixels: int | None = None,
+                        min_pixels: int | None = None) -> tuple[int, ...]:
     """Image tokens one image of each (height, width) of `sizes` becomes in the image-text model
-    `config` describes (derive.image_tokens_at), kept beside the shapes under the same key (the
-    config, the processor files, transformers), one entry per size: a plan at a recipe's
-    data.image_max_pixels seen before imports no torch."""
+    `config` describes, its processor given the recipe's pixel bounds where it takes them
+    (derive.image_tokens_at), kept beside the shapes under the same key (the config, the processor
+    files, transformers), one entry per size and bounds: a plan at a recipe's data.image_max_pixels
+    seen before imports no torch."""
     key = cache_key(config, attn_implementation="sdpa", model_path=model_path, trust_remote_code=trust_remote_code)
     path = cache_dir() / f"{key}.image_tokens.json"
     try:
@@ -113,18 +135,23 @@ def cached_image_tokens(config: dict, *, sizes: tuple[tuple[int, int], ...], mod
     except (OSError, ValueError, TypeError, AttributeError) as err:
         log.warning("ignoring the unreadable cached image tokens %s (%s); counting them again", path, err)
         known = {}
-    missing = tuple(size for size in sizes if f"{size[0]}x{size[1]}" not in known)
+
+    def entry(height: int, width: int) -> str:
+        return f"{height}x{width}" + (f" {max_pixels} {min_pixels}" if (max_pixels, min_pixels) != (None, None) else "")
+
+    missing = tuple(size for size in sizes if entry(*size) not in known)
     if missing:
         from homelab_ft.plan.shape.derive import image_tokens_at
 
-        counted = image_tokens_at(config, sizes=missing, model_path=model_path, trust_remote_code=trust_remote_code)
-        known.update({f"{h}x{w}": n for (h, w), n in zip(missing, counted, strict=True)})
+        counted = image_tokens_at(config, sizes=missing, model_path=model_path, trust_remote_code=trust_remote_code,
+                                  max_pixels=max_pixels, min_pixels=min_pixels)
+        known.update({entry(*size): n for size, n in zip(missing, counted, strict=True)})
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fsio.replace_text(path, json.dumps(known, indent=1))
         except OSError as err:
             log.warning("could not cache image tokens in %s (%s); the next plan counts them again", path.parent, err)
-    return tuple(known[f"{h}x{w}"] for h, w in sizes)
+    return tuple(known[entry(*size)] for size in sizes)
 
 
 def _same_derivation(requested: str, used: str) -> tuple[str, ...]:

@@ -33,10 +33,11 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token
 
 
 def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path: str | None = None,
-                 trust_remote_code: bool = False) -> ModelShape:
-    """The shape of the model `config` loads as: a causal LM; the text decoder alone of a multimodal
-    config whose causal-LM class is text-only; an image-text model (rules/vision.py), whose language
-    model's blocks are sized as a causal LM's and whose vision side is measured on images
+                 trust_remote_code: bool = False, images: bool = False) -> ModelShape:
+    """The shape of the model `config` loads as for a text run, or an image run (`images`: data.images,
+    Rung.images): the class rules/vision.auto_class builds. A causal LM; the text decoder alone of a
+    multimodal config whose causal-LM class is text-only, on a text run; an image-text model, whose
+    language model's blocks are sized as a causal LM's and whose vision side is measured on images
     (vision.measure_vision)."""
     import torch
 
@@ -44,12 +45,13 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
     from homelab_ft.plan.shape.vision import measure_vision
     from homelab_ft.rules import vision
 
-    hf_config, notes = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    hf_config, notes = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code, images=images)
+    images = images and vision.image_text_model_class(hf_config) is not None
     text = hf_config.get_text_config(decoder=True)
     # `auto` (the default): sdpa where the class supports it, else eager, as model/family.py loads it.
     auto = attn_implementation == "auto"
     attn_implementation = "sdpa" if auto else attn_implementation
-    model, used = _build_supported(hf_config, attn_implementation, trust_remote_code=trust_remote_code)
+    model, used = _build_supported(hf_config, attn_implementation, trust_remote_code=trust_remote_code, images=images)
     if used != attn_implementation and not auto:
         notes += (f"{text.model_type} does not support attn_implementation={attn_implementation} in transformers; "
                   f"its activations are priced for {used}",)
@@ -59,7 +61,7 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
 
     def build(dtype):
         fresh = build_on_meta(copy.deepcopy(hf_config), attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-                              dtype=dtype)
+                              dtype=dtype, images=images)
         return fresh, decoder_blocks(fresh)
 
     measured = measure_saved(build, [index for index, _ in kinds])
@@ -91,10 +93,10 @@ def derive_shape(config: dict, *, attn_implementation: str = "sdpa", model_path:
     )
 
 
-def loaded_config(config: dict, *, model_path: str | None, trust_remote_code: bool):
+def loaded_config(config: dict, *, model_path: str | None, trust_remote_code: bool, images: bool = False):
     """transformers' config object of the model `config` loads as (rules/vision.py: an image-text
-    checkpoint whole; a multimodal one whose causal-LM class is text-only, its text decoder's), with
-    the note the plan repeats for the latter."""
+    checkpoint whole; a multimodal one whose causal-LM class is text-only, its text decoder's on a text
+    run and whole on an image run), with the note the plan repeats for the text decoder alone."""
     import transformers
 
     from homelab_ft.rules import vision
@@ -121,57 +123,76 @@ def loaded_config(config: dict, *, model_path: str | None, trust_remote_code: bo
     text = hf_config.get_text_config(decoder=True)
     if text is hf_config or vision.image_text_class(hf_config) is not None:
         return hf_config, ()
-    return text, (f"{model_type}: multimodal checkpoint; only its text decoder ({text.model_type}) is built, counted "
-                  f"and trained (the vision/audio towers are not)",)
+    if images and vision.image_text_model_class(hf_config) is not None:
+        return hf_config, ()
+    return text, (f"{model_type}: multimodal checkpoint; a text run builds, counts and trains only its text decoder "
+                  f"({text.model_type}), not its vision/audio towers (data.images: true builds its image-text class)",)
+
+
+def text_run_loads_tower(config: dict, *, model_path: str | None, trust_remote_code: bool) -> bool:
+    """A text run of `config` builds its image-text class, the model an image run builds
+    (rules/vision.image_text_class: Gemma 3, and the checkpoints with no causal-LM class)."""
+    from homelab_ft.rules import vision
+
+    hf_config, _ = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
+    return vision.image_text_class(hf_config) is not None
 
 
 def image_tokens_at(config: dict, *, sizes: tuple[tuple[int, int], ...], model_path: str | None = None,
-                    trust_remote_code: bool = False) -> tuple[int, ...]:
+                    trust_remote_code: bool = False, max_pixels: int | None = None,
+                    min_pixels: int | None = None) -> tuple[int, ...]:
     """Image tokens the vision side of the image-text model `config` loads as returns for one blank
-    image of each (height, width) of `sizes`, prepared by its own image processor (vision.py)."""
+    image of each (height, width) of `sizes`, prepared by its own image processor (vision.py) called
+    as the data side calls it: with the recipe's `max_pixels` / `min_pixels` where it takes pixel
+    bounds (rules/image_area.processor_kwargs: they replace its own, raising or lowering its cap)."""
     from homelab_ft.plan.shape import vision
+    from homelab_ft.rules.image_area import processor_kwargs
 
-    hf_config, _ = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code)
-    model = build_on_meta(hf_config, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+    hf_config, _ = loaded_config(config, model_path=model_path, trust_remote_code=trust_remote_code, images=True)
+    model = build_on_meta(hf_config, attn_implementation="sdpa", trust_remote_code=trust_remote_code, images=True)
     processor = vision.image_processor(model.config, model_path=model_path)
-    return tuple(vision.image_tokens(model, vision.vision_inputs(model, processor, height=h, width=w)) for h, w in sizes)
+    bounds = processor_kwargs(processor, max_pixels=max_pixels, min_pixels=min_pixels)
+    return tuple(vision.image_tokens(model, vision.vision_inputs(model, processor, height=h, width=w, bounds=bounds))
+                 for h, w in sizes)
 
 
 def _image_text_note(hf_config, sight) -> str:
     text = hf_config.get_text_config(decoder=True)
     priced = ("only as weights: what an image costs it could not be measured, " + sight.unmeasured if sight.unmeasured
-              else "as weights, and per image in the `images` line")
+              else "as weights, and on an image run per image in the `images` line")
     return (f"{hf_config.model_type}: image-text checkpoint, loaded with its vision tower and projector "
             f"({sight.params / 1e9:.2f}B parameters, frozen, priced {priced}); its language model ({text.model_type}) "
             f"is trained")
 
 
-def _build_supported(hf_config, attn_implementation: str, *, trust_remote_code: bool):
+def _build_supported(hf_config, attn_implementation: str, *, trust_remote_code: bool, images: bool):
     """The meta model with the requested attention, or with eager attention where transformers
     refuses it for the architecture (Gemma 2 has no SDPA path: it soft-caps the scores)."""
     try:
         return build_on_meta(hf_config, attn_implementation=attn_implementation,
-                             trust_remote_code=trust_remote_code), attn_implementation
+                             trust_remote_code=trust_remote_code, images=images), attn_implementation
     except ValueError as err:
         if attn_implementation == "eager" or "attention implementation" not in str(err):
             raise
-        return build_on_meta(hf_config, attn_implementation="eager", trust_remote_code=trust_remote_code), "eager"
+        return build_on_meta(hf_config, attn_implementation="eager", trust_remote_code=trust_remote_code,
+                             images=images), "eager"
 
 
-def build_on_meta(hf_config, *, attn_implementation: str, trust_remote_code: bool = False, dtype=None):
-    """The model the config loads as, on the meta device: shapes only, no memory. That is
-    AutoModelForCausalLM's, or AutoModelForImageTextToText's for an image-text checkpoint
-    (rules/vision.image_text_class).
+def build_on_meta(hf_config, *, attn_implementation: str, trust_remote_code: bool = False, dtype=None,
+                  images: bool = False):
+    """The model a run of `images` (data.images) loads the config as, on the meta device: shapes only,
+    no memory. That is the class of rules/vision.auto_class, the one the trainer builds:
+    AutoModelForCausalLM's, or AutoModelForImageTextToText's for an image run or an image-text
+    checkpoint with no causal-LM class.
 
     flash_attention_2 needs the flash-attn package to build; it keeps for backward what SDPA's
     flash kernel keeps (q, k, v, out, log-sum-exp), so the model is built with `sdpa` for it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from homelab_ft.rules import vision
 
     impl = "sdpa" if attn_implementation == "flash_attention_2" else attn_implementation
-    auto = AutoModelForImageTextToText if vision.image_text_class(hf_config) is not None else AutoModelForCausalLM
+    auto = vision.auto_class(hf_config, images=images and vision.image_text_model_class(hf_config) is not None)
     with torch.device("meta"):
         try:
             return auto.from_config(hf_config, attn_implementation=impl, dtype=dtype, trust_remote_code=trust_remote_code)

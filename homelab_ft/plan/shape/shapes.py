@@ -17,8 +17,9 @@ __all__ = ["BlockShape", "Linear", "ModelShape", "model_shape"]
 
 
 def model_shape(config: dict, *, attn_implementation: str = "sdpa", model_path: str | None = None,
-                trust_remote_code: bool = False) -> ModelShape:
-    """The shape of the model `config` (a config.json dict) describes: from the cache when this
-    config was derived before with this transformers, else derived (imports torch) and cached."""
+                trust_remote_code: bool = False, images: bool = False) -> ModelShape:
+    """The shape of the model a text run (or with `images`, an image run: data.images) of `config` (a
+    config.json dict) builds: from the cache when it was derived before with this transformers, else
+    derived (imports torch) and cached."""
     return shape_cache.cached_shape(config, attn_implementation=attn_implementation, model_path=model_path,
-                                    trust_remote_code=trust_remote_code)
+                                    trust_remote_code=trust_remote_code, images=images)

@@ -40,6 +40,7 @@ import weakref
 from pathlib import Path
 
 from homelab_ft.plan.shape.types import Linear, VisionShape
+from homelab_ft.rules.image_area import processor_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,17 @@ def _measured(build, processor, *, params: int, linears: tuple[Linear, ...]) -> 
 
 def _measured_as(models: dict, processor, kinds: list[list[int]], *, params: int,
                  linears: tuple[Linear, ...]) -> VisionShape:
+    # the tower's costs, not the processor's saved cap: a processor that takes pixel bounds at call time
+    # (rules/image_area.py, as a recipe's data.image_max_pixels gives them) reads each image at its size
+    bounds = processor_kwargs(processor, max_pixels=2 * SIDES[-1] ** 2, min_pixels=SIDES[0] ** 2 // 2)
     points, costs = [], []
     for side in SIDES:
-        inputs = vision_inputs(models[4], processor, height=side, width=side)
+        inputs = vision_inputs(models[4], processor, height=side, width=side, bounds=bounds)
         tokens, measured = _costs(models, inputs, kinds)
         points.append((side, side, tokens))
         costs.append(measured)
-    pair_tokens, pair = _costs(models, vision_inputs(models[4], processor, height=SIDES[1], width=SIDES[1], images=2),
-                               kinds)
+    pair_tokens, pair = _costs(models, vision_inputs(models[4], processor, height=SIDES[1], width=SIDES[1], images=2,
+                                                     bounds=bounds), kinds)
     counts = [t for _, _, t in points]
 
     def coefficients(key) -> tuple[float, float, float, float]:
@@ -172,7 +176,7 @@ def _costs(models: dict, inputs: dict, kinds: list[list[int]]) -> tuple[int, dic
     most bytes held at once is what the first two and the last of each kind hold: the blocks run one
     after another, each on the last's output, so a deeper tower holds no more, but a single block
     leaves out the moment a block's output and the embeddings' are both alive, and only the last one
-    runs beside every feature kept on the way (Qwen3-VL's deepstack mergers); tests/vision_families.py's
+    runs beside every feature kept on the way (Qwen3-VL's deepstack mergers); tests/tiny_vlm.py's
     9 families at depths 2 to 4 hold what the whole tower holds. A tower whose passed-through run
     returns another token count is measured whole."""
     tokens, flops = _flops(models[4], inputs)
@@ -258,12 +262,13 @@ def _dtype(name: str):
     return getattr(torch, name)
 
 
-def vision_inputs(model, processor, *, height: int, width: int, images: int = 1) -> dict:
+def vision_inputs(model, processor, *, height: int, width: int, images: int = 1, bounds: dict | None = None) -> dict:
     """What the image processor makes of `images` blank `height` x `width` RGB images, kept to the
-    arguments the model's `get_image_features` takes."""
+    arguments the model's `get_image_features` takes; `bounds`: the recipe's pixel bounds as the
+    processor takes them at call time (rules/image_area.processor_kwargs, as the data side passes them)."""
     from PIL import Image
 
-    prepared = processor(images=[Image.new("RGB", (width, height))] * images, return_tensors="pt")
+    prepared = processor(images=[Image.new("RGB", (width, height))] * images, return_tensors="pt", **(bounds or {}))
     accepted = inspect.signature(model.get_image_features).parameters
     return {key: value for key, value in prepared.items() if key in accepted}
 

@@ -78,18 +78,22 @@ def _plan_json(recipe, capsys) -> str:
 
 
 def test_inspect_reports_image_tokens_and_the_rows_that_would_not_fit(tmp_path, capsys):
-    from tiny_vision import image_chat, make_image, save_vlm
+    from tiny_vlm import image_chat, make_image, save_vlm
 
     folder = save_vlm(tmp_path / "m", "qwen2_vl")  # `data inspect` checks the folder as `train` does
-    make_image(tmp_path / "large.png", size=(112, 112))  # 16 image tokens + its two markers
-    make_image(tmp_path / "small.png", size=(28, 28))  # 1 + 2
+    make_image(tmp_path / "large.png", size=(112, 112))  # 16 image tokens (and its two markers)
+    make_image(tmp_path / "small.png", size=(28, 28))  # 1 (and 2)
     late = image_chat("large.png")
     late["messages"][0]["content"].reverse()  # the question, then the image: its tokens end past 28
     (tmp_path / "d.jsonl").write_text(json.dumps(late) + "\n" + json.dumps(image_chat("small.png")) + "\n")
     recipe = write_recipe(tmp_path / "r.yaml", tiny_run(
         folder, method="full", rows="d.jsonl", lora=None, train=None, output=None,
         data={"images": True, "shuffle": False, "max_length": 28, "cache_dir": str(tmp_path / "c")}))
+    main(["plan", str(recipe)])  # no bound: an image may fill the row as far as the planner knows
+    assert "rows priced with one image of 28 tokens (unbounded" in capsys.readouterr().out
     assert main(["data", "inspect", str(recipe), "--no-color"]) == 0
     out = capsys.readouterr().out
-    assert "images: 1 in 1 of 1 samples; image tokens per sample 3-3" in out
+    assert "images: 1 in 1 of 1 samples; image tokens per sample 1-1" in out
     assert "would not fit: 1 row(s) whose image tokens cross max_length 28" in out and "d.jsonl: row 1" in out
+    main(["plan", str(recipe)])  # the rows' images as inspect measured them, as `train` plans them too
+    assert "rows as measured on 1: up to 1 image(s) and 1 image tokens" in capsys.readouterr().out

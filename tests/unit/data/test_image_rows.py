@@ -1,4 +1,5 @@
-"""Image rows (data/image_rows.py, data/images.py) on every tiny family of tests/tiny_vision.py:
+"""Image rows (data/image_rows.py, data/images.py) on every tiny family of tests/tiny_vlm.py
+whose processor can be built here (TRAINED):
 which tokens are the image's and carry no label, what is trained, what a batch holds, and that a
 row is never cut inside an image."""
 
@@ -10,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tiny_vision import VLM_FAMILIES, image_chat, make_image, save_vlm
+from tiny_vlm import TRAINED, image_chat, make_image, save_vlm
 
 from homelab_ft.data import collate, prepare_data
 from homelab_ft.data import image_rows as image_rows_module
@@ -20,12 +21,12 @@ from homelab_ft.model import loading
 from homelab_ft.recipe.config import DataConfig, ModelConfig, SourceConfig
 
 
-@pytest.fixture(scope="module", params=sorted(VLM_FAMILIES))
+@pytest.fixture(scope="module", params=sorted(TRAINED))
 def family(request, tmp_path_factory):
-    """(model type, tokenizer, processor) of a family's tiny checkpoint (config and processor only)."""
+    """(folder, tokenizer, processor) of a family's tiny checkpoint (config and processor only)."""
     folder = save_vlm(tmp_path_factory.mktemp(request.param), request.param, weights=False)
     tokenizer, processor = loading.load_tokenizer_and_processor(ModelConfig(path=str(folder)), folder, images=True)
-    return request.param, tokenizer, processor
+    return folder, tokenizer, processor
 
 
 def _write(folder, rows) -> None:
@@ -39,7 +40,7 @@ def _prepare(folder, processor, **data):
 
 
 def test_image_prompt_and_padding_tokens_carry_no_label_in_every_family(family, tmp_path):
-    model_type, tokenizer, processor = family
+    folder, tokenizer, processor = family
     make_image(tmp_path / "a.png", size=(70, 50))
     make_image(tmp_path / "b.png", size=(40, 90), colour=(20, 20, 220))
     two = {"messages": [{"role": "user", "content": [{"type": "image", "path": "a.png"}, {"type": "text", "text": "and"},
@@ -49,11 +50,15 @@ def test_image_prompt_and_padding_tokens_carry_no_label_in_every_family(family, 
                                                               {"role": "assistant", "content": "yes"}]}])
     prepared = _prepare(tmp_path, processor, shuffle=False)
     answers = ("red", "two", "yes")
+    config = json.loads((folder / "config.json").read_text())
+    # the features' placeholder is the token the model's own check counts (its config's image token)
+    assert image_rows_module.feature_token(processor) == config.get("image_token_id", config.get("image_token_index"))
     for row, answer, (num_images, image_tokens) in zip(prepared.train, answers, prepared.report.image_rows, strict=True):
         ids, labels = np.asarray(row["input_ids"]), np.asarray(row["labels"])
         placeholders = np.isin(ids, processor.image_token_ids)  # what the processor itself marks as image
         assert num_images == len(row["images"]) and (image_tokens > 0) == bool(row["images"])
-        assert image_tokens >= placeholders.sum() and (labels[placeholders] == IGNORE_INDEX).all()
+        assert image_tokens == (ids == image_rows_module.feature_token(processor)).sum() <= placeholders.sum()
+        assert (labels[placeholders] == IGNORE_INDEX).all()
         trained = ids[labels != IGNORE_INDEX]
         assert tokenizer.decode(trained) == answer + tokenizer.eos_token  # the answer and its end, nothing else
         # every other token (prompt, images, the template's markup) carries no label
@@ -66,13 +71,14 @@ def test_image_prompt_and_padding_tokens_carry_no_label_in_every_family(family, 
 
 
 def test_train_on_inputs_still_leaves_the_image_tokens_out(family, tmp_path):
-    model_type, tokenizer, processor = family
+    _, tokenizer, processor = family
     make_image(tmp_path / "a.png")
     _write(tmp_path, [image_chat("a.png")])
     row = _prepare(tmp_path, processor, train_on_inputs=True).train[0]
     labels = np.asarray(row["labels"])
     marked = (labels == IGNORE_INDEX).sum() - 1  # the first token is never trained
-    assert marked == row["image_tokens"] > 0
+    placeholders = np.isin(np.asarray(row["input_ids"]), processor.image_token_ids).sum()
+    assert marked >= placeholders >= row["image_tokens"] > 0  # the markup around the features is masked too
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "idefics3"])  # image tokens follow the image's size and shape
@@ -153,8 +159,8 @@ def test_image_max_pixels_shrinks_an_image_and_its_tokens(tmp_path):
     _write(tmp_path, [image_chat("a.png")])
     full = _prepare(tmp_path, processor).train[0]
     shrunk = _prepare(tmp_path, processor, image_max_pixels=56 * 28).train[0]
-    # one token per 28x28 pixels, plus <|vision_start|> and <|vision_end|>
-    assert (full["image_tokens"], shrunk["image_tokens"]) == (8 + 2, 2 + 2)
+    # one token per 28x28 pixels (<|vision_start|> and <|vision_end|> around them are no features)
+    assert (full["image_tokens"], shrunk["image_tokens"]) == (8, 2)
 
 
 def test_the_template_markup_around_an_image_is_read_off_the_template(tmp_path):
@@ -171,3 +177,31 @@ def test_text_rows_with_an_image_part_name_data_images(tiny_model_dir, tmp_path)
     with pytest.raises(UserError, match=r"is an image; train on images with data\.images=true"):
         prepare_data(cfg, loading.load_tokenizer(ModelConfig(path=str(tiny_model_dir)), tiny_model_dir), seed=0,
                      base_dir=tmp_path)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "idefics3"])
+def test_the_planner_counts_the_image_tokens_the_data_side_gives_an_image_at_the_bound(model_type, tmp_path):
+    """An image larger than data.image_max_pixels is resized to the bound (rules/image_area.py) and,
+    for Qwen2-VL, its processor is given the bound too, which replaces its own 16-token cap: lowered
+    (56 x 56 px: 4 tokens) or raised (224 x 224: 64); the planner's count at the bound
+    (planner.recipe_images) is the row's. Idefics3's processor takes no bounds and sizes every image
+    to its own longest edge (3 x 3 tiles and the whole image, 40 tokens), on both sides. (The shape
+    is only asked whether a measured vision side is there: the count is the model's own, cached.)"""
+    from types import SimpleNamespace
+
+    from homelab_ft.plan.planner import recipe_images
+    from homelab_ft.plan.shape.types import VisionShape
+    from homelab_ft.recipe.config import recipe_from_dict
+
+    folder = save_vlm(tmp_path / model_type, model_type, weights=False)
+    _, processor = loading.load_tokenizer_and_processor(ModelConfig(path=str(folder)), folder, images=True)
+    make_image(tmp_path / "big.png", size=(900, 900))
+    _write(tmp_path, [image_chat("big.png")])
+    seen = []
+    for side in (56, 112, 224):
+        row = _prepare(tmp_path, processor, image_max_pixels=side * side).train[0]
+        recipe = recipe_from_dict({"model": {"path": str(folder)}, "data": {"images": True, "image_max_pixels": side * side}})
+        planned = recipe_images(recipe, SimpleNamespace(vision=VisionShape(params=1)))
+        assert planned.size == (side, side) and planned.tokens_per_image == row["image_tokens"] > 0
+        seen.append(row["image_tokens"])
+    assert seen == ([4, 16, 64] if model_type == "qwen2_vl" else [40] * 3)  # Idefics3: its longest edge set to 96 px

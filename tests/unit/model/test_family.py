@@ -110,6 +110,23 @@ def test_all_linear_lora_trains_where_peft_crashed_or_refused(model_type, caplog
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad)
 
 
+def test_all_linear_on_an_image_text_model_is_logged_by_the_language_models_layers(caplog):
+    """Idefics3's vision encoder has q/k/v_proj too, so PEFT's suffix list needs the language model's
+    layer index (`text_model.layers.0.self_attn.k_proj`); the log names the wrapped layers instead,
+    each layer index a `*`, and none of the vision side's."""
+    from tiny_vlm import tiny_vlm_config
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(tiny_vlm_config("idefics3"))
+    with caplog.at_level(logging.INFO, logger="homelab_ft.model.targets"):
+        resolved = targets.resolve(model, "all-linear")
+    assert "text_model.layers.0.self_attn.k_proj" in resolved  # what PEFT is handed: exact, if long
+    logged = caplog.text.split("lora.target_modules all-linear: ")[1].split(",")
+    assert "model.text_model.layers.*.self_attn.k_proj" in [name.strip() for name in logged]
+    assert not [name for name in logged if "vision" in name or ".0." in name]
+
+
 def test_per_layer_embeddings_do_not_refuse_qlora():
     """Gemma 4 at its real default size: the per-layer embedding table was 45% of the counted
     weights and the 10% rule refused the model; embedding tables are on neither side now."""

@@ -1,4 +1,5 @@
-"""model/processor.py: every tiny image-text family of tests/tiny_vision.py is saved as a released
+"""model/processor.py: every tiny image-text family of tests/tiny_vlm.py whose processor
+can be built here (TRAINED) is saved as a released
 checkpoint is, its processor loads offline (without torchvision here), and the model that
 `AutoModelForImageTextToText` builds from the folder sees the image."""
 
@@ -8,13 +9,13 @@ import json
 
 import pytest
 import torch
-from tiny_vision import VLM_FAMILIES, make_image, save_vlm
+from tiny_vlm import TRAINED, make_image, save_vlm
 
 from homelab_ft.errors import UserError
 from homelab_ft.model import processor as processors
 
 
-@pytest.mark.parametrize("model_type", sorted(VLM_FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(TRAINED))
 def test_each_family_builds_loads_offline_and_its_model_sees_the_image(model_type, tmp_path):
     from PIL import Image
     from transformers import AutoConfig, AutoModelForImageTextToText

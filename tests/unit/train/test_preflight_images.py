@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
-from tiny_vision import save_vlm
+from tiny_vlm import save_vlm
 
 from homelab_ft.errors import UserError
 from homelab_ft.recipe.config import recipe_from_dict

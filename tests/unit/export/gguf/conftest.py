@@ -1,26 +1,9 @@
-"""Fixtures the GGUF tests share: the tiny image-text checkpoints of the GGUF + mmproj tests
-(tests/tiny_vlm.py), and an f32 file written and read back for the family tests."""
+"""Fixtures the GGUF tests share: an f32 file written and read back for the family tests (the tiny
+image-text checkpoints of the GGUF + mmproj tests, `vlm`, are tests/conftest.py's: tests/e2e uses them too)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    """model_type -> a tiny random checkpoint of it, saved once per test module."""
-    from tiny_vlm import save_tiny_vlm
-
-    cache = {}
-
-    def get(model_type: str) -> Path:
-        if model_type not in cache:
-            cache[model_type] = save_tiny_vlm(tmp_path_factory.mktemp(model_type), model_type)
-        return cache[model_type]
-
-    return get
 
 
 @pytest.fixture(scope="session")

@@ -48,9 +48,9 @@ def test_qwen2_vl_splits_fused_qkv_and_the_conv3d_kernel_as_llama_cpp_reads_them
 def test_qwen3_vl_numbers_its_deepstack_mergers_by_the_block_they_tap(vlm, tmp_path):
     """deepstack_merger_list.0 taps block deepstack_visual_indexes[0]: written as v.deepstack.<block>
     (the converter's absolute index, which clip.vision.is_deepstack_layers marks); q/k/v stay fused."""
-    from tiny_vlm import save_tiny_vlm
+    from tiny_vlm import save_gguf_vlm
 
-    model_dir = save_tiny_vlm(tmp_path / "model", "qwen3_vl", deepstack_visual_indexes=[1])
+    model_dir = save_gguf_vlm(tmp_path / "model", "qwen3_vl", deepstack_visual_indexes=[1])
     path = tmp_path / "mmproj.gguf"
     mmproj.write_mmproj(model_dir, path, gguf_type="f32", name="tiny")
     reader = gguf.GGUFReader(path)
@@ -77,27 +77,31 @@ def test_pixtral_permutes_q_and_k_and_carries_the_img_break_embedding(vlm, tmp_p
     np.testing.assert_array_equal(stored["v.token_embd.img_break"], table[row])
 
 
-def test_the_image_tokens_of_training_are_the_processors_narrowed_by_the_runs_resize(vlm, tmp_path):
+def test_the_image_tokens_of_training_are_the_processors_bounds_as_the_run_set_them(vlm, tmp_path):
     """Qwen2-VL's tiny processor sizes images into 8-256 merged tokens of 28 x 28 px; a run that
-    resized its images into 10,000-100,000 px trained on 13-127 tokens (127.55 rounded down, 12.76
-    up: inside both bounds); Pixtral, whose longest-edge rule llama.cpp sizes otherwise, has none."""
+    resized its images into 10,000-100,000 px, and gave its processor those bounds, trained on 13-127
+    tokens (127.55 rounded down, 12.76 up: inside both bounds); one with a 400,000 px bound raised the
+    processor's cap to 510 tokens, and one with only a floor kept the cap; Pixtral, whose
+    longest-edge rule llama.cpp sizes otherwise, has none."""
     from homelab_ft.export.gguf import image_text
 
     written = image_text.write_mmproj(vlm("qwen2_vl"), tmp_path, gguf_type="f32", name="tiny", base_dir=vlm("qwen2_vl"))
     assert written.image_tokens == (8, 256)
     plan = mmproj.plan_mmproj(vlm("qwen2_vl"), gguf_type="f32")
     assert image_text.image_tokens(plan, vlm("qwen2_vl"), pixels=(10_000, 100_000)) == (13, 127)
+    assert image_text.image_tokens(plan, vlm("qwen2_vl"), pixels=(None, 400_000)) == (8, 510)
+    assert image_text.image_tokens(plan, vlm("qwen2_vl"), pixels=(1_000, None)) == (2, 256)
     pixtral = mmproj.plan_mmproj(vlm("mistral3"), gguf_type="f32")
     assert image_text.image_tokens(pixtral, vlm("mistral3"), pixels=(None, None)) is None
 
 
 def test_a_pixtral_tower_llama_cpp_runs_otherwise_is_refused(tmp_path):
     """llama.cpp's pixtral graph reads the tower's last layer and fixes its rope base at 10000."""
-    from tiny_vlm import tiny_vlm_config
+    from tiny_vlm import gguf_config
 
     from homelab_ft.export.gguf import text_view
 
-    config = tiny_vlm_config("mistral3")
+    config = gguf_config("mistral3")
     config.vision_feature_layer = -2
     config.save_pretrained(tmp_path)
     with pytest.raises(gguf_arch.GgufUnsupported, match="vision_feature_layer = -2"):

@@ -30,9 +30,9 @@ def test_smolvlm_describes_an_image_with_transformers_greedy_tokens(tmp_path):
     wide enough (std 0.2) that its greedy reply is not one token repeated: llama.cpp tokenizes the
     prompt with the image's tiles where transformers' processor puts them, its image embeddings
     match transformers' features, and its 12 greedy tokens are transformers'."""
-    from tiny_vlm import quadrants_image, save_tiny_vlm
+    from tiny_vlm import quadrants_image, save_gguf_vlm
 
-    model_dir = save_tiny_vlm(tmp_path / "model", "idefics3", text_overrides={"initializer_range": 0.2})
+    model_dir = save_gguf_vlm(tmp_path / "model", "idefics3", text_overrides={"initializer_range": 0.2})
     gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
     side = llama_mtmd.compare(model_dir, gguf, projector, quadrants_image(tmp_path / "image.png"), python=PYTHON)
     assert side.llama_prompt == side.hf_prompt
@@ -51,11 +51,11 @@ def test_qwen_vl_and_mistral_3_answer_an_image_with_transformers_greedy_tokens(m
     embeddings within 2e-3 of their largest (Qwen3-VL's with its deepstack features beside), and the
     same 12 greedy tokens, which for Qwen follow M-RoPE's image positions (transformers' own reply
     without them departs at the third token)."""
-    from tiny_vlm import EXACT_SIDES, save_tiny_vlm
+    from tiny_vlm import EXACT_SIDES, save_gguf_vlm
 
     from homelab_ft.export.gguf.mmproj_check import probe_image
 
-    model_dir = save_tiny_vlm(tmp_path / "model", model_type, **WIDE)
+    model_dir = save_gguf_vlm(tmp_path / "model", model_type, **WIDE)
     gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
     probe_image(EXACT_SIDES[model_type]).save(tmp_path / "image.png")
     side = llama_mtmd.compare(model_dir, gguf, projector, tmp_path / "image.png", python=PYTHON)
@@ -70,12 +70,12 @@ def test_a_large_image_is_sized_as_in_training_with_the_bounds_running_md_gives(
     to 16 x 16 tokens; llama.cpp's own bounds (8-4096) keep 20 x 20, another prompt and reply; with
     RUNNING.md's --image-min-tokens / --image-max-tokens (image_text.image_tokens) the same prompt
     and greedy tokens."""
-    from tiny_vlm import save_tiny_vlm
+    from tiny_vlm import save_gguf_vlm
 
     from homelab_ft.export.gguf import image_text
     from homelab_ft.export.gguf.mmproj_check import probe_image
 
-    model_dir = save_tiny_vlm(tmp_path / "model", "qwen2_vl", **WIDE)
+    model_dir = save_gguf_vlm(tmp_path / "model", "qwen2_vl", **WIDE)
     gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
     probe_image(560).save(tmp_path / "image.png")
     bounds = image_text.image_tokens(mmproj.plan_mmproj(model_dir, gguf_type="f32"), model_dir, pixels=(None, None))
@@ -94,13 +94,13 @@ def test_an_image_text_adapter_gguf_on_its_base_answers_as_the_merged_model(tmp_
 
     import torch
     from peft import LoraConfig, get_peft_model
-    from tiny_vlm import EXACT_SIDES, save_tiny_vlm
+    from tiny_vlm import EXACT_SIDES, save_gguf_vlm
     from transformers import AutoModelForImageTextToText
 
     from homelab_ft.export.gguf.adapter import write_adapter_gguf
     from homelab_ft.export.gguf.mmproj_check import probe_image
 
-    base = save_tiny_vlm(tmp_path / "base", "qwen2_vl", **WIDE)
+    base = save_gguf_vlm(tmp_path / "base", "qwen2_vl", **WIDE)
     torch.manual_seed(1)
     peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), LoraConfig(
         r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|down_proj)"))
@@ -129,9 +129,9 @@ def test_llama_cpps_image_embeddings_are_transformers_features(model_type, tmp_p
     language model receives for the image, as llama.cpp computes it from the mmproj, is what
     transformers computes (Gemma 3's input projection is f16 in the file, as llama.cpp keeps it; InternVL's
     position table has its class-token row last, as llama.cpp's graph reads it: 9% off otherwise)."""
-    from tiny_vlm import IMAGE, quadrants_image, save_tiny_vlm
+    from tiny_vlm import IMAGE, quadrants_image, save_gguf_vlm
 
-    model_dir = save_tiny_vlm(tmp_path / "model", model_type)
+    model_dir = save_gguf_vlm(tmp_path / "model", model_type)
     gguf, projector = _export(model_dir, tmp_path, gguf_type="f32")
     hf, llama = llama_mtmd.compare_embeddings(model_dir, gguf, projector, quadrants_image(tmp_path / "i.png", size=IMAGE),
                                               python=PYTHON)

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from vision_families import save_families  # noqa: E402
+from tiny_vlm import save_families  # noqa: E402
 
 from homelab_ft.plan.inputs import Cluster, RowImages  # noqa: E402
 from homelab_ft.plan.ladder import option_rung  # noqa: E402
@@ -29,12 +29,21 @@ CPU = Cluster(device="cpu", nodes=1, gpus_per_node=1, device_bytes=8 << 30, host
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("image-pricing")
-    return save_families(root, ("qwen2_vl", "gemma3"))
+    return save_families(root, ("qwen2_vl",))
+
+
+def _fixed(shape, request, *, tokens: int = 4):
+    """`shape` and `request` as a family whose every image is `tokens` tokens (Gemma 3's 256, Llava's
+    576): the measured points all one count, no bound set (tests/e2e/test_vision_families.py measures
+    such families themselves)."""
+    points = tuple((side, side, tokens) for side, _, _ in shape.vision.points)
+    shape = dataclasses.replace(shape, vision=dataclasses.replace(shape.vision, points=points))
+    return shape, dataclasses.replace(request, images=RowImages(tokens_per_image=tokens, size=(768, 768), bounded=False))
 
 
 def _recipe(folder: Path, **data):
     return recipe_from_dict({"model": {"path": str(folder)}, "method": "lora",
-                             "data": {"max_length": 512, **data}, "train": {"micro_batch_size": 2}})
+                             "data": {"max_length": 512, "images": True, **data}, "train": {"micro_batch_size": 2}})
 
 
 def _priced(folder: Path, *, counts=(), lora=None, **data):
@@ -63,8 +72,8 @@ def test_without_a_bound_a_growing_count_may_fill_the_row_and_a_fixed_one_does_n
     shape, request, _ = _priced(folders["qwen2_vl"])
     assert not request.images.bounded and request.images.size == (images.REFERENCE_SIDE, images.REFERENCE_SIDE)
     assert images.row_images(shape, request, timed=False) == (1, 512)  # data.max_length
-    shape, request, _ = _priced(folders["gemma3"])
-    assert images.row_images(shape, request, timed=False) == (1, 4)  # tiny Gemma 3: 4 tokens whatever the size
+    shape, request = _fixed(shape, request)
+    assert images.row_images(shape, request, timed=False) == (1, 4)  # a fixed count: 4 tokens whatever the size
 
 
 def test_the_frozen_towers_working_set_is_held_before_the_language_models_activations(folders):
@@ -119,6 +128,20 @@ def test_adapters_only_in_the_tower_are_priced_at_its_widest_layer(folders):
         optimizer_step_bytes(request, CPU, params=trainable, largest=widest * request.lora.r, state_bytes=4)
 
 
+def test_adapters_named_on_the_projector_alone_are_priced_on_every_rung(folders):
+    """A full fine-tune that trains the projector too (lora.target_modules naming only it): the ladder
+    prices its LoRA rungs with those adapters alone, whose widest sizes the optimizer step (it found
+    no targeted layer in the language model's blocks and stopped: max() of nothing)."""
+    shape, _, _ = _priced(folders["qwen2_vl"])
+    projector = shape.vision.linears[-1].name  # model.visual.merger.mlp.2
+    recipe = dataclasses.replace(_recipe(folders["qwen2_vl"]), method="full")
+    recipe = dataclasses.replace(recipe, lora=dataclasses.replace(recipe.lora, target_modules=(projector,)))
+    result = plan_for_recipe(recipe, cluster=CPU)
+    assert result.chosen.method == "full" and {o.method for o in result.options} >= {"lora", "full"}
+    lora = next(o for o in result.options if o.method == "lora")
+    assert lora.trainable_params == 16 * (shape.vision.linears[-1].in_features + shape.vision.linears[-1].out_features)
+
+
 def test_more_pixels_never_fewer_tokens_nor_less_memory_or_time(folders):
     previous = None
     for side in (112, 224, 336, 448, 672):
@@ -129,13 +152,16 @@ def test_more_pixels_never_fewer_tokens_nor_less_memory_or_time(folders):
     assert previous[0] > 64
 
 
-def test_a_text_model_has_no_images(tmp_path):
+def test_a_text_model_and_a_text_run_have_no_images(tmp_path, folders):
     from families import save_tiny
 
     folder = save_tiny(tmp_path / "llama", "llama", with_tokenizer=False)
     shape, request, _ = _priced(folder)
     assert shape.vision is None and request.images is None
     assert images.row_images(shape, request, timed=False) == (0.0, 0.0)
+    # a text run of an image-text checkpoint loads the tower (priced as weights) and shows it no image
+    shape, request, est = _priced(folders["qwen2_vl"], images=False)
+    assert shape.vision is not None and request.images is None and est.memory.vision_forward == 0
 
 
 def test_the_plan_says_what_an_image_costs(folders):
@@ -145,8 +171,11 @@ def test_the_plan_says_what_an_image_costs(folders):
             "rows priced with one image of 256 tokens") in line
     tower = text.splitlines()[text.splitlines().index(line) + 1]
     assert "vision tower" in tower and "frozen" in tower and "MiB for a micro-batch's images" in tower and "s a step" in tower
-    fixed = format_plan(plan_for_recipe(_recipe(folders["gemma3"]), cluster=CPU))
-    assert "~4 tokens per image at a 768x768 photo; data.image_max_pixels is unset (Gemma3ImageProcessorPil: a fixed count" in fixed
+    from homelab_ft.plan.planner import plan
+
+    shape, request = _fixed(*_priced(folders["qwen2_vl"])[:2])
+    fixed = format_plan(plan(shape, request=request, cluster=CPU))
+    assert "~4 tokens per image at a 768x768 photo; data.image_max_pixels is unset (Qwen2VLImageProcessorPil: a fixed count" in fixed
 
 
 def test_the_measured_rows_are_named(folders):

@@ -1,18 +1,17 @@
 """Image tokens per image (plan/shape/derive.image_tokens_at, cached by plan/shape/cache.py) against
 what transformers itself does with an image of that size, table-driven over sizes the measurement
-never saw (tests/vision_families.TOKEN_SIZES: wide, tall, small, large):
+never saw (tests/vision_checks.TOKEN_SIZES: wide, tall, small, large):
 - the real model accepts exactly that many image tokens beside the image (its own "Image features and
-  image tokens do not match" check refuses one more): Qwen2-VL and Pixtral (Mistral 3), whose count
-  grows with the image, SmolVLM's tiles, Gemma 3's fixed count (tests/e2e/test_vision_families.py:
-  the other five families);
-- the real Gemma 3 processor expands the image placeholder to that many tokens (the e2e test: Llava's
-  and PaliGemma's). Qwen2-VL's cannot be built here (its video processor needs torchvision, which
-  cannot be installed beside this torch), so its count is checked against its image processor's own
-  `get_number_of_image_patches`, which Qwen2VLProcessor._get_num_multimodal_tokens divides by the merge;
+  image tokens do not match" check refuses one more): Qwen2-VL, whose count grows with the image
+  (tests/e2e/test_vision_families.py: the other eight families, Gemma 3's fixed count, Pixtral's and
+  SmolVLM's tiles among them, and the real Gemma 3, Llava and PaliGemma processors' expansion);
+- Qwen2-VL's count against its image processor's own `get_number_of_image_patches`, which
+  Qwen2VLProcessor._get_num_multimodal_tokens divides by the merge, at its cap and a recipe's bound;
 - more pixels never give fewer tokens."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,15 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from vision_families import (  # noqa: E402
-    TOKEN_SIZES,
-    UNIT_FAMILIES,
-    check_accepted_tokens,
-    check_processor_expansion,
-    counted_tokens,
-    image_processor,
-    save_families,
-)
+from tiny_vlm import UNIT_FAMILIES, image_processor, save_families  # noqa: E402
+from vision_checks import TOKEN_SIZES, check_accepted_tokens, check_more_pixels, counted_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +33,23 @@ def test_the_model_accepts_exactly_the_counted_image_tokens(model_type, folders)
     check_accepted_tokens(folders[model_type])
 
 
-def test_the_real_processor_expands_an_image_to_the_counted_tokens(folders):
-    check_processor_expansion("gemma3", folders["gemma3"])
-
-
 def test_a_dynamic_count_is_the_image_processors_own_patches_over_the_merge(folders):
+    """At the tiny processor's own cap (16 tokens) and at a recipe's bound that raises it (as the data
+    side passes it: rules/image_area.processor_kwargs)."""
+    from homelab_ft.plan.shape.cache import cached_image_tokens
+
     pixels = image_processor("qwen2_vl")
     merge = pixels.merge_size ** 2
-    expected = tuple(pixels.get_number_of_image_patches(h, w, {}) // merge for h, w in TOKEN_SIZES)
-    assert counted_tokens(folders["qwen2_vl"]) == expected
+    for bound in (None, 1000 * 1000):
+        kwargs = {"max_pixels": bound} if bound else {}
+        expected = tuple(pixels.get_number_of_image_patches(h, w, kwargs) // merge for h, w in TOKEN_SIZES)
+        config = json.loads((folders["qwen2_vl"] / "config.json").read_text())
+        assert cached_image_tokens(config, sizes=TOKEN_SIZES, model_path=str(folders["qwen2_vl"]),
+                                   max_pixels=bound) == expected
     assert expected[1] == (336 // 28) * (448 // 28)  # smart_resize keeps a size already on the 28 px grid
+    assert max(counted_tokens(folders["qwen2_vl"])) <= 16  # the processor's own cap
 
 
 @pytest.mark.parametrize("model_type", UNIT_FAMILIES)
 def test_more_pixels_never_give_fewer_tokens(model_type, folders):
-    sides = tuple((side, side * 4 // 3) for side in range(56, 1008, 112))
-    counted = counted_tokens(folders[model_type], sides)
-    assert list(counted) == sorted(counted) and counted[0] > 0
+    check_more_pixels(folders[model_type])
