@@ -149,6 +149,11 @@ class Layout:
     tokenizer_kinds: tuple[str, ...] = ()
     """The tokenizers (gguf_vocab's kinds: gpt2, llama) written for this architecture where not
     every one is, else empty."""
+    softcap_defaults: tuple[str, ...] = ()
+    """The soft-capping keys llama.cpp reads for this architecture with a default where the file
+    has none (llama-hparams.h: attention 50.0, final 30.0): written from the config, as 0.0 where it
+    caps nothing, which the graphs test as off (`if (hparams.f_final_logit_softcapping)`). Gemma 4
+    without them ran its logits through 30 tanh(x / 30): 7.6% off at a logit of 15 in llama.cpp."""
     expert_ff_key: str = "moe_intermediate_size"
     """The config key `expert_feed_forward_length` is written from (gpt-oss's experts are
     `intermediate_size` wide: GptOssModel.set_gguf_parameters writes that)."""
@@ -198,7 +203,7 @@ LAYOUTS = {
         Fixed("norm_topk_prob", lambda config: True, "models/qwen3moe.cpp: build_moe_ffn(..., norm_w = true)"),)),
     "phi3": Layout(),
     "gemma": Layout(),
-    "gemma2": Layout(fixed=(
+    "gemma2": Layout(softcap_defaults=("attn_logit_softcapping", "final_logit_softcapping"), fixed=(
         Fixed("layer_types", _every(2, **_SLIDING), "llama-model.cpp: set_swa_pattern(2)"),
         Fixed("query_pre_attn_scalar", _gemma_scale(46), "llama-model.cpp: f_attention_scale"))),
     "gemma3": Layout(fixed=(
@@ -218,7 +223,8 @@ LAYOUTS = {
         Fixed("norm_topk_prob", lambda config: True, "models/qwen3next.cpp: build_moe_ffn(..., norm_w = true)"),
         Fixed("decoder_sparse_step", lambda config: 1, "models/qwen3next.cpp: ffn_gate_inp required on every layer"),
         Fixed("mlp_only_layers", lambda config: [], "models/qwen3next.cpp: ffn_gate_inp required on every layer"))),
-    "gemma4": Layout(reshaped=GEMMA4, rope_types=("proportional",), tokenizer_kinds=("gpt2",), swa_pattern=SwaPattern(
+    "gemma4": Layout(reshaped=GEMMA4, rope_types=("proportional",), tokenizer_kinds=("gpt2",),
+                     softcap_defaults=("final_logit_softcapping",), swa_pattern=SwaPattern(
         source="models/gemma4.cpp: sliding_window_pattern, one bool per layer, always read"), fixed=(
         Fixed("hidden_activation", lambda config: "gelu_pytorch_tanh", "models/gemma4.cpp: LLM_FFN_GELU (tanh)"),
         Fixed("attention_bias", lambda config: False, "models/gemma4.cpp: q/k/v/o without biases"),

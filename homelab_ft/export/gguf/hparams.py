@@ -174,13 +174,12 @@ def _write_rope(writer, config, *, dim: int, swa_dim: int | None, target: Target
 
 
 def _write_attention_extras(writer, config, *, target: Target) -> None:
-    """Soft-capping (Gemma 2) and sliding windows: the window wherever the config sets one, with
+    """Soft-capping (Gemma 2; Gemma 4's 0.0 where it has none, `Layout.softcap_defaults`) and sliding windows: the window wherever the config sets one, with
     the per-layer pattern from `layer_types` where llama.cpp reads it (`Layout.swa_pattern`: Olmo 2,
     Gemma 3; the others run every layer windowed, none, or Gemma 2's fixed alternation)."""
-    if getattr(config, "attn_logit_softcapping", None) is not None or target.arch_name == "gemma2":
-        writer.add_attn_logit_softcapping(getattr(config, "attn_logit_softcapping", None) or 0.0)
-    if getattr(config, "final_logit_softcapping", None) is not None or target.arch_name == "gemma2":
-        writer.add_final_logit_softcapping(getattr(config, "final_logit_softcapping", None) or 0.0)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None) is not None or key in target.layout.softcap_defaults:
+            getattr(writer, f"add_{key}")(getattr(config, key, None) or 0.0)
     window = getattr(config, "sliding_window", None)
     if not window:
         return

@@ -53,6 +53,8 @@ def test_head_sizes_rope_and_per_layer_embeddings_are_gemma4_models(written):
     assert fields["embedding_length_per_layer_input"] == config.hidden_size_per_layer_input
     assert "per_layer_token_embd.weight" in tensors and "blk.0.inp_gate.weight" in tensors
     assert tensors["blk.0.layer_output_scale.weight"].shape == (1,)
+    # none in the config: 0.0 (off), where without the key llama.cpp caps the logits at its default 30
+    assert config.final_logit_softcapping is None and fields["final_logit_softcapping"] == 0.0
     assert gguf_check.verify_gguf(model_dir / "f32.gguf", model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
