@@ -167,10 +167,25 @@ def _write_rope(writer, config, *, dim: int, swa_dim: int | None, target: Target
                 getattr(writer, method)(float(rope[key]))
     if target.layout.rope_sections:
         sections = list(rope.get("mrope_section") or target.layout.rope_sections)
-        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+        writer.add_rope_dimension_sections(_sections_within(sections + [0] * (4 - len(sections)), int(dim * partial)))
     swa = rope.get("swa") or {}
     if swa.get("rope_theta") is not None and swa["rope_theta"] != rope["rope_theta"]:
         writer.add_rope_freq_base_swa(float(swa["rope_theta"]))  # Gemma 3's local layers
+
+
+def _sections_within(sections: list[int], rotated: int) -> list[int]:
+    """M-RoPE sections that fit the rotated width: ggml's rope asserts sum(sections) <= rotated dims
+    (ggml-cpu ops.cpp ggml_mrope_cache_init, GGML_ASSERT(sect_dims <= ne0)) and aborts the process
+    otherwise, which only a shrunken model meets (a tiny Qwen 3.5 rotates 4 of its 16 head dims;
+    Qwen3.5-27B 64 of 256, for the 32 pairs of [11, 11, 10, 0]). Such sections are cut to the pairs
+    each one turns of those rotated (interleaved, pair i by section i % 3, as Qwen 3.5's imrope and
+    transformers' recomposition take them): every pair keeps its section, where one cut from the end
+    leaves a pair to llama.cpp's fourth section, which turns text by position 0 (measured: 1.1e-2 of
+    the largest logit off)."""
+    if sum(sections) <= rotated:
+        return sections
+    pairs = rotated // 2
+    return [min(section, len(range(k, pairs, 3)) if k < 3 else 0) for k, section in enumerate(sections)]
 
 
 def _write_attention_extras(writer, config, *, target: Target) -> None:
