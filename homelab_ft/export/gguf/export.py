@@ -97,7 +97,7 @@ def write_gguf(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) ->
     writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(name)
+        writer.add_name(gguf_vocab.general_name(model_dir, name))
         gguf_hparams.write_hparams(writer, config, target=target, gguf_type=gguf_type)
         gguf_vocab.write_vocab(writer, model_dir, vocab_size=config.vocab_size)
         plan = plan_tensors(model_dir, config, target=target, gguf_type=gguf_type)
