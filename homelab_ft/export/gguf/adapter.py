@@ -13,7 +13,9 @@ whole columns (A's: Qwen 3.5's out_proj), and is checked the same way against PE
 What llama.cpp's adapter format cannot hold is refused: DoRA (a per-column magnitude, not a
 low-rank sum), per-module ranks or alphas, fully trained extra modules (`modules_to_save`), and
 LoRA on a weight whose rule mixes rows and columns (MLA's kv_b_proj, which DeepseekV2Model splits
-into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have).
+into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have), and
+LoRA on a weight llama.cpp's graph multiplies without adapters (gguf_arch.Layout.lora_ignored: Gemma
+4's per-layer model projection, DeepSeek-V3's query and compressed-KV projections).
 rsLoRA's scale alpha / sqrt(r) is written as alpha' = alpha * sqrt(r), so alpha' / r equals it.
 
 For an image-text base the adapter is its language model's, named as that model's text GGUF
@@ -107,6 +109,10 @@ def _llama_cpp_pairs(module: str, key: str, a: np.ndarray, b: np.ndarray, *, tar
         mapped = name_map.get_type_and_name(name, try_suffixes=(".weight",))
         if mapped is None or mapped[0] not in gguf.MODEL_TENSORS[target.arch]:
             raise UserError(f"{where}: LoRA on {module} has no place in llama.cpp's {target.arch_name} layout")
+        if mapped[0].name in target.layout.lora_ignored:
+            raise UserError(f"{where}: LoRA on {module} cannot be written as a llama.cpp LoRA GGUF: llama.cpp's "
+                            f"{target.arch_name} graph multiplies {mapped[1]} without its adapters, so it would run "
+                            "without this one; export the merged model, or leave the layer out of lora.target_modules")
         out.append((mapped[1], np.ascontiguousarray(part_a), np.ascontiguousarray(_permuted(mapped[1], part_b, target, config))))
     return out
 

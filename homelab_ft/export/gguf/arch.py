@@ -149,6 +149,13 @@ class Layout:
     tokenizer_kinds: tuple[str, ...] = ()
     """The tokenizers (gguf_vocab's kinds: gpt2, llama) written for this architecture where not
     every one is, else empty."""
+    lora_ignored: tuple[str, ...] = ()
+    """The tensors (gguf.MODEL_TENSOR names) llama.cpp's graph multiplies with plain ggml_mul_mat
+    rather than build_lora_mm, so a LoRA GGUF's pair for them is loaded and never applied: an
+    adapter on them is refused (gguf_adapter). Gemma 4's per-layer model projection
+    (models/gemma4.cpp project_per_layer_inputs), DeepSeek-V3's query and compressed-KV projections
+    (models/deepseek2.cpp): such adapters ran 0.5 and 1.2-1.3 of the largest logit off the merged
+    model in llama.cpp b11739."""
     softcap_defaults: tuple[str, ...] = ()
     """The soft-capping keys llama.cpp reads for this architecture with a default where the file
     has none (llama-hparams.h: attention 50.0, final 30.0): written from the config, as 0.0 where it
@@ -224,7 +231,8 @@ LAYOUTS = {
         Fixed("decoder_sparse_step", lambda config: 1, "models/qwen3next.cpp: ffn_gate_inp required on every layer"),
         Fixed("mlp_only_layers", lambda config: [], "models/qwen3next.cpp: ffn_gate_inp required on every layer"))),
     "gemma4": Layout(reshaped=GEMMA4, rope_types=("proportional",), tokenizer_kinds=("gpt2",),
-                     softcap_defaults=("final_logit_softcapping",), swa_pattern=SwaPattern(
+                     softcap_defaults=("final_logit_softcapping",), lora_ignored=("PER_LAYER_MODEL_PROJ",),
+                     swa_pattern=SwaPattern(
         source="models/gemma4.cpp: sliding_window_pattern, one bool per layer, always read"), fixed=(
         Fixed("hidden_activation", lambda config: "gelu_pytorch_tanh", "models/gemma4.cpp: LLM_FFN_GELU (tanh)"),
         Fixed("attention_bias", lambda config: False, "models/gemma4.cpp: q/k/v/o without biases"),
@@ -255,7 +263,8 @@ LAYOUTS = {
         "llama.cpp scales DeepSeek's YaRN attention by rope.scaling.yarn_log_multiplier m, read as (1 + m ln s)^2 "
         "before its PR 17945 and (1 + 0.1 m ln s)^2 after (models/deepseek2.cpp kq_scale), so one file runs with "
         "another attention scale on older and newer builds"), mla=True, expert_gating="SIGMOID",
-                        nextn_dropped=True, reshaped=(MLA_KV_B,), fixed=(
+                        nextn_dropped=True, reshaped=(MLA_KV_B,),
+                        lora_ignored=("ATTN_Q", "ATTN_Q_A", "ATTN_Q_B", "ATTN_KV_A_MQA"), fixed=(
         Fixed("rope_interleave", lambda config: True, "llama-model.cpp: LLM_ARCH_DEEPSEEK2 ropes pairs (ROPE_TYPE_NORM)"),
         Fixed("q_lora_rank", lambda c: None if _deepseek2_lite(c) else c["q_lora_rank"],
               "models/deepseek2.cpp: a 26- or 27-layer model (48 with a 128256 vocabulary) is a lite one, "
