@@ -37,6 +37,7 @@ WRITTEN = {
     "gemma4_text": "gemma4",
     "granitemoehybrid": "granitehybrid",
     "falcon_h1": "falcon-h1",
+    "nemotron_h": "nemotron_h_moe",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
@@ -53,7 +54,8 @@ model's though every tensor it returns is bit-exact (gguf_check._check_tensors a
 prove it): not our file. The delta-net models' A = -exp(A_log) comes back through log within a
 float32 ulp. Every other family's f32 logits are identical."""
 
-ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid", "falcon_h1")
+ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid", "falcon_h1",
+         "nemotron_h")
 """Families issue 38 added: the default export of a run of each goes through the CLI."""
 
 
@@ -89,7 +91,8 @@ def test_family_reads_back_and_runs_as_the_merged_model(tmp_path, model_type):
 
 @pytest.mark.parametrize("model_type", ADDED)
 def test_the_default_export_of_a_run_completes_with_its_quality_line(tmp_path, capsys, model_type):
-    model_dir = save_tiny(tmp_path / model_type, model_type, as_trained=True, **ALL_EXPERTS.get(model_type, {}))
+    model_dir = save_tiny(tmp_path / model_type, model_type, as_trained=True, **AS_RELEASED.get(model_type, {}),
+                          **ALL_EXPERTS.get(model_type, {}))
     run = build_recipe.lora_run(tmp_path, model_dir)
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0

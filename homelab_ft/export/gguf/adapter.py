@@ -14,7 +14,7 @@ What llama.cpp's adapter format cannot hold is refused: DoRA (a per-column magni
 low-rank sum), per-module ranks or alphas, fully trained extra modules (`modules_to_save`), and
 LoRA on a weight whose rule mixes rows and columns (MLA's kv_b_proj, which DeepseekV2Model splits
 into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have), and
-LoRA on a weight llama.cpp's graph multiplies without adapters (gguf_arch.Layout.lora_ignored: Gemma
+LoRA on a weight llama.cpp's graph multiplies without adapters (gguf_layouts.Layout.lora_ignored: Gemma
 4's per-layer model projection, DeepSeek-V3's query and compressed-KV projections).
 rsLoRA's scale alpha / sqrt(r) is written as alpha' = alpha * sqrt(r), so alpha' / r equals it.
 

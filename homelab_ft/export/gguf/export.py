@@ -185,7 +185,7 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
             layer = _LAYER.match(hf_name)
             beyond = (layer and int(layer[1]) >= config.num_hidden_layers) or hf_name.startswith(("mtp.", "model.mtp."))
             if target.layout.nextn_dropped and beyond:
-                continue  # a NextN/MTP layer (gguf_arch.Layout.nextn_dropped)
+                continue  # a NextN/MTP layer (gguf_layouts.Layout.nextn_dropped)
             match = _EXPERT.match(hf_name)
             key = f"{match['head']}.{match['tail']}" if match else hf_name
             groups.setdefault(key, []).append((int(match["index"]) if match else 0, file, hf_name))

@@ -21,7 +21,7 @@ tokenizers trained from scratch)."""
 
 
 def check_tokenizer(model_dir: Path, *, target) -> None:
-    """Refuse (GgufUnsupported) a tokenizer this architecture is not written with (gguf_arch.Layout.
+    """Refuse (GgufUnsupported) a tokenizer this architecture is not written with (gguf_layouts.Layout.
     tokenizer_kinds): Gemma 4's own is llama.cpp's `gemma4` tokenizer model (BPE merges over raw
     UTF-8 with spaces as U+2581, Gemma4Model.set_vocab), which homelab-ft does not write."""
     from homelab_ft.export.gguf.arch import GgufUnsupported
