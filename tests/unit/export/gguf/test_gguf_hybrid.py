@@ -172,3 +172,25 @@ def test_what_llama_cpps_nemotron_h_runs_otherwise_is_refused(nemotron, tmp_path
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
             gguf_arch.check_architecture(with_config(tmp_path / name, model_dir, **config))
+
+
+def test_a_nemotron_h_adapter_gguf_names_the_checkpoints_tensors(nemotron, tmp_path):
+    """PEFT wraps the model transformers builds, whose Nemotron-H blocks are `model.layers.*`; the
+    checkpoint and the GGUF's names come from `backbone.layers.*` (transformers renames on load):
+    the adapter GGUF follows the checkpoint (models/nemotron-h.cpp applies it: tests/e2e)."""
+    import torch
+    from gguf import GGUFReader
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.export.gguf.adapter import check_adapter_gguf, write_adapter_gguf
+
+    base = nemotron["moe"][0]
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                          LoraConfig(r=2, lora_alpha=4, target_modules=["in_proj", "q_proj", "down_proj"],
+                                     init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    write_adapter_gguf(tmp_path / "adapter", base, tmp_path / "adapter.gguf", name="tiny")
+    names = {t.name for t in GGUFReader(tmp_path / "adapter.gguf").tensors}
+    assert {"blk.0.ssm_in.weight.lora_a", "blk.2.attn_q.weight.lora_b", "blk.1.ffn_down_shexp.weight.lora_a"} <= names
+    assert check_adapter_gguf(tmp_path / "adapter.gguf", peft, base) <= 1e-5
