@@ -38,6 +38,7 @@ WRITTEN = {
     "granitemoehybrid": "granitehybrid",
     "falcon_h1": "falcon-h1",
     "nemotron_h": "nemotron_h_moe",
+    "llama4_text": "llama4",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
@@ -55,7 +56,7 @@ prove it): not our file. The delta-net models' A = -exp(A_log) comes back throug
 float32 ulp. Every other family's f32 logits are identical."""
 
 ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid", "falcon_h1",
-         "nemotron_h")
+         "nemotron_h", "llama4_text")
 """Families issue 38 added: the default export of a run of each goes through the CLI."""
 
 

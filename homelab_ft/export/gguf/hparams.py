@@ -68,13 +68,15 @@ def norm_eps(config) -> float:
 
 
 def ff_lengths(config) -> int | list[int] | None:
-    """`feed_forward_length`: the MLP's width, per layer where Gemma 4's use_double_wide_mlp doubles
-    it on the layers that reuse another layer's KV cache (as Gemma4Model writes it); None in a
-    model of experts alone (Qwen 3.5 MoE)."""
+    """`feed_forward_length`: the MLP's width (Llama 4's dense MLP is intermediate_size_mlp, its
+    experts' intermediate_size, as Llama4Model swaps them), per layer where Gemma 4's
+    use_double_wide_mlp doubles it on the layers that reuse another layer's KV cache (as Gemma4Model
+    writes it) or where Nemotron-H's blocks are MLP, MoE or neither (FFN_BLOCKS); None in a model of
+    experts alone (Qwen 3.5 MoE)."""
     kinds = getattr(config, "layer_types", None) or []
     if any(kind in FFN_BLOCKS for kind in kinds):
         return [getattr(config, FFN_BLOCKS[kind]) if kind in FFN_BLOCKS else 0 for kind in kinds]
-    size = getattr(config, "intermediate_size", None)
+    size = getattr(config, "intermediate_size_mlp", None) or getattr(config, "intermediate_size", None)
     if getattr(config, "shared_intermediate_size", None) and not getattr(config, "num_local_experts", None):
         return config.shared_intermediate_size  # Granite 4 hybrid without experts: its shared MLP is the MLP
     if not size or not getattr(config, "use_double_wide_mlp", False):
@@ -249,6 +251,8 @@ def _write_experts(writer, config, *, target: Target) -> None:
         writer.add_expert_shared_count(config.n_shared_experts)
     if getattr(config, "first_k_dense_replace", None) is not None:
         writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    if getattr(config, "interleave_moe_layer_step", None):  # Llama 4: every step-th layer MoE
+        writer.add_interleave_moe_layer_step(config.interleave_moe_layer_step)
     _write_expert_groups(writer, config)
     if getattr(config, "routed_scaling_factor", None) is not None:
         writer.add_expert_weights_scale(float(config.routed_scaling_factor))

@@ -20,6 +20,7 @@ from homelab_ft.export.gguf.reshape import (
     GEMMA4,
     GPT_OSS,
     GRANITE_HYBRID,
+    LLAMA4,
     MLA_KV_B,
     NEMOTRON_H,
     QWEN3NEXT_DELTA_NET,
@@ -156,6 +157,11 @@ def _nemotron_blocks(config: dict) -> object:
     return kinds if not {"mlp", "moe"} <= set(kinds) else "MLP blocks or MoE blocks, not both"
 
 
+def _llama4_moe_layers(config: dict) -> list[int]:
+    step = config["interleave_moe_layer_step"]
+    return [layer for layer in range(config["num_hidden_layers"]) if (layer + 1) % step == 0]
+
+
 def _deepseek2_lite(config: dict) -> bool:
     layers = config["num_hidden_layers"]
     return layers in (26, 27) or (layers == 48 and config.get("vocab_size") == 128256)
@@ -240,6 +246,20 @@ LAYOUTS = {
               if config.get("embedding_multiplier") == config.get("lm_head_multiplier") else False,
               "one token_embd cannot carry both the embedding's and the head's multiplier"),
         Fixed("hidden_act", lambda config: "silu", "models/falcon-h1.cpp: LLM_FFN_SILU"))),
+    "llama4": Layout(reshaped=LLAMA4, expert_ff_key="intermediate_size", fixed=(
+        Fixed("attention_chunk_size", lambda config: 8192, "llama-model.cpp: n_attn_chunk = 8192"),
+        Fixed("layer_types", _every(4, other="chunked_attention", last="full_attention"),
+              "llama-model.cpp: set_swa_pattern(4), 3 chunked then 1 full"),
+        Fixed("no_rope_layers", _every(4, other=1, last=0), "llama-model.cpp: n_no_rope_layer_step = 4"),
+        Fixed("moe_layers", _llama4_moe_layers, "models/llama4.cpp: a layer is MoE where (il + 1) % "
+              "interleave_moe_layer_step == 0"),
+        Fixed("use_qk_norm", lambda config: config["num_local_experts"] != 128,
+              "llama-model.cpp: use_kq_norm unless 128 experts (Maverick)"),
+        Fixed("attn_temperature_tuning", lambda config: True, "models/llama4.cpp: the NoPE layers' query scaled"),
+        Fixed("floor_scale", lambda config: 8192, "llama-model.cpp: n_attn_temp_floor_scale = 8192"),
+        Fixed("attn_scale", lambda config: 0.1, "llama-model.cpp: f_attn_temp_scale = 0.1"),
+        Fixed("hidden_act", lambda config: "silu", "models/llama4.cpp: LLM_FFN_SILU"),
+        Fixed("attention_bias", lambda config: False, "models/llama4.cpp: q/k/v/o without biases"))),
     "nemotron_h": Layout(**_NEMOTRON_H),
     "nemotron_h_moe": Layout(**_NEMOTRON_H),
     "gpt-oss": Layout(reshaped=GPT_OSS, expert_ff_key="intermediate_size", fixed=(

@@ -20,7 +20,9 @@ model, so a rule that loses or moves a value fails the check). The rules are:
 - Qwen3-Next's A = -exp(A_log) and its dt_bias renamed;
 - Gemma 4's layer scale, stacked experts and router scales renamed;
 - the Mamba 2 mixers of the hybrids (Granite 4 hybrid, Falcon-H1, Nemotron-H), and Nemotron-H's
-  experts under gguf-py's merged name.
+  experts under gguf-py's merged name;
+- Llama 4's experts: gate_up_proj cut into its gate and up column halves, each transposed, and
+  down_proj transposed.
 """
 
 from __future__ import annotations
@@ -214,6 +216,24 @@ def mamba2(prefix: str) -> tuple[Reshaped, ...]:
                  split=lambda array, config: (array.reshape(_ssm_groups(config), -1),),
                  join=lambda parts, config: parts[0].reshape(-1)),
     )
+
+
+def _column_halves(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    gate, up = np.split(array, 2, axis=-1)
+    return gate.swapaxes(-1, -2), up.swapaxes(-1, -2)
+
+
+LLAMA4 = (
+    Reshaped("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj.weight",
+                                                   "feed_forward.experts.up_proj.weight"),
+             shapes=lambda shape, config: _halves(shape, matrix=True), split=lambda array, config: _column_halves(array),
+             join=lambda parts, config: np.concatenate([part.swapaxes(-1, -2) for part in parts], axis=-1)),
+    transposed("feed_forward.experts.down_proj", "feed_forward.experts.down_proj.weight"),
+)
+"""Llama4Model.modify_tensors: the experts' fused gate_up_proj (experts, hidden, 2 x ff) holds gate
+then up column halves (Llama4TextExperts: gate_up.chunk(2, -1)), written as llama.cpp's
+ffn_gate_exps / ffn_up_exps (experts, ff, hidden), gguf-py 0.19 having no fused gate_up for llama4;
+down_proj (experts, ff, hidden) transposed."""
 
 
 def _stacked_experts(projection: str) -> Reshaped:
