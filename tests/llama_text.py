@@ -13,6 +13,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from families import FAMILIES
 from llama_mtmd import ROOT
 
 KV_TYPE = "f32"
@@ -36,6 +37,8 @@ class TextSideBySide:
     hf_greedy: list[list[int]]
     llama_greedy: list[list[int]]
     llama_cpp: str
+    hf_logits: list = ()
+    """transformers' logits of each prompt, (tokens, vocabulary)."""
 
     @property
     def relative(self) -> float:
@@ -84,12 +87,13 @@ def compare_text(model_dir: Path, gguf_path: Path, *, python: str, lora: Path | 
     if table_gelu:
         as_ggml_gelu(model)
     model.eval()
-    hf_tokens, hf_greedy, diff, scale, agree, positions = [], [], 0.0, 0.0, 0, 0
+    hf_tokens, hf_greedy, hf_logits, diff, scale, agree, positions = [], [], [], 0.0, 0.0, 0, 0
     for text, llama in zip(texts, out["prompts"], strict=True):
         ids = tokenizer(text)["input_ids"]
         hf_tokens.append(ids)
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+        hf_logits.append(logits)
         theirs = torch.tensor(llama["logits"])
         if theirs.shape == logits.shape:
             diff = max(diff, float((logits - theirs).abs().max()))
@@ -100,7 +104,8 @@ def compare_text(model_dir: Path, gguf_path: Path, *, python: str, lora: Path | 
         hf_greedy.append(_greedy(model, ids, max_new_tokens))
     return TextSideBySide(hf_tokens=hf_tokens, llama_tokens=[p["tokens"] for p in out["prompts"]], max_abs_diff=diff,
                           max_abs_logit=scale, argmax_agree=agree, positions=positions, hf_greedy=hf_greedy,
-                          llama_greedy=[p["greedy"] for p in out["prompts"]], llama_cpp=out["llama_cpp"])
+                          llama_greedy=[p["greedy"] for p in out["prompts"]], llama_cpp=out["llama_cpp"],
+                          hf_logits=hf_logits)
 
 
 def as_ggml_gelu(model) -> int:
@@ -142,3 +147,144 @@ def _greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
             out.append(token)
             ids.append(token)
     return out
+
+
+# ------------------------------------------------------------------- the family table (issue 38)
+
+WIDE = 0.2
+"""std of the f32 models' weights (initializer_range): with the default 0.02 a tiny model's logits
+are nearly flat (largest ~1) and its greedy tokens near-ties; at 0.2 they reach ~7 and a reply is
+a sequence of distinct tokens, so a layout or setting written wrong moves the argmax."""
+
+F32_BOUND = 1e-3
+"""Max |logit difference| between llama.cpp on the f32 GGUF and transformers on the merged model,
+per unit of the largest |logit|. Measured (b11739, std 0.2, f32 KV cache, ggml's GELU table on
+both sides): 1e-6 to 3.4e-4 on every written family; the file's own error is ~5e-6 (Llama)."""
+
+
+VARIANTS = {
+    "nemotron_h/dense": {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]},
+    "llama4_text/interleaved": {"interleave_moe_layer_step": 2, "moe_layers": [1, 3]},
+}
+"""Cases beside tests/families.py's, `<model_type>/<variant>`: the config they change over the
+family's released one. Nemotron-H with MLP blocks (Nemotron-H 8B, Nano 9B v2: llama.cpp's
+nemotron_h), where families.AS_RELEASED's has MoE blocks (Nemotron 3 Nano: nemotron_h_moe); Llama 4
+with dense and MoE layers alternating (Maverick), where the default is MoE throughout (Scout)."""
+
+CASES = (*FAMILIES, *VARIANTS)
+
+
+def _released(model_type: str) -> tuple[str, dict]:
+    from families import AS_RELEASED
+
+    family = model_type.split("/")[0]
+    return family, {**AS_RELEASED.get(family, {}), **VARIANTS.get(model_type, {})}
+
+
+def f32_model(folder: Path, model_type: str, *, std: float = WIDE) -> Path:
+    """The tiny `model_type` (a family, or one of VARIANTS) the f32 file is written from: weights at
+    `std`, as released (families.AS_RELEASED) and trained (AS_TRAINED)."""
+    from families import save_tiny
+
+    family, config = _released(model_type)
+    return save_tiny(folder, family, as_trained=True, initializer_range=std, **config)
+
+
+def q8_model(folder: Path, model_type: str) -> Path:
+    """The tiny `model_type` the q8_0 file is written from: the export check's own (default init,
+    AS_RELEASED, AS_TRAINED, ALL_EXPERTS). At std WIDE a random model is chaotic enough that q8_0's
+    rounding alone moves its logits past the check's bound (a tiny Llama: 0.77 against 0.69,
+    through transformers), so the bound could not be held in llama.cpp either."""
+    from families import ALL_EXPERTS, save_tiny
+
+    family, config = _released(model_type)
+    return save_tiny(folder, family, as_trained=True, **config, **ALL_EXPERTS.get(family, {}))
+
+
+def reference(model_dir: Path):
+    """(transformers' model to hold llama.cpp's run of `model_dir`'s GGUF against, why it is not the
+    merged model itself or ""): gpt-oss with YaRN's correction range rounded as llama.cpp always
+    rounds it (gguf_rope.yarn_rounding, said in RUNNING.md), the one difference every GGUF of it has."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from homelab_ft.export.gguf.rope import yarn_rounding
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if yarn_rounding(model_dir) is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), ""
+    config.rope_parameters = dict(config.rope_parameters, truncate=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+    return model, "YaRN rounded as llama.cpp rounds it"
+
+
+def written_gguf(model_dir: Path, gguf_type: str) -> Path:
+    """`model_dir` written as a GGUF of `gguf_type` beside it, named after its model type (general.name)."""
+    import json
+
+    from homelab_ft.export.gguf import export as gguf_export
+
+    path = Path(model_dir) / f"model-{gguf_type}.gguf"
+    name = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    gguf_export.write_gguf(model_dir, path, gguf_type=gguf_type, name=name)
+    return path
+
+
+ADAPTER_LEFT_OUT = {"deepseek_v3": ("kv_b_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"),
+                    "gemma4_text": ("per_layer_model_projection",)}
+"""Layers of `lora.target_modules: all-linear` whose LoRA the adapter GGUF refuses in one line, left
+out of the adapter: DeepSeek-V3's kv_b_proj (llama.cpp holds it split both ways) and the rest of its
+attention's input side, Gemma 4's per-layer model projection (llama.cpp multiplies them without
+adapters, gguf_layouts.Layout.lora_ignored)."""
+
+
+ADAPTER_STD = 0.1
+"""std of the base's weights in the adapter runs: the merged export's own check (merged vs base +
+adapter in transformers, 1e-4 of the largest logit, export/merged.py) fails a random Qwen3-Next at
+0.2 on the reordered sums of the merge alone (1.5e-4: such a model amplifies float rounding ~1000x),
+while at 0.1 the adapter still changes every family's greedy reply."""
+
+
+def adapter_targets(model_dir: Path) -> tuple[str, ...]:
+    """What `lora.target_modules: all-linear` wraps on this model in a homelab-ft run
+    (model/targets.resolve: attention, MLPs, shared experts, the linear-attention and Mamba
+    projections PEFT can wrap; no routers, no fused experts), less ADAPTER_LEFT_OUT."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from homelab_ft.model.targets import resolve
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return tuple(t for t in resolve(model, "all-linear") if t not in ADAPTER_LEFT_OUT.get(config.model_type, ()))
+
+
+def shift(side: TextSideBySide, other: TextSideBySide) -> float:
+    """How far transformers' logits of one model are from another's on the same prompts, per unit of
+    the largest: what an adapter changes (its merged model against the base)."""
+    diff = max(float((a - b).abs().max()) for a, b in zip(side.hf_logits, other.hf_logits, strict=True))
+    return diff / max(1.0, side.max_abs_logit)
+
+
+def adapter_side(folder: Path, model_type: str, *, python: str, targets: tuple[str, ...] = (),
+                 std: float = ADAPTER_STD) -> tuple[TextSideBySide, TextSideBySide]:
+    """A LoRA run of the f32 model at `std` (random adapter on adapter_targets, build_recipe.lora_run) exported
+    as the user exports it (`export RUN --adapter-only --format gguf`, and the merged safetensors):
+    (llama.cpp on the base's f32 GGUF with the adapter GGUF against transformers on the merged
+    model, the same without the adapter against the base: what the adapter changes)."""
+    import build_recipe
+
+    from homelab_ft.cli.main import main
+    from homelab_ft.model.loading import peft_v5_targets
+
+    model_dir = f32_model(folder / model_type.replace("/", "-"), model_type, std=std)
+    with peft_v5_targets():  # the targets as written, as a homelab-ft run attaches them
+        run = build_recipe.lora_run(folder, model_dir, targets=targets or adapter_targets(model_dir))
+    for out, args in (("adapter", ["--adapter-only", "--format", "gguf"]), ("merged", ["--format", "safetensors"])):
+        if main(["export", str(run), "--out", str(folder / out), *args]) != 0:
+            raise RuntimeError(f"export {' '.join(args)} of {model_type} failed")
+    base = written_gguf(model_dir, "f32")
+    adapted = compare_text(folder / "merged", base, python=python, lora=folder / "adapter" / "adapter.gguf",
+                           model=reference(folder / "merged")[0])
+    return adapted, compare_text(model_dir, base, python=python, model=reference(model_dir)[0])
