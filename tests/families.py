@@ -85,13 +85,18 @@ AS_RELEASED = {
                     "query_pre_attn_scalar": 16},
     "qwen3_moe": {"norm_topk_prob": True},
     "glm4_moe": {"attention_bias": True},
+    "nemotron_h": {"layers_block_type": ["linear_attention", "moe", "full_attention", "moe"]},
+    "llama4_text": {"attention_chunk_size": 8192},
 }
 """What every released checkpoint of these families has and llama.cpp assumes with no GGUF key
-(gguf_arch.LAYOUTS' `fixed`), where transformers' default config (shrunk below) differs: Gemma 2/3's
+(gguf_layouts.LAYOUTS' `fixed`), where transformers' default config (shrunk below) differs: Gemma 2/3's
 query scale 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), Gemma 3's 5:1 sliding pattern, Qwen3-MoE's normalised top-k weights
 (Qwen3-30B-A3B sets norm_topk_prob); Mistral's unwindowed attention (7B v0.2 on, Nemo, Small: the
 tiny default's 8-token window is refused as shorter than the check's prompts); GLM-4.5(-Air)'s q/k/v biases (attention_bias true, which
-llama.cpp loads where the file has them). The GGUF tests build these families so."""
+llama.cpp loads where the file has them); Nemotron-H's blocks of one kind of feed-forward (Nemotron 3
+Nano's Mamba, MoE and attention blocks; Nemotron-H 8B and Nano 9B v2 have MLP blocks instead), where
+transformers' default has both; Llama 4's 8192-token attention chunks (Scout, Maverick: llama.cpp fixes
+8192, where the tiny default's 8 would chunk the check's prompts). The GGUF tests build these families so."""
 
 ALL_EXPERTS = {"gpt_oss": {"num_experts_per_tok": 4}}
 """A tiny gpt-oss whose every token takes all 4 experts, for the q8_0 logit bound: with 2 of 4 a

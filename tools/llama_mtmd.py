@@ -24,18 +24,11 @@ import sys
 
 def main(argv: list[str]) -> int:
     import llama_cpp_py_sync as llama_cpp
-    from llama_cpp_py_sync import Llama, MultimodalContext
+    from llama_cpp_py_sync import MultimodalContext
     from llama_cpp_py_sync.multimodal import MultimodalPrompt
 
     args = json.loads(argv[1])
-    llm = Llama(args["model"], n_ctx=512, n_batch=512, n_threads=1, seed=0)
-    if args.get("lora"):  # as llama-cli --lora: llama_adapter_lora_init, then set on the context
-        adapter = llm._lib.llama_adapter_lora_init(llm._model, args["lora"].encode())
-        if adapter == llm._ffi.NULL:
-            raise SystemExit(f"llama_adapter_lora_init failed for {args['lora']}")
-        scales = llm._ffi.new("float[]", [1.0])
-        if llm._lib.llama_set_adapters_lora(llm._ctx, llm._ffi.new("struct llama_adapter_lora *[]", [adapter]), 1, scales):
-            raise SystemExit("llama_set_adapters_lora failed")
+    llm = load(args["model"], lora=args.get("lora"))
     low, high = args.get("image_tokens") or (-1, -1)
     mm = MultimodalContext(llm, args["mmproj"], use_gpu=False, n_threads=1, warmup=False, image_min_tokens=low,
                            image_max_tokens=high)
@@ -57,12 +50,31 @@ def main(argv: list[str]) -> int:
             else:
                 out["chunks"].append({"type": chunk.type, "tokens": list(chunk.text_tokens)})
         n_past = mm.evaluate_prompt(prompt)
-    out["greedy"] = _greedy(llm, n_past, args["max_new_tokens"])
+    out["greedy"] = greedy(llm, n_past, args["max_new_tokens"])
     print(json.dumps(out))
     return 0
 
 
-def _greedy(llm, n_past: int, max_new_tokens: int) -> list[int]:
+def load(model: str, *, lora: str | None = None, kv_type: str | None = None):
+    """The GGUF `model` in libllama on one CPU thread (512 tokens of context, one batch), with the
+    LoRA GGUF `lora` applied at scale 1 as llama-cli --lora applies it (llama_adapter_lora_init,
+    then set on the context); the KV cache in `kv_type` (llama.cpp's default f16 where None)."""
+    from llama_cpp_py_sync import Llama
+
+    llm = Llama(model, n_ctx=512, n_batch=512, n_threads=1, seed=0, type_k=kv_type, type_v=kv_type)
+    if lora:
+        adapter = llm._lib.llama_adapter_lora_init(llm._model, lora.encode())
+        if adapter == llm._ffi.NULL:
+            raise SystemExit(f"llama_adapter_lora_init failed for {lora}")
+        scales = llm._ffi.new("float[]", [1.0])
+        if llm._lib.llama_set_adapters_lora(llm._ctx, llm._ffi.new("struct llama_adapter_lora *[]", [adapter]), 1, scales):
+            raise SystemExit("llama_set_adapters_lora failed")
+    return llm
+
+
+def greedy(llm, n_past: int, max_new_tokens: int, *, stop: bool = True) -> list[int]:
+    """Up to `max_new_tokens` argmax tokens after the `n_past` evaluated (llama.cpp's greedy
+    sampler), with `stop` ending after an end-of-generation token."""
     lib, vocab = llm._lib, llm._vocab
     n_vocab = llm.n_vocab
     tokens = []
@@ -70,7 +82,7 @@ def _greedy(llm, n_past: int, max_new_tokens: int) -> list[int]:
         logits = lib.llama_get_logits_ith(llm._ctx, -1)
         token = max(range(n_vocab), key=lambda i: logits[i])
         tokens.append(token)
-        if lib.llama_vocab_is_eog(vocab, token):
+        if stop and lib.llama_vocab_is_eog(vocab, token):
             break
         n_past = llm._eval_tokens([token], n_past)
     return tokens

@@ -37,6 +37,8 @@ WRITTEN = {
     "gemma4_text": "gemma4",
     "granitemoehybrid": "granitehybrid",
     "falcon_h1": "falcon-h1",
+    "nemotron_h": "nemotron_h_moe",
+    "llama4_text": "llama4",
 }
 """model_type -> the architecture llama.cpp runs it as (convert_hf_to_gguf.py registers Olmo 3 as
 olmo2, Mixtral as llama, DeepSeek-V3 as deepseek2). The original seven are tests/unit/export/gguf/test_gguf_export.py's."""
@@ -53,7 +55,8 @@ model's though every tensor it returns is bit-exact (gguf_check._check_tensors a
 prove it): not our file. The delta-net models' A = -exp(A_log) comes back through log within a
 float32 ulp. Every other family's f32 logits are identical."""
 
-ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid", "falcon_h1")
+ADDED = ("gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "granitemoehybrid", "falcon_h1",
+         "nemotron_h", "llama4_text")
 """Families issue 38 added: the default export of a run of each goes through the CLI."""
 
 
@@ -89,7 +92,8 @@ def test_family_reads_back_and_runs_as_the_merged_model(tmp_path, model_type):
 
 @pytest.mark.parametrize("model_type", ADDED)
 def test_the_default_export_of_a_run_completes_with_its_quality_line(tmp_path, capsys, model_type):
-    model_dir = save_tiny(tmp_path / model_type, model_type, as_trained=True, **ALL_EXPERTS.get(model_type, {}))
+    model_dir = save_tiny(tmp_path / model_type, model_type, as_trained=True, **AS_RELEASED.get(model_type, {}),
+                          **ALL_EXPERTS.get(model_type, {}))
     run = build_recipe.lora_run(tmp_path, model_dir)
     out = tmp_path / "out"
     assert main(["export", str(run), "--out", str(out), "--format", "gguf"]) == 0
@@ -147,12 +151,19 @@ def test_adapter_gguf_plus_the_base_gguf_is_the_merged_gguf(tmp_path, model_type
         np.testing.assert_allclose(got, want[name], rtol=0, atol=1e-6, err_msg=name)
 
 
-def test_an_adapter_on_a_weight_llama_cpp_splits_both_ways_is_refused_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(("target", "says"), [
+    ("kv_b_proj", "model.layers.0.self_attn.kv_b_proj cannot be written as a llama.cpp LoRA GGUF: llama.cpp holds"),
+    ("q_a_proj", "model.layers.0.self_attn.q_a_proj cannot be written as a llama.cpp LoRA GGUF: llama.cpp's deepseek2 "
+                 "graph multiplies blk.0.attn_q_a.weight without its adapters"),
+])
+def test_an_adapter_llama_cpp_cannot_apply_is_refused_in_one_line(tmp_path, capsys, target, says):
     """DeepSeek-V3's kv_b_proj is attn_k_b (transposed per head) and attn_v_b in the base GGUF: no
-    LoRA pair holds that, so the adapter GGUF is refused and the merged export is the way."""
+    LoRA pair holds that; its q_a_proj is multiplied by models/deepseek2.cpp with plain ggml_mul_mat,
+    which applies no adapter (measured: 1.2 of the largest logit off the merged model in llama.cpp
+    b11739). Either way the adapter GGUF is refused and the merged export is the way."""
     model_dir = save_tiny(tmp_path / "ds", "deepseek_v3")
-    run = build_recipe.lora_run(tmp_path, model_dir, targets=("kv_b_proj",))
+    run = build_recipe.lora_run(tmp_path, model_dir, targets=(target,))
     assert main(["export", str(run), "--out", str(tmp_path / "adapter"), "--adapter-only", "--format", "gguf"]) == 2
     err = capsys.readouterr().err
-    assert "LoRA on model.layers.0.self_attn.kv_b_proj cannot be written as a llama.cpp LoRA GGUF" in err
+    assert f"LoRA on {says}" in err
     assert "export the merged model" in err

@@ -2,6 +2,7 @@
 
     export    a Hugging Face folder -> one GGUF file (`write_gguf`), streamed tensor by tensor
     arch      which llama.cpp architecture a model is written as (from transformers and gguf-py), its layouts
+    layouts   what llama.cpp's graph expects of each architecture written (read from its converter and C++)
     reshape   the checkpoint tensors llama.cpp holds under other names, in another layout or as several
     rope      where llama.cpp's rotary angles differ from transformers' (YaRN's rounding), for RUNNING.md
     hparams   the hyperparameter keys of a GGUF file, from the model's config, as llama.cpp reads them

@@ -13,7 +13,9 @@ whole columns (A's: Qwen 3.5's out_proj), and is checked the same way against PE
 What llama.cpp's adapter format cannot hold is refused: DoRA (a per-column magnitude, not a
 low-rank sum), per-module ranks or alphas, fully trained extra modules (`modules_to_save`), and
 LoRA on a weight whose rule mixes rows and columns (MLA's kv_b_proj, which DeepseekV2Model splits
-into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have).
+into a transposed k_b and v_b: the adapter GGUF would name a tensor the base GGUF does not have), and
+LoRA on a weight llama.cpp's graph multiplies without adapters (gguf_layouts.Layout.lora_ignored: Gemma
+4's per-layer model projection, DeepSeek-V3's query and compressed-KV projections).
 rsLoRA's scale alpha / sqrt(r) is written as alpha' = alpha * sqrt(r), so alpha' / r equals it.
 
 For an image-text base the adapter is its language model's, named as that model's text GGUF
@@ -51,7 +53,7 @@ def write_adapter_gguf(adapter_dir: Path, base_dir: Path, out_path: Path, *, nam
 
     adapter_dir, base_dir = Path(adapter_dir), Path(base_dir)
     _check_base(base_dir)
-    target, config, names = language_model(base_dir)
+    target, config, names = _language_model(base_dir)
     alpha = adapter_alpha(adapter_dir)
     name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)
     adapted: dict[str, dict[str, np.ndarray]] = {}
@@ -107,8 +109,26 @@ def _llama_cpp_pairs(module: str, key: str, a: np.ndarray, b: np.ndarray, *, tar
         mapped = name_map.get_type_and_name(name, try_suffixes=(".weight",))
         if mapped is None or mapped[0] not in gguf.MODEL_TENSORS[target.arch]:
             raise UserError(f"{where}: LoRA on {module} has no place in llama.cpp's {target.arch_name} layout")
+        if mapped[0].name in target.layout.lora_ignored:
+            raise UserError(f"{where}: LoRA on {module} cannot be written as a llama.cpp LoRA GGUF: llama.cpp's "
+                            f"{target.arch_name} graph multiplies {mapped[1]} without its adapters, so it would run "
+                            "without this one; export the merged model, or leave the layer out of lora.target_modules")
         out.append((mapped[1], np.ascontiguousarray(part_a), np.ascontiguousarray(_permuted(mapped[1], part_b, target, config))))
     return out
+
+
+def _language_model(base_dir: Path):
+    """text_view.language_model, with a text model's tensor names mapped to its checkpoint's where
+    transformers renames them on load (Nemotron-H's `backbone.layers.*` are `model.layers.*` in the
+    model PEFT wraps, as in the adapter's keys; the GGUF is written from the checkpoint's names)."""
+    target, config, names = language_model(base_dir)
+    if names is not None:
+        return target, config, names
+    from homelab_ft.model.checkpoint_keys import CheckpointKeys, meta_model
+
+    keys = CheckpointKeys(meta_model(base_dir), base_dir)
+    renamed = {name: keys.sources(name)[0] for name in keys.names() if not keys.converted(name)}
+    return target, config, None if all(name == key for name, key in renamed.items()) else renamed
 
 
 def _check_base(base_dir: Path) -> None:
@@ -126,7 +146,8 @@ def _check_base(base_dir: Path) -> None:
 
 def _text_name(module: str, names: dict[str, str] | None, adapter_dir: Path) -> str:
     """The adapted weight's name in the causal LM the text GGUF is written from (`names`:
-    text_view.text_names of an image-text base; None for a text model, whose names are those)."""
+    text_view.text_names of an image-text base, or a renamed checkpoint's names (_language_model);
+    None for a text model whose names are those)."""
     if names is None:
         return module + ".weight"
     if module + ".weight" not in names:
@@ -184,7 +205,7 @@ def check_adapter_gguf(path: Path, peft_model, base_dir: Path) -> float:
     reader = gguf.GGUFReader(path)
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     stored = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
-    target, config, names = language_model(base_dir)
+    target, config, names = _language_model(base_dir)
     if str(reader.fields["general.architecture"].contents()) != target.arch_name:
         raise RuntimeError(f"adapter GGUF check failed: its architecture is not {target.arch_name!r}, the base's")
     name_map = gguf.get_tensor_name_map(target.arch, config.num_hidden_layers)

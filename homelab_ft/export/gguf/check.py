@@ -99,7 +99,7 @@ def reader_diffs(gguf_path: Path, reference_dir: Path, *, gguf_type: str) -> dic
 
     reference_dir = Path(reference_dir)
     tokenizer = AutoTokenizer.from_pretrained(reference_dir)
-    probes = [torch.tensor([tokenizer(text)["input_ids"]]) for text in _probe_texts(tokenizer)]
+    probes = [torch.tensor([tokenizer(text)["input_ids"]]) for text in probe_texts(tokenizer)]
     expected = _logits(AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32), probes)
     target = gguf_arch.check_architecture(reference_dir)
     readers = {"gguf-py": gguf_readback.load_model(gguf_path, reference_dir, target=target, gguf_type=gguf_type),
@@ -182,10 +182,12 @@ def probe_lengths(model_dir: Path) -> list[int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [len(tokenizer(text)["input_ids"]) for text in _probe_texts(tokenizer)]
+    return [len(tokenizer(text)["input_ids"]) for text in probe_texts(tokenizer)]
 
 
-def _probe_texts(tokenizer) -> list[str]:
+def probe_texts(tokenizer) -> list[str]:
+    """PROBE_CHATS rendered by the model's chat template: the prompts the check compares the logits
+    on (and llama.cpp's run of the file, tests/llama_text.py)."""
     return [_probe_text(tokenizer, chat) for chat in PROBE_CHATS]
 
 
@@ -212,7 +214,7 @@ def _check_tokenizer(folder: Path, file: str, reference_dir: Path) -> list:
         raise RuntimeError(f"GGUF check failed: the GGUF's end-of-sequence token is {gguf_tok.eos_token!r}, the "
                            f"tokenizer's {reference_tok.eos_token!r}")
     probes = []
-    for text in _probe_texts(reference_tok):
+    for text in probe_texts(reference_tok):
         want, got = reference_tok(text)["input_ids"], gguf_tok(text)["input_ids"]
         if want != got:
             at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))

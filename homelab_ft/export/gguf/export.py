@@ -97,7 +97,7 @@ def write_gguf(model_dir: Path, out_path: Path, *, gguf_type: str, name: str) ->
     writer = gguf.GGUFWriter(out_path, target.arch_name)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(name)
+        writer.add_name(gguf_vocab.general_name(model_dir, name))
         gguf_hparams.write_hparams(writer, config, target=target, gguf_type=gguf_type)
         gguf_vocab.write_vocab(writer, model_dir, vocab_size=config.vocab_size)
         plan = plan_tensors(model_dir, config, target=target, gguf_type=gguf_type)
@@ -185,7 +185,7 @@ def plan_tensors(model_dir: Path, config, *, target: Target, gguf_type: str) -> 
             layer = _LAYER.match(hf_name)
             beyond = (layer and int(layer[1]) >= config.num_hidden_layers) or hf_name.startswith(("mtp.", "model.mtp."))
             if target.layout.nextn_dropped and beyond:
-                continue  # a NextN/MTP layer (gguf_arch.Layout.nextn_dropped)
+                continue  # a NextN/MTP layer (gguf_layouts.Layout.nextn_dropped)
             match = _EXPERT.match(hf_name)
             key = f"{match['head']}.{match['tail']}" if match else hf_name
             groups.setdefault(key, []).append((int(match["index"]) if match else 0, file, hf_name))

@@ -46,20 +46,37 @@ def kv_heads(config, *, target: Target) -> int | list[int]:
     if target.layout.mla:
         return 1
     heads = per_layer(config, "num_key_value_heads")
-    if target.layout.recurrent_kv_heads:  # 0 marks a Mamba layer (GraniteHybridModel)
-        heads = [0 if kind in RECURRENT else count for kind, count in zip(config.layer_types, heads, strict=True)]
+    if target.layout.recurrent_kv_heads:  # 0 marks a Mamba layer (GraniteHybridModel), or a block without attention
+        heads = [0 if kind in RECURRENT or kind in FFN_BLOCKS else count
+                 for kind, count in zip(config.layer_types, heads, strict=True)]
     return heads[0] if len(set(heads)) == 1 else heads
 
 
 RECURRENT = ("linear_attention", "mamba")
 """layer_types of a recurrent mixer (transformers 5.25 spells Granite 4 hybrid's Mamba layers linear_attention)."""
 
+FFN_BLOCKS = {"mlp": "intermediate_size", "moe": "moe_intermediate_size"}
+"""layer_types of a block that is a feed-forward layer alone (Nemotron-H: one mixer per block), and
+the config key of its width: `feed_forward_length` is that on those blocks and 0 on the others, as
+NemotronHModel writes it and models/nemotron-h.cpp tells the blocks apart (n_ff 0 and no KV heads:
+Mamba; n_ff 0: attention)."""
+
+
+def norm_eps(config) -> float:
+    """The RMSNorm epsilon (Nemotron-H calls it layer_norm_epsilon, as Mamba2Model reads it)."""
+    return getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon
+
 
 def ff_lengths(config) -> int | list[int] | None:
-    """`feed_forward_length`: the MLP's width, per layer where Gemma 4's use_double_wide_mlp doubles
-    it on the layers that reuse another layer's KV cache (as Gemma4Model writes it); None in a
-    model of experts alone (Qwen 3.5 MoE)."""
-    size = getattr(config, "intermediate_size", None)
+    """`feed_forward_length`: the MLP's width (Llama 4's dense MLP is intermediate_size_mlp, its
+    experts' intermediate_size, as Llama4Model swaps them), per layer where Gemma 4's
+    use_double_wide_mlp doubles it on the layers that reuse another layer's KV cache (as Gemma4Model
+    writes it) or where Nemotron-H's blocks are MLP, MoE or neither (FFN_BLOCKS); None in a model of
+    experts alone (Qwen 3.5 MoE)."""
+    kinds = getattr(config, "layer_types", None) or []
+    if any(kind in FFN_BLOCKS for kind in kinds):
+        return [getattr(config, FFN_BLOCKS[kind]) if kind in FFN_BLOCKS else 0 for kind in kinds]
+    size = getattr(config, "intermediate_size_mlp", None) or getattr(config, "intermediate_size", None)
     if getattr(config, "shared_intermediate_size", None) and not getattr(config, "num_local_experts", None):
         return config.shared_intermediate_size  # Granite 4 hybrid without experts: its shared MLP is the MLP
     if not size or not getattr(config, "use_double_wide_mlp", False):
@@ -78,7 +95,10 @@ def write_hparams(writer, config, *, target: Target, gguf_type: str) -> None:
         writer.add_feed_forward_length(ff_lengths(config))
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(kv_heads(config, target=target))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_layer_norm_rms_eps(norm_eps(config))
+    if _first(config, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon") is not None:
+        # TextModel writes it wherever the config names one; llama.cpp's nemotron_h requires it
+        writer.add_layer_norm_eps(_first(config, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"))
     writer.add_vocab_size(config.vocab_size)
     swa_dim = None
     if getattr(config, "is_heterogeneous", False):
@@ -146,6 +166,8 @@ def _write_rope(writer, config, *, dim: int, swa_dim: int | None, target: Target
     import gguf
 
     rope = rope_parameters(config)
+    if "rope_theta" not in rope:
+        return  # no rotary embedding (Nemotron-H's attention; llama.cpp's nemotron_h ropes nothing)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     partial = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) or 1.0
     if rope.get("rope_type") == "proportional":  # every pair counted; rope_freqs holds the unrotated ones still
@@ -167,20 +189,34 @@ def _write_rope(writer, config, *, dim: int, swa_dim: int | None, target: Target
                 getattr(writer, method)(float(rope[key]))
     if target.layout.rope_sections:
         sections = list(rope.get("mrope_section") or target.layout.rope_sections)
-        writer.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))
+        writer.add_rope_dimension_sections(_sections_within(sections + [0] * (4 - len(sections)), int(dim * partial)))
     swa = rope.get("swa") or {}
     if swa.get("rope_theta") is not None and swa["rope_theta"] != rope["rope_theta"]:
         writer.add_rope_freq_base_swa(float(swa["rope_theta"]))  # Gemma 3's local layers
 
 
+def _sections_within(sections: list[int], rotated: int) -> list[int]:
+    """M-RoPE sections that fit the rotated width: ggml's rope asserts sum(sections) <= rotated dims
+    (ggml-cpu ops.cpp ggml_mrope_cache_init, GGML_ASSERT(sect_dims <= ne0)) and aborts the process
+    otherwise, which only a shrunken model meets (a tiny Qwen 3.5 rotates 4 of its 16 head dims;
+    Qwen3.5-27B 64 of 256, for the 32 pairs of [11, 11, 10, 0]). Such sections are cut to the pairs
+    each one turns of those rotated (interleaved, pair i by section i % 3, as Qwen 3.5's imrope and
+    transformers' recomposition take them): every pair keeps its section, where one cut from the end
+    leaves a pair to llama.cpp's fourth section, which turns text by position 0 (measured: 1.1e-2 of
+    the largest logit off)."""
+    if sum(sections) <= rotated:
+        return sections
+    pairs = rotated // 2
+    return [min(section, len(range(k, pairs, 3)) if k < 3 else 0) for k, section in enumerate(sections)]
+
+
 def _write_attention_extras(writer, config, *, target: Target) -> None:
-    """Soft-capping (Gemma 2) and sliding windows: the window wherever the config sets one, with
+    """Soft-capping (Gemma 2; Gemma 4's 0.0 where it has none, `Layout.softcap_defaults`) and sliding windows: the window wherever the config sets one, with
     the per-layer pattern from `layer_types` where llama.cpp reads it (`Layout.swa_pattern`: Olmo 2,
     Gemma 3; the others run every layer windowed, none, or Gemma 2's fixed alternation)."""
-    if getattr(config, "attn_logit_softcapping", None) is not None or target.arch_name == "gemma2":
-        writer.add_attn_logit_softcapping(getattr(config, "attn_logit_softcapping", None) or 0.0)
-    if getattr(config, "final_logit_softcapping", None) is not None or target.arch_name == "gemma2":
-        writer.add_final_logit_softcapping(getattr(config, "final_logit_softcapping", None) or 0.0)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, key, None) is not None or key in target.layout.softcap_defaults:
+            getattr(writer, f"add_{key}")(getattr(config, key, None) or 0.0)
     window = getattr(config, "sliding_window", None)
     if not window:
         return
@@ -201,19 +237,22 @@ def _write_experts(writer, config, *, target: Target) -> None:
 
     num_experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
                    or getattr(config, "n_routed_experts", None))
-    if not num_experts:
-        return
+    if not num_experts or gguf.MODEL_TENSOR.FFN_GATE_INP not in gguf.MODEL_TENSORS[target.arch]:
+        return  # no experts, or an architecture without a router (a dense Nemotron-H's config still counts them)
     writer.add_expert_count(num_experts)
     writer.add_expert_used_count(getattr(config, "num_experts_per_tok", None) or config.top_k_experts)  # Gemma 4: top_k
     if getattr(config, target.layout.expert_ff_key, None):
         writer.add_expert_feed_forward_length(getattr(config, target.layout.expert_ff_key))
-    shared = getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size", None)
-    if shared:  # Granite's is shared_intermediate_size (GraniteMoeModel)
+    shared = (getattr(config, "shared_expert_intermediate_size", None) or getattr(config, "shared_intermediate_size", None)
+              or getattr(config, "moe_shared_expert_intermediate_size", None))
+    if shared:  # Granite's is shared_intermediate_size (GraniteMoeModel), Nemotron-H's moe_shared_expert_...
         writer.add_expert_shared_feed_forward_length(shared)
     if getattr(config, "n_shared_experts", None) is not None:
         writer.add_expert_shared_count(config.n_shared_experts)
     if getattr(config, "first_k_dense_replace", None) is not None:
         writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    if getattr(config, "interleave_moe_layer_step", None):  # Llama 4: every step-th layer MoE
+        writer.add_interleave_moe_layer_step(config.interleave_moe_layer_step)
     _write_expert_groups(writer, config)
     if getattr(config, "routed_scaling_factor", None) is not None:
         writer.add_expert_weights_scale(float(config.routed_scaling_factor))
@@ -250,17 +289,23 @@ def _write_linear_attention(writer, config) -> None:
 
 
 def _write_mamba2(writer, config) -> None:
-    """A hybrid's Mamba 2 mixers as GraniteHybridModel and FalconH1Model write them: conv kernel,
-    state size, groups, inner width (Falcon-H1's mamba_d_ssm, else heads x head size) and the heads
-    as the time-step rank."""
-    state = getattr(config, "mamba_d_state", None)
-    if not state:
-        return
-    writer.add_ssm_conv_kernel(config.mamba_d_conv)
+    """A hybrid's Mamba 2 mixers as GraniteHybridModel, FalconH1Model and NemotronHModel write them:
+    conv kernel, state size, groups, inner width (Falcon-H1's mamba_d_ssm, else heads x head size)
+    and the heads as the time-step rank; Nemotron-H names them as transformers' Mamba 2 does."""
+    state = _first(config, "mamba_d_state", "ssm_state_size")
+    if not state or getattr(config, "linear_conv_kernel_dim", None):
+        return  # no Mamba mixer (the gated delta net's are written by _write_linear_attention)
+    heads = _first(config, "mamba_n_heads", "mamba_num_heads")
+    writer.add_ssm_conv_kernel(_first(config, "mamba_d_conv", "conv_kernel"))
     writer.add_ssm_state_size(state)
-    writer.add_ssm_group_count(config.mamba_n_groups)
-    writer.add_ssm_inner_size(getattr(config, "mamba_d_ssm", None) or config.mamba_n_heads * config.mamba_d_head)
-    writer.add_ssm_time_step_rank(config.mamba_n_heads)
+    writer.add_ssm_group_count(_first(config, "mamba_n_groups", "n_groups"))
+    writer.add_ssm_inner_size(getattr(config, "mamba_d_ssm", None) or heads * _first(config, "mamba_d_head", "mamba_head_dim"))
+    writer.add_ssm_time_step_rank(heads)
+
+
+def _first(config, *keys: str):
+    """The first of `keys` the config sets (one size spelt per family)."""
+    return next((getattr(config, key) for key in keys if getattr(config, key, None) is not None), None)
 
 
 MULTIPLIERS = {

@@ -20,7 +20,7 @@ import numpy as np
 
 from homelab_ft.export.gguf.arch import Target
 from homelab_ft.export.gguf.export import plan_tensors
-from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads
+from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads, norm_eps
 
 
 def stored(tensor) -> np.ndarray:
@@ -81,7 +81,7 @@ def _check_keys(fields: dict, config, *, target: Target) -> None:
         if got != value:
             raise RuntimeError(f"GGUF check failed: {arch}.{key} reads back as {got}, written from the model as {value}")
     eps = fields.get(f"{arch}.attention.layer_norm_rms_epsilon")
-    if eps is None or not math.isclose(eps.contents(), config.rms_norm_eps, rel_tol=1e-6):
+    if eps is None or not math.isclose(eps.contents(), norm_eps(config), rel_tol=1e-6):
         raise RuntimeError(f"GGUF check failed: {arch}.attention.layer_norm_rms_epsilon differs from rms_norm_eps")
     check_fields(fields, written_keys(getattr(config, "gguf_keys", None) or {}, arch))
 

@@ -18,7 +18,11 @@ model, so a rule that loses or moves a value fails the check). The rules are:
   A = -exp(A_log), and the value heads reordered from grouped by key head to tiled
   (`v_heads_tiled`), which llama.cpp's broadcast expects;
 - Qwen3-Next's A = -exp(A_log) and its dt_bias renamed;
-- Gemma 4's layer scale, stacked experts and router scales renamed.
+- Gemma 4's layer scale, stacked experts and router scales renamed;
+- the Mamba 2 mixers of the hybrids (Granite 4 hybrid, Falcon-H1, Nemotron-H), and Nemotron-H's
+  experts under gguf-py's merged name;
+- Llama 4's experts: gate_up_proj cut into its gate and up column halves, each transposed, and
+  down_proj transposed.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ class Reshaped:
     dense_parts: tuple[str, ...] = ()
     """`parts` in a model without routed experts, where they differ (Granite 4 hybrid's shared MLP
     is then its MLP: GraniteMoeModel.modify_tensors); as many as `parts`."""
+    prefix_as: tuple[str, str] = ()
+    """(old, new): the start of the name before `suffix` as gguf-py's map spells it (Nemotron-H's
+    stacked experts are `model.layers.N.mlp.experts.*` there, its checkpoint's `backbone.layers.N.*`)."""
 
     def applies(self, key: str) -> bool:
         return key == self.suffix or key.endswith("." + self.suffix)
@@ -61,6 +68,8 @@ class Reshaped:
     def names(self, key: str, config) -> list[str]:
         """The names gguf-py's map looks up for the parts of checkpoint tensor `key`."""
         prefix = key[: len(key) - len(self.suffix)]
+        if self.prefix_as and prefix.startswith(self.prefix_as[0]):
+            prefix = self.prefix_as[1] + prefix[len(self.prefix_as[0]):]
         dense = self.dense_parts and not getattr(config, "num_local_experts", None)
         return [prefix + part for part in (self.dense_parts if dense else self.parts)]
 
@@ -208,6 +217,39 @@ def mamba2(prefix: str) -> tuple[Reshaped, ...]:
                  join=lambda parts, config: parts[0].reshape(-1)),
     )
 
+
+def _column_halves(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    gate, up = np.split(array, 2, axis=-1)
+    return gate.swapaxes(-1, -2), up.swapaxes(-1, -2)
+
+
+LLAMA4 = (
+    Reshaped("feed_forward.experts.gate_up_proj", ("feed_forward.experts.gate_proj.weight",
+                                                   "feed_forward.experts.up_proj.weight"),
+             shapes=lambda shape, config: _halves(shape, matrix=True), split=lambda array, config: _column_halves(array),
+             join=lambda parts, config: np.concatenate([part.swapaxes(-1, -2) for part in parts], axis=-1)),
+    transposed("feed_forward.experts.down_proj", "feed_forward.experts.down_proj.weight"),
+)
+"""Llama4Model.modify_tensors: the experts' fused gate_up_proj (experts, hidden, 2 x ff) holds gate
+then up column halves (Llama4TextExperts: gate_up.chunk(2, -1)), written as llama.cpp's
+ffn_gate_exps / ffn_up_exps (experts, ff, hidden), gguf-py 0.19 having no fused gate_up for llama4;
+down_proj (experts, ff, hidden) transposed."""
+
+
+def _stacked_experts(projection: str) -> Reshaped:
+    return Reshaped(f"mixer.experts.{projection}.weight", (f"mlp.experts.{projection}.weight",),
+                    prefix_as=("backbone.", "model."), shapes=lambda shape, config: (shape,),
+                    split=lambda array, config: (array,), join=lambda parts, config: parts[0])
+
+
+NEMOTRON_H = (
+    _stacked_experts("up_proj"),
+    _stacked_experts("down_proj"),
+    renamed("mixer.gate.e_score_correction_bias", "mixer.gate.e_score_correction.bias"),
+)
+"""NemotronHModel.modify_tensors (MoE): each layer's experts stacked under gguf-py's merged
+`model.layers.N.mlp.experts.*` name, the router's selection bias renamed; the Mamba 2 mixer is
+mamba2("mixer")'s."""
 
 SELECTION_BIAS = renamed("mlp.gate.e_score_correction_bias", "mlp.gate.e_score_correction.bias")
 """The router's selection bias of DeepSeek-style MoE (GLM-4.5, DeepSeek-V3), which llama.cpp's

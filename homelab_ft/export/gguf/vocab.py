@@ -4,6 +4,7 @@ name, read from the tokenizer transformers builds (so what llama.cpp splits matc
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from homelab_ft.errors import UserError
@@ -20,7 +21,7 @@ tokenizers trained from scratch)."""
 
 
 def check_tokenizer(model_dir: Path, *, target) -> None:
-    """Refuse (GgufUnsupported) a tokenizer this architecture is not written with (gguf_arch.Layout.
+    """Refuse (GgufUnsupported) a tokenizer this architecture is not written with (gguf_layouts.Layout.
     tokenizer_kinds): Gemma 4's own is llama.cpp's `gemma4` tokenizer model (BPE merges over raw
     UTF-8 with spaces as U+2581, Gemma4Model.set_vocab), which homelab-ft does not write."""
     from homelab_ft.export.gguf.arch import GgufUnsupported
@@ -151,3 +152,35 @@ def _bpe_pre(model_dir: Path) -> str:
             return "smollm"  # SmolLM/SmolLM2: one token per digit, then GPT-2's split
     raise UserError(f"{model_dir}/tokenizer.json: its pre-tokenizer ({', '.join(map(str, kinds))}) has no llama.cpp "
                     "equivalent homelab-ft knows; export --format safetensors and convert it with llama.cpp")
+
+
+PHI3_NAMES = re.compile(r"phi-?3", re.IGNORECASE)
+"""What llama.cpp looks for in `general.name` (llama-vocab.cpp, load: `_contains_any(model_name,
+{"phi-3", "phi3"})`, lower-cased) to tokenize as Phi-3's tokenizer does: every special token strips
+the whitespace after it (RSTRIP), </s> too, <unk>, <s> and <|endoftext|> not; it looks each of those
+four up with `token_to_id.at`, so a vocabulary without one fails to load ("unordered_map::at")."""
+
+PHI3_KEPT = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def general_name(model_dir: Path, name: str) -> str:
+    """`general.name` for `model_dir`'s GGUF: `name` (the export folder's), with llama.cpp's Phi-3
+    tokenizer rule (PHI3_NAMES) following the tokenizer rather than the name: named in where the
+    tokenizer strips the whitespace after every special token but </s> and PHI3_KEPT (Phi-3's chat
+    tokens, rstrip true in its tokenizer.json; its </s>, which llama.cpp strips after too, ends a
+    SentencePiece text, not a chat turn) and has the four tokens the rule looks up; named out where it
+    does not, which a run exported to `--out phi3-ft` of another tokenizer would otherwise meet as a
+    file llama.cpp cannot load, and a Phi-3 tokenizer as other prompt ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    vocab = tokenizer.get_vocab()
+    added = [token for token in tokenizer.added_tokens_decoder.values() if token.special]
+    chat = [token for token in added if token.content not in ("</s>", *PHI3_KEPT)]
+    strips = all(token in vocab for token in ("</s>", *PHI3_KEPT)) and bool(chat) and all(token.rstrip for token in chat)
+    named = bool(PHI3_NAMES.search(name))
+    if strips and not named:
+        return f"{name} (phi-3 tokenizer)"
+    if named and not strips:
+        return PHI3_NAMES.sub(lambda match: match[0].replace("-", "").replace("3", " 3"), name)
+    return name

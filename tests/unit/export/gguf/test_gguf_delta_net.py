@@ -42,7 +42,9 @@ def test_qwen35_linear_attention_is_written_with_llama_cpps_sizes_and_value_head
                                           config.linear_num_key_heads, config.linear_num_value_heads,
                                           config.linear_value_head_dim * config.linear_num_value_heads)
     assert fields["full_attention_interval"] == 4 and config.layer_types[3] == "full_attention"
-    assert fields["rope.dimension_sections"] == [11, 11, 10, 0]  # required by qwen35.cpp; text turns every section alike
+    # qwen35.cpp requires sections; [11, 11, 10, 0] would abort ggml's rope (sum > the 4 rotated dims):
+    # each of the 2 rotated pairs keeps its interleaved section, as llama.cpp b11739 runs it (tests/e2e)
+    assert fields["rope.dimension_sections"] == [1, 1, 0, 0]
     assert fields["rope.dimension_count"] == config.head_dim // 4  # partial_rotary_factor 0.25
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         a_log = f.get_tensor("model.layers.0.linear_attn.A_log").numpy()

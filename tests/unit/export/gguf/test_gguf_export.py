@@ -179,6 +179,35 @@ def test_tokenizer_metadata_gives_the_same_ids_and_chat_template(models, tmp_pat
     assert loaded(text)["input_ids"] == reference(text)["input_ids"]
 
 
+def test_llama_cpps_phi3_tokenizer_rule_follows_the_tokenizer_not_the_export_folders_name(models, tmp_path):
+    """llama.cpp tokenizes as Phi-3 (whitespace after special tokens stripped; </s>, <unk>, <s> and
+    <|endoftext|> looked up, a load failure without one) when general.name says phi3, and
+    general.name is the --out folder's: an export to `phi3-ft` of the tests' tokenizer is named out
+    of that rule, a tokenizer whose chat tokens strip as Phi-3's is named into it."""
+    from gguf import GGUFReader
+    from tokenizers import AddedToken
+
+    from homelab_ft.export.gguf.vocab import general_name
+
+    model_dir = models("qwen2")
+    gguf_export.write_gguf(model_dir, tmp_path / "named.gguf", gguf_type="f32", name="Phi3-ft")
+    assert GGUFReader(tmp_path / "named.gguf").fields["general.name"].contents() == "Phi 3-ft"
+    assert general_name(model_dir, "my-phi-3") == "my-phi 3" and general_name(model_dir, "qwen-ft") == "qwen-ft"
+    from transformers import AutoTokenizer
+
+    phi = AutoTokenizer.from_pretrained(model_dir)
+    phi.add_special_tokens({"additional_special_tokens": [AddedToken("<|user|>", rstrip=True, special=True)]})
+    phi.add_tokens([AddedToken(t, special=True) for t in ("</s>", "<unk>", "<s>")], special_tokens=True)
+    phi.save_pretrained(tmp_path / "phi")
+    assert general_name(tmp_path / "phi", "ft") == "ft"  # <|im_start|> and <|im_end|> keep their whitespace
+    spec = json.loads((tmp_path / "phi" / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["rstrip"] = token["content"] not in ("</s>", "<unk>", "<s>", "<|endoftext|>")
+    (tmp_path / "phi" / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "phi" / "tokenizer_config.json").unlink()  # its added_tokens_decoder would override the file's
+    assert general_name(tmp_path / "phi", "ft") == "ft (phi-3 tokenizer)" and general_name(tmp_path / "phi", "phi3") == "phi3"
+
+
 def test_files_beside_the_gguf_that_name_another_end_of_sequence_token_fail_the_check(models, tmp_path):
     """A safetensors,gguf export is checked against the tokenizer files written beside the GGUF:
     one whose replies stop at another token than the GGUF's is refused, not written."""

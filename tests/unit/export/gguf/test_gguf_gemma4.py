@@ -53,6 +53,8 @@ def test_head_sizes_rope_and_per_layer_embeddings_are_gemma4_models(written):
     assert fields["embedding_length_per_layer_input"] == config.hidden_size_per_layer_input
     assert "per_layer_token_embd.weight" in tensors and "blk.0.inp_gate.weight" in tensors
     assert tensors["blk.0.layer_output_scale.weight"].shape == (1,)
+    # none in the config: 0.0 (off), where without the key llama.cpp caps the logits at its default 30
+    assert config.final_logit_softcapping is None and fields["final_logit_softcapping"] == 0.0
     assert gguf_check.verify_gguf(model_dir / "f32.gguf", model_dir, gguf_type="f32").max_abs_diff == 0.0
 
 
@@ -103,3 +105,27 @@ def test_gemma4s_own_tokenizer_is_refused_in_one_line(written, tmp_path):
     (model_dir / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(gguf_arch.GgufUnsupported, match="'llama'-kind tokenizer cannot be written .* `gemma4` tokenizer"):
         gguf_export.check_writable(model_dir)
+
+
+def test_lora_on_the_per_layer_model_projection_is_refused_for_the_adapter_gguf(written, tmp_path):
+    """llama.cpp multiplies per_layer_model_proj with plain ggml_mul_mat (models/gemma4.cpp
+    project_per_layer_inputs), so a LoRA GGUF's pair for it would load and never apply (0.5 of the
+    largest logit off the merged model in llama.cpp b11739): refused in one line; the layer beside it
+    (the per-layer input gate) is written."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.errors import UserError
+    from homelab_ft.export.gguf.adapter import write_adapter_gguf
+
+    base = written["base"][0]
+    for name, targets in (("ignored", ["per_layer_model_projection"]), ("applied", ["per_layer_input_gate"])):
+        peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                              LoraConfig(r=2, lora_alpha=4, target_modules=targets, init_lora_weights=False))
+        peft.save_pretrained(tmp_path / name)
+        if name == "ignored":
+            with pytest.raises(UserError, match="multiplies per_layer_model_proj.weight without its adapters"):
+                write_adapter_gguf(tmp_path / name, base, tmp_path / f"{name}.gguf", name="tiny")
+        else:
+            write_adapter_gguf(tmp_path / name, base, tmp_path / f"{name}.gguf", name="tiny")

@@ -116,3 +116,81 @@ def test_a_falcon_h1_llama_cpp_runs_otherwise_is_refused(tmp_path):
     ]:
         with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
             gguf_arch.check_architecture(with_config(tmp_path / name, model_dir, **config))
+
+
+NEMOTRON_DENSE = {"layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp"]}
+"""Nemotron-H 8B / Nemotron Nano 9B v2's blocks (Mamba, relu2 MLP, attention); families.AS_RELEASED's
+is Nemotron 3 Nano's, with MoE blocks."""
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory, write_f32):
+    from families import AS_RELEASED
+
+    out = {}
+    for name, config in (("moe", AS_RELEASED["nemotron_h"]), ("dense", NEMOTRON_DENSE)):
+        model_dir = save_tiny(tmp_path_factory.mktemp(name), "nemotron_h", **config)
+        out[name] = model_dir, *write_f32(model_dir, model_dir / "f32.gguf")
+    return out
+
+
+def test_nemotron_h_blocks_are_told_apart_by_their_sizes_as_nemotron_h_cpp_reads_them(nemotron):
+    """One mixer per block: feed_forward_length only on the MLP / MoE blocks, KV heads only on the
+    attention ones (Mamba: neither); MoE blocks make it nemotron_h_moe, their experts stacked under
+    gguf-py's merged names; no rope keys (its attention has none); the Mamba 2 mixer as Granite's."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    for name, arch, ff in (("moe", "nemotron_h_moe", "moe_intermediate_size"), ("dense", "nemotron_h", "intermediate_size")):
+        model_dir, written_arch, fields, tensors = nemotron[name]
+        config = AutoConfig.from_pretrained(model_dir)
+        assert written_arch == arch
+        assert fields["feed_forward_length"] == [0, getattr(config, ff), 0, getattr(config, ff)]
+        assert fields["attention.head_count_kv"] == [0, 0, config.num_key_value_heads, 0]
+        assert fields["attention.layer_norm_epsilon"] == pytest.approx(config.layer_norm_epsilon)  # nemotron_h requires it
+        assert not any(key.startswith("rope.") for key in fields)
+        assert fields["ssm.inner_size"] == config.mamba_num_heads * config.mamba_head_dim
+        assert tensors["blk.0.ssm_norm.weight"].shape == (config.n_groups, config.mamba_num_heads * config.mamba_head_dim)
+        assert ("expert_count" in fields) == (name == "moe")
+        assert gguf_check.verify_gguf(model_dir / "f32.gguf", model_dir, gguf_type="f32").max_abs_diff == 0.0
+    model_dir, _, fields, tensors = nemotron["moe"]
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        up = f.get_tensor("backbone.layers.1.mixer.experts.2.up_proj.weight").numpy()
+        bias = f.get_tensor("backbone.layers.1.mixer.gate.e_score_correction_bias").numpy()
+    np.testing.assert_array_equal(tensors["blk.1.ffn_up_exps.weight"][2], up)
+    np.testing.assert_array_equal(tensors["blk.1.exp_probs_b.bias"], bias)
+    assert {"blk.1.ffn_down_shexp.weight", "blk.1.ffn_gate_inp.weight"} <= set(tensors)
+
+
+def test_what_llama_cpps_nemotron_h_runs_otherwise_is_refused(nemotron, tmp_path):
+    model_dir = nemotron["moe"][0]
+    for name, config, refusal in [
+        ("both", {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}, "MLP blocks or MoE blocks"),
+        ("act", {"mlp_hidden_act": "silu"}, "mlp_hidden_act = silu but llama.cpp runs this architecture with relu2"),
+        ("latent", {"moe_latent_size": 32}, "moe_latent_size = 32 but llama.cpp runs this architecture with None"),
+        ("bias", {"use_bias": True}, "use_bias = True but llama.cpp runs"),
+    ]:
+        with pytest.raises(gguf_arch.GgufUnsupported, match=refusal):
+            gguf_arch.check_architecture(with_config(tmp_path / name, model_dir, **config))
+
+
+def test_a_nemotron_h_adapter_gguf_names_the_checkpoints_tensors(nemotron, tmp_path):
+    """PEFT wraps the model transformers builds, whose Nemotron-H blocks are `model.layers.*`; the
+    checkpoint and the GGUF's names come from `backbone.layers.*` (transformers renames on load):
+    the adapter GGUF follows the checkpoint (models/nemotron-h.cpp applies it: tests/e2e)."""
+    import torch
+    from gguf import GGUFReader
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from homelab_ft.export.gguf.adapter import check_adapter_gguf, write_adapter_gguf
+
+    base = nemotron["moe"][0]
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                          LoraConfig(r=2, lora_alpha=4, target_modules=["in_proj", "q_proj", "down_proj"],
+                                     init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    write_adapter_gguf(tmp_path / "adapter", base, tmp_path / "adapter.gguf", name="tiny")
+    names = {t.name for t in GGUFReader(tmp_path / "adapter.gguf").tensors}
+    assert {"blk.0.ssm_in.weight.lora_a", "blk.2.attn_q.weight.lora_b", "blk.1.ffn_down_shexp.weight.lora_a"} <= names
+    assert check_adapter_gguf(tmp_path / "adapter.gguf", peft, base) <= 1e-5

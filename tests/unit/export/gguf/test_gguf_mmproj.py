@@ -106,7 +106,7 @@ def test_a_typed_chat_template_is_probed_with_its_text(vlm, tmp_path):
     from transformers import AutoTokenizer
 
     view = text_view.write_text_view(vlm("idefics3"), tmp_path / "text")
-    texts = gguf_check._probe_texts(AutoTokenizer.from_pretrained(view))
+    texts = gguf_check.probe_texts(AutoTokenizer.from_pretrained(view))
     assert "capital of France" in texts[0]
 
 

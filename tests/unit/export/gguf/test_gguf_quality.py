@@ -104,7 +104,7 @@ def _reference(family: str, out_dir):
     from test_gguf_export import make_model
 
     if family == "qwen3_moe":
-        return save_tiny(out_dir, "qwen3_moe", norm_topk_prob=True)  # as Qwen3-30B-A3B (gguf_arch.LAYOUTS)
+        return save_tiny(out_dir, "qwen3_moe", norm_topk_prob=True)  # as Qwen3-30B-A3B (gguf_layouts.LAYOUTS)
     if family in ("mixtral", "qwen2_moe"):
         return save_tiny(out_dir, family)
     return make_model(out_dir, family)
