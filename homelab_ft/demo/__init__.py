@@ -1,8 +1,8 @@
 """The `make demo` tasks: the SFT task (sft.py: its data, scorer and measured run), the DPO pairs
 made from it (dpo.py), GRPO's small sums and their held-out reward (grpo.py), the image task
 (shapes.py: generated pictures of shapes, their questions and scorer; shapes_model.py: the tiny
-SmolVLM it trains), and the run that scores, trains, exports and scores again (run.py:
-`run_demo`, what `homelab-ft demo` calls).
+SmolVLM it trains), and the runs that score, train, export and score again (run.py: `run_demo`
+and `run_shapes_demo`, what `homelab-ft demo [--task shapes]` calls).
 
 `python -m homelab_ft.demo.sft --write-dataset` and `python -m homelab_ft.demo.dpo --write-dataset`
 (and `demo.grpo`) regenerate the shipped data; `python -m homelab_ft.demo.dpo --score DIR` (and
