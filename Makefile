@@ -12,7 +12,7 @@ RECIPE ?= recipes/smollm2-lora-cpu.yaml
 RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: help install wheelhouse demo test test-unit test-gpu test-all lint plan clean $(RECIPES)
+.PHONY: help install wheelhouse demo demo-shapes test test-unit test-gpu test-all lint plan clean $(RECIPES)
 
 help: ## list targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-22s %s\n", $$1, $$2}'
@@ -85,6 +85,16 @@ wheelhouse: ## every wheel but torch into OUT=wheelhouse [PYTHON_VERSION=3.12 PL
 
 demo: install ## fine-tune the embedded SmolLM2 on the shipped task, export, compare before/after
 	$(PY) -m homelab_ft demo
+
+demo-shapes: install ## the image task: a tiny SmolVLM answers questions about generated pictures, before/after
+	$(PY) -m homelab_ft demo --task shapes
+
+# recipes/smolvlm-shapes-cpu.yaml reads its base model and pictures from runs/smolvlm-shapes, built
+# once from the embedded SmolLM2's tokenizer and a seed (homelab_ft/demo/shapes.py)
+smolvlm-shapes-cpu: runs/smolvlm-shapes/base
+runs/smolvlm-shapes/base: | install
+	$(PY) -m homelab_ft.demo.shapes --write-dataset runs/smolvlm-shapes/data
+	$(PY) -m homelab_ft.demo.shapes_model $@
 
 # Two xdist workers, one thread each (2 cores), a module's shared fixtures on one worker
 # (tests/conftest.py groups them). tests/distributed then runs in one process, one test at a time:

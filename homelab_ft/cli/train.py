@@ -176,13 +176,19 @@ def _check_this_machine(recipe, *, plan, rung) -> None:
 
 
 def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="fine-tune the embedded SmolLM2 on the shipped task and compare before/after")
-    p.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    p = sub.add_parser("demo", help="fine-tune on a demo task, export, and compare the held-out score before/after")
+    p.add_argument("--task", choices=("json", "shapes"), default="json",
+                   help="json: sentences to JSON records (SmolLM2, LoRA); shapes: questions about generated "
+                        "pictures (a tiny SmolVLM, full fine-tune)")
+    p.add_argument("--run-dir", type=Path, help="default: runs/demo (json), runs/smolvlm-shapes-cpu (shapes)")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
-    from homelab_ft.demo.run import run_demo
+    from homelab_ft.demo.run import run_demo, run_shapes_demo
 
-    run_demo(run_dir=args.run_dir)
+    if args.task == "shapes":
+        run_shapes_demo(run_dir=args.run_dir or Path("runs/smolvlm-shapes-cpu"))
+    else:
+        run_demo(run_dir=args.run_dir or Path("runs/demo"))
     return 0
