@@ -100,9 +100,13 @@ runs/smolvlm-shapes/base: | install
 # (tests/conftest.py groups them). tests/distributed then runs in one process, one test at a time:
 # each is 2 ranks already, so beside a second worker it would run 3 processes on 2 cores.
 # TEST_JOBS=0 runs in this process (pdb, profiling). pytest's exit 5 (nothing collected) fails make too.
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (as on CI's image): the suite starts
+# hundreds of interpreters (xdist workers, ranks, `homelab-ft` subprocesses) that would each compile
+# homelab_ft from source again, and pytest caches its rewritten test modules only beside a .pyc.
 TEST_JOBS ?= 2
-PYTEST = OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup --durations=15
-PYTEST_SERIAL = OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
+TEST_ENV = env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1
+PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup --durations=15
+PYTEST_SERIAL = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
 
 test: install ## the test suite (CPU; distributed tests as 2-process gloo runs); 15 slowest of each part at the end
 	@rc=0; $(PYTEST) --ignore=tests/distributed tests || rc=$$?; $(PYTEST_SERIAL) tests/distributed || rc=$$?; exit $$rc
