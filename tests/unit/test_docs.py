@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from homelab_ft.recipe import config
+from homelab_ft.recipe import config, objectives
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
@@ -61,8 +61,9 @@ def test_the_check_catches_a_blank_line_and_a_short_row():
     assert table_problems("```\n| not | a table |\n```\n") == []
 
 
-SECTIONS = [obj for obj in vars(config).values()
-            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == config.__name__]
+SECTIONS = [obj for module in (config, objectives) for obj in vars(module).values()
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
+"""Every recipe section's class: config's and the objectives' (DpoConfig, GrpoConfig)."""
 
 
 @pytest.mark.parametrize("cls", SECTIONS, ids=lambda c: c.__name__)
