@@ -46,6 +46,15 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
+def vlm_folders(tmp_path_factory) -> dict[str, Path]:
+    """model_type -> a tiny random image-text checkpoint of tiny_vlm.UNIT_FAMILIES, saved once per
+    test session: the planner's image tests only read them."""
+    from tiny_vlm import UNIT_FAMILIES, save_families
+
+    return save_families(tmp_path_factory.mktemp("vlm-families"), UNIT_FAMILIES)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama + ChatML tokenizer on disk (built once per test session)."""
     from tiny import make_llama

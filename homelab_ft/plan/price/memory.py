@@ -420,10 +420,8 @@ def step_temporary_bytes(shape: ModelShape, rung: Rung, request: PlanRequest, cl
                                     state_bytes=state_bytes)
     if not rung.adapters_enabled:
         largest = largest_param(shape)
-    else:
-        # the widest adapted layer, the language model's or a vision layer lora.target_modules names
+    else:  # the widest adapted layer, the language model's or a vision layer lora.target_modules names
         adapted = [*(lin for b in shape.blocks for lin in targeted_linears(b, request)),
                    *vision_linears_for(shape, request.lora.targets)]
-        largest = max((lin.in_features + lin.out_features for lin in adapted), default=0) * request.lora.r \
-            if trainable else 0
+        largest = max((lin.in_features + lin.out_features for lin in adapted), default=0) * request.lora.r
     return optimizer_step_bytes(request, cluster, params=trainable, largest=largest, state_bytes=state_bytes)

@@ -19,21 +19,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from tiny_vlm import UNIT_FAMILIES, image_processor, save_families  # noqa: E402
+from tiny_vlm import UNIT_FAMILIES, image_processor  # noqa: E402
 from vision_checks import TOKEN_SIZES, check_accepted_tokens, check_more_pixels, counted_tokens  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return save_families(tmp_path_factory.mktemp("image-tokens"), UNIT_FAMILIES)
-
-
 @pytest.mark.parametrize("model_type", UNIT_FAMILIES)
-def test_the_model_accepts_exactly_the_counted_image_tokens(model_type, folders):
-    check_accepted_tokens(folders[model_type])
+def test_the_model_accepts_exactly_the_counted_image_tokens(model_type, vlm_folders):
+    check_accepted_tokens(vlm_folders[model_type])
 
 
-def test_a_dynamic_count_is_the_image_processors_own_patches_over_the_merge(folders):
+def test_a_dynamic_count_is_the_image_processors_own_patches_over_the_merge(vlm_folders):
     """At the tiny processor's own cap (16 tokens) and at a recipe's bound that raises it (as the data
     side passes it: rules/image_area.processor_kwargs)."""
     from homelab_ft.plan.shape.cache import cached_image_tokens
@@ -43,13 +38,13 @@ def test_a_dynamic_count_is_the_image_processors_own_patches_over_the_merge(fold
     for bound in (None, 1000 * 1000):
         kwargs = {"max_pixels": bound} if bound else {}
         expected = tuple(pixels.get_number_of_image_patches(h, w, kwargs) // merge for h, w in TOKEN_SIZES)
-        config = json.loads((folders["qwen2_vl"] / "config.json").read_text())
-        assert cached_image_tokens(config, sizes=TOKEN_SIZES, model_path=str(folders["qwen2_vl"]),
+        config = json.loads((vlm_folders["qwen2_vl"] / "config.json").read_text())
+        assert cached_image_tokens(config, sizes=TOKEN_SIZES, model_path=str(vlm_folders["qwen2_vl"]),
                                    max_pixels=bound) == expected
     assert expected[1] == (336 // 28) * (448 // 28)  # smart_resize keeps a size already on the 28 px grid
-    assert max(counted_tokens(folders["qwen2_vl"])) <= 16  # the processor's own cap
+    assert max(counted_tokens(vlm_folders["qwen2_vl"])) <= 16  # the processor's own cap
 
 
 @pytest.mark.parametrize("model_type", UNIT_FAMILIES)
-def test_more_pixels_never_give_fewer_tokens(model_type, folders):
-    check_more_pixels(folders[model_type])
+def test_more_pixels_never_give_fewer_tokens(model_type, vlm_folders):
+    check_more_pixels(vlm_folders[model_type])

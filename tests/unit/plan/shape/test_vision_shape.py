@@ -15,24 +15,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "tests"))
-from tiny_vlm import UNIT_FAMILIES, save_families, tiny_vlm_config  # noqa: E402
+from tiny_vlm import UNIT_FAMILIES, tiny_vlm_config  # noqa: E402
 from vision_checks import check_against_real_forward, check_planned_whole  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def saved_models(tmp_path_factory):
-    """Each family saved once (config, weights, preprocessor_config.json), derived through the cache."""
-    return save_families(tmp_path_factory.mktemp("vision-families"), UNIT_FAMILIES)
+@pytest.mark.parametrize("model_type", UNIT_FAMILIES)
+def test_an_image_text_family_is_planned_with_each_weight_once(model_type, vlm_folders):
+    check_planned_whole(model_type, vlm_folders[model_type])
 
 
 @pytest.mark.parametrize("model_type", UNIT_FAMILIES)
-def test_an_image_text_family_is_planned_with_each_weight_once(model_type, saved_models):
-    check_planned_whole(model_type, saved_models[model_type])
-
-
-@pytest.mark.parametrize("model_type", UNIT_FAMILIES)
-def test_measured_vision_costs_equal_a_real_cpu_forward(model_type, saved_models):
-    check_against_real_forward(model_type, saved_models[model_type])
+def test_measured_vision_costs_equal_a_real_cpu_forward(model_type, vlm_folders):
+    check_against_real_forward(model_type, vlm_folders[model_type])
 
 
 def test_the_fit_reads_a_parabola_a_line_and_a_fixed_count():
