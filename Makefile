@@ -97,8 +97,8 @@ runs/smolvlm-shapes/base: | install
 	$(PY) -m homelab_ft.demo.shapes_model $@
 
 # Two xdist workers, one thread each (2 cores), a module's shared fixtures on one worker
-# (tests/conftest.py groups them). tests/distributed then runs in one process, one test at a time:
-# each is 2 ranks already, so beside a second worker it would run 3 processes on 2 cores.
+# (tests/conftest.py groups them). tests/distributed runs in one process beside them (BESIDE below),
+# one test at a time: each is 2 ranks already.
 # TEST_JOBS=0 runs in this process (pdb, profiling). pytest's exit 5 (nothing collected) fails make too.
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (as on CI's image): the suite starts
 # hundreds of interpreters (xdist workers, ranks, `homelab-ft` subprocesses) that would each compile
@@ -107,9 +107,18 @@ TEST_JOBS ?= 2
 TEST_ENV = env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1
 PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup --durations=15
 PYTEST_SERIAL = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
+# BESIDE(rest,distributed): tests/distributed (its arguments second) runs one test at a time at normal
+# priority while the rest runs beside it at the lowest (nice 19): its 2-rank runs wait on links,
+# signals and timeouts and leave ~0.6 of the 2 cores idle, which the rest takes without slowing them.
+# Its output is kept in a temporary file (removed however make ends) and printed after the rest's;
+# make fails if either part does.
+BESIDE = log=$$(mktemp -t homelab-ft-distributed.XXXXXX); trap 'rm -f "$$log"' EXIT; \
+	$(PYTEST_SERIAL) $(2) >"$$log" 2>&1 & dist=$$!; \
+	rc=0; nice -n 19 $(PYTEST) $(1) || rc=$$?; \
+	echo "== tests/distributed (ran beside the above) =="; wait $$dist || rc=$$?; cat "$$log"; exit $$rc
 
 test: install ## the test suite (CPU; distributed tests as 2-process gloo runs); 15 slowest of each part at the end
-	@rc=0; $(PYTEST) --ignore=tests/distributed tests || rc=$$?; $(PYTEST_SERIAL) tests/distributed || rc=$$?; exit $$rc
+	@$(call BESIDE,--ignore=tests/distributed tests,tests/distributed)
 
 test-unit: install ## tests/unit at the core families' depth, <= 90 s on 2 cores; a unit test over its CPU budget fails (tests/budget.py)
 	$(PYTEST) -m "not slow and not matrix" tests/unit
@@ -118,8 +127,7 @@ test-gpu: install ## one CUDA GPU, <= 10 min: cuda tests, memory vs plan, tokens
 	$(PY) bench/gpu_report.py --out runs
 
 test-all: install ## also the slow tests: the real SmolLM2 weights, the install paths, costly repeats of what make test covers
-	@rc=0; $(PYTEST) -m "slow or not slow" --ignore=tests/distributed tests || rc=$$?; \
-	$(PYTEST_SERIAL) -m "slow or not slow" tests/distributed || rc=$$?; exit $$rc
+	@$(call BESIDE,-m "slow or not slow" --ignore=tests/distributed tests,-m "slow or not slow" tests/distributed)
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check homelab_ft tests bench tools
