@@ -16,14 +16,21 @@ traceback:
   empty `RendezvousTimeoutError` and pages of C++ stack from the store's retries.
 
 The memory figure comes from the parent in $HOMELAB_FT_MEMORY_NOTE (launch.memory_note).
+
+torchrun keeps each rank's error file (and, when asked, its output) in a log folder, by default a
+`torchelastic_*` folder in /tmp that it never removes: one left behind per launch. Unless the
+command names one (`--log-dir`), the agent here gets a temporary folder, removed however the agent
+ends (a `kill -9` of this process aside).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 MEMORY_NOTE_VAR = "HOMELAB_FT_MEMORY_NOTE"
 NODES_VAR = "HOMELAB_FT_NODES"
@@ -85,6 +92,9 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     memory_note = os.environ.pop(MEMORY_NOTE_VAR, "")
     args = parse_args(argv)
+    own_logs = None
+    if args.log_dir is None:
+        own_logs = args.log_dir = tempfile.mkdtemp(prefix="homelab-ft-torchrun-")
     try:
         run(args)
     except (RendezvousTimeoutError, RendezvousConnectionError) as err:
@@ -100,6 +110,9 @@ def main(argv: list[str]) -> int:
                   f"{cause(signum, memory_note)}; the other ranks were stopped", file=sys.stderr)
             return 128 + signum
         return failure.exitcode
+    finally:
+        if own_logs is not None:
+            shutil.rmtree(own_logs, ignore_errors=True)
     return 0
 
 

@@ -59,8 +59,12 @@ def _job_pids(marker: str) -> dict[int, str]:
 
 
 def _start(recipe: Path, run: Path, *extra: str) -> subprocess.Popen:
+    """`homelab-ft train` with its temporary files in TMP beside the run, which must stay empty."""
+    tmp = run.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run), *extra],
-                            env=child_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env={**child_env(), "TMPDIR": str(tmp)}, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(predicate, proc: subprocess.Popen, *, timeout: float = 180) -> None:
@@ -113,6 +117,7 @@ def test_sigterm_then_a_killed_rank(tmp_path, tiny_model_dir):
     said = [line for line in err.splitlines() if line.startswith("homelab-ft:")]
     assert len(said) == 1 and "rank 1" in said[0] and "SIGKILL" in said[0] and "OOM" in said[0], err
     assert "ChildFailedError" not in err and "Traceback" not in err, err
+    assert not list((tmp_path / "tmp").iterdir())  # torchrun's log folders removed, after a signal and a killed rank
 
     reference = tmp_path / "run1"
     assert main(["train", str(one), "--run-dir", str(reference), f"train.max_steps={stopped + 2}"]) == 0

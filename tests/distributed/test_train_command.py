@@ -13,8 +13,11 @@ from procs import REPO, child_env, write_chat_data
 
 
 def _train(recipe, run, *extra) -> subprocess.CompletedProcess:
+    """`homelab-ft train` with its temporary files in TMP beside the run, which must stay empty."""
+    tmp = run.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run), *extra],
-                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+                          env={**child_env(), "TMPDIR": str(tmp)}, cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
 def test_two_process_train_uses_the_parents_decision_and_refuses_bad_rows_before_launch(tmp_path, tiny_model_dir):
@@ -30,6 +33,7 @@ def test_two_process_train_uses_the_parents_decision_and_refuses_bad_rows_before
     assert (info["method"], info["strategy"], info["cpu_offload"]) == (chosen["method"], chosen["strategy"], chosen["cpu_offload"])
     assert info["world_size"] == 2 and info["procs_per_node"] == 2
     assert proc.stdout.count("training rows") == 1  # rank 0 alone reports
+    assert not list((tmp_path / "tmp").iterdir())  # torchrun's log folder removed (cluster/supervise.py)
 
     (tmp_path / "train.jsonl").open("a").write('{"messages": [{"role": "robot", "content": "hi"}]}\n')
     fresh = tmp_path / "fresh"
