@@ -16,6 +16,7 @@ the numpy-only `gguf` package), the one input of the planner's shapes (plan/shap
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -234,18 +235,45 @@ def gguf_config(path: Path) -> dict:
     return config
 
 
+@functools.cache
+def _plain_view_reader():
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """GGUFReader whose file mapping (`data`, which __init__ sets) is kept as a plain ndarray view
+        of the np.memmap: every field and tensor is a slice of it, and a memmap slice pays numpy's
+        memmap bookkeeping (~1 M `__array_finalize__` calls for a 49k-token vocabulary's strings)."""
+
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    import numpy as np
+
+    return Reader
+
+
+def gguf_reader(path: Path | str):
+    """gguf-py's GGUFReader over `path`, the same fields and tensors (memory-mapped, no tensor data
+    read), parsed ~2.5x faster: the embedded SmolLM2's header took 2.7 CPU s through GGUFReader, 1.0
+    through this."""
+    return _plain_view_reader()(str(path))
+
+
 def read_gguf(path: Path):
     """A GGUFReader over `path` (memory-mapped: the header and tensor index are parsed, no tensor
     data is read), or a one-line UserError for a file that is not intact GGUF."""
-    from gguf import GGUFReader
-
     fix = "copy or download it again (a partial download is a common cause)"
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise UserError(f"model.path: {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); {fix}")
     try:
-        reader = GGUFReader(str(path))
+        reader = gguf_reader(path)
         tensors = list(reader.tensors)
     except Exception as err:  # the reader raises ValueError, IndexError, struct errors ... on damage
         raise UserError(f"model.path: {path} is a damaged GGUF file ({type(err).__name__}: "

@@ -40,7 +40,8 @@ def test_embedded_gguf_is_converted_once_and_loads(tmp_path, monkeypatch):
 
 
 def test_embedded_smollm2_config_agrees_with_its_gguf_metadata():
-    """Reading the 98 MB GGUF's metadata and tensor index takes ~10 s on 2 cores, hence e2e."""
+    """Reads the 98 MB GGUF's metadata and tensor index (its 49k-token vocabulary: ~1 CPU s a read through
+    locate.gguf_reader, 2.7 through gguf-py's GGUFReader) and derives the model's shape: ~3.5 s, e2e."""
     gguf = embedded_gguf_path()
     embedded = read_model_config("smollm2")
     from_gguf = gguf_config(gguf)

@@ -37,6 +37,7 @@ import numpy as np
 from homelab_ft.errors import UserError
 from homelab_ft.export.gguf.arch import permute_heads
 from homelab_ft.export.gguf.text_view import image_text_config, language_model
+from homelab_ft.locate import gguf_reader
 
 _PREFIX = "base_model.model."
 CONVERTER_ARCH = {"Mistral3ForConditionalGeneration": "mistral3"}
@@ -202,7 +203,7 @@ def check_adapter_gguf(path: Path, peft_model, base_dir: Path) -> float:
     import gguf
     import torch
 
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     alpha = float(reader.fields[gguf.Keys.Adapter.LORA_ALPHA].contents())
     stored = {t.name: np.array(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)]) for t in reader.tensors}
     target, config, names = _language_model(base_dir)

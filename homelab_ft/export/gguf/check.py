@@ -21,6 +21,7 @@ import numpy as np
 from homelab_ft.export.gguf import arch as gguf_arch
 from homelab_ft.export.gguf import readback as gguf_readback
 from homelab_ft.export.gguf.export import plan_tensors
+from homelab_ft.locate import gguf_reader
 
 log = logging.getLogger(__name__)
 
@@ -232,12 +233,11 @@ def _newer_loader_model(path: Path, reference_dir: Path):
     `transformers_reads`, or gguf-py's reading then)."""
     import tempfile
 
-    import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.gguf import is_gguf_arch_supported
 
-    arch = str(gguf.GGUFReader(path).fields["general.architecture"].contents())
+    arch = str(gguf_reader(path).fields["general.architecture"].contents())
     if not is_gguf_arch_supported(arch):
         return None
     with tempfile.TemporaryDirectory(prefix="gguf-load-") as alone:

@@ -24,6 +24,7 @@ import numpy as np
 from homelab_ft.export.gguf import mmproj as gguf_mmproj
 from homelab_ft.export.gguf.check import GGUF_BOUNDS
 from homelab_ft.export.gguf.readback import check_fields, round_trip, stored, written_keys
+from homelab_ft.locate import gguf_reader
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,13 @@ class MmprojCheck:
 def read_back(path: Path, model_dir: Path, *, gguf_type: str, processor_dir: Path | None = None
               ) -> gguf_mmproj.MmprojPlan:
     """Raise RuntimeError on any difference between the file and what `model_dir` should give."""
-    import gguf
     import torch
     from transformers import AutoModelForImageTextToText
 
     from homelab_ft.model.checkpoint_keys import CheckpointKeys
 
     plan = gguf_mmproj.plan_mmproj(model_dir, gguf_type=gguf_type)
-    reader = gguf.GGUFReader(path)
+    reader = gguf_reader(path)
     fields = reader.fields
     for key, want in (("general.architecture", "clip"), ("general.type", "mmproj")):
         if key not in fields or fields[key].contents() != want:
@@ -77,11 +77,10 @@ def read_back(path: Path, model_dir: Path, *, gguf_type: str, processor_dir: Pat
 def compare_vision(path: Path, model_dir: Path, plan: gguf_mmproj.MmprojPlan, *, image,
                    processor_dir: Path | None = None) -> MmprojCheck:
     """The model's image features with its vision side read back from `path`, against its own."""
-    import gguf
     import torch
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    tensors = {t.name: t for t in gguf_reader(path).tensors}
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(processor_dir or model_dir)
     wanted = set(inspect.signature(model.get_image_features).parameters)

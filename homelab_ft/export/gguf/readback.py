@@ -21,6 +21,7 @@ import numpy as np
 from homelab_ft.export.gguf.arch import Target
 from homelab_ft.export.gguf.export import plan_tensors
 from homelab_ft.export.gguf.hparams import ff_lengths, kv_heads, norm_eps
+from homelab_ft.locate import gguf_reader
 
 
 def stored(tensor) -> np.ndarray:
@@ -46,11 +47,10 @@ def round_trip(array: np.ndarray, qtype) -> np.ndarray:
 def read_back(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_type: str) -> None:
     """Prove `gguf_path` holds the reference rounded as meant, one tensor at a time (host memory
     stays near the largest tensor); raises RuntimeError on any difference in the keys or tensors."""
-    import gguf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(reference_dir)
-    reader = gguf.GGUFReader(gguf_path)
+    reader = gguf_reader(gguf_path)
     _check_keys(reader.fields, config, target=target)
     tensors = {t.name: t for t in reader.tensors}
     plan = plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type)
@@ -116,13 +116,12 @@ def load_model(gguf_path: Path, reference_dir: Path, *, target: Target, gguf_typ
     import json
     import tempfile
 
-    import gguf
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(reference_dir)
-    tensors = {t.name: t for t in gguf.GGUFReader(gguf_path).tensors}
+    tensors = {t.name: t for t in gguf_reader(gguf_path).tensors}
     state, pieces = {}, {}
     for item in plan_tensors(reference_dir, config, target=target, gguf_type=gguf_type):
         if item.extra is not None:
@@ -150,7 +149,7 @@ def metadata_twin(gguf_path: Path, out_path: Path, *, tokenizer: bool) -> Path:
     which that loader parses in milliseconds instead of a token list's seconds."""
     import gguf
 
-    reader = gguf.GGUFReader(gguf_path)
+    reader = gguf_reader(gguf_path)
     arch = "llama" if tokenizer else str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(out_path, arch)
     try:
