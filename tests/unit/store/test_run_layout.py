@@ -2,8 +2,6 @@
 refused in one line that names the file and the fix."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -77,15 +75,18 @@ def test_broken_info_is_one_user_error_line(tmp_path, text, said):
         assert "train the run again" in message
 
 
-def test_broken_info_through_export_is_one_line_exit_2(tmp_path):
+def test_broken_info_through_export_is_one_line_exit_2(tmp_path, capsys):
+    """In this process: the console entry point's own exit path is test_cli_errors'."""
+    from homelab_ft.cli.main import main
+
     run = tmp_path / "run"  # --out beside the run: one inside it is refused first (export/target.py)
     run.mkdir()
     (run / "run.json").write_text("{not json")
-    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "export", str(run), "--out", str(tmp_path / "x")],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-    assert f"{run / 'run.json'} is not valid JSON" in proc.stderr
+    assert main(["export", str(run), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"{run / 'run.json'} is not valid JSON" in err
+    assert not (tmp_path / "x").exists()
 
 
 def test_recipe_round_trip_and_missing_recipe(tmp_path):

@@ -268,15 +268,18 @@ def test_unknown_model_type_names_the_transformers_version():
     assert "pip install -U transformers" in str(err.value) and "trust_remote_code" in str(err.value)
 
 
-def test_unknown_model_type_exits_2_from_plan(tmp_path):
+def test_unknown_model_type_exits_2_from_plan(tmp_path, monkeypatch, capsys):
+    """In this process: the console entry point's own exit path is test_cli_errors'."""
+    from homelab_ft.cli.main import main
+
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "acme_lm", "hidden_size": 64}))
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  path: {tmp_path / 'model'}\n")
-    env = {**os.environ, "HOMELAB_FT_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "homelab_ft", "plan", str(recipe)], env=env, capture_output=True,
-                          text=True)
-    assert done.returncode == 2 and "acme_lm" in done.stderr and "Traceback" not in done.stderr
+    monkeypatch.setenv("HOMELAB_FT_CACHE", str(tmp_path / "cache"))
+    assert main(["plan", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "acme_lm" in err and len(err.strip().splitlines()) == 1, err
 
 
 # --------------------------------------------------------------------------------------------
