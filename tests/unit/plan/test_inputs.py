@@ -3,6 +3,7 @@ request's derived values, and the gradient-sync decision memory.py makes for net
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,7 +17,14 @@ from homelab_ft.plan.price.network import communication
 from homelab_ft.plan.shape.shapes import model_shape
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-LLAMA_1B = model_shape(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
+
+
+@functools.cache
+def llama_1b():
+    """Derived when a test first needs it, not at collection (in each xdist worker)."""
+    return model_shape(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
+
+
 TWO_NODES = Cluster(device="cuda", nodes=2, gpus_per_node=1, device_bytes=80 * GiB, host_ram_bytes=256 * GiB)
 
 
@@ -44,19 +52,19 @@ def test_dpo_rows_are_pairs():
 def test_sync_deferred(method, strategy, deferred):
     request = default_request()
     rung = option_rung(method, strategy, False, request=request, cluster=TWO_NODES)
-    trainable = LLAMA_1B.total_params if method == "full" else LLAMA_1B.total_params // 100
-    assert sync_deferred(LLAMA_1B, rung=rung, trainable=trainable) is deferred
+    trainable = llama_1b().total_params if method == "full" else llama_1b().total_params // 100
+    assert sync_deferred(llama_1b(), rung=rung, trainable=trainable) is deferred
 
 
 def test_a_deferred_sync_sends_the_gradients_once_per_step():
     """Four micro-batches: reduce-scattering every one sends three more gradient copies."""
     request = default_request(train={"grad_accum_steps": 4})
     rung = option_rung("full", "full_shard", False, request=request, cluster=TWO_NODES)
-    base = LLAMA_1B.total_params * 2
-    kwargs = dict(rung=rung, request=request, cluster=TWO_NODES, root_bytes=LLAMA_1B.root_params * 2)
-    every = communication(LLAMA_1B, base, LLAMA_1B.total_params, sync_deferred=False, **kwargs)
-    once = communication(LLAMA_1B, base, LLAMA_1B.total_params, sync_deferred=True, **kwargs)
-    grads = LLAMA_1B.total_params * request.reduce_bytes
+    base = llama_1b().total_params * 2
+    kwargs = dict(rung=rung, request=request, cluster=TWO_NODES, root_bytes=llama_1b().root_params * 2)
+    every = communication(llama_1b(), base, llama_1b().total_params, sync_deferred=False, **kwargs)
+    once = communication(llama_1b(), base, llama_1b().total_params, sync_deferred=True, **kwargs)
+    grads = llama_1b().total_params * request.reduce_bytes
     assert every.sent_bytes - once.sent_bytes == pytest.approx(3 * grads / 2, abs=2)
     assert every.grads_s > once.grads_s
 
@@ -71,11 +79,11 @@ def test_pricing_reads_the_rung_for_what_the_key_leaves_out():
     variants = [request.changed(method=m, sharding={"strategy": s, "cpu_offload": off})
                 for m, s, off in [("full", "full_shard", True), ("qlora", "no_shard", False), ("lora", "shard_grad_op", True)]]
     assert {v.pricing_key for v in variants} == {request.pricing_key}
-    options = offers(LLAMA_1B, request=request, cluster=TWO_NODES)[0]
+    options = offers(llama_1b(), request=request, cluster=TWO_NODES)[0]
     assert len(options) > 10
     for option in options:
-        fresh = _sized_price(LLAMA_1B, rung=option.rung, request=request, cluster=TWO_NODES)
+        fresh = _sized_price(llama_1b(), rung=option.rung, request=request, cluster=TWO_NODES)
         for variant in variants:
-            assert _sized_price(LLAMA_1B, rung=option.rung, request=variant, cluster=TWO_NODES) == fresh
+            assert _sized_price(llama_1b(), rung=option.rung, request=variant, cluster=TWO_NODES) == fresh
     assert request.changed(sharding={"reduce_dtype": "bfloat16"}).pricing_key != request.pricing_key
     assert request.changed(data={"max_length": 256}).pricing_key != request.pricing_key

@@ -5,6 +5,7 @@ on plan / launch. bench/network.py checks the same model against runs over shape
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -23,7 +24,14 @@ from homelab_ft.plan.shape.shapes import model_shape
 
 ROOT = Path(__file__).resolve().parents[4]
 CONFIGS = ROOT / "tests" / "configs"
-LLAMA_1B = model_shape(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
+
+
+@functools.cache
+def llama_1b():
+    """Derived when a test first needs it, not at collection (in each xdist worker)."""
+    return model_shape(json.loads((CONFIGS / "llama-3.2-1b.json").read_text()))
+
+
 LONG = default_request(data={"max_length": 2048}, train={"micro_batch_size": 1, "activation_checkpointing": True})
 
 
@@ -32,7 +40,8 @@ def cluster(*, device="cuda", nodes=2, per_node=1, gbit=1.0, **links) -> Cluster
                    host_ram_bytes=256 * GiB, inter_link_gbit=gbit, tflops=40.0, **links)
 
 
-def est(method, strategy, c: Cluster, request=LONG, shape=LLAMA_1B):
+def est(method, strategy, c: Cluster, request=LONG, shape=None):
+    shape = shape or llama_1b()
     return estimate(shape, rung=option_rung(method, strategy, False, request=request, cluster=c), request=request,
                     cluster=c)
 
@@ -43,7 +52,7 @@ def test_latency_counts_every_collective_fsdp2_issues():
     sync, and the loop adds its small all-reduces (2 ring steps each)."""
     fast = cluster(gbit=1e9, inter_latency_s=2e-3, inter_link_measured=True)
     hop = 1e-3  # half the measured 2-rank all-reduce
-    layers = LLAMA_1B.num_layers
+    layers = llama_1b().num_layers
     request = LONG.changed(train={"grad_accum_steps": 2})
     full = est("full", "full_shard", fast, request)
     gathers, scatters = 2 * (1 + 2 * layers), 2 * (layers + 1)  # not deferred: a full fine-tune syncs every micro-batch
@@ -105,7 +114,7 @@ def test_hybrid_shard_sends_only_gradient_shards_across_a_shared_nic():
     full = est("full", "full_shard", c)
     # FULL_SHARD's ring over 4 ranks: bf16 blocks gathered twice (the root with the tied embedding
     # once: it stays gathered for backward) and fp32 gradients scattered, all x 3/4
-    root, blocks = LLAMA_1B.root_params, LLAMA_1B.total_params - LLAMA_1B.root_params
+    root, blocks = llama_1b().root_params, llama_1b().total_params - llama_1b().root_params
     ring_bytes = (2 * (root + 2 * blocks) + 4 * (root + blocks)) * 3 / 4
     assert full.comm_s == pytest.approx(ring_bytes / c.inter_bytes_per_s, rel=0.02)
     assert full.comm_s > 1.4 * hybrid.comm_s
@@ -115,9 +124,9 @@ def test_hybrid_shard_sends_only_gradient_shards_across_a_shared_nic():
 def test_slow_link_ranking_and_fast_link_ranking():
     """1 Gbit between two 1-GPU nodes: a full fine-tune is link-bound; at 100 Gbit compute-bound."""
     request = LONG.changed(method="full")
-    slow = plan(LLAMA_1B, request=request, cluster=cluster(gbit=1.0))
+    slow = plan(llama_1b(), request=request, cluster=cluster(gbit=1.0))
     assert slow.chosen.comm_s > slow.chosen.compute_s
-    fast = plan(LLAMA_1B, request=request, cluster=cluster(gbit=100.0))
+    fast = plan(llama_1b(), request=request, cluster=cluster(gbit=100.0))
     assert fast.chosen.step_s < 1.2 * fast.chosen.compute_s
 
 
@@ -201,8 +210,8 @@ def test_gloo_reduce_scatter_costs_an_all_reduce_and_all_gather_runs_slower():
     request = LONG.changed(model={"dtype": "float32"})
     nccl = est("full", "full_shard", cluster(**links), request)
     gloo = est("full", "full_shard", cluster(device="cpu", **links), request)
-    weights = LLAMA_1B.total_params * 4
-    root, blocks = LLAMA_1B.root_params * 4, weights - LLAMA_1B.root_params * 4
+    weights = llama_1b().total_params * 4
+    root, blocks = llama_1b().root_params * 4, weights - llama_1b().root_params * 4
     gathered = (root + 2 * blocks) / 2  # each rank sends half of every gathered unit
     bw = 1e9 / 8
     assert nccl.comm_s == pytest.approx((gathered + weights / 2) / bw, rel=1e-3)

@@ -5,6 +5,7 @@ ranking on a slow and a fast link, and the advice lines. Torch-free, like the pl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -25,14 +26,22 @@ from homelab_ft.rung import Rung
 ROOT = Path(__file__).resolve().parents[4]
 CONFIGS = ROOT / "tests" / "configs"
 
-# A Llama small enough to price by hand: per block q,k,v,o 64x64 + gate,up,down 64x128 + 2 norms.
-TINY = model_shape({"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
-                    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
-                    "max_position_embeddings": 512})
+@functools.cache
+def tiny():
+    """A Llama small enough to price by hand: per block q,k,v,o 64x64 + gate,up,down 64x128 + 2 norms;
+    derived when a test first needs it, not at collection (in each xdist worker)."""
+    return model_shape({"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 4,
+                        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+                        "max_position_embeddings": 512})
+
+
 BLOCK_PARAMS = 4 * 64 * 64 + 3 * 64 * 128 + 2 * 64
-# kept per token and block in bf16: what autograd saves, measured on the model transformers builds
-# (plan/shape/saved.py; about 8h + 2q + 2kv + 4i elements for a Llama block), the same on every block here
-BLOCK_ACT_BYTES = TINY.blocks[0].saved_bytes_per_token(2, 32)
+
+
+def block_act_bytes() -> float:
+    """Kept per token and block in bf16: what autograd saves, measured on the model transformers builds
+    (plan/shape/saved.py; about 8h + 2q + 2kv + 4i elements for a Llama block), the same on every block here."""
+    return tiny().blocks[0].saved_bytes_per_token(2, 32)
 
 
 def shape(name: str):
@@ -57,28 +66,28 @@ TINY_REQUEST = default_request(data={"max_length": 32}, train={"micro_batch_size
 def test_stage_memory_matches_a_hand_computation():
     """Full fine-tune in bf16, 2 stages of 2 blocks, 4 micro-batches of 2 x 32 tokens under 1F1B."""
     tokens = 2 * 32
-    first = pipeline.stage_memory(TINY, rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus(), stage_index=0,
+    first = pipeline.stage_memory(tiny(), rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus(), stage_index=0,
                                   num_blocks=2)
     params = 2 * BLOCK_PARAMS + 128 * 64  # its blocks and the embedding
     assert (first.weights, first.gradients, first.optimizer) == (2 * params, 2 * params, 4 * params)
-    assert first.activations == 2 * 2 * tokens * BLOCK_ACT_BYTES  # 1F1B: 2 micro-batches in flight on stage 0
+    assert first.activations == 2 * 2 * tokens * block_act_bytes()  # 1F1B: 2 micro-batches in flight on stage 0
     assert first.logits == 0 and first.gathered == 0
     forward_backward = 2 * params + 4 * params + 2 * params + first.activations  # + the accumulated gradients
     assert first.total == forward_backward + CUDA_CONTEXT_BYTES + CUDA_FRAGMENTATION_BYTES
 
-    last = pipeline.stage_memory(TINY, rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus(), stage_index=1,
+    last = pipeline.stage_memory(tiny(), rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus(), stage_index=1,
                                  num_blocks=2)
     params = 2 * BLOCK_PARAMS + 64 + 128 * 64  # its blocks, the final norm and the (untied) head
     assert (last.weights, last.gradients, last.optimizer) == (2 * params, 2 * params, 4 * params)
-    assert last.activations == 1 * 2 * tokens * BLOCK_ACT_BYTES  # the last stage: one micro-batch at a time
+    assert last.activations == 1 * 2 * tokens * block_act_bytes()  # the last stage: one micro-batch at a time
     assert last.logits == tokens * 128 * (2 + 4 + 4 + 4)  # bf16 logits, fp32 copy, log-softmax, its gradient
-    gpipe = pipeline.stage_memory(TINY, rung=tiny_rung(pipeline_schedule="gpipe"), request=TINY_REQUEST,
+    gpipe = pipeline.stage_memory(tiny(), rung=tiny_rung(pipeline_schedule="gpipe"), request=TINY_REQUEST,
                                   cluster=gpus(), stage_index=1, num_blocks=2)
     assert gpipe.activations == 4 * last.activations  # GPipe keeps every micro-batch
 
 
 def test_tied_embeddings_live_on_both_ends():
-    tied = dataclasses.replace(TINY, tie_word_embeddings=True)
+    tied = dataclasses.replace(tiny(), tie_word_embeddings=True)
     last = pipeline.stage_memory(tied, rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus(), stage_index=1,
                                  num_blocks=2)
     assert last.weights == 2 * (2 * BLOCK_PARAMS + 64 + 128 * 64)  # the head's copy of the embedding
@@ -90,16 +99,16 @@ def test_in_flight_and_bubble():
     assert pipeline.in_flight("gpipe", stages=4, stage_index=3, micro_batches=8) == 8
     assert pipeline.bubble_fraction(stages=2, micro_batches=8) == pytest.approx(1 / 9)
     assert pipeline.bubble_fraction(stages=4, micro_batches=4) == pytest.approx(3 / 7)
-    est = pipeline.estimate(TINY, rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus())
+    est = pipeline.estimate(tiny(), rung=tiny_rung(), request=TINY_REQUEST, cluster=gpus())
     assert est.bubble_s == pytest.approx(est.compute_s * 1 / 4)  # (S - 1) / M of the slowest stage's compute
     # (M + S - 1) slots of a stage's work: the bubble is (S-1)/(M+S-1) of compute + bubble
     assert est.bubble_s / (est.compute_s + est.bubble_s) == pytest.approx(pipeline.bubble_fraction(stages=2, micro_batches=4))
 
 
 def test_p2p_bytes_and_their_time_on_the_link():
-    assert pipeline.p2p_bytes(TINY, rung=Rung("full", "no_shard", False), request=TINY_REQUEST, cluster=gpus()) == 2 * 32 * 64 * 2
+    assert pipeline.p2p_bytes(tiny(), rung=Rung("full", "no_shard", False), request=TINY_REQUEST, cluster=gpus()) == 2 * 32 * 64 * 2
     cluster = dataclasses.replace(gpus(), tflops=1e-4)  # a stage's work outlasts a transfer
-    est = pipeline.estimate(TINY, rung=tiny_rung(), request=TINY_REQUEST, cluster=cluster)
+    est = pipeline.estimate(tiny(), rung=tiny_rung(), request=TINY_REQUEST, cluster=cluster)
     assert est.comm_bytes == 2 * 4 * 2 * 32 * 64 * 2  # forward and back, 4 micro-batches, one boundary
     one = cluster.inter_hop_s + 2 * 32 * 64 * 2 / cluster.inter_bytes_per_s
     loop = LOOP_ALL_REDUCES * collective_s(8, ranks=2, all_reduce=True, bytes_per_s=cluster.inter_bytes_per_s,
@@ -112,7 +121,7 @@ def test_p2p_bytes_and_their_time_on_the_link():
 
 def test_a_slow_link_paces_the_pipeline():
     slow = gpus(link_gbit=0.0001)
-    est = pipeline.estimate(TINY, rung=tiny_rung(), request=TINY_REQUEST, cluster=slow)
+    est = pipeline.estimate(tiny(), rung=tiny_rung(), request=TINY_REQUEST, cluster=slow)
     one = slow.inter_hop_s + 2 * 32 * 64 * 2 / slow.inter_bytes_per_s
     per_micro = est.compute_s / 4
     assert one > per_micro
