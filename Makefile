@@ -96,16 +96,16 @@ runs/smolvlm-shapes/base: | install
 	$(PY) -m homelab_ft.demo.shapes --write-dataset runs/smolvlm-shapes/data
 	$(PY) -m homelab_ft.demo.shapes_model $@
 
-# Two xdist workers, one thread each (2 cores), a module's shared fixtures on one worker
-# (tests/conftest.py groups them). tests/distributed runs in one process beside them (BESIDE below),
-# one test at a time: each is 2 ranks already.
+# Two xdist workers, one thread each (2 cores), each module's tests on one worker, so its shared
+# fixtures are built once (tests/conftest.py's scheduler). tests/distributed runs in one process
+# beside them (BESIDE below), one test at a time: each is 2 ranks already.
 # TEST_JOBS=0 runs in this process (pdb, profiling). pytest's exit 5 (nothing collected) fails make too.
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (as on CI's image): the suite starts
 # hundreds of interpreters (xdist workers, ranks, `homelab-ft` subprocesses) that would each compile
 # homelab_ft from source again, and pytest caches its rewritten test modules only beside a .pyc.
 TEST_JOBS ?= 2
 TEST_ENV = env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1
-PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadgroup --durations=15
+PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile --durations=15
 PYTEST_SERIAL = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
 # BESIDE(rest,distributed): tests/distributed (its arguments second) runs one test at a time at normal
 # priority while the rest runs beside it at the lowest (nice 19): its 2-rank runs wait on links,
