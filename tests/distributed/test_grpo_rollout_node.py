@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import build_recipe
@@ -67,10 +68,28 @@ def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProc
                           env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
-def train_here(tmp, body: dict) -> dict:
-    proc = _command(tmp, body)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return metrics(tmp / "runs" / body["name"])
+def train_beside(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
+    """The node run as a user starts it (`homelab-ft train`: torchrun, a trainer and a rollout rank)
+    and, while it runs, the colocated one in this process (one process: the CLI's own path, without
+    a fresh interpreter's ~8 CPU s of imports, on the core the node run leaves idle while its ranks
+    wait on each other); the metrics of each."""
+    from homelab_ft.cli.main import main
+
+    path = build_recipe.write_recipe(tmp / f"{node['name']}.yaml", node)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir",
+                                 str(tmp / "runs" / node["name"])], env=child_env(), cwd=REPO, stdout=out, stderr=err,
+                                text=True)
+        try:
+            here = build_recipe.write_recipe(tmp / f"{colocated['name']}.yaml", colocated)
+            assert main(["train", str(here), "--run-dir", str(tmp / "runs" / colocated["name"])]) == 0
+            proc.wait(timeout=900)
+        finally:
+            proc.kill() if proc.poll() is None else None
+        out.seek(0)
+        err.seek(0)
+        assert proc.returncode == 0, out.read()[-3000:] + err.read()[-6000:]
+    return metrics(tmp / "runs" / node["name"]), metrics(tmp / "runs" / colocated["name"])
 
 
 def adapter_bytes(model_dir, method: str) -> int:
@@ -96,9 +115,10 @@ def runs(request, tmp_path_factory, tiny_model_dir) -> dict:
     if method == "qlora":  # the rollout rank's base in 4 bits, as the trainer's
         pytest.importorskip("bitsandbytes")
     tmp = write_inputs(tmp_path_factory.mktemp(f"rollnode_{method}"))
+    node, colocated = train_beside(tmp, recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node"),
+                                   recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))
     return {"method": method, "tmp": tmp, "model_dir": tiny_model_dir, "bytes": adapter_bytes(tiny_model_dir, method),
-            "node": train_here(tmp, recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node")),
-            "colocated": train_here(tmp, recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))}
+            "node": node, "colocated": colocated}
 
 
 def assert_same_run(node: dict, colo: dict) -> None:
