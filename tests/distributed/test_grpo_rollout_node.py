@@ -68,28 +68,36 @@ def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProc
                           env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
-def train_beside(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
-    """The node run as a user starts it (`homelab-ft train`: torchrun, a trainer and a rollout rank)
-    and, while it runs, the colocated one in this process (one process: the CLI's own path, without
-    a fresh interpreter's ~8 CPU s of imports, on the core the node run leaves idle while its ranks
-    wait on each other); the metrics of each."""
+def train_here(tmp, body: dict) -> dict:
+    """A one-process (colocated) run in this process: the CLI's own path, without a fresh
+    interpreter's ~8 CPU s of imports."""
     from homelab_ft.cli.main import main
 
+    path = build_recipe.write_recipe(tmp / f"{body['name']}.yaml", body)
+    assert main(["train", str(path), "--run-dir", str(tmp / "runs" / body["name"])]) == 0
+    return metrics(tmp / "runs" / body["name"])
+
+
+def train_beside(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
+    """The node run as a user starts it (`homelab-ft train`: torchrun, a trainer and a rollout rank)
+    and, while it runs, the colocated one in this process (train_here, on the core the node run
+    leaves idle while its ranks wait on each other); the metrics of each."""
     path = build_recipe.write_recipe(tmp / f"{node['name']}.yaml", node)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir",
                                  str(tmp / "runs" / node["name"])], env=child_env(), cwd=REPO, stdout=out, stderr=err,
                                 text=True)
         try:
-            here = build_recipe.write_recipe(tmp / f"{colocated['name']}.yaml", colocated)
-            assert main(["train", str(here), "--run-dir", str(tmp / "runs" / colocated["name"])]) == 0
+            here = train_here(tmp, colocated)
             proc.wait(timeout=900)
         finally:
-            proc.kill() if proc.poll() is None else None
+            if proc.poll() is None:  # the colocated run failed: do not leave the node run behind
+                proc.kill()
+                proc.wait()
         out.seek(0)
         err.seek(0)
         assert proc.returncode == 0, out.read()[-3000:] + err.read()[-6000:]
-    return metrics(tmp / "runs" / node["name"]), metrics(tmp / "runs" / colocated["name"])
+    return metrics(tmp / "runs" / node["name"]), here
 
 
 def adapter_bytes(model_dir, method: str) -> int:
