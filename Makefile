@@ -96,9 +96,9 @@ runs/smolvlm-shapes/base: | install
 	$(PY) -m homelab_ft.demo.shapes --write-dataset runs/smolvlm-shapes/data
 	$(PY) -m homelab_ft.demo.shapes_model $@
 
-# Two xdist workers, one thread each (2 cores), each module's tests on one worker, so its shared
-# fixtures are built once (tests/conftest.py's scheduler). tests/distributed runs in one process
-# beside them (BESIDE below), one test at a time: each is 2 ranks already.
+# Two xdist workers, one thread each (2 cores); a module with module-scoped fixtures runs on one
+# worker, so they are built once (tests/conftest.py's scheduler). tests/distributed runs in one
+# process beside them (BESIDE below), one test at a time: each is 2 ranks already.
 # TEST_JOBS=0 runs in this process (pdb, profiling). pytest's exit 5 (nothing collected) fails make too.
 # Bytecode is written even where PYTHONDONTWRITEBYTECODE is set (as on CI's image): the suite starts
 # hundreds of interpreters (xdist workers, ranks, `homelab-ft` subprocesses) that would each compile

@@ -1,4 +1,6 @@
+import functools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -109,24 +111,46 @@ def pytest_sessionstart(session):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduler for `-n N` (`--dist load`, `loadfile`, `loadscope` or `loadgroup`): the
-    tests of one module on one worker, so its module-scoped fixtures are built once, and every test
-    of tests/distributed on one worker, one after another: each starts multi-process runs (torchrun,
-    namespaces, doctor) that take both cores with their 2 ranks, and some measure links and timeouts.
+    """xdist's scheduler for `-n N` (`--dist load`, `loadfile`, `loadscope` or `loadgroup`): a
+    module that builds a module- or class-scoped fixture runs on one worker (the fixture is built
+    once), every test of tests/distributed on one worker, one after another (each starts
+    multi-process runs, torchrun, namespaces, doctor, that take both cores with their 2 ranks, and
+    some measure links and timeouts), and every other test wherever a worker is free: whole modules
+    of independent tests left one worker idle at the end while the other ran a large module alone.
 
-    This hook is xdist's public way to choose: `--dist loadgroup` with `xdist_group` marks, which
-    this conftest used, stopped grouping anything under pytest 9.2 (pytest-xdist 3.8 writes the group
-    into `item._nodeid`, which pytest 9.2 no longer reads a node's id from), silently."""
+    This hook is xdist's public way to choose. `--dist loadgroup` with `xdist_group` marks, which this
+    conftest used, stopped grouping anything under pytest 9.2 (pytest-xdist 3.8 writes the group into
+    `item._nodeid`, which pytest 9.2 no longer reads a node's id from), silently. The scheduler runs in
+    the controlling process, which sees node ids only, so a module's fixtures are read from its source
+    (`_shares_fixtures`)."""
     if config.getvalue("dist") not in ("load", "loadfile", "loadscope", "loadgroup"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByModule(LoadScopeScheduling):
+    class Grouped(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/distributed" if path.startswith("tests/distributed/") else path
+            if path.startswith("tests/distributed/"):
+                return "tests/distributed"
+            return path if _shares_fixtures(path) else nodeid
 
-    return ByModule(config, log)
+    return Grouped(config, log)
+
+
+_SHARED_SCOPES = re.compile(r"""^@pytest\.fixture\(.*scope=["'](?:module|class)["'].*\n(?:@.*\n)*def (\w+)""", re.M)
+
+
+@functools.cache
+def _shares_fixtures(path: str) -> bool:
+    """Whether the test module at `path` (relative to the repository) defines a module- or
+    class-scoped fixture, or uses one of this conftest's."""
+    here = Path(__file__).parent
+    try:
+        text = (here.parent / path).read_text()
+    except OSError:
+        return False
+    ours = _SHARED_SCOPES.findall(Path(__file__).read_text())
+    return bool(_SHARED_SCOPES.search(text)) or any(re.search(rf"\b{name}\b", text) for name in ours)
 
 
 def _matrix_point(item) -> bool:
