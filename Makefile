@@ -109,7 +109,7 @@ PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --di
 PYTEST_SERIAL = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
 # BESIDE(rest,distributed): tests/distributed (its arguments second) runs one test at a time at normal
 # priority while the rest runs beside it at the lowest (nice 19): its 2-rank runs wait on links,
-# signals and timeouts and leave ~0.6 of the 2 cores idle, which the rest takes without slowing them.
+# signals and timeouts and leave ~0.6 of the 2 cores idle, which the rest takes (they slow ~15% beside it).
 # Its output is kept in a temporary file (removed however make ends) and printed after the rest's;
 # make fails if either part does.
 BESIDE = log=$$(mktemp -t homelab-ft-distributed.XXXXXX); trap 'rm -f "$$log"' EXIT; \
