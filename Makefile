@@ -105,7 +105,7 @@ runs/smolvlm-shapes/base: | install
 # homelab_ft from source again, and pytest caches its rewritten test modules only beside a .pyc.
 TEST_JOBS ?= 2
 TEST_ENV = env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1
-PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist loadfile --durations=15
+PYTEST = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) --dist load --durations=15
 PYTEST_SERIAL = $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider -n 0 --durations=15
 # BESIDE(rest,distributed): tests/distributed (its arguments second) runs one test at a time at normal
 # priority while the rest runs beside it at the lowest (nice 19): its 2-rank runs wait on links,

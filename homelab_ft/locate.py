@@ -237,6 +237,7 @@ def gguf_config(path: Path) -> dict:
 
 @functools.cache
 def _plain_view_reader():
+    import numpy as np
     from gguf import GGUFReader
 
     class Reader(GGUFReader):
@@ -251,8 +252,6 @@ def _plain_view_reader():
         @data.setter
         def data(self, value):
             self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-    import numpy as np
 
     return Reader
 

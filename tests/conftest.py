@@ -140,17 +140,19 @@ def pytest_xdist_make_scheduler(config, log):
 _SHARED_SCOPES = re.compile(r"""^@pytest\.fixture\(.*scope=["'](?:module|class)["'].*\n(?:@.*\n)*def (\w+)""", re.M)
 
 
+_OURS_SHARED = tuple(_SHARED_SCOPES.findall(Path(__file__).read_text()))
+"""This conftest's module-scoped fixtures (`vlm`)."""
+
+
 @functools.cache
 def _shares_fixtures(path: str) -> bool:
     """Whether the test module at `path` (relative to the repository) defines a module- or
     class-scoped fixture, or uses one of this conftest's."""
-    here = Path(__file__).parent
     try:
-        text = (here.parent / path).read_text()
+        text = (Path(__file__).parents[1] / path).read_text()
     except OSError:
         return False
-    ours = _SHARED_SCOPES.findall(Path(__file__).read_text())
-    return bool(_SHARED_SCOPES.search(text)) or any(re.search(rf"\b{name}\b", text) for name in ours)
+    return bool(_SHARED_SCOPES.search(text)) or any(re.search(rf"\b{name}\b", text) for name in _OURS_SHARED)
 
 
 def _matrix_point(item) -> bool:

@@ -19,11 +19,15 @@ REPO = Path(__file__).resolve().parents[1]
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
-def child_env() -> dict:
+def child_env(*, tmpdir: Path | None = None) -> dict:
     """One thread per rank (2 ranks on 2 cores: more threads made steps up to 8x slower), the
-    repo importable, and no torchrun variables inherited from an outer launch."""
+    repo importable, and no torchrun variables inherited from an outer launch; with `tmpdir`, the
+    processes' temporary files there (made now), for a test to check that none is left."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    if tmpdir is not None:
+        tmpdir.mkdir(parents=True, exist_ok=True)
+        env["TMPDIR"] = str(tmpdir)
     for var in _TORCHRUN_VARS:
         env.pop(var, None)
     return env

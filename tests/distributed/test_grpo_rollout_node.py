@@ -60,12 +60,16 @@ def metrics(run) -> dict:
             "samples": [r for r in rows if "samples" in r], "run": run}
 
 
-def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProcess:
+def _argv(tmp, body: dict, *extra: str, run=None) -> list[str]:
     """`homelab-ft train` on `body` written beside the inputs (run directory: runs/<name>, or `run`)."""
     path = build_recipe.write_recipe(tmp / f"{body['name']}.yaml", body)
     run = run or tmp / "runs" / body["name"]
-    return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir", str(run), *extra],
-                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    return [sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir", str(run), *extra]
+
+
+def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProcess:
+    return subprocess.run(_argv(tmp, body, *extra, run=run), env=child_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
 
 
 def train_here(tmp, body: dict) -> dict:
@@ -82,11 +86,8 @@ def train_beside(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
     """The node run as a user starts it (`homelab-ft train`: torchrun, a trainer and a rollout rank)
     and, while it runs, the colocated one in this process (train_here, on the core the node run
     leaves idle while its ranks wait on each other); the metrics of each."""
-    path = build_recipe.write_recipe(tmp / f"{node['name']}.yaml", node)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir",
-                                 str(tmp / "runs" / node["name"])], env=child_env(), cwd=REPO, stdout=out, stderr=err,
-                                text=True)
+        proc = subprocess.Popen(_argv(tmp, node), env=child_env(), cwd=REPO, stdout=out, stderr=err, text=True)
         try:
             here = train_here(tmp, colocated)
             proc.wait(timeout=900)

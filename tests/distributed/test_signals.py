@@ -60,10 +60,8 @@ def _job_pids(marker: str) -> dict[int, str]:
 
 def _start(recipe: Path, run: Path, *extra: str) -> subprocess.Popen:
     """`homelab-ft train` with its temporary files in TMP beside the run, which must stay empty."""
-    tmp = run.parent / "tmp"
-    tmp.mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run), *extra],
-                            env={**child_env(), "TMPDIR": str(tmp)}, cwd=REPO, stdout=subprocess.DEVNULL,
+                            env=child_env(tmpdir=run.parent / "tmp"), cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
 

@@ -14,10 +14,9 @@ from procs import REPO, child_env, write_chat_data
 
 def _train(recipe, run, *extra) -> subprocess.CompletedProcess:
     """`homelab-ft train` with its temporary files in TMP beside the run, which must stay empty."""
-    tmp = run.parent / "tmp"
-    tmp.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run), *extra],
-                          env={**child_env(), "TMPDIR": str(tmp)}, cwd=REPO, capture_output=True, text=True, timeout=600)
+                          env=child_env(tmpdir=run.parent / "tmp"), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
 
 
 def test_two_process_train_uses_the_parents_decision_and_refuses_bad_rows_before_launch(tmp_path, tiny_model_dir):
