@@ -1,6 +1,6 @@
 """What a decoder block keeps for backward, measured: one forward of the model transformers built
-on the meta device, run under FakeTensorMode (shapes, dtypes and views as on the CPU, no storage,
-and transformers' data-dependent checks skip themselves for fake tensors), with
+on the meta device (shapes, dtypes and views as on the CPU, no storage), run on its meta tensors,
+or under FakeTensorMode where an op needs values (ATTEMPTS), with
 `torch.autograd.graph.saved_tensors_hooks` counting every tensor autograd saves while each block
 runs (parameters and tensors the block was handed, such as the rotary tables every block shares,
 excluded; a view counted once, through its base). It runs twice: with every parameter requiring
@@ -38,21 +38,35 @@ DTYPES = {2: "bfloat16", 4: "float32"}
 """Activation bytes per element -> the dtype the forward runs in to measure it."""
 
 
-def measure_saved(build, firsts: list[int]) -> dict[int, dict]:
+ATTEMPTS = ((True, False), (True, True), (False, False), (False, True))
+"""(cut, fake) in the order tried: one block per kind before every block, plain meta tensors before
+FakeTensorMode. A forward on meta tensors runs each op's meta kernel straight from the dispatcher;
+FakeTensorMode routes every op through Python (~0.2 ms an op) but runs what meta tensors refuse (an
+op that needs values, a data-dependent check transformers skips only for fake tensors). Every family
+in tests/families.py and every config in tests/configs runs on meta tensors, with the shapes
+FakeTensorMode gave to the byte, derived in 21.5 CPU s instead of 36.9; test_shapes.py checks that
+a forward meta tensors refuse falls back and measures the same."""
+
+
+def measure_saved(build, firsts: list[int], *, attempts=ATTEMPTS) -> dict[int, dict]:
     """{block index: {"saved": rows, "saved_frozen": rows, "lora_inputs": groups}} for the blocks
     `firsts`, rows ((act_bytes, a, b), ...): bytes per token a + b * seq, with every parameter
     trainable and with the base frozen; groups: the names of the linear layers sharing one input
     that the frozen block does not keep. `build(dtype)` returns a fresh meta-device model in that
-    dtype and its decoder blocks."""
+    dtype and its decoder blocks; each of `attempts` (ATTEMPTS) that fails gets a fresh one."""
     import torch
 
     out: dict[int, dict] = {index: {"saved": [], "saved_frozen": []} for index in firsts}
     for act_bytes, dtype in DTYPES.items():
-        try:
-            runs = _measure(build, getattr(torch, dtype), firsts, cut=True)
-        except Exception as err:  # noqa: BLE001 - any failure of the cut-down forward: measure whole
-            log.debug("one block per kind did not run alone (%s): measuring every block", err)
-            runs = _measure(build, getattr(torch, dtype), firsts, cut=False)
+        for n, (cut, fake) in enumerate(attempts):
+            try:
+                runs = _measure(build, getattr(torch, dtype), firsts, cut=cut, fake=fake)
+                break
+            except Exception as err:  # noqa: BLE001 - any failure: the next, more general attempt
+                if n == len(attempts) - 1:
+                    raise
+                log.debug("the %s forward on %s did not run (%s): trying the next way",
+                          "fake" if fake else "meta", "one block per kind" if cut else "every block", err)
         for frozen, key in ((False, "saved"), (True, "saved_frozen")):
             points, positions, groups = runs[frozen]
             for n, index in enumerate(firsts):
@@ -63,19 +77,19 @@ def measure_saved(build, firsts: list[int]) -> dict[int, dict]:
     return {index: {k: tuple(v) for k, v in rows.items()} for index, rows in out.items()}
 
 
-def _measure(build, dtype, firsts: list[int], *, cut: bool) -> dict[bool, tuple]:
+def _measure(build, dtype, firsts: list[int], *, cut: bool, fake: bool) -> dict[bool, tuple]:
     """{frozen: (points, positions, groups)}: the model in `dtype` measured with every parameter
-    trainable, then with the base frozen. One model and one FakeTensorMode serve both (its cache of
-    op results answers some of the frozen pass's ops): the same shapes as a model and a mode for
-    each pass, derived in 5% less time (tests/families.py's families and tests/configs, 38.4 ->
-    36.5 CPU s). Nearly all of the rest is FakeTensor's dispatch, ~0.2 ms an op."""
+    trainable, then with the base frozen. One model (and with `fake`, one FakeTensorMode, whose cache
+    of op results answers some of the frozen pass's ops) serves both."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model, blocks = build(dtype)
     kept, positions = _keep_only(model, blocks, firsts) if cut else (blocks, list(firsts))
     runs = {}
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, training_masks(), _Stand_ins():
-        model._apply(mode.from_tensor)
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode, training_masks(), _Stand_ins():
+        if fake:
+            model._apply(mode.from_tensor)
         for frozen in (False, True):
             if frozen:
                 _freeze_base(model)

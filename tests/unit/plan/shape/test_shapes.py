@@ -373,3 +373,39 @@ def test_auto_attention_and_what_it_chose_share_one_derivation(monkeypatch, tmp_
     model_shape(llama, attn_implementation="sdpa")
     assert model_shape(llama, attn_implementation="auto").attn_implementation == "sdpa" and calls[-1] == "sdpa"
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_a_forward_meta_tensors_refuse_is_measured_under_fake_tensors(model_type):
+    """saved.ATTEMPTS: the meta-tensor forward first, FakeTensorMode where it raises. A block that
+    refuses plain meta tensors (as an op needing values would) is measured under FakeTensorMode, and
+    that measurement equals the meta one of the same model."""
+    import copy
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from homelab_ft.plan.shape import saved
+    from homelab_ft.plan.shape.derive import build_on_meta, decoder_blocks, loaded_config
+
+    hf_config, _ = loaded_config(tiny_config(model_type).to_dict(), model_path=None, trust_remote_code=False)
+    modes = []
+
+    def build(dtype, *, refuse_meta: bool):
+        model = build_on_meta(copy.deepcopy(hf_config), attn_implementation="sdpa", dtype=dtype)
+        blocks = decoder_blocks(model)
+
+        def check(module, args):
+            modes.append("fake" if isinstance(args[0], FakeTensor) else "meta")
+            if refuse_meta and modes[-1] == "meta":
+                raise NotImplementedError("needs values")
+
+        blocks[0].register_forward_pre_hook(check)
+        return model, blocks
+
+    plain = saved.measure_saved(lambda dtype: build(dtype, refuse_meta=False), [0])
+    assert set(modes) == {"meta"}
+    modes.clear()
+    fallback = saved.measure_saved(lambda dtype: build(dtype, refuse_meta=True), [0])
+    assert "fake" in modes and fallback == plain
+    with pytest.raises(NotImplementedError):  # the last attempt's error is the one raised
+        saved.measure_saved(lambda dtype: build(dtype, refuse_meta=True), [0], attempts=((True, False),))
