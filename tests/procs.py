@@ -33,6 +33,44 @@ def child_env(*, tmpdir: Path | None = None) -> dict:
     return env
 
 
+def homelab_ft_here(args: list[str]) -> subprocess.CompletedProcess:
+    """`homelab-ft ARGS` run by this process, as `subprocess.run([python, "-m", "homelab_ft", *ARGS],
+    env=child_env(), capture_output=True)` would run it: child_env()'s environment while it runs, and
+    its stdout and stderr captured at the file descriptors, so the torchrun agent and ranks it starts
+    write there too. For tests whose subject is the run, not the command's own interpreter: here its
+    ~6 CPU s of imports (torch, transformers, datasets) are paid already. The console entry point's
+    own process is tested where it is the subject (tests/unit/cli/test_cli_errors.py,
+    test_train_command, test_signals)."""
+    import sys
+
+    from homelab_ft.cli.main import main
+
+    saved_env, saved_streams = dict(os.environ), (sys.stdout, sys.stderr)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        for stream in saved_streams:
+            stream.flush()
+        saved_fds = os.dup(1), os.dup(2)
+        os.environ.clear()
+        os.environ.update(child_env())
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout, sys.stderr = out, err
+        try:
+            code = main(list(args))
+        finally:
+            out.flush()
+            err.flush()
+            sys.stdout, sys.stderr = saved_streams
+            for fd, saved in zip((1, 2), saved_fds, strict=True):
+                os.dup2(saved, fd)
+                os.close(saved)
+            os.environ.clear()
+            os.environ.update(saved_env)
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(["homelab-ft", *args], code, out.read(), err.read())
+
+
 WORKER = REPO / "tests" / "distributed" / "worker.py"
 
 

@@ -1,6 +1,7 @@
 """grpo.rollout=node with grpo.max_staleness=1: the rollout rank generates the next step's batch
 while the trainer trains this one, and the loss corrects the one-step lag by truncated importance
-sampling (`homelab-ft train`, which starts torchrun with 2 gloo processes).
+sampling (`homelab-ft train`, run in this process by procs.homelab_ft_here, which starts torchrun with 2
+gloo processes).
 
 With save_every 2 over 4 steps, steps 2 and 4 are fetched ahead (sampled by the adapters before
 steps 1 and 3 updated them) and steps 1 and 3 are sampled fresh (step 3 follows a checkpoint); a
@@ -11,12 +12,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import build_recipe
 import pytest
-from procs import REPO, child_env
+from procs import homelab_ft_here
 from test_grpo_rollout_node import write_inputs
 
 STEPS = 4
@@ -36,8 +35,7 @@ def _recipe(tmp, model_dir) -> dict:
 
 def _train(tmp, body: dict, run, *extra: str) -> dict:
     path = build_recipe.write_recipe(tmp / "ahead.yaml", body)
-    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir", str(run), *extra],
-                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = homelab_ft_here(["train", str(path), "--run-dir", str(run), *extra])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "loss" in r}

@@ -18,7 +18,7 @@ import time
 
 import build_recipe
 import pytest
-from procs import REPO, child_env
+from procs import REPO, child_env, homelab_ft_here
 
 STEPS = 4
 REWARDS = """
@@ -60,16 +60,16 @@ def metrics(run) -> dict:
             "samples": [r for r in rows if "samples" in r], "run": run}
 
 
-def _argv(tmp, body: dict, *extra: str, run=None) -> list[str]:
-    """`homelab-ft train` on `body` written beside the inputs (run directory: runs/<name>, or `run`)."""
+def _args(tmp, body: dict, *extra: str, run=None) -> list[str]:
+    """`train` on `body` written beside the inputs (run directory: runs/<name>, or `run`)."""
     path = build_recipe.write_recipe(tmp / f"{body['name']}.yaml", body)
     run = run or tmp / "runs" / body["name"]
-    return [sys.executable, "-m", "homelab_ft", "train", str(path), "--run-dir", str(run), *extra]
+    return ["train", str(path), "--run-dir", str(run), *extra]
 
 
 def _command(tmp, body: dict, *extra: str, run=None) -> subprocess.CompletedProcess:
-    return subprocess.run(_argv(tmp, body, *extra, run=run), env=child_env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    """`homelab-ft train` run by this process (procs.homelab_ft_here): its torchrun agent and ranks are real."""
+    return homelab_ft_here(_args(tmp, body, *extra, run=run))
 
 
 def train_here(tmp, body: dict) -> dict:
@@ -87,7 +87,8 @@ def train_beside(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
     and, while it runs, the colocated one in this process (train_here, on the core the node run
     leaves idle while its ranks wait on each other); the metrics of each."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(_argv(tmp, node), env=child_env(), cwd=REPO, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "homelab_ft", *_args(tmp, node)], env=child_env(), cwd=REPO,
+                                stdout=out, stderr=err, text=True)
         try:
             here = train_here(tmp, colocated)
             proc.wait(timeout=900)

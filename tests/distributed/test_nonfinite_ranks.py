@@ -1,16 +1,15 @@
 """The non-finite guard on 2 gloo processes, as a user runs it (`homelab-ft train` under torchrun):
 LoRA under DDP and under FSDP2 with lora.alpha 1e30 stops every rank at the same first step, with
-one line (rank 0's) and exit 3, and records it."""
+one line (rank 0's) and exit 3, and records it. The command runs in this process (procs.homelab_ft_here);
+its torchrun agent and ranks are real processes."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import build_recipe
 import pytest
-from procs import REPO, child_env, write_chat_data
+from procs import homelab_ft_here, write_chat_data
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "full_shard"])
@@ -22,8 +21,7 @@ def test_every_rank_stops_at_the_same_nonfinite_step(tmp_path, tiny_model_dir, s
                "save_every": 1},
         cluster={"gpus_per_node": 2, "device": "cpu"}, sharding={"strategy": strategy}))
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "homelab_ft", "-q", "train", str(recipe), "--run-dir", str(run)],
-                          env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = homelab_ft_here(["-q", "train", str(recipe), "--run-dir", str(run)])
     lines = [line for line in proc.stderr.splitlines() if line.startswith("homelab-ft:")]
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(lines) == 1 and "step 2" in lines[0] and "after skipping 1" in lines[0], proc.stderr[-3000:]

@@ -11,7 +11,6 @@ change nothing but the order of a few float sums). 4 micro-batches over 2 stages
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -196,14 +195,11 @@ def test_two_stages_by_two_replicas_match_one_process(results, name):
 def test_homelab_ft_train_runs_the_pipeline(tmp_path, tiny_model_dir):
     """`homelab-ft train` with sharding.pipeline_stages: 2, as a user runs it: the parent plans and
     checks, its torchrun workers train the 2 stages; a refused split stops the parent in one line."""
-    import subprocess
-
     import build_recipe
-    from procs import REPO, child_env
+    from procs import homelab_ft_here
 
-    def train(recipe: Path, run: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "homelab_ft", "train", str(recipe), "--run-dir", str(run)],
-                              env=child_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
+    def train(recipe: Path, run: Path):
+        return homelab_ft_here(["train", str(recipe), "--run-dir", str(run)])
 
     write_chat_data(tmp_path / "train.jsonl", 16)
     body = build_recipe.tiny_run(tiny_model_dir, lora={"alpha": None}, data={"max_length": 96},

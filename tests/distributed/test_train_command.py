@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import build_recipe
-from procs import REPO, child_env, write_chat_data
+from procs import REPO, child_env, homelab_ft_here, write_chat_data
 
 
 def _train(recipe, run, *extra) -> subprocess.CompletedProcess:
@@ -36,7 +36,7 @@ def test_two_process_train_uses_the_parents_decision_and_refuses_bad_rows_before
 
     (tmp_path / "train.jsonl").open("a").write('{"messages": [{"role": "robot", "content": "hi"}]}\n')
     fresh = tmp_path / "fresh"
-    proc = _train(recipe, fresh)
+    proc = homelab_ft_here(["train", str(recipe), "--run-dir", str(fresh)])  # the parent alone: in this process
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "train.jsonl" in proc.stderr and "torch.distributed" not in proc.stderr
     assert not fresh.exists()
