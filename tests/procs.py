@@ -89,6 +89,9 @@ class Workers:
     spec: Path
     out: Path
     nprocs: int = 1
+    procs_per_node: int = 0
+    """Ranks per node (LOCAL_WORLD_SIZE) of the group; 0: every rank on one node. torchrun on each
+    of `nprocs // procs_per_node` nodes gives the ranks the same variables (GROUP_RANK: the node)."""
 
     def __str__(self) -> str:
         return f"worker.py {self.spec.name} on {self.nprocs} process{'es' if self.nprocs > 1 else ''}"
@@ -126,7 +129,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_worker_rank(spec: str, out: str, rank: int, nprocs: int, port: int, log: str) -> None:
+def _run_worker_rank(spec: str, out: str, rank: int, nprocs: int, per_node: int, port: int, log: str) -> None:
     """One forked process: its output to `log`, torchrun's variables for a group, worker.main."""
     import importlib.util
 
@@ -138,8 +141,8 @@ def _run_worker_rank(spec: str, out: str, rank: int, nprocs: int, port: int, log
         os.environ.pop(var, None)
     os.environ.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if nprocs > 1:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                          WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1",
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node), GROUP_RANK=str(rank // per_node),
+                          ROLE_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"forked-{port}")
     import torch
 
@@ -161,7 +164,8 @@ class _Started:
             ctx, port = _forkserver(), _free_port()
             self.logs = [stack.enter_context(tempfile.NamedTemporaryFile("r", suffix=f".rank{r}.log"))
                          for r in range(job.nprocs)]
-            self.procs = [ctx.Process(target=_run_worker_rank, args=(str(job.spec), str(job.out), r, job.nprocs,
+            per_node = job.procs_per_node or job.nprocs
+            self.procs = [ctx.Process(target=_run_worker_rank, args=(str(job.spec), str(job.out), r, job.nprocs, per_node,
                                                                       port, log.name)) for r, log in enumerate(self.logs)]
             for proc in self.procs:
                 proc.start()

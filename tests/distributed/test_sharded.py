@@ -1,10 +1,12 @@
 """2-process gloo runs of the real trainer on CPU against one process on the whole batch.
 
-Four launches for the whole module (each torchrun costs seconds on 2 cores), two at a time: a
-2-process standalone run of many jobs beside a one-process run of the references, then a 2-node x
-1-process HYBRID_SHARD run over c10d on 127.0.0.1 through `homelab-ft train` beside one-process
-resumes from the 2-process checkpoints. One process with micro-batch 2B sees exactly the rows that 2 ranks with B see
-(sampling.py), and rows differ in length, so ranks train unequal token counts.
+Four launches for the whole module (procs.Workers, forked from a preloaded server), two at a time:
+a 2-process run of many jobs beside a one-process run of the references, then a 2-node x 1-process
+HYBRID_SHARD run (each rank a node of its own, as torchrun on two machines numbers them) beside
+one-process resumes from the 2-process checkpoints (`homelab-ft launch`'s node commands run on
+two network namespaces in test_netns_train.py). One process with micro-batch 2B sees exactly the
+rows that 2 ranks with B see (sampling.py), and rows differ in length, so ranks train unequal
+token counts.
 
 Most jobs use an untied tiny Llama, whose embeddings and LM head are FSDP2 units of their own; the
 `tied_*` jobs use one with `tie_word_embeddings=True` (SmolLM2, Llama 3.2, Qwen2.5 small, Gemma),
@@ -15,16 +17,11 @@ sharded build that lost the tie started SmolLM2-135M at loss ln(vocab) = 10.8 in
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import build_recipe
 import pytest
 from families import save_tiny
 from procs import Workers, job_recipe, run_beside, write_chat_data
-
-from homelab_ft.cluster import launch
-from homelab_ft.distributed import comm
 
 PARITY_FAMILIES = ("nemotron_h", "qwen3_moe")
 """A hybrid and an MoE family of tests/families.py, full fine-tuned under FSDP2 like the Llamas."""
@@ -132,15 +129,15 @@ def results(tmp_path_factory, tiny_model_dir) -> dict:
                Workers(tmp / "one.json", tmp / "one.out.json"))
     out = json.loads((tmp / "two.out.json").read_text())
 
-    # HYBRID_SHARD: two "nodes" of one process each, started as `homelab-ft launch` would start them.
+    # HYBRID_SHARD: two nodes of one rank each (LOCAL_WORLD_SIZE=1, as torchrun sets it on each node)
     hybrid = _recipe(tmp, tiny_model_dir, "hybrid", procs=2, nodes=2, sharding={"strategy": "hybrid_shard"})
-    hybrid_path = build_recipe.write_recipe(tmp / "hybrid.yaml", hybrid)
-    hosts = [launch.Host("node0", "127.0.0.1"), launch.Host("node1", "127.0.0.1")]
-    commands = launch.node_commands(hosts, str(hybrid_path), [], nodes=2, nproc_per_node=1,
-                                    port=comm.free_port(), join_timeout_s=120, python=sys.executable)
-    run_beside(*(c.argv for c in commands), Workers(tmp / "after.json", tmp / "after.out.json"))
-    rows = [json.loads(line) for line in (Path(hybrid["output"]["dir"]) / "metrics.jsonl").read_text().splitlines()]
-    out["hybrid"] = {"losses": [r["loss"] for r in rows if "loss" in r]}
+    (tmp / "hybrid.json").write_text(json.dumps({"base_dir": str(tmp), "jobs": [
+        {"kind": "train", "name": "hybrid", "recipe": hybrid}]}))
+    run_beside(Workers(tmp / "hybrid.json", tmp / "hybrid.out.json", nprocs=2, procs_per_node=1),
+               Workers(tmp / "after.json", tmp / "after.out.json"))
+    hybrid_out = json.loads((tmp / "hybrid.out.json").read_text())
+    assert (hybrid_out["world_size"], hybrid_out["num_nodes"]) == (2, 2)
+    out["hybrid"] = hybrid_out["hybrid"]
 
     out.update(json.loads((tmp / "one.out.json").read_text()))
     out.update(json.loads((tmp / "after.out.json").read_text()))
