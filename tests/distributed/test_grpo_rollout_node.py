@@ -1,5 +1,6 @@
-"""grpo.rollout=node: a trainer and a rollout rank in one 2-process job (`homelab-ft train`, which
-starts torchrun), against the same recipe run colocated in one process.
+"""grpo.rollout=node: a trainer and a rollout rank in one 2-process job (`homelab-ft train`, run in
+this process by procs.homelab_ft_here, which starts torchrun), against the same recipe run colocated
+in one process.
 
 The rollout rank generates what the colocated engine would (same seeded sampling, same weights:
 the adapters are sent before a rollout whenever they changed), so the sampled completions, rewards,
@@ -12,13 +13,11 @@ import json
 import random
 import shutil
 import subprocess
-import sys
-import tempfile
 import time
 
 import build_recipe
 import pytest
-from procs import REPO, child_env, homelab_ft_here
+from procs import homelab_ft_here
 
 STEPS = 4
 REWARDS = """
@@ -82,24 +81,12 @@ def train_here(tmp, body: dict) -> dict:
     return metrics(tmp / "runs" / body["name"])
 
 
-def train_beside(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
-    """The node run as a user starts it (`homelab-ft train`: torchrun, a trainer and a rollout rank)
-    and, while it runs, the colocated one in this process (train_here, on the core the node run
-    leaves idle while its ranks wait on each other); the metrics of each."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "homelab_ft", *_args(tmp, node)], env=child_env(), cwd=REPO,
-                                stdout=out, stderr=err, text=True)
-        try:
-            here = train_here(tmp, colocated)
-            proc.wait(timeout=900)
-        finally:
-            if proc.poll() is None:  # the colocated run failed: do not leave the node run behind
-                proc.kill()
-                proc.wait()
-        out.seek(0)
-        err.seek(0)
-        assert proc.returncode == 0, out.read()[-3000:] + err.read()[-6000:]
-    return metrics(tmp / "runs" / node["name"]), here
+def train_both(tmp, node: dict, colocated: dict) -> tuple[dict, dict]:
+    """The node run (`homelab-ft train` in this process: torchrun, a trainer and a rollout rank),
+    then the colocated one (train_here); the metrics of each."""
+    proc = _command(tmp, node)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return metrics(tmp / "runs" / node["name"]), train_here(tmp, colocated)
 
 
 def adapter_bytes(model_dir, method: str) -> int:
@@ -125,7 +112,7 @@ def runs(request, tmp_path_factory, tiny_model_dir) -> dict:
     if method == "qlora":  # the rollout rank's base in 4 bits, as the trainer's
         pytest.importorskip("bitsandbytes")
     tmp = write_inputs(tmp_path_factory.mktemp(f"rollnode_{method}"))
-    node, colocated = train_beside(tmp, recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node"),
+    node, colocated = train_both(tmp, recipe(tmp, tiny_model_dir, f"node_{method}", method=method, rollout="node"),
                                    recipe(tmp, tiny_model_dir, f"colo_{method}", method=method, rollout="colocated"))
     return {"method": method, "tmp": tmp, "model_dir": tiny_model_dir, "bytes": adapter_bytes(tiny_model_dir, method),
             "node": node, "colocated": colocated}
