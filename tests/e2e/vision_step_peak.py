@@ -1,5 +1,6 @@
 """Run `homelab-ft train RECIPE --run-dir RUN` in a fresh process and measure the peak memory of its
-second step: `python vision_step_peak.py RECIPE RUN OUT.json`.
+second step: `python vision_step_peak.py RECIPE RUN OUT.json [RECIPE RUN OUT.json ...]`, one run after
+another (each peak is above the RSS just before its own step, so a run before it does not count).
 
 Everything is the CLI's own: the plan (with the image rows `data inspect` measured before,
 cli/plan.measured_rows), the checked inputs, the model the trainer builds for the chosen rung, the
@@ -42,9 +43,17 @@ def main(recipe: str, run_dir: str, out_path: str) -> None:
         return result
 
     trainer.train_step = metered
-    if cli(["train", recipe, "--run-dir", run_dir]) != 0:
-        raise SystemExit("homelab-ft train failed")
+    try:
+        if cli(["train", recipe, "--run-dir", run_dir]) != 0:
+            raise SystemExit("homelab-ft train failed")
+    finally:
+        trainer.train_step = real_step
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    import gc
+
+    args = sys.argv[1:]
+    for i in range(0, len(args), 3):
+        main(*args[i:i + 3])
+        gc.collect()  # the last run's cycles freed before the next one's baseline
