@@ -4,6 +4,8 @@ imports bitsandbytes), torch's distributed engines and the trainer cost ~8 CPU s
 about all a tiny model's few steps cost a rank. Nothing here starts a thread or touches a device, so
 forking after it is safe (CUDA is never initialised before the fork)."""
 
+import gc
+
 import bitsandbytes  # noqa: F401
 import peft  # noqa: F401
 import torch  # noqa: F401
@@ -15,3 +17,6 @@ import homelab_ft.distributed.parallelize  # noqa: F401
 import homelab_ft.train.trainer  # noqa: F401
 
 transformers.AutoModelForCausalLM, transformers.LlamaForCausalLM  # noqa: B018  (lazy: resolved now)
+
+gc.collect()
+gc.freeze()  # the preloaded libraries out of every rank's collections (tests/conftest.py: _freeze_garbage_collector)
