@@ -57,6 +57,8 @@ def homelab_ft_here(args: list[str]) -> subprocess.CompletedProcess:
         sys.stdout, sys.stderr = out, err
         try:
             code = main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors leave through sys.exit, as from the console
+            code = exit_.code if isinstance(exit_.code, int) else 1
         finally:
             out.flush()
             err.flush()
