@@ -15,9 +15,9 @@ The parameters are on the meta device, as derive.py builds them, but the vision 
 its inputs' values (Qwen2-VL's patch grid decides rotary positions and attention windows through
 `repeat_interleave` and `tolist`; SmolVLM drops padding tiles by value; Pixtral splits its output by
 image size), which neither saved.py's meta tensors nor its FakeTensorMode can run. So
-`_RealUntilWeights` runs every op whose inputs are all real (the processor's tensors and what is computed from them alone) for real on the
-CPU, and an op that meets a parameter (or anything computed from one) on meta, its real inputs
-converted once each. The image processor comes from the model folder (preprocessor_config.json,
+`_RealUntilWeights` runs every op whose inputs are all real (the processor's tensors and what is
+computed from them alone) for real on the CPU, and an op that meets a parameter (or anything
+computed from one) on meta, its real inputs converted once each. The image processor comes from the model folder (preprocessor_config.json,
 processor_config.json), else it is transformers' default for the family; torchvision is never needed
 (the PIL backend).
 
