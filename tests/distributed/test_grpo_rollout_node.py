@@ -76,8 +76,7 @@ def train_here(tmp, body: dict) -> dict:
     interpreter's ~8 CPU s of imports."""
     from homelab_ft.cli.main import main
 
-    path = build_recipe.write_recipe(tmp / f"{body['name']}.yaml", body)
-    assert main(["train", str(path), "--run-dir", str(tmp / "runs" / body["name"])]) == 0
+    assert main(_args(tmp, body)) == 0
     return metrics(tmp / "runs" / body["name"])
 
 

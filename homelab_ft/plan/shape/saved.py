@@ -53,20 +53,14 @@ def measure_saved(build, firsts: list[int], *, attempts=ATTEMPTS) -> dict[int, d
     `firsts`, rows ((act_bytes, a, b), ...): bytes per token a + b * seq, with every parameter
     trainable and with the base frozen; groups: the names of the linear layers sharing one input
     that the frozen block does not keep. `build(dtype)` returns a fresh meta-device model in that
-    dtype and its decoder blocks; each of `attempts` (ATTEMPTS) that fails gets a fresh one."""
+    dtype and its decoder blocks; each of `attempts` (ATTEMPTS) that fails gets a fresh one, and a
+model whose blocks cannot be cut is not cut again in the second dtype."""
     import torch
 
     out: dict[int, dict] = {index: {"saved": [], "saved_frozen": []} for index in firsts}
+    tries = list(attempts)
     for act_bytes, dtype in DTYPES.items():
-        for n, (cut, fake) in enumerate(attempts):
-            try:
-                runs = _measure(build, getattr(torch, dtype), firsts, cut=cut, fake=fake)
-                break
-            except Exception as err:  # noqa: BLE001 - any failure: the next, more general attempt
-                if n == len(attempts) - 1:
-                    raise
-                log.debug("the %s forward on %s did not run (%s): trying the next way",
-                          "fake" if fake else "meta", "one block per kind" if cut else "every block", err)
+        runs, tries = _first_run(build, getattr(torch, dtype), firsts, tries)
         for frozen, key in ((False, "saved"), (True, "saved_frozen")):
             points, positions, groups = runs[frozen]
             for n, index in enumerate(firsts):
@@ -77,6 +71,30 @@ def measure_saved(build, firsts: list[int], *, attempts=ATTEMPTS) -> dict[int, d
     return {index: {k: tuple(v) for k, v in rows.items()} for index, rows in out.items()}
 
 
+class _CutRefused(Exception):
+    """The model's block list could not be cut to one block per kind: its layout or config refused
+    (Falcon-H1's read-only `layers_block_type`), not an op, so no attempt that cuts can run."""
+
+
+def _first_run(build, dtype, firsts: list[int], tries: list[tuple[bool, bool]]) -> tuple[dict, list]:
+    """(runs, tries): `_measure` by the first of `tries` that runs (the last one's error if none does),
+    and the tries for the next dtype: all of them, less those that cut once cutting was refused."""
+    refused, error = False, None
+    for cut, fake in tries:
+        if cut and refused:
+            continue
+        try:
+            return _measure(build, dtype, firsts, cut=cut, fake=fake), [t for t in tries if not (refused and t[0])]
+        except _CutRefused as err:
+            refused, error = True, err.__cause__
+            log.debug("one block per kind could not be kept (%s): measuring every block", error)
+        except Exception as err:  # noqa: BLE001 - any failure of the forward: the next, more general attempt
+            error = err
+            log.debug("the %s forward on %s did not run (%s): trying the next way",
+                      "fake" if fake else "meta", "one block per kind" if cut else "every block", err)
+    raise error
+
+
 def _measure(build, dtype, firsts: list[int], *, cut: bool, fake: bool) -> dict[bool, tuple]:
     """{frozen: (points, positions, groups)}: the model in `dtype` measured with every parameter
     trainable, then with the base frozen. One model (and with `fake`, one FakeTensorMode, whose cache
@@ -84,7 +102,12 @@ def _measure(build, dtype, firsts: list[int], *, cut: bool, fake: bool) -> dict[
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model, blocks = build(dtype)
-    kept, positions = _keep_only(model, blocks, firsts) if cut else (blocks, list(firsts))
+    kept, positions = blocks, list(firsts)
+    if cut:
+        try:
+            kept, positions = _keep_only(model, blocks, firsts)
+        except Exception as err:  # noqa: BLE001 - whatever the model's layout raised
+            raise _CutRefused from err
     runs = {}
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
     with mode, training_masks(), _Stand_ins():
